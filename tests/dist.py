@@ -1,0 +1,66 @@
+"""Run a function in N gloo processes and collect what each rank returns (for multi-process tests)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, results: Any, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the traceback travels to the parent, which fails the test
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on every rank of a fresh gloo group; return results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes) and its result picklable.
+    A rank that raises fails the call with that rank's traceback; a rank that hangs fails it after ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, results, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(world_size):
+                rank, ok, value = results.get(timeout=timeout)
+                if ok:
+                    out[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+                    break
+        except queue.Empty:
+            errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]
