@@ -65,6 +65,13 @@ class ParallelConfig:
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    compression: str = "none"  # none | fp16 | bf16 | powersgd | topk (DDP communication hooks)
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 10  # must be > 1 with error feedback (DDP rebuilds buckets after step 1)
+    topk_ratio: float = 0.01  # share of each bucket's entries sent
+    error_feedback: bool = True  # powersgd/topk: carry what was not sent into the next step
+    zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
+    cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
 
 
 @dataclass
@@ -114,6 +121,7 @@ class TrainConfig:
 class LaunchConfig:
     nproc_per_node: int = 1  # >1 without torchrun: start the workers through torch's elastic launcher
     max_restarts: int = 0
+    dry_run: bool = False  # print the plan (batch, memory, communication) and exit without training
 
 
 @dataclass
@@ -131,6 +139,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Inputs of the planner that a real run does not need."""
+
+    world_size: int | None = None  # None: the launch's world size
+    params: float | None = None  # plan by parameter count alone (e.g. 70e9) instead of the model config
+    interconnect: str = "nvlink"  # nvlink | infiniband_ndr | pcie_gen5
+    bandwidth_gbps: float | None = None  # a measured bus bandwidth in GB/s; overrides the preset
+    latency_us: float | None = None  # None: the preset's
+
+
+@dataclass
+class MetricsConfig:
+    peak_tflops: float | None = None  # per-device peak for MFU; None: look the device up
+    baseline: str | None = None  # single-rank tokens/s, or a run directory whose summary.json holds it
+    sample_every: int = 1  # time the step breakdown every k steps
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -141,6 +167,8 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def register_schema() -> None:
