@@ -172,11 +172,5 @@ class Config:
 
 
 def register_schema() -> None:
-    """Put the schema in Hydra's ConfigStore: the primary config and each group validate against it."""
-    cs = ConfigStore.instance()
-    cs.store(name="ddptrain_schema", node=Config)
-    cs.store(group="model", name="schema", node=ModelConfig)
-    cs.store(group="data", name="schema", node=DataConfig)
-    cs.store(group="parallel", name="schema", node=ParallelConfig)
-    cs.store(group="optim", name="schema", node=OptimConfig)
-    cs.store(group="logger", name="schema", node=LoggerConfig)
+    """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there."""
+    ConfigStore.instance().store(name="ddptrain_schema", node=Config)

@@ -1,0 +1,40 @@
+"""Start-up checks of the whole config, run on every rank before any process group exists.
+
+Each config group's package owns its checks; cross-group rules live here. Every failure is a ConfigError
+whose one-line message names the key and what was expected.
+"""
+
+from __future__ import annotations
+
+from ddptrain.config import Config
+from ddptrain.data import BatchPlan, validate_source
+from ddptrain.errors import ConfigError
+from ddptrain.models import validate_model_config
+from ddptrain.optim import validate_optim_config
+from ddptrain.parallel import validate_parallel_config
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def validate_config(cfg: Config, world_size: int) -> BatchPlan:
+    """Check everything that can be checked without data or devices; returns the batch plan."""
+    for key in ("steps", "log_every", "eval_batches"):
+        if getattr(cfg.train, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(cfg.train, key)}: expected a positive integer")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every}: expected >= 0 (0 disables evaluation)")
+    if cfg.train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={cfg.train.precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if cfg.launch.nproc_per_node < 1 or cfg.launch.max_restarts < 0:
+        raise ConfigError("launch.nproc_per_node must be >= 1 and launch.max_restarts >= 0")
+    if cfg.dist.timeout_s <= 0:
+        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s}: expected a positive number of seconds")
+    if cfg.checkpoint.every_n_steps < 0 or cfg.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1")
+    validate_source(cfg.data)
+    validate_model_config(cfg.model, cfg.data.seq_len)
+    validate_optim_config(cfg.optim, cfg.train.steps)
+    validate_parallel_config(cfg.parallel)
+    return BatchPlan.derive(
+        cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, world_size, cfg.data.seq_len
+    )

@@ -1,0 +1,81 @@
+"""The ``ddptrain`` command: compose the config, then plan, launch workers, or train in this process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from ddptrain.config import register_schema
+from ddptrain.errors import ConfigError, one_line
+
+CONFIG_DIR = Path(__file__).parent / "conf"
+log = logging.getLogger("ddptrain")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="ddptrain",
+        description="Data-parallel training of language models. Overrides are Hydra's: key=value, group=choice, "
+        "+experiment=NAME.",
+        epilog="Under torchrun: torchrun --nproc-per-node=8 -m ddptrain +experiment=gpt2_small",
+    )
+    parser.add_argument("--cfg", choices=["job", "hydra", "all"], help="print the composed config and exit")
+    parser.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel.bucket_cap_mb=50")
+    return parser.parse_args(argv)
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The composed config with its ``hydra`` node, checked against the schema (one-line errors)."""
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None, job_name="ddptrain"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        OmegaConf.to_container(job_config(cfg), resolve=True, throw_on_missing=True)  # bad interpolations
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every composition failure is bad user input
+        raise ConfigError(one_line(exc)) from exc
+    return cfg
+
+
+def job_config(cfg: DictConfig) -> DictConfig:
+    """The run's config without Hydra's own node."""
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    assert isinstance(job, DictConfig)
+    return job
+
+
+def print_config(cfg: DictConfig, which: str, resolve: bool) -> None:
+    node = cfg if which == "all" else (OmegaConf.masked_copy(cfg, ["hydra"]) if which == "hydra" else job_config(cfg))
+    print(OmegaConf.to_yaml(node, resolve=resolve), end="")
+
+
+def run_cli(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = compose_config(args.overrides)
+        if args.cfg:
+            print_config(cfg, args.cfg, args.resolve)
+            return 0
+        from ddptrain import launch
+
+        if not launch.is_worker() and cfg.launch.nproc_per_node > 1:
+            return launch.launch_workers(cfg, args.overrides)
+        return launch.run_worker(cfg)
+    except ConfigError as exc:
+        print(f"ddptrain: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(run_cli(sys.argv[1:]))

@@ -1,0 +1,51 @@
+"""Batch arithmetic: global batch = micro batch x gradient accumulation x data-parallel size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddptrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum: int
+    dp: int
+    seq_len: int
+
+    @classmethod
+    def derive(cls, global_batch_size: int, micro_batch_size: int, grad_accum: int | None, dp: int, seq_len: int):
+        """Check the three numbers agree (deriving grad_accum when it is None)."""
+        for key, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
+            if value < 1:
+                raise ConfigError(f"data.{key}={value}: expected a positive number of sequences")
+        if seq_len < 2:
+            raise ConfigError(f"data.seq_len={seq_len}: expected at least 2 tokens")
+        per_step = micro_batch_size * dp
+        if grad_accum is None:
+            if global_batch_size % per_step:
+                raise ConfigError(
+                    f"data.global_batch_size={global_batch_size} is not divisible by "
+                    f"data.micro_batch_size={micro_batch_size} x dp={dp} = {per_step}"
+                )
+            grad_accum = global_batch_size // per_step
+        elif grad_accum < 1:
+            raise ConfigError(f"data.grad_accum={grad_accum}: expected a positive integer (or null to derive it)")
+        elif per_step * grad_accum != global_batch_size:
+            raise ConfigError(
+                f"data.global_batch_size={global_batch_size} != data.micro_batch_size={micro_batch_size} x "
+                f"data.grad_accum={grad_accum} x dp={dp} = {per_step * grad_accum}"
+            )
+        return cls(global_batch_size, micro_batch_size, grad_accum, dp, seq_len)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def equation(self) -> str:
+        return (
+            f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size} x grad accum "
+            f"{self.grad_accum} x dp {self.dp}  ({self.tokens_per_step:,} tokens/step at seq_len {self.seq_len})"
+        )

@@ -1,0 +1,25 @@
+"""User-facing errors: one line that names the key or file and what was expected."""
+
+from __future__ import annotations
+
+from hydra.errors import MissingConfigException
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(Exception):
+    """Bad input from the user. The CLI prints it as one line and exits non-zero on every rank."""
+
+
+def one_line(exc: BaseException) -> str:
+    """Condense a Hydra/OmegaConf composition error (several lines, a wrapped cause) into one line."""
+    if isinstance(exc, MissingConfigException):
+        lines = str(exc).splitlines()
+        first = lines[0].removeprefix("In 'config': ")
+        options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
+        return f"{first}; available: {', '.join(options)}" if options else first
+    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    if isinstance(cause, OmegaConfBaseException):
+        message = str(cause).splitlines()[0]
+        key = getattr(cause, "full_key", None)
+        return f"{key}: {message}" if key else message
+    return " ".join(str(exc).split())

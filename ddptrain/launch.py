@@ -1,0 +1,80 @@
+"""What one ``ddptrain`` invocation does: start workers through torch's elastic launcher, or be a worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ddptrain.checks import validate_config
+from ddptrain.config import Config
+from ddptrain.errors import ConfigError
+from ddptrain.runtime import DistEnv, distributed, shared_run_dir
+from ddptrain.telemetry import setup_logging
+
+log = logging.getLogger("ddptrain")
+
+
+def is_worker() -> bool:
+    """True when an elastic agent (torchrun, or our own launch) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def typed_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
+    """The job config as the schema's dataclasses, and as a plain resolved dict (for W&B and the run dir)."""
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    try:
+        resolved = OmegaConf.to_container(job, resolve=True)
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), job))
+    except Exception as exc:  # noqa: BLE001 - a bad interpolation is bad input
+        raise ConfigError(" ".join(str(exc).split())[:300]) from exc
+    assert isinstance(typed, Config) and isinstance(resolved, dict)
+    return typed, resolved
+
+
+def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
+    """``launch.nproc_per_node`` workers on this machine through torch.distributed.run (torchrun's own code).
+
+    The run directory is fixed here, once, so every worker and every restart writes to the same place.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    typed, _ = typed_config(cfg)
+    validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
+    os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(cfg.hydra.run.dir)
+    threads = max(1, (os.cpu_count() or 1) // typed.launch.nproc_per_node)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
+    if typed.launch.max_restarts > 0:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # gloo restarts need it (FACTS.md)
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={typed.launch.nproc_per_node}",
+         f"--max-restarts={typed.launch.max_restarts}", "-m", "ddptrain", *overrides]
+    )
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_worker(cfg: DictConfig) -> int:
+    """Train as one rank of the job (a job of one when nothing launched us)."""
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    typed, resolved = typed_config(cfg)
+    validate_config(typed, env.world_size)
+    from ddptrain.train import train
+
+    with distributed(typed.dist) as (env, device):
+        run_dir = shared_run_dir(cfg.hydra.run.dir)
+        setup_logging(env.rank, run_dir)
+        if env.is_main:
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        train(typed, env, device, run_dir, resolved)
+    return 0

@@ -1,0 +1,85 @@
+"""Hugging Face causal LMs built from ``model.*`` (no download), or loaded from ``model.pretrained``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+from ddptrain.config import ModelConfig
+from ddptrain.errors import ConfigError
+from ddptrain.models.flops import llama_intermediate_size
+
+ARCHS = ("llama", "gpt2")
+log = logging.getLogger(__name__)
+
+
+def validate_model_config(cfg: ModelConfig, seq_len: int) -> None:
+    if cfg.pretrained is not None:
+        return
+    if cfg.arch not in ARCHS:
+        raise ConfigError(f"model.arch={cfg.arch!r}: expected one of {', '.join(ARCHS)}")
+    for key in ("hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(cfg, key)}: expected a positive integer")
+    if cfg.hidden_size % cfg.num_heads:
+        raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
+    kv = cfg.num_kv_heads or cfg.num_heads
+    if cfg.num_heads % kv:
+        raise ConfigError(f"model.num_heads={cfg.num_heads} is not divisible by model.num_kv_heads={kv}")
+    if cfg.arch == "gpt2" and kv != cfg.num_heads:
+        raise ConfigError(f"model.num_kv_heads={kv}: gpt2 has no grouped-query attention; use {cfg.num_heads}")
+    if seq_len > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
+        )
+
+
+def model_vocab_size(cfg: ModelConfig, data_vocab: int) -> int:
+    """The embedding rows: the configured size, or the data's vocabulary rounded up to a multiple of 64."""
+    if cfg.vocab_size is None:
+        return -(-data_vocab // 64) * 64
+    if cfg.vocab_size < data_vocab:
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary ({data_vocab})")
+    return cfg.vocab_size
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int | None) -> PretrainedConfig:
+    special = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": None}
+    if cfg.arch == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings, **special,
+        )
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size or llama_intermediate_size(cfg.hidden_size),
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta, attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, **special,
+    )
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int | None = None) -> PreTrainedModel:
+    """A freshly initialised model on the CPU (the caller moves it), or the weights at ``model.pretrained``."""
+    if cfg.pretrained is not None:
+        return _load_pretrained(cfg.pretrained, vocab_size)
+    return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eos_id), attn_implementation="sdpa")
+
+
+def _load_pretrained(name: str, data_vocab: int) -> PreTrainedModel:
+    local = Path(name).exists()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, torch_dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - missing files, offline hub, wrong format: one message
+        raise ConfigError(f"model.pretrained={name}: cannot load a causal LM ({type(exc).__name__})") from exc
+    if model.get_input_embeddings().num_embeddings < data_vocab:
+        raise ConfigError(
+            f"model.pretrained={name}: {model.get_input_embeddings().num_embeddings} embedding rows but the data "
+            f"uses ids up to {data_vocab - 1}; use the model's own tokenizer (data.tokenizer)"
+        )
+    return model

@@ -1,0 +1,65 @@
+"""Parameter counts and training FLOPs per token, computed from the model config alone (no weights built).
+
+The planner needs them without a GPU or a model, and MFU needs FLOPs per token; both must agree with
+what ``transformers`` actually builds, which ``tests/test_flops.py`` checks parameter for parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddptrain.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of a causal LM; ``embedding`` is token (+ position) embeddings and an untied lm_head."""
+
+    total: int
+    embedding: int
+    non_embedding: int
+
+
+def llama_intermediate_size(hidden_size: int) -> int:
+    """SwiGLU MLP width: 8/3 of hidden (same parameters as a 4x GELU MLP), rounded up to a multiple of 32."""
+    return -(-8 * hidden_size // (3 * 32)) * 32
+
+
+def _kv_heads(model_cfg: ModelConfig) -> int:
+    return model_cfg.num_kv_heads or model_cfg.num_heads
+
+
+def count_params(model_cfg: ModelConfig, vocab_size: int) -> ParamCount:
+    """Exact parameter count of the HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` this config builds."""
+    h, layers, vocab = model_cfg.hidden_size, model_cfg.num_layers, vocab_size
+    lm_head = 0 if model_cfg.tie_embeddings else vocab * h
+    if model_cfg.arch == "llama":
+        head_dim = h // model_cfg.num_heads
+        inter = model_cfg.intermediate_size or llama_intermediate_size(h)
+        attn = 2 * h * model_cfg.num_heads * head_dim + 2 * h * _kv_heads(model_cfg) * head_dim  # q, o; k, v
+        per_layer = attn + 3 * h * inter + 2 * h  # gate/up/down; two RMSNorm weights
+        embedding = vocab * h + lm_head
+        non_embedding = layers * per_layer + h  # + final RMSNorm
+    elif model_cfg.arch == "gpt2":
+        if _kv_heads(model_cfg) != model_cfg.num_heads:
+            raise ValueError("gpt2 has no grouped-query attention: leave model.num_kv_heads unset")
+        inter = model_cfg.intermediate_size or 4 * h
+        attn = (h * 3 * h + 3 * h) + (h * h + h)  # c_attn, c_proj with biases
+        mlp = (h * inter + inter) + (inter * h + h)  # c_fc, c_proj with biases
+        per_layer = attn + mlp + 2 * 2 * h  # ln_1, ln_2: weight and bias
+        embedding = vocab * h + model_cfg.max_position_embeddings * h + lm_head
+        non_embedding = layers * per_layer + 2 * h  # + ln_f
+    else:
+        raise ValueError(f"unknown model.arch {model_cfg.arch!r}: expected llama or gpt2")
+    return ParamCount(total=embedding + non_embedding, embedding=embedding, non_embedding=non_embedding)
+
+
+def flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight plus 12·L·H·Q·T for attention (PaLM appendix B, torchtitan).
+
+    The matmul weights are the non-embedding ones plus the output projection, which is a matmul even when
+    tied; embedding lookups cost no FLOPs.
+    """
+    matmul_params = count_params(model_cfg, vocab_size).non_embedding + vocab_size * model_cfg.hidden_size
+    head_dim = model_cfg.hidden_size // model_cfg.num_heads
+    return 6.0 * matmul_params + 12.0 * model_cfg.num_layers * model_cfg.num_heads * head_dim * seq_len

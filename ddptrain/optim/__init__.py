@@ -1,0 +1,69 @@
+"""AdamW (no decay on norms and biases) and the learning-rate schedules: warm-up, then cosine, WSD or constant."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from ddptrain.config import OptimConfig
+from ddptrain.errors import ConfigError
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def validate_optim_config(cfg: OptimConfig, steps: int) -> None:
+    if cfg.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.lr}: expected a positive learning rate")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
+        raise ConfigError(f"optim.betas={list(cfg.betas)}: expected two numbers in [0, 1)")
+    if cfg.warmup_steps < 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0:
+        raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
+    if not 0 <= cfg.min_lr_ratio <= 1 or not 0 <= cfg.decay_fraction <= 1:
+        raise ConfigError("optim.min_lr_ratio and optim.decay_fraction must be in [0, 1]")
+    if steps < 1:
+        raise ConfigError(f"train.steps={steps}: expected at least one optimizer step")
+
+
+def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and other 1-D tensors are left alone (as in GPT-2/Llama recipes)."""
+    decay, no_decay = [], []
+    for _, p in named:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+    )
+
+
+def lr_multiplier(cfg: OptimConfig, steps: int) -> Callable[[int], float]:
+    """lr(step) / peak lr: linear warm-up, then the schedule, ending at ``min_lr_ratio``."""
+    warmup, floor = min(cfg.warmup_steps, steps), cfg.min_lr_ratio
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.schedule == "constant":
+            return 1.0
+        if cfg.schedule == "wsd":
+            decay_start = steps - round(cfg.decay_fraction * steps)
+            if step < max(decay_start, warmup):
+                return 1.0
+            progress = (step - max(decay_start, warmup)) / max(1, steps - max(decay_start, warmup))
+            return 1.0 - (1.0 - floor) * min(progress, 1.0)
+        progress = min((step - warmup) / max(1, steps - warmup), 1.0)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lr_multiplier(cfg, steps))

@@ -1,0 +1,190 @@
+"""Gradient compression as DDP communication hooks (fp16, bf16, PowerSGD, top-k), each counting the bytes it sends.
+
+``register_compression`` installs the hook that ``parallel.compression`` names and returns the ``CommMeter`` that
+the training loop reads, and resets, after every optimizer step.
+"""
+
+# No ``from __future__ import annotations`` here: DDP compares a hook's annotations with the real
+# ``dist.GradBucket`` and ``Future[Tensor]`` types, and string annotations fail that check.
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from ddptrain.config import ParallelConfig
+
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+
+
+@dataclass
+class CommMeter:
+    """Gradient payload bytes this rank hands to collectives since the last ``reset()`` (one optimizer step).
+
+    Payload is the size of the tensors this rank passes in: an all-reduce of D bytes counts D; TopK's all-gather
+    counts this rank's own k values + k indices (it receives world_size - 1 such payloads). ``uncompressed_bytes``
+    is the payload of a plain all-reduce of the same buckets in their own dtype (fp32 for fp32 parameters).
+    Hooks fire once per bucket per synchronized backward and not under ``no_sync``, so a step counts exactly
+    its gradient syncs. Payload is not link traffic: per rank a ring all-reduce moves 2(W-1)/W·D and an
+    all-gather of P moves (W-1)·P, so on W ranks TopK's link traffic ratio is W/2 times its payload ratio.
+    """
+
+    comm_bytes: int = 0
+    uncompressed_bytes: int = 0
+
+    def record(self, sent_bytes: int, bucket: torch.Tensor) -> None:
+        """Charge one bucket's sync: what was sent, and what an uncompressed all-reduce of ``bucket`` would send."""
+        self.comm_bytes += sent_bytes
+        self.uncompressed_bytes += bucket.numel() * bucket.element_size()
+
+    @property
+    def ratio(self) -> float:
+        """Sent over uncompressed payload; 1.0 before any sync."""
+        return self.comm_bytes / self.uncompressed_bytes if self.uncompressed_bytes else 1.0
+
+    def reset(self) -> None:
+        self.comm_bytes = 0
+        self.uncompressed_bytes = 0
+
+
+@dataclass
+class _State:
+    """What every hook needs: the group it averages over (None: the default group) and the meter it charges."""
+
+    process_group: dist.ProcessGroup | None
+    meter: CommMeter
+
+
+@dataclass
+class _CastState(_State):
+    dtype: torch.dtype
+
+
+@dataclass
+class _TopKState(_State):
+    ratio: float
+    error_feedback: bool
+    # Keyed by parameter, not bucket: DDP reorders its buckets after the first step.
+    residuals: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _PowerSGDState(_State):
+    powersgd: PowerSGDState
+
+
+def _allreduce_hook(state: _State, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """DDP's own averaging, metered so that an uncompressed run logs comm_bytes too."""
+    buffer = bucket.buffer()
+    state.meter.record(buffer.numel() * buffer.element_size(), buffer)
+    return default_hooks.allreduce_hook(state.process_group, bucket)
+
+
+def _cast_hook(state: _CastState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average in a narrower dtype and cast back into the bucket.
+
+    Ours rather than torch's: its bf16 hook refuses CPU builds although gloo reduces bf16 fine.
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(state.dtype).div_(dist.get_world_size(state.process_group))  # divide first: no overflow
+    state.meter.record(compressed.numel() * compressed.element_size(), buffer)
+    fut = dist.all_reduce(compressed, group=state.process_group, async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
+
+def _topk_hook(state: _TopKState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Send this rank's ``ratio`` largest-magnitude entries (values + indices); average what all ranks sent.
+
+    With error feedback the entries not sent stay behind as a residual added to the next step's gradient.
+    """
+    buffer = bucket.buffer()
+    params, grads = bucket.parameters(), bucket.gradients()  # grads are views into buffer
+    if state.error_feedback:
+        for param, grad in zip(params, grads, strict=True):
+            if param in state.residuals:
+                grad.add_(state.residuals[param])
+    k = math.ceil(state.ratio * buffer.numel())  # the same on every rank, so one fixed-size all-gather fits
+    index = buffer.abs().topk(k, sorted=False).indices
+    values = buffer[index]
+    if state.error_feedback:
+        buffer[index] = 0
+        for param, grad in zip(params, grads, strict=True):
+            state.residuals[param] = grad.clone()
+    index = index.to(torch.int32 if buffer.numel() < 2**31 else torch.int64)
+    payload = torch.cat([values.view(torch.uint8), index.view(torch.uint8)])  # one collective, not two
+    state.meter.record(payload.numel(), buffer)
+    world_size = dist.get_world_size(state.process_group)
+    gathered = payload.new_empty(world_size * payload.numel())
+    fut = dist.all_gather_single(gathered, payload, group=state.process_group, async_op=True).get_future()
+
+    def decompress(_: Future[list[torch.Tensor]]) -> torch.Tensor:
+        rows, split = gathered.view(world_size, -1), values.numel() * values.element_size()
+        all_values = rows[:, :split].contiguous().view(values.dtype).flatten()
+        all_index = rows[:, split:].contiguous().view(index.dtype).flatten()
+        return buffer.zero_().index_add_(0, all_index, all_values).div_(world_size)
+
+    return fut.then(decompress)
+
+
+def _powersgd_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """torch's PowerSGD, charged by torch's own tally: (n+m)·r elements per compressed matrix, other tensors whole."""
+    powersgd = state.powersgd
+    buffer = bucket.buffer()
+    compressing = powersgd.iter >= powersgd.start_powerSGD_iter  # before that: a plain all-reduce
+    before = powersgd.compression_stats()[2]
+    fut = powerSGD_hook(powersgd, bucket)
+    elements = powersgd.compression_stats()[2] - before if compressing else buffer.numel()
+    state.meter.record(elements * buffer.element_size(), buffer)
+    return fut
+
+
+def validate_compression(cfg: ParallelConfig) -> None:
+    """Reject, before any process group exists, a compression setting that would fail or mislead later."""
+    if cfg.compression not in COMPRESSIONS:
+        raise ValueError(f"parallel.compression={cfg.compression!r}: must be one of {'|'.join(COMPRESSIONS)}")
+    if cfg.compression == "powersgd":
+        if cfg.powersgd_rank < 1:
+            raise ValueError(f"parallel.powersgd_rank={cfg.powersgd_rank}: must be >= 1")
+        if cfg.powersgd_start_iter <= 1:
+            raise ValueError(
+                f"parallel.powersgd_start_iter={cfg.powersgd_start_iter}: must be > 1 (DDP rebuilds its buckets "
+                "after the first step, and PowerSGD's warm start and error feedback keep per-bucket state)"
+            )
+    if cfg.compression == "topk" and not 0 < cfg.topk_ratio <= 1:
+        raise ValueError(f"parallel.topk_ratio={cfg.topk_ratio}: must be in (0, 1]")
+
+
+def register_compression(
+    model: DistributedDataParallel, cfg: ParallelConfig, process_group: dist.ProcessGroup | None = None
+) -> CommMeter:
+    """Install ``cfg.compression``'s hook on ``model`` (before its first backward); return the meter it charges.
+
+    Every choice, ``none`` included, is metered, so the training loop can always log comm_bytes.
+    PowerSGD always warm-starts (torch's recommendation); ``error_feedback`` applies to powersgd and topk.
+    """
+    validate_compression(cfg)
+    meter = CommMeter()
+    match cfg.compression:
+        case "none":
+            model.register_comm_hook(_State(process_group, meter), _allreduce_hook)
+        case "fp16" | "bf16":
+            dtype = torch.float16 if cfg.compression == "fp16" else torch.bfloat16
+            model.register_comm_hook(_CastState(process_group, meter, dtype), _cast_hook)
+        case "powersgd":
+            powersgd = PowerSGDState(
+                process_group,
+                matrix_approximation_rank=cfg.powersgd_rank,
+                start_powerSGD_iter=cfg.powersgd_start_iter,
+                use_error_feedback=cfg.error_feedback,
+                warm_start=True,
+            )
+            model.register_comm_hook(_PowerSGDState(process_group, meter, powersgd), _powersgd_hook)
+        case "topk":
+            state = _TopKState(process_group, meter, cfg.topk_ratio, cfg.error_feedback)
+            model.register_comm_hook(state, _topk_hook)
+    return meter

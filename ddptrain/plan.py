@@ -1,0 +1,323 @@
+"""Dry-run planner: batch split, per-rank memory, communication and overlap of a data-parallel run, no GPU needed.
+
+Memory follows the ZeRO paper's model-state accounting (Rajbhandari et al. 2020, §3 and §5); communication
+follows ring collectives in the α–β model, in which each rank sends (N−1)/N of the buffer per pass.
+Activations are not modelled: the numbers are model state and gradient traffic only.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from ddptrain.config import Config
+from ddptrain.models.flops import count_params, flops_per_token
+from ddptrain.telemetry.peak import peak_tflops
+
+GB = 1e9
+GiB = 1024**3
+ZERO_STAGES = (0, 1, 2, 3)
+ASSUMED_MFU = 0.4  # a well-tuned dense LLM run reaches 35–50% of the bf16 peak
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter held for the parameters, their gradients and the optimizer state."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+
+
+MIXED_BF16 = Precision("bf16 mixed, fp32 master + AdamW", 2, 2, 12)
+FP32 = Precision("fp32, AdamW", 4, 4, 8)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes of model state on one rank, by component."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Bytes one rank sends in a step, and the ring steps that each pay the latency α."""
+
+    nbytes: float
+    hops: int
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect in the α–β model: per-hop latency α and bus bandwidth B."""
+
+    name: str
+    bandwidth_gbps: float
+    latency_us: float
+    note: str
+
+    def seconds(self, comm: Comm) -> float:
+        """t = hops·α + bytes/B."""
+        return comm.hops * self.latency_us * 1e-6 + comm.nbytes / (self.bandwidth_gbps * GB)
+
+
+# α: assumed per-hop latencies, of the order NCCL's own cost model (src/graph/tuning.cc) uses for ring collectives.
+INTERCONNECTS: dict[str, Link] = {
+    "nvlink": Link("nvlink", 900.0, 3.0, "H100 NVLink 4 datasheet, both directions; measured bus bandwidth is lower"),
+    "infiniband_ndr": Link("infiniband_ndr", 50.0, 10.0, "one 400 Gb/s NDR port per GPU"),
+    "pcie_gen5": Link("pcie_gen5", 28.0, 5.0, "assumed effective ring bandwidth; the x16 line rate is 64 GB/s"),
+}
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, dp: int, grad_accum: int | None = None) -> int:
+    """Gradient-accumulation steps from gbs = mbs × grad_accum × dp; derived when None, checked when given."""
+    per_pass = micro_batch_size * dp
+    if grad_accum is None:
+        if global_batch_size % per_pass:
+            raise ValueError(
+                f"data.global_batch_size={global_batch_size} is not a multiple of "
+                f"micro_batch_size × dp = {micro_batch_size} × {dp} = {per_pass}"
+            )
+        grad_accum = global_batch_size // per_pass
+    if grad_accum < 1 or per_pass * grad_accum != global_batch_size:
+        raise ValueError(
+            f"data.global_batch_size={global_batch_size} != micro_batch_size × grad_accum × dp = "
+            f"{micro_batch_size} × {grad_accum} × {dp}"
+        )
+    return grad_accum
+
+
+def model_state_memory(params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16) -> Memory:
+    """Per-rank model state under ZeRO ``stage``: 1 shards the optimizer state, 2 also gradients, 3 also parameters."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be 0–3, got {stage}")
+    return Memory(
+        params=precision.param_bytes * params / (world_size if stage >= 3 else 1),
+        grads=precision.grad_bytes * params / (world_size if stage >= 2 else 1),
+        optimizer=precision.optim_bytes * params / (world_size if stage >= 1 else 1),
+    )
+
+
+def step_comm(params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16) -> Comm:
+    """Per-rank traffic of one step, as the ZeRO paper counts it (per micro-batch under ZeRO-3).
+
+    Stage 0 all-reduces gradients; stages 1–2 reduce-scatter gradients and all-gather the updated parameters
+    (the same 2Ψ); stage 3 all-gathers parameters in forward and again in backward and reduce-scatters
+    gradients (3Ψ) in every micro-batch, accumulated or not.
+    """
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be 0–3, got {stage}")
+    share = (world_size - 1) / world_size * params
+    if stage == 0:
+        return Comm(2 * share * precision.grad_bytes, 2 * (world_size - 1))
+    if stage < 3:
+        return Comm(share * (precision.grad_bytes + precision.param_bytes), 2 * (world_size - 1))
+    return Comm(share * (2 * precision.param_bytes + precision.grad_bytes), 3 * (world_size - 1))
+
+
+def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
+    """Ring all-reduce time: t = 2(N−1)·α + 2(N−1)/N·D/B."""
+    return link.seconds(Comm(2 * (world_size - 1) / world_size * nbytes, 2 * (world_size - 1)))
+
+
+def backward_seconds(flops_per_token: float, tokens: int, peak_tflops: float, mfu: float = ASSUMED_MFU) -> float:
+    """Backward ≈ 2× forward, so it does 4/6 of the training FLOPs, here at ``mfu`` of the peak."""
+    return (4 / 6) * flops_per_token * tokens / (peak_tflops * 1e12 * mfu)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every number the dry run prints; ``memory`` and ``comm`` hold all four ZeRO stages."""
+
+    params: float
+    params_source: str
+    flops_per_token: float
+    flops_rule: str
+    seq_len: int
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+    zero_stage: int
+    precision: Precision
+    memory: dict[int, Memory]
+    comm: dict[int, Comm]
+    links: list[Link]
+    link: Link  # the one the overlap verdict uses
+    peak_tflops: float | None
+    assumed_mfu: float
+    backward_s: float | None  # one micro-batch's backward, which the gradient sync can hide under
+
+    @property
+    def comm_s(self) -> float:
+        return self.link.seconds(self.comm[self.zero_stage])
+
+    @property
+    def overlap_ratio(self) -> float | None:
+        """Communication time over backward time: at most 1 means the sync can hide under backward."""
+        return None if self.backward_s is None else self.comm_s / self.backward_s
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def build_plan(
+    cfg: Config | DictConfig, world_size: int, device_name: str | None, assumed_mfu: float = ASSUMED_MFU
+) -> Plan:
+    """Plan a run from the composed config; ``cfg.plan.world_size`` overrides the launch's ``world_size``.
+
+    With ``cfg.plan.params`` set, the model is that many parameters and FLOPs per token are 6·params (no shape,
+    so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
+    unless ``cfg.metrics.peak_tflops`` is given.
+    """
+    n = cfg.plan.world_size or world_size
+    seq_len = cfg.data.seq_len
+    if cfg.plan.params:
+        params, source = float(cfg.plan.params), "plan.params"
+        flops, rule = 6.0 * params, "6·params"
+    else:
+        vocab = cfg.model.vocab_size or _round_up(cfg.data.vocab_size, 64)
+        params, source = float(count_params(cfg.model, vocab).total), f"model {cfg.model.name}"
+        flops, rule = flops_per_token(cfg.model, vocab, seq_len), "6·matmul params + 12·L·H·Q·T"
+    on_gpu = device_name is not None
+    precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
+    if cfg.plan.interconnect not in INTERCONNECTS:
+        raise ValueError(f"plan.interconnect={cfg.plan.interconnect!r}: expected one of {sorted(INTERCONNECTS)}")
+    preset = INTERCONNECTS[cfg.plan.interconnect]
+    alpha = preset.latency_us if cfg.plan.latency_us is None else cfg.plan.latency_us
+    if cfg.plan.bandwidth_gbps:
+        link = Link("measured", cfg.plan.bandwidth_gbps, alpha, "plan.bandwidth_gbps")
+    else:
+        link = replace(preset, latency_us=alpha)
+    links = {**INTERCONNECTS, link.name: link}  # the chosen link replaces its preset, or joins as "measured"
+    peak = cfg.metrics.peak_tflops or (peak_tflops(device_name) if on_gpu else None)
+    micro_tokens = cfg.data.micro_batch_size * seq_len
+    return Plan(
+        params=params,
+        params_source=source,
+        flops_per_token=flops,
+        flops_rule=rule,
+        seq_len=seq_len,
+        global_batch_size=cfg.data.global_batch_size,
+        micro_batch_size=cfg.data.micro_batch_size,
+        grad_accum=grad_accum_steps(cfg.data.global_batch_size, cfg.data.micro_batch_size, n, cfg.data.grad_accum),
+        world_size=n,
+        zero_stage=cfg.parallel.zero_stage,
+        precision=precision,
+        memory={s: model_state_memory(params, n, s, precision) for s in ZERO_STAGES},
+        comm={s: step_comm(params, n, s, precision) for s in ZERO_STAGES},
+        links=list(links.values()),
+        link=link,
+        peak_tflops=peak,
+        assumed_mfu=assumed_mfu,
+        backward_s=backward_seconds(flops, micro_tokens, peak, assumed_mfu) if peak else None,
+    )
+
+
+def _human(value: float, units: list[tuple[float, str]]) -> str:
+    """``value`` in the largest unit it reaches (the smallest unit below that)."""
+    scale, name = next(((s, u) for s, u in units if value >= s), units[-1])
+    return f"{value / scale:,.2f} {name}"
+
+
+def _count(value: float) -> str:
+    return _human(value, [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")])
+
+
+def _mem(nbytes: float) -> str:
+    return _human(nbytes, [(1024**4, "TiB"), (GiB, "GiB"), (1024**2, "MiB"), (1024, "KiB")])
+
+
+def _vol(nbytes: float) -> str:
+    return _human(nbytes, [(1e12, "TB"), (GB, "GB"), (1e6, "MB"), (1e3, "kB")])
+
+
+def _time(seconds: float) -> str:
+    return _human(seconds, [(1.0, "s"), (1e-3, "ms"), (1e-6, "µs")])
+
+
+_STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+def _overlap_verdict(plan: Plan) -> str:
+    if plan.backward_s is None or plan.overlap_ratio is None:
+        return "Overlap: unknown device peak; set metrics.peak_tflops to judge whether communication hides."
+    head = (
+        f"Overlap on {plan.link.name}: communication {_time(plan.comm_s)} vs backward of one micro-batch "
+        f"{_time(plan.backward_s)} (at {plan.assumed_mfu:.0%} MFU of {plan.peak_tflops:,.0f} TFLOP/s): "
+    )
+    if plan.overlap_ratio <= 1.0:
+        return head + f"hides under backward (ratio {plan.overlap_ratio:.2f})."
+    exposed = plan.comm_s - plan.backward_s
+    return head + f"cannot hide (ratio {plan.overlap_ratio:.2f}), about {_time(exposed)} exposed per step."
+
+
+def render_plan(plan: Plan) -> str:
+    """The plan as plain text with rich tables: batch, memory by component and stage, communication, overlap."""
+    out = Console(file=io.StringIO(), width=110, record=True, color_system=None)
+    stage = plan.zero_stage
+    out.print(
+        f"Model: {_count(plan.params)} parameters ({plan.params_source}); "
+        f"{_count(plan.flops_per_token)}FLOP per token ({plan.flops_rule})"
+    )
+    out.print(
+        f"Batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} × grad_accum {plan.grad_accum} "
+        f"× dp {plan.world_size} sequences = {plan.global_batch_size * plan.seq_len:,} tokens per step "
+        f"(seq_len {plan.seq_len})"
+    )
+
+    chosen = Table(
+        title=f"Model state per rank, {_STAGE_NAMES[stage]} on {plan.world_size} ranks, {plan.precision.name}"
+    )
+    for column in ("component", "bytes per model parameter", "per rank"):
+        chosen.add_column(column, justify="left" if column == "component" else "right")
+    mem = plan.memory[stage]
+    for label, nbytes in (("parameters", mem.params), ("gradients", mem.grads), ("optimizer", mem.optimizer)):
+        chosen.add_row(label, f"{nbytes / plan.params:.4g}", _mem(nbytes))
+    chosen.add_row("total", f"{mem.total / plan.params:.4g}", _mem(mem.total))
+    out.print(chosen)
+
+    stages = Table(title=f"Across ZeRO stages on {plan.world_size} ranks (model state only, no activations)")
+    for column in ("stage", "parameters", "gradients", "optimizer", "total", "comm per step"):
+        stages.add_column(column, justify="left" if column == "stage" else "right")
+    for s in ZERO_STAGES:
+        m = plan.memory[s]
+        marker = " ←" if s == stage else ""
+        stages.add_row(
+            f"{s} {_STAGE_NAMES[s]}{marker}",
+            _mem(m.params),
+            _mem(m.grads),
+            _mem(m.optimizer),
+            _mem(m.total),
+            _vol(plan.comm[s].nbytes),
+        )
+    out.print(stages)
+
+    comm = plan.comm[stage]
+    links = Table(title=f"Communication per rank per step: {_vol(comm.nbytes)} ({_STAGE_NAMES[stage]}, ring)")
+    for column in ("interconnect", "bandwidth", "latency α", "predicted time", "assumption"):
+        links.add_column(column, justify="right" if column in ("bandwidth", "latency α", "predicted time") else "left")
+    for link in plan.links:
+        links.add_row(
+            link.name,
+            f"{link.bandwidth_gbps:,.4g} GB/s",
+            f"{link.latency_us:g} µs",
+            _time(link.seconds(comm)),
+            link.note,
+        )
+    out.print(links)
+    out.print(_overlap_verdict(plan))
+    return out.export_text()

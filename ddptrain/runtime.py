@@ -1,0 +1,188 @@
+"""Process-group lifecycle: ranks and devices from the environment, seeding, the shared run dir, teardown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddptrain.config import DistConfig
+from ddptrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, read from torchrun's environment variables."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        env = os.environ
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=world_size,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+        )
+
+
+def under_torchrun() -> bool:
+    """True when an elastic agent (torchrun or our own launch) started this process as a worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    """One device per rank: cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if env.local_world_size > count:
+        raise ConfigError(
+            f"launch: {env.local_world_size} processes on this node but only {count} CUDA devices; "
+            f"use --nproc-per-node <= {count}"
+        )
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def pick_backend(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if cfg.backend not in ("nccl", "gloo"):
+        raise ConfigError(f"dist.backend={cfg.backend!r}: expected auto, nccl or gloo")
+    if cfg.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on CPU")
+    return cfg.backend
+
+
+def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device) -> None:
+    """Join the job's process group (a one-rank group when run in-process) with the configured timeout."""
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group(
+        backend=pick_backend(cfg, device),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def teardown(clean: bool) -> None:
+    """Leave the process group, meeting the other ranks first (avoids SIGABRT at exit, FACTS.md).
+
+    After a clean run every rank arrives; after an error a peer may never come, so the barrier is bounded
+    (gloo's monitored barrier) or skipped (NCCL), and the elastic agent stops whoever is left.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if clean:
+            dist.barrier()
+        elif dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=10))
+    except RuntimeError as exc:
+        log.warning("ranks did not meet before exit: %s", " ".join(str(exc).split())[:200])
+    dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def broadcast_from_main(value: T) -> T:
+    """Rank 0's value, on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main_first(env: DistEnv, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0, then on the others (which reuse what rank 0 cached).
+
+    A ConfigError on rank 0 is re-raised on every rank, so no rank waits at a barrier for a peer that quit.
+    """
+    result: T | None = None
+    error: str | None = None
+    if env.is_main:
+        try:
+            result = fn()
+        except ConfigError as exc:
+            error = str(exc)
+    error = broadcast_from_main(error)
+    if error is not None:
+        raise ConfigError(error)
+    if not env.is_main:
+        result = fn()
+    return result  # type: ignore[return-value]
+
+
+def shared_run_dir(configured: str) -> Path:
+    """The run directory chosen by rank 0 (its own clock resolves ``${now:...}``), created and checked."""
+    path = Path(broadcast_from_main(str(Path(configured).absolute())))
+    error = None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{dist.get_rank()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        error = f"hydra.run.dir={path}: cannot write there ({exc.strerror})"
+    failed = [error is not None]
+    if dist.get_world_size() > 1:
+        flags: list[bool] = [False] * dist.get_world_size()
+        dist.all_gather_object(flags, failed[0])
+        failed = [any(flags)]
+    if failed[0]:
+        raise ConfigError(error or f"hydra.run.dir={path}: not writable on every rank")
+    return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def distributed(cfg: DistConfig) -> Iterator[tuple[DistEnv, torch.device]]:
+    """The process group for the duration of a run; always torn down, errors included."""
+    if cfg.debug not in ("off", "info", "detail"):
+        raise ConfigError(f"dist.debug={cfg.debug!r}: expected off, info or detail")
+    if cfg.debug != "off":
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = cfg.debug.upper()
+    env = DistEnv.from_environ()
+    device = pick_device(env)
+    init_process_group(cfg, env, device)
+    clean = False
+    try:
+        yield env, device
+        clean = True
+    finally:
+        teardown(clean)

@@ -1,0 +1,5 @@
+"""The training loop."""
+
+from ddptrain.train.loop import train
+
+__all__ = ["train"]

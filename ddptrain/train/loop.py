@@ -1,0 +1,164 @@
+"""The training loop: build, loop (accumulate, sync, clip, step), log, evaluate, summarise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.config import Config
+from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
+from ddptrain.models import build_model, model_vocab_size
+from ddptrain.optim import build_optimizer, build_scheduler
+from ddptrain.parallel import sync_context, wrap_model
+from ddptrain.runtime import DistEnv, main_first, seed_everything
+from ddptrain.telemetry import Sinks
+
+log = logging.getLogger("ddptrain")
+
+
+def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]) -> dict[str, Any]:
+    plan = BatchPlan.derive(
+        cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, env.world_size, cfg.data.seq_len
+    )
+    log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
+    seed_everything(cfg.train.seed)
+
+    data = main_first(env, lambda: build_token_data(cfg.data))
+    eos_id = data.tokenizer.eos_token_id if data.tokenizer is not None else None
+    model = build_model(cfg.model, model_vocab_size(cfg.model, data.vocab_size), eos_id).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
+             len(data.train), len(data.val))
+    ddp = wrap_model(model, cfg.parallel, device)
+    maybe_sync = sync_context(ddp)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
+    val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches)
+    autocast = autocast_context(cfg.train.precision, device)
+    sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
+
+    history: list[dict[str, Any]] = []
+    window_start, window_steps = _now(device), 0
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            loss, grad_norm = train_step(ddp, model, optimizer, batches, plan.grad_accum, maybe_sync, autocast,
+                                         cfg.optim.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            window_steps += 1
+            if step % cfg.train.log_every and step != cfg.train.steps:
+                continue
+            elapsed = _now(device) - window_start
+            metrics = {
+                "step": step,
+                "loss": global_mean(loss),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "step_time_s": elapsed / window_steps,
+                "tokens_per_s": plan.tokens_per_step * window_steps / elapsed,
+                "tokens_per_s_per_rank": plan.tokens_per_step * window_steps / elapsed / env.world_size,
+                "tokens_seen": plan.tokens_per_step * step,
+            }
+            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                metrics["val_loss"] = evaluate(model, val, autocast)
+            sinks.log(metrics)
+            history.append(metrics)
+            window_start, window_steps = _now(device), 0
+    finally:
+        sinks.close()
+    summary = summarise(history, plan, env, n_params, cfg)
+    if env.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def train_step(
+    ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: MicroBatches,
+    grad_accum: int, maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``grad_accum`` micro batches; gradients sync only on the last one.
+
+    Returns this rank's mean loss over its micro batches and the global gradient norm before clipping.
+    """
+    loss_sum = torch.zeros((), device=next(model.parameters()).device)
+    for micro in range(grad_accum):
+        ids = next(batches)
+        with maybe_sync(micro == grad_accum - 1):
+            with autocast:
+                loss = ddp(input_ids=ids, labels=ids).loss / grad_accum
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
+    """Mean validation loss over every rank's fixed batches (the same batches at every evaluation)."""
+    model.eval()
+    device = next(model.parameters()).device
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    for ids in batches:
+        ids = ids.to(device)
+        with autocast:
+            total[0] += model(input_ids=ids, labels=ids).loss.double() * len(ids)
+        total[1] += len(ids)
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def global_mean(value: torch.Tensor) -> float:
+    """The mean of a per-rank scalar over all ranks (each rank saw the same number of tokens)."""
+    buf = value.detach().double().reshape(1).clone()
+    dist.all_reduce(buf)
+    return float(buf) / dist.get_world_size()
+
+
+def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
+    """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def summarise(history: list[dict[str, Any]], plan: BatchPlan, env: DistEnv, n_params: int, cfg: Config) -> dict:
+    """End-of-run figures; throughput is the median over logged windows after the first (warm-up)."""
+    steady = history[1:] or history
+    summary: dict[str, Any] = {
+        "world_size": env.world_size,
+        "model": cfg.model.name,
+        "parameters": n_params,
+        "engine": cfg.parallel.engine,
+        "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "grad_accum": plan.grad_accum,
+        "seq_len": plan.seq_len,
+        "steps": cfg.train.steps,
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "final_val_loss": next((m["val_loss"] for m in reversed(history) if "val_loss" in m), None),
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady) if steady else None,
+        "step_time_s": statistics.median(m["step_time_s"] for m in steady) if steady else None,
+    }
+    return summary
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,96 @@
+"""The analytic parameter count matches what transformers builds, and FLOPs per token follow the convention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
+
+from ddptrain.config import ModelConfig
+from ddptrain.models.flops import count_params, flops_per_token, llama_intermediate_size
+
+VOCAB = 96
+
+
+def hf_config(cfg: ModelConfig, vocab: int) -> PretrainedConfig:
+    """The transformers config for ``cfg``, resolving defaults as the model builder does."""
+    if cfg.arch == "gpt2":
+        return GPT2Config(
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=cfg.intermediate_size,
+            n_positions=cfg.max_position_embeddings,
+            vocab_size=vocab,
+            tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    return LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        intermediate_size=cfg.intermediate_size or llama_intermediate_size(cfg.hidden_size),
+        max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=vocab,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def built_params(cfg: ModelConfig, vocab: int) -> int:
+    """Parameters of the real model, shared (tied) tensors counted once; on the meta device, so no memory."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab))
+    return sum(p.numel() for p in model.parameters())
+
+
+SHAPES = [
+    ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4),
+    ModelConfig(arch="llama", hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=2, tie_embeddings=False),
+    ModelConfig(arch="llama", hidden_size=96, num_layers=1, num_heads=6, num_kv_heads=3, intermediate_size=200),
+    ModelConfig(arch="gpt2", hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=32),
+    ModelConfig(arch="gpt2", hidden_size=48, num_layers=3, num_heads=3, intermediate_size=100, tie_embeddings=False),
+]
+
+
+def shape_id(cfg: ModelConfig) -> str:
+    return f"{cfg.arch}-h{cfg.hidden_size}-kv{cfg.num_kv_heads}-tied{cfg.tie_embeddings}"
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=shape_id)
+def test_count_params_matches_the_built_model(cfg: ModelConfig) -> None:
+    count = count_params(cfg, VOCAB)
+    assert count.total == built_params(cfg, VOCAB)
+    assert count.total == count.embedding + count.non_embedding
+
+
+def test_gpt2_small_has_124_439_808_parameters() -> None:
+    cfg = ModelConfig(arch="gpt2", hidden_size=768, num_layers=12, num_heads=12, max_position_embeddings=1024)
+    assert count_params(cfg, 50257).total == 124_439_808 == built_params(cfg, 50257)
+
+
+def test_untied_head_counts_as_embedding() -> None:
+    tied = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4)
+    untied = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=False)
+    assert count_params(untied, VOCAB).embedding - count_params(tied, VOCAB).embedding == VOCAB * 64
+    assert count_params(untied, VOCAB).non_embedding == count_params(tied, VOCAB).non_embedding
+
+
+def test_llama_intermediate_size_is_swiglu_rounded_to_32() -> None:
+    assert llama_intermediate_size(128) == 352  # 8/3·128 = 341.3
+    assert llama_intermediate_size(96) == 256  # exactly 8/3·96
+    assert llama_intermediate_size(4096) % 32 == 0
+
+
+def test_flops_per_token_is_six_per_matmul_weight_plus_attention() -> None:
+    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=False)
+    matmul_weights = count_params(cfg, VOCAB).non_embedding + VOCAB * 64
+    assert flops_per_token(cfg, VOCAB, seq_len=32) == 6 * matmul_weights + 12 * 2 * 4 * 16 * 32
+
+
+def test_gpt2_rejects_grouped_query_attention() -> None:
+    with pytest.raises(ValueError, match="grouped-query"):
+        count_params(ModelConfig(arch="gpt2", num_heads=4, num_kv_heads=2), VOCAB)

@@ -1,0 +1,147 @@
+"""The planner reproduces known figures, its formulas scale as the ZeRO and ring models say, and it renders."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from ddptrain.config import Config
+from ddptrain.plan import (
+    FP32,
+    INTERCONNECTS,
+    MIXED_BF16,
+    ZERO_STAGES,
+    allreduce_seconds,
+    backward_seconds,
+    build_plan,
+    grad_accum_steps,
+    model_state_memory,
+    render_plan,
+    step_comm,
+)
+from ddptrain.telemetry.peak import mfu, peak_tflops
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def config(**overrides: object) -> DictConfig:
+    """The schema's defaults with dotted-key overrides, as Hydra would compose them."""
+    cfg = OmegaConf.structured(Config)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize(("world_size", "seconds"), [(2, 0.31), (4, 0.47), (8, 0.54), (64, 0.61)])
+def test_allreduce_of_70b_fp32_gradients_over_nvlink(world_size: int, seconds: float) -> None:
+    assert round(allreduce_seconds(70e9 * 4, world_size, INTERCONNECTS["nvlink"]), 2) == seconds
+
+
+@pytest.mark.parametrize(("stage", "bytes_per_param"), [(0, 16), (1, 4.1875), (2, 2.21875), (3, 0.25)])
+def test_model_state_per_rank_at_64_ranks(stage: int, bytes_per_param: float) -> None:
+    assert model_state_memory(1.0, 64, stage, MIXED_BF16).total == pytest.approx(bytes_per_param)
+
+
+def test_fp32_keeps_16_bytes_per_parameter_split_4_4_8() -> None:
+    mem = model_state_memory(1.0, 1, 0, FP32)
+    assert (mem.params, mem.grads, mem.optimizer) == (4, 4, 8)
+
+
+def test_stage3_memory_is_inversely_proportional_to_ranks() -> None:
+    totals = [model_state_memory(7e9, n, 3).total for n in (1, 2, 4, 8)]
+    assert [totals[0] / t for t in totals] == pytest.approx([1, 2, 4, 8])
+
+
+def test_each_stage_needs_no_more_memory_than_the_previous() -> None:
+    totals = [model_state_memory(7e9, 8, s).total for s in ZERO_STAGES]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_one_rank_does_not_communicate_and_ddp_memory_does_not_shrink_with_ranks() -> None:
+    assert all(step_comm(7e9, 1, s).nbytes == 0 for s in ZERO_STAGES)
+    assert model_state_memory(7e9, 64, 0) == model_state_memory(7e9, 1, 0)
+
+
+def test_zero3_sends_one_and_a_half_times_ddp() -> None:
+    assert step_comm(7e9, 8, 3).nbytes == pytest.approx(1.5 * step_comm(7e9, 8, 0).nbytes)
+    assert step_comm(7e9, 8, 1) == step_comm(7e9, 8, 2) == step_comm(7e9, 8, 0)
+
+
+def test_allreduce_latency_term_grows_with_ranks() -> None:
+    assert allreduce_seconds(0.0, 8, INTERCONNECTS["nvlink"]) == pytest.approx(14 * 3e-6)
+
+
+def test_backward_is_two_thirds_of_training_compute() -> None:
+    # 6e12 FLOP per token × 1 token at 100% of 1 TFLOP/s: 6 s of training, 4 s of it backward.
+    assert backward_seconds(6e12, 1, peak_tflops=1.0, mfu=1.0) == pytest.approx(4.0)
+
+
+def test_grad_accum_is_derived_and_checked() -> None:
+    assert grad_accum_steps(64, 2, 8) == 4
+    assert grad_accum_steps(64, 2, 8, grad_accum=4) == 4
+    with pytest.raises(ValueError, match="not a multiple"):
+        grad_accum_steps(32, 8, 8)
+    with pytest.raises(ValueError, match="!="):
+        grad_accum_steps(64, 2, 8, grad_accum=2)
+
+
+def test_peak_lookup_by_cuda_device_name() -> None:
+    assert peak_tflops(H100) == 989
+    assert peak_tflops("NVIDIA H100 PCIe") == 756
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312
+    assert peak_tflops("NVIDIA L4") == 121
+    assert peak_tflops("NVIDIA L40S") == 362
+    assert peak_tflops("cpu") is None
+
+
+def test_mfu_is_absent_for_an_unknown_peak_and_never_above_one() -> None:
+    assert mfu(400.0, 989.0) == pytest.approx(400 / 989)
+    assert mfu(400.0, None) is None
+    assert mfu(1000.0, 989.0) is None
+
+
+def test_70b_on_8_gpus_planned_by_params_alone_renders() -> None:
+    cfg = config(
+        **{
+            "plan.params": 70e9,
+            "parallel.zero_stage": 3,
+            "data.seq_len": 4096,
+            "data.global_batch_size": 64,
+            "data.micro_batch_size": 2,
+        }
+    )
+    plan = build_plan(cfg, world_size=8, device_name=H100)
+    assert plan.flops_per_token == 6 * 70e9
+    assert plan.grad_accum == 4
+    assert plan.precision == MIXED_BF16
+    assert plan.memory[3].total == pytest.approx(2 * 70e9)
+    text = render_plan(plan)
+    for line in (
+        "70.00 G parameters (plan.params)",
+        "global 64 = micro 2 × grad_accum 4 × dp 8",
+        "ZeRO-3 ←",
+        "130.39 GiB",
+        "Communication per rank per step: 367.50 GB",
+        "nvlink",
+        "infiniband_ndr",
+        "pcie_gen5",
+        "hides under backward",
+    ):
+        assert line in text
+
+
+def test_cpu_plan_of_the_default_model_uses_fp32_and_a_measured_bandwidth() -> None:
+    plan = build_plan(config(**{"plan.bandwidth_gbps": 1.5}), world_size=2, device_name=None)
+    assert plan.precision == FP32
+    assert plan.link.name == "measured"
+    assert plan.overlap_ratio is None
+    text = render_plan(plan)
+    assert "measured" in text and "1.5 GB/s" in text
+    assert "unknown device peak" in text
+
+
+def test_slow_link_cannot_hide_the_sync() -> None:
+    cfg = config(**{"plan.params": 7e9, "plan.interconnect": "pcie_gen5", "data.micro_batch_size": 1})
+    plan = build_plan(cfg, world_size=8, device_name=H100)
+    assert plan.overlap_ratio is not None and plan.overlap_ratio > 1
+    assert "cannot hide" in render_plan(plan)
