@@ -42,7 +42,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
         OmegaConf.to_container(job_config(cfg), resolve=True, throw_on_missing=True)  # bad interpolations
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - every composition failure is bad user input
+    except Exception as exc:
         raise ConfigError(one_line(exc)) from exc
     return cfg
 

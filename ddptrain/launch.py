@@ -29,7 +29,7 @@ def typed_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     try:
         resolved = OmegaConf.to_container(job, resolve=True)
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), job))
-    except Exception as exc:  # noqa: BLE001 - a bad interpolation is bad input
+    except Exception as exc:
         raise ConfigError(" ".join(str(exc).split())[:300]) from exc
     assert isinstance(typed, Config) and isinstance(resolved, dict)
     return typed, resolved

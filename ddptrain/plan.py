@@ -15,6 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ddptrain.config import Config
+from ddptrain.data.batch import BatchPlan
+from ddptrain.errors import ConfigError
+from ddptrain.models.build import model_vocab_size
 from ddptrain.models.flops import count_params, flops_per_token
 from ddptrain.telemetry.peak import peak_tflops
 
@@ -81,24 +84,6 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 
-def grad_accum_steps(global_batch_size: int, micro_batch_size: int, dp: int, grad_accum: int | None = None) -> int:
-    """Gradient-accumulation steps from gbs = mbs × grad_accum × dp; derived when None, checked when given."""
-    per_pass = micro_batch_size * dp
-    if grad_accum is None:
-        if global_batch_size % per_pass:
-            raise ValueError(
-                f"data.global_batch_size={global_batch_size} is not a multiple of "
-                f"micro_batch_size × dp = {micro_batch_size} × {dp} = {per_pass}"
-            )
-        grad_accum = global_batch_size // per_pass
-    if grad_accum < 1 or per_pass * grad_accum != global_batch_size:
-        raise ValueError(
-            f"data.global_batch_size={global_batch_size} != micro_batch_size × grad_accum × dp = "
-            f"{micro_batch_size} × {grad_accum} × {dp}"
-        )
-    return grad_accum
-
-
 def model_state_memory(params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16) -> Memory:
     """Per-rank model state under ZeRO ``stage``: 1 shards the optimizer state, 2 also gradients, 3 also parameters."""
     if stage not in ZERO_STAGES:
@@ -145,11 +130,7 @@ class Plan:
     params_source: str
     flops_per_token: float
     flops_rule: str
-    seq_len: int
-    global_batch_size: int
-    micro_batch_size: int
-    grad_accum: int
-    world_size: int
+    batch: BatchPlan
     zero_stage: int
     precision: Precision
     memory: dict[int, Memory]
@@ -170,10 +151,6 @@ class Plan:
         return None if self.backward_s is None else self.comm_s / self.backward_s
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def build_plan(
     cfg: Config | DictConfig, world_size: int, device_name: str | None, assumed_mfu: float = ASSUMED_MFU
 ) -> Plan:
@@ -183,19 +160,25 @@ def build_plan(
     so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
     unless ``cfg.metrics.peak_tflops`` is given.
     """
-    n = cfg.plan.world_size or world_size
-    seq_len = cfg.data.seq_len
+    batch = BatchPlan.derive(
+        cfg.data.global_batch_size,
+        cfg.data.micro_batch_size,
+        cfg.data.grad_accum,
+        cfg.plan.world_size or world_size,
+        cfg.data.seq_len,
+    )
+    n = batch.dp
     if cfg.plan.params:
         params, source = float(cfg.plan.params), "plan.params"
         flops, rule = 6.0 * params, "6·params"
     else:
-        vocab = cfg.model.vocab_size or _round_up(cfg.data.vocab_size, 64)
+        vocab = model_vocab_size(cfg.model, cfg.data.vocab_size)
         params, source = float(count_params(cfg.model, vocab).total), f"model {cfg.model.name}"
-        flops, rule = flops_per_token(cfg.model, vocab, seq_len), "6·matmul params + 12·L·H·Q·T"
+        flops, rule = flops_per_token(cfg.model, vocab, batch.seq_len), "6·matmul params + 12·L·H·Q·T"
     on_gpu = device_name is not None
     precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
     if cfg.plan.interconnect not in INTERCONNECTS:
-        raise ValueError(f"plan.interconnect={cfg.plan.interconnect!r}: expected one of {sorted(INTERCONNECTS)}")
+        raise ConfigError(f"plan.interconnect={cfg.plan.interconnect!r}: expected one of {', '.join(INTERCONNECTS)}")
     preset = INTERCONNECTS[cfg.plan.interconnect]
     alpha = preset.latency_us if cfg.plan.latency_us is None else cfg.plan.latency_us
     if cfg.plan.bandwidth_gbps:
@@ -204,17 +187,13 @@ def build_plan(
         link = replace(preset, latency_us=alpha)
     links = {**INTERCONNECTS, link.name: link}  # the chosen link replaces its preset, or joins as "measured"
     peak = cfg.metrics.peak_tflops or (peak_tflops(device_name) if on_gpu else None)
-    micro_tokens = cfg.data.micro_batch_size * seq_len
+    micro_tokens = batch.micro_batch_size * batch.seq_len
     return Plan(
         params=params,
         params_source=source,
         flops_per_token=flops,
         flops_rule=rule,
-        seq_len=seq_len,
-        global_batch_size=cfg.data.global_batch_size,
-        micro_batch_size=cfg.data.micro_batch_size,
-        grad_accum=grad_accum_steps(cfg.data.global_batch_size, cfg.data.micro_batch_size, n, cfg.data.grad_accum),
-        world_size=n,
+        batch=batch,
         zero_stage=cfg.parallel.zero_stage,
         precision=precision,
         memory={s: model_state_memory(params, n, s, precision) for s in ZERO_STAGES},
@@ -273,15 +252,10 @@ def render_plan(plan: Plan) -> str:
         f"Model: {_count(plan.params)} parameters ({plan.params_source}); "
         f"{_count(plan.flops_per_token)}FLOP per token ({plan.flops_rule})"
     )
-    out.print(
-        f"Batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} × grad_accum {plan.grad_accum} "
-        f"× dp {plan.world_size} sequences = {plan.global_batch_size * plan.seq_len:,} tokens per step "
-        f"(seq_len {plan.seq_len})"
-    )
-
-    chosen = Table(
-        title=f"Model state per rank, {_STAGE_NAMES[stage]} on {plan.world_size} ranks, {plan.precision.name}"
-    )
+    out.print(f"Batch: {plan.batch.equation()}")
+    p = plan.precision
+    out.print(f"Precision: {p.name} ({p.param_bytes} + {p.grad_bytes} + {p.optim_bytes} bytes per parameter)")
+    chosen = Table(title=f"Model state per rank: {_STAGE_NAMES[stage]} on {plan.batch.dp} ranks")
     for column in ("component", "bytes per model parameter", "per rank"):
         chosen.add_column(column, justify="left" if column == "component" else "right")
     mem = plan.memory[stage]
@@ -290,7 +264,7 @@ def render_plan(plan: Plan) -> str:
     chosen.add_row("total", f"{mem.total / plan.params:.4g}", _mem(mem.total))
     out.print(chosen)
 
-    stages = Table(title=f"Across ZeRO stages on {plan.world_size} ranks (model state only, no activations)")
+    stages = Table(title=f"Across ZeRO stages on {plan.batch.dp} ranks (model state only, no activations)")
     for column in ("stage", "parameters", "gradients", "optimizer", "total", "comm per step"):
         stages.add_column(column, justify="left" if column == "stage" else "right")
     for s in ZERO_STAGES:

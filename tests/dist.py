@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -20,11 +21,18 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the traceback travels to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
+
+
+def _to_bytes(value: Any) -> bytes:
+    """Results travel as bytes: tensors sent through a queue are shared-memory handles that die with the child."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
@@ -49,7 +57,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             for _ in range(world_size):
                 rank, ok, value = results.get(timeout=timeout)
                 if ok:
-                    out[rank] = value
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:
                     errors.append(f"rank {rank}:\n{value}")
                     break

@@ -4,46 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
 from ddptrain.config import ModelConfig
+from ddptrain.models.build import hf_config
 from ddptrain.models.flops import count_params, flops_per_token, llama_intermediate_size
 
 VOCAB = 96
 
 
-def hf_config(cfg: ModelConfig, vocab: int) -> PretrainedConfig:
-    """The transformers config for ``cfg``, resolving defaults as the model builder does."""
-    if cfg.arch == "gpt2":
-        return GPT2Config(
-            n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers,
-            n_head=cfg.num_heads,
-            n_inner=cfg.intermediate_size,
-            n_positions=cfg.max_position_embeddings,
-            vocab_size=vocab,
-            tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
-    return LlamaConfig(
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        intermediate_size=cfg.intermediate_size or llama_intermediate_size(cfg.hidden_size),
-        max_position_embeddings=cfg.max_position_embeddings,
-        vocab_size=vocab,
-        tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-
-
 def built_params(cfg: ModelConfig, vocab: int) -> int:
-    """Parameters of the real model, shared (tied) tensors counted once; on the meta device, so no memory."""
+    """Parameters of the model the builder makes, tied tensors counted once; on the meta device, so no memory."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab))
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab, eos_id=None))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -89,8 +62,3 @@ def test_flops_per_token_is_six_per_matmul_weight_plus_attention() -> None:
     cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=False)
     matmul_weights = count_params(cfg, VOCAB).non_embedding + VOCAB * 64
     assert flops_per_token(cfg, VOCAB, seq_len=32) == 6 * matmul_weights + 12 * 2 * 4 * 16 * 32
-
-
-def test_gpt2_rejects_grouped_query_attention() -> None:
-    with pytest.raises(ValueError, match="grouped-query"):
-        count_params(ModelConfig(arch="gpt2", num_heads=4, num_kv_heads=2), VOCAB)

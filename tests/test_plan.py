@@ -6,6 +6,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.config import Config
+from ddptrain.errors import ConfigError
 from ddptrain.plan import (
     FP32,
     INTERCONNECTS,
@@ -14,7 +15,6 @@ from ddptrain.plan import (
     allreduce_seconds,
     backward_seconds,
     build_plan,
-    grad_accum_steps,
     model_state_memory,
     render_plan,
     step_comm,
@@ -76,15 +76,6 @@ def test_backward_is_two_thirds_of_training_compute() -> None:
     assert backward_seconds(6e12, 1, peak_tflops=1.0, mfu=1.0) == pytest.approx(4.0)
 
 
-def test_grad_accum_is_derived_and_checked() -> None:
-    assert grad_accum_steps(64, 2, 8) == 4
-    assert grad_accum_steps(64, 2, 8, grad_accum=4) == 4
-    with pytest.raises(ValueError, match="not a multiple"):
-        grad_accum_steps(32, 8, 8)
-    with pytest.raises(ValueError, match="!="):
-        grad_accum_steps(64, 2, 8, grad_accum=2)
-
-
 def test_peak_lookup_by_cuda_device_name() -> None:
     assert peak_tflops(H100) == 989
     assert peak_tflops("NVIDIA H100 PCIe") == 756
@@ -112,13 +103,13 @@ def test_70b_on_8_gpus_planned_by_params_alone_renders() -> None:
     )
     plan = build_plan(cfg, world_size=8, device_name=H100)
     assert plan.flops_per_token == 6 * 70e9
-    assert plan.grad_accum == 4
+    assert plan.batch.grad_accum == 4
     assert plan.precision == MIXED_BF16
     assert plan.memory[3].total == pytest.approx(2 * 70e9)
     text = render_plan(plan)
     for line in (
         "70.00 G parameters (plan.params)",
-        "global 64 = micro 2 × grad_accum 4 × dp 8",
+        "global batch 64 = micro batch 2 x grad accum 4 x dp 8",
         "ZeRO-3 ←",
         "130.39 GiB",
         "Communication per rank per step: 367.50 GB",
@@ -145,3 +136,8 @@ def test_slow_link_cannot_hide_the_sync() -> None:
     plan = build_plan(cfg, world_size=8, device_name=H100)
     assert plan.overlap_ratio is not None and plan.overlap_ratio > 1
     assert "cannot hide" in render_plan(plan)
+
+
+def test_unknown_interconnect_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="carrier_pigeon"):
+        build_plan(config(**{"plan.interconnect": "carrier_pigeon"}), world_size=2, device_name=None)

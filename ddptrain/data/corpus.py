@@ -86,7 +86,7 @@ def _files_corpus(cfg: DataConfig) -> Corpus:
     extra = {"sample_by": "document"} if kind == "text" else {}
     try:
         ds = load_dataset(kind, data_files=[str(Path(p).absolute()) for p in cfg.paths], split="train", **extra)
-    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+    except Exception as exc:
         raise ConfigError(f"data.paths: cannot read as {kind}: {' '.join(str(exc).split())[:200]}") from exc
     digest = hashlib.sha256()
     for p in cfg.paths:
@@ -100,7 +100,7 @@ def _hub_corpus(cfg: DataConfig) -> Corpus:
 
     try:
         ds = load_dataset(cfg.name, cfg.subset, split=cfg.split)
-    except Exception as exc:  # noqa: BLE001 - offline, unknown name, no network: all one message
+    except Exception as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else type(exc).__name__
         raise ConfigError(f"data.name={cfg.name}: cannot load the hub data set ({why})") from exc
@@ -108,7 +108,7 @@ def _hub_corpus(cfg: DataConfig) -> Corpus:
     return Corpus(_text_column(ds, cfg, f"data.name={cfg.name}"), digest.hexdigest()[:16])
 
 
-def _text_column(ds, cfg: DataConfig, what: str) -> list[str]:  # noqa: ANN001 - a datasets.Dataset
+def _text_column(ds, cfg: DataConfig, what: str) -> list[str]:
     if cfg.text_field not in ds.column_names:
         raise ConfigError(f"data.text_field={cfg.text_field!r}: not a column of {what}; columns: {ds.column_names}")
     docs = [t for t in ds[cfg.text_field][: cfg.max_documents] if isinstance(t, str) and t.strip()]

@@ -39,7 +39,8 @@ def build_token_data(cfg: DataConfig) -> TokenData:
     train_docs, val_docs = split_documents(corpus.documents, cfg.val_fraction)
     cache_root = Path(cfg.cache_dir)
     if cfg.tokenizer is None:
-        tok = cached_bpe(train_docs, cfg.vocab_size, _writable(cache_root) / f"bpe-{corpus.fingerprint}-{cfg.vocab_size}")
+        bpe_dir = _writable(cache_root) / f"bpe-{corpus.fingerprint}-{cfg.vocab_size}"
+        tok = cached_bpe(train_docs, cfg.vocab_size, bpe_dir)
     else:
         tok = load_tokenizer(cfg.tokenizer)
     key = hashlib.sha256(
@@ -47,7 +48,8 @@ def build_token_data(cfg: DataConfig) -> TokenData:
     ).hexdigest()[:16]
     target = cache_root / f"packed-{key}"
     if not (target / "DONE").is_file():
-        log.info("tokenizing %d documents into %d-token blocks (cached in %s)", len(corpus.documents), cfg.seq_len, target)
+        log.info("tokenizing %d documents into %d-token blocks, cached in %s", len(corpus.documents), cfg.seq_len,
+                 target)
         _write_packed(target, tok, train_docs, val_docs, cfg.seq_len)
     train, val = load_from_disk(str(target / "train")), load_from_disk(str(target / "val"))
     return TokenData(train.with_format("torch"), val.with_format("torch"), len(tok), tok, target)
@@ -64,7 +66,7 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
 def tokenize_batch(batch: dict[str, list[str]], tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:
     eos = tokenizer.eos_token_id
     ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-    return {"ids": [x + [eos] for x in ids]}
+    return {"ids": [[*x, eos] for x in ids]}
 
 
 def pack_batch(batch: dict[str, list[list[int]]], seq_len: int) -> dict[str, list[list[int]]]:

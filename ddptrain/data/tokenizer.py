@@ -33,7 +33,7 @@ def train_bpe(documents: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means the directory holds no usable tokenizer
+    except Exception as exc:
         raise ConfigError(f"data.tokenizer={path}: not a tokenizer directory ({type(exc).__name__})") from exc
     if tok.eos_token_id is None:
         raise ConfigError(f"data.tokenizer={path}: the tokenizer has no end-of-text token")

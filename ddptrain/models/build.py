@@ -75,7 +75,7 @@ def _load_pretrained(name: str, data_vocab: int) -> PreTrainedModel:
     local = Path(name).exists()
     try:
         model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, torch_dtype=torch.float32)
-    except Exception as exc:  # noqa: BLE001 - missing files, offline hub, wrong format: one message
+    except Exception as exc:
         raise ConfigError(f"model.pretrained={name}: cannot load a causal LM ({type(exc).__name__})") from exc
     if model.get_input_embeddings().num_embeddings < data_vocab:
         raise ConfigError(

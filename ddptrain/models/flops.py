@@ -25,10 +25,6 @@ def llama_intermediate_size(hidden_size: int) -> int:
     return -(-8 * hidden_size // (3 * 32)) * 32
 
 
-def _kv_heads(model_cfg: ModelConfig) -> int:
-    return model_cfg.num_kv_heads or model_cfg.num_heads
-
-
 def count_params(model_cfg: ModelConfig, vocab_size: int) -> ParamCount:
     """Exact parameter count of the HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` this config builds."""
     h, layers, vocab = model_cfg.hidden_size, model_cfg.num_layers, vocab_size
@@ -36,13 +32,12 @@ def count_params(model_cfg: ModelConfig, vocab_size: int) -> ParamCount:
     if model_cfg.arch == "llama":
         head_dim = h // model_cfg.num_heads
         inter = model_cfg.intermediate_size or llama_intermediate_size(h)
-        attn = 2 * h * model_cfg.num_heads * head_dim + 2 * h * _kv_heads(model_cfg) * head_dim  # q, o; k, v
+        kv_heads = model_cfg.num_kv_heads or model_cfg.num_heads
+        attn = 2 * h * head_dim * (model_cfg.num_heads + kv_heads)  # q and o per head; k and v per kv head
         per_layer = attn + 3 * h * inter + 2 * h  # gate/up/down; two RMSNorm weights
         embedding = vocab * h + lm_head
         non_embedding = layers * per_layer + h  # + final RMSNorm
     elif model_cfg.arch == "gpt2":
-        if _kv_heads(model_cfg) != model_cfg.num_heads:
-            raise ValueError("gpt2 has no grouped-query attention: leave model.num_kv_heads unset")
         inter = model_cfg.intermediate_size or 4 * h
         attn = (h * 3 * h + 3 * h) + (h * h + h)  # c_attn, c_proj with biases
         mlp = (h * inter + inter) + (inter * h + h)  # c_fc, c_proj with biases

@@ -7,7 +7,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -52,8 +52,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     window_start, window_steps = _now(device), 0
     try:
         for step in range(1, cfg.train.steps + 1):
-            loss, grad_norm = train_step(ddp, model, optimizer, batches, plan.grad_accum, maybe_sync, autocast,
-                                         cfg.optim.grad_clip)
+            loss = accumulate_gradients(ddp, batches, plan.grad_accum, maybe_sync, autocast)
+            grad_norm = optimizer_step(model, optimizer, cfg.optim.grad_clip)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             window_steps += 1
@@ -83,27 +83,33 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     return summary
 
 
-def train_step(
-    ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: MicroBatches,
-    grad_accum: int, maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
-    grad_clip: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``grad_accum`` micro batches; gradients sync only on the last one.
+def accumulate_gradients(
+    ddp: torch.nn.Module, micro_batches: Iterator[torch.Tensor], grad_accum: int,
+    maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
+) -> torch.Tensor:
+    """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
 
-    Returns this rank's mean loss over its micro batches and the global gradient norm before clipping.
+    The loss is scaled by 1/grad_accum, so the synced ``.grad`` is the mean over the whole global batch.
+    Returns this rank's mean loss over its micro batches.
     """
-    loss_sum = torch.zeros((), device=next(model.parameters()).device)
+    loss_sum: torch.Tensor | None = None
     for micro in range(grad_accum):
-        ids = next(batches)
+        ids = next(micro_batches)
         with maybe_sync(micro == grad_accum - 1):
             with autocast:
                 loss = ddp(input_ids=ids, labels=ids).loss / grad_accum
             loss.backward()
-        loss_sum += loss.detach()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    assert loss_sum is not None
+    return loss_sum
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip to ``grad_clip`` global norm (0: no clipping), step, clear; returns the norm before clipping."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return grad_norm
 
 
 @torch.no_grad()
