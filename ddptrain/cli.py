@@ -68,6 +68,8 @@ def run_cli(argv: list[str]) -> int:
             return 0
         from ddptrain import launch
 
+        if cfg.launch.dry_run:
+            return launch.dry_run(cfg)
         if not launch.is_worker() and cfg.launch.nproc_per_node > 1:
             return launch.launch_workers(cfg, args.overrides)
         return launch.run_worker(cfg)

@@ -35,6 +35,20 @@ def typed_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     return typed, resolved
 
 
+def dry_run(cfg: DictConfig) -> int:
+    """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
+    import torch
+
+    from ddptrain.plan import build_plan, render_plan
+
+    typed, _ = typed_config(cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    if DistEnv.from_environ().is_main:
+        print(render_plan(build_plan(typed, world_size, device_name)))
+    return 0
+
+
 def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
     """``launch.nproc_per_node`` workers on this machine through torch.distributed.run (torchrun's own code).
 

@@ -1,0 +1,21 @@
+"""Run the real ``ddptrain`` command (directly or under torchrun) as a subprocess, offline, with a test cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+DDPTRAIN = [sys.executable, "-m", "ddptrain"]
+
+
+def run_cli(args: list[str], cwd: Path, cache: Path, timeout: float = 300, extra_env: dict | None = None,
+            torchrun_nproc: int | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[1]), **(extra_env or {})}
+    env.pop("DDPTRAIN_RUN_DIR", None)
+    prefix = [*TORCHRUN, f"--nproc-per-node={torchrun_nproc}", "-m", "ddptrain"] if torchrun_nproc else DDPTRAIN
+    return subprocess.run([*prefix, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)

@@ -1,0 +1,76 @@
+"""The command as a user runs it: the quickstart trains, ranks share a run dir, bad input fails fast everywhere."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli import run_cli
+
+SMALL = ["data.max_documents=120", "train.log_every=5"]
+
+
+def test_quickstart_trains_two_processes_and_the_loss_falls(tmp_path: Path) -> None:
+    result = run_cli(["+experiment=quickstart", "train.steps=60", "train.eval_every=30", *SMALL],
+                     cwd=tmp_path, cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "outputs").iterdir())
+    assert len(runs) == 1, f"expected one run dir shared by both ranks, got {runs}"
+    run = runs[0]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 16
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert all(key in m for m in metrics), key
+    # An untrained model predicts about uniformly: loss ~ ln(V) = 9.0 for the 8192-token BPE. Ending 2 nats
+    # below that means the right token gets e^2 ~ 7x the probability of a guess: learning, not noise.
+    chance = math.log(8192)
+    assert metrics[-1]["loss"] < chance - 2.0, [m["loss"] for m in metrics]
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
+    vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+    assert len(vals) == 2 and vals[-1] < chance - 2.0
+    assert (run / "config.yaml").is_file() and (run / "train.log").is_file()
+    assert "[rank 1]" not in (run / "train.log").read_text()
+
+
+def test_ranks_under_torchrun_share_one_run_dir(tmp_path: Path) -> None:
+    result = run_cli(["train.steps=2", "data.global_batch_size=4", "data.micro_batch_size=2", *SMALL],
+                     cwd=tmp_path, cache=tmp_path / "cache", torchrun_nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "outputs").iterdir())
+    assert len(runs) == 1, runs
+    assert json.loads((runs[0] / "summary.json").read_text())["world_size"] == 2
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
+    result = run_cli(["--cfg", "job", "+experiment=quickstart", "parallel.bucket_cap_mb=50"], cwd=tmp_path,
+                     cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    assert "bucket_cap_mb: 50.0" in result.stdout and "nproc_per_node: 2" in result.stdout
+    assert "hydra:" not in result.stdout
+
+
+BAD_INPUTS = [
+    (["optim.lrr=1"], "optim.lrr: Key 'lrr' not in 'OptimConfig'"),
+    (["train.steps=abc"], "train.steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["data.global_batch_size=10", "data.micro_batch_size=4"],
+     "data.global_batch_size=10 is not divisible by data.micro_batch_size=4 x dp=2 = 8"),
+    (["data=files", "data.paths=[/nonexistent/corpus.txt]"], "data.paths: /nonexistent/corpus.txt: no such file"),
+    (["model=gpt5"], "Could not find 'model/gpt5'; available: gpt2_small, llama_1b, llama_tiny"),
+    (["data=hub", "data.name=nobody/no-such-dataset"], "data.name=nobody/no-such-dataset: cannot load the hub"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS, ids=[b[1][:30] for b in BAD_INPUTS])
+def test_bad_input_fails_fast_with_one_line_on_every_rank(tmp_path: Path, overrides: list[str], message: str) -> None:
+    start = time.monotonic()
+    result = run_cli([*overrides, *SMALL], cwd=tmp_path, cache=tmp_path / "cache", timeout=120, torchrun_nproc=2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ddptrain: error:")]
+    assert len(errors) == 2, result.stderr[-3000:]  # one line from each rank
+    assert all(message in line for line in errors), errors
+    assert time.monotonic() - start < 60

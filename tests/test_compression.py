@@ -1,0 +1,166 @@
+"""Gradient compression hooks on 2 gloo ranks: exact bytes on the wire, averaged gradients, convergence, validation."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddptrain.config import ParallelConfig
+from ddptrain.parallel.compression import register_compression, validate_compression
+from tests.dist import run_distributed
+
+IN, HIDDEN, OUT = 32, 64, 16
+NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT  # 3152 parameters: one DDP bucket
+FP32_BYTES = 4 * NUMEL
+BYTE_CASES = {
+    "none": ParallelConfig(),
+    "fp16": ParallelConfig(compression="fp16"),
+    "bf16": ParallelConfig(compression="bf16"),
+    "powersgd": ParallelConfig(compression="powersgd", powersgd_start_iter=2),
+    "topk": ParallelConfig(compression="topk"),
+    "topk_all": ParallelConfig(compression="topk", topk_ratio=1.0),
+}
+CONVERGENCE_CASES = {
+    "none": ParallelConfig(),
+    "powersgd": ParallelConfig(compression="powersgd"),
+    "topk": ParallelConfig(compression="topk"),
+    "topk_no_feedback": ParallelConfig(compression="topk", error_feedback=False),
+}
+
+
+def _model() -> nn.Module:
+    """A two-layer linear network: both weights are matrices PowerSGD compresses, the biases it sends whole."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT))
+
+
+def _batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noisy samples of a fixed random linear map: learnable, with a loss floor of 0.1² = 0.01."""
+    teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(0)) / IN**0.5
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, IN, generator=gen)
+    return x, x @ teacher + 0.1 * torch.randn(size, OUT, generator=gen)
+
+
+def _sync_bytes(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Per case: bytes after a no_sync backward, (sent, uncompressed) per synced step, first step's gradients."""
+    out = {}
+    for name, cfg in BYTE_CASES.items():
+        ddp = DistributedDataParallel(_model())
+        meter = register_compression(ddp, cfg)
+        no_sync, steps = [], []
+        for step in range(3):
+            x, y = _batch(100 * step + rank, 16)
+            with ddp.no_sync():
+                nn.functional.mse_loss(ddp(x), y).backward()
+            no_sync.append(meter.comm_bytes)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            steps.append((meter.comm_bytes, meter.uncompressed_bytes))
+            if step == 0:
+                grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+            meter.reset()
+            ddp.zero_grad()
+        out[name] = {"no_sync": no_sync, "steps": steps, "grads": grads}
+    return out
+
+
+def _final_losses(rank: int, world_size: int, steps: int) -> dict[str, float]:
+    """Train each case with plain SGD on this rank's own data; return the loss on a shared held-out set."""
+    x_eval, y_eval = _batch(seed=7, size=4096)
+    losses = {}
+    for name, cfg in CONVERGENCE_CASES.items():
+        model = _model()
+        ddp = DistributedDataParallel(model)
+        meter = register_compression(ddp, cfg)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            x, y = _batch(1000 + world_size * step + rank, 32)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            meter.reset()
+        with torch.no_grad():
+            losses[name] = nn.functional.mse_loss(model(x_eval), y_eval).item()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def sync_bytes() -> dict[str, dict[str, Any]]:
+    ranks = run_distributed(_sync_bytes, 2)
+    assert all(ranks[0][name]["steps"] == ranks[1][name]["steps"] for name in BYTE_CASES)
+    return ranks[0]
+
+
+@pytest.fixture(scope="module")
+def final_losses() -> dict[str, float]:
+    return run_distributed(_final_losses, 2, 300)[0]
+
+
+def test_no_bytes_are_counted_under_no_sync(sync_bytes: dict) -> None:
+    assert all(result["no_sync"] == [0, 0, 0] for result in sync_bytes.values())
+
+
+def test_uncompressed_reference_is_the_fp32_bucket(sync_bytes: dict) -> None:
+    assert all(u == FP32_BYTES for result in sync_bytes.values() for _, u in result["steps"])
+    assert sync_bytes["none"]["steps"] == [(FP32_BYTES, FP32_BYTES)] * 3
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_half_precision_sends_exactly_half_and_averages(name: str, sync_bytes: dict) -> None:
+    assert sync_bytes[name]["steps"] == [(FP32_BYTES // 2, FP32_BYTES)] * 3
+    torch.testing.assert_close(sync_bytes[name]["grads"], sync_bytes["none"]["grads"], rtol=1e-2, atol=1e-3)
+
+
+def test_topk_sends_values_and_int32_indices_under_4_percent(sync_bytes: dict) -> None:
+    expected = (4 + 4) * math.ceil(0.01 * NUMEL)
+    assert sync_bytes["topk"]["steps"] == [(expected, FP32_BYTES)] * 3
+    assert expected / FP32_BYTES <= 0.04
+
+
+def test_topk_of_everything_is_the_exact_average(sync_bytes: dict) -> None:
+    torch.testing.assert_close(sync_bytes["topk_all"]["grads"], sync_bytes["none"]["grads"])
+
+
+def test_powersgd_sends_m_plus_n_times_rank_per_matrix_after_warmup(sync_bytes: dict) -> None:
+    rank = ParallelConfig().powersgd_rank
+    compressed = 4 * ((HIDDEN + IN) * rank + HIDDEN + (OUT + HIDDEN) * rank + OUT)  # biases: too small to compress
+    assert sync_bytes["powersgd"]["steps"] == [(FP32_BYTES, FP32_BYTES)] * 2 + [(compressed, FP32_BYTES)]
+
+
+def test_error_feedback_keeps_compressed_runs_within_2_percent(final_losses: dict[str, float]) -> None:
+    assert final_losses["powersgd"] <= 1.02 * final_losses["none"]
+    assert final_losses["topk"] <= 1.02 * final_losses["none"]
+
+
+def test_topk_without_error_feedback_is_at_least_twice_as_bad(final_losses: dict[str, float]) -> None:
+    assert final_losses["topk_no_feedback"] >= 2 * final_losses["none"]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ({"compression": "int8"}, "parallel.compression='int8'"),
+        ({"compression": "powersgd", "powersgd_rank": 0}, "parallel.powersgd_rank=0"),
+        ({"compression": "powersgd", "powersgd_start_iter": 1}, "parallel.powersgd_start_iter=1"),
+        (
+            {"compression": "powersgd", "powersgd_start_iter": 1, "error_feedback": False},
+            "parallel.powersgd_start_iter=1",  # warm start keeps per-bucket state too
+        ),
+        ({"compression": "topk", "topk_ratio": 0.0}, "parallel.topk_ratio=0.0"),
+        ({"compression": "topk", "topk_ratio": 1.5}, "parallel.topk_ratio=1.5"),
+    ],
+)
+def test_bad_settings_fail_naming_the_key(override: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(key)}"):
+        validate_compression(ParallelConfig(**override))
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd", "topk"])
+def test_default_settings_are_valid(compression: str) -> None:
+    validate_compression(ParallelConfig(compression=compression))
