@@ -58,7 +58,7 @@ def _ddp_grads(rank: int, world_size: int, grad_accum: int) -> dict:
 class _RecordAfter:
     """Wraps no_sync() and records the gradients as they stand when it exits (local, not yet averaged)."""
 
-    def __init__(self, inner, model: torch.nn.Module, out: dict) -> None:  # noqa: ANN001
+    def __init__(self, inner, model: torch.nn.Module, out: dict) -> None:
         self.inner, self.model, self.out = inner, model, out
 
     def __enter__(self) -> None:

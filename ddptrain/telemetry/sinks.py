@@ -87,7 +87,7 @@ class WandbSink:
                 config=config, dir=str(run_dir), mode=cfg.mode or os.environ.get("WANDB_MODE"),
                 settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever W&B says, the run goes on without it
             log.warning("W&B unavailable, continuing without it: %s", " ".join(str(exc).split())[:200])
             return None
         return cls(run)
