@@ -157,6 +157,16 @@ class MetricsConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over a few steady steps: a Chrome trace and a PNG timeline of one step."""
+
+    enabled: bool = False
+    wait: int = 5  # steps skipped before the profiler starts (warm-up, bucket rebuild)
+    warmup: int = 1
+    active: int = 2  # steps recorded
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -169,6 +179,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def register_schema() -> None:
