@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -16,6 +17,7 @@ from ddptrain.config import register_schema
 from ddptrain.errors import ConfigError, one_line
 
 CONFIG_DIR = Path(__file__).parent / "conf"
+ERROR_GRACE_S = 3.0
 log = logging.getLogger("ddptrain")
 
 
@@ -75,6 +77,10 @@ def run_cli(argv: list[str]) -> int:
         return launch.run_worker(cfg)
     except ConfigError as exc:
         print(f"ddptrain: error: {exc}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # The elastic agent stops every worker as soon as one exits: give the peers, which fail the same
+            # way, time to print their own line before this rank's exit triggers that.
+            time.sleep(ERROR_GRACE_S)
         return 2
 
 
