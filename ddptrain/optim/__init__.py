@@ -38,10 +38,18 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
-    )
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
+    """AdamW; at ZeRO stage 1 wrapped in ZeroRedundancyOptimizer, so each rank keeps 1/N of its state.
+
+    Build it after the model is wrapped: FSDP2 (stages 2-3) replaces parameters with sharded DTensors.
+    """
+    groups = param_groups(model.named_parameters(), cfg.weight_decay)
+    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    if zero_stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_multiplier(cfg: OptimConfig, steps: int) -> Callable[[int], float]:

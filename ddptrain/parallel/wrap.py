@@ -1,38 +1,80 @@
-"""wrap(model, cfg): the data-parallel wrapper chosen by ``parallel.*``, and how to skip gradient sync."""
+"""wrap_model(model, cfg): the data-parallel strategy chosen by ``parallel.*`` and how to skip gradient sync."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import ParallelConfig
 from ddptrain.errors import ConfigError
+from ddptrain.parallel.compression import CommMeter, register_compression, validate_compression
+from ddptrain.parallel.zero import ZERO_STAGES, fsdp_sync, shard_model
+
+
+@dataclass
+class Wrapped:
+    """What the training loop needs from a strategy."""
+
+    module: torch.nn.Module  # call this for forward: DDP, a from-scratch engine, or the FSDP2-sharded model
+    model: torch.nn.Module  # the underlying model (parameters, evaluation, export)
+    maybe_sync: Callable[[bool], AbstractContextManager]  # ctx(sync): skip gradient sync when sync is False
+    meter: CommMeter | None  # bytes the gradient hooks put on the wire (DDP-based strategies)
 
 
 def validate_parallel_config(cfg: ParallelConfig) -> None:
     if cfg.bucket_cap_mb <= 0:
         raise ConfigError(f"parallel.bucket_cap_mb={cfg.bucket_cap_mb}: expected a positive size in MB")
-    if cfg.engine != "torch":
-        from ddptrain.engines import ENGINES
+    if cfg.zero_stage not in ZERO_STAGES:
+        raise ConfigError(f"parallel.zero_stage={cfg.zero_stage}: expected 0, 1, 2 or 3")
+    try:
+        validate_compression(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if cfg.compression != "none" and cfg.zero_stage >= 2:
+        raise ConfigError(
+            f"parallel.compression={cfg.compression} cannot be combined with parallel.zero_stage={cfg.zero_stage}: "
+            "compression hooks belong to DDP, and stages 2-3 reduce-scatter through FSDP2"
+        )
+    if cfg.cpu_offload and cfg.zero_stage != 3:
+        raise ConfigError(f"parallel.cpu_offload=true needs parallel.zero_stage=3 (got {cfg.zero_stage})")
+    if cfg.engine == "torch":
+        if cfg.collective != "native":
+            raise ConfigError(
+                f"parallel.collective={cfg.collective} needs a from-scratch parallel.engine (torch DDP uses native)"
+            )
+        return
+    from ddptrain.engines import ENGINES
 
-        if cfg.engine not in ENGINES:
-            raise ConfigError(f"parallel.engine={cfg.engine!r}: expected one of torch, {', '.join(ENGINES)}")
+    if cfg.engine not in ENGINES:
+        raise ConfigError(f"parallel.engine={cfg.engine!r}: expected one of torch, {', '.join(ENGINES)}")
+    for key, value, default in (("zero_stage", cfg.zero_stage, 0), ("compression", cfg.compression, "none")):
+        if value != default:
+            raise ConfigError(
+                f"parallel.engine={cfg.engine} cannot be combined with parallel.{key}={value}: "
+                "ZeRO and compression hooks run on torch DDP (parallel.engine=torch)"
+            )
 
 
-def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> torch.nn.Module:
-    """torch DDP with its real knobs, or one of our from-scratch engines with the same contract."""
+def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
+    """torch DDP (stages 0-1, with its knobs and a compression hook), FSDP2 (stages 2-3), or our own engines."""
+    if cfg.zero_stage >= 2:
+        sharded = shard_model(model, cfg, device)
+        return Wrapped(sharded, model, partial(fsdp_sync, sharded), None)
     if cfg.engine != "torch":
         from ddptrain.engines import build_engine
 
-        return build_engine(
+        engine = build_engine(
             cfg.engine, model, bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=cfg.broadcast_buffers,
             collective=cfg.collective,
         )
-    return DistributedDataParallel(
+        return Wrapped(engine, model, _no_sync_of(engine), None)
+    ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb,
@@ -41,12 +83,11 @@ def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device
         find_unused_parameters=cfg.find_unused_parameters,
         forward_sync_buffers=cfg.broadcast_buffers,  # torch 2.13's name for broadcast_buffers
     )
+    return Wrapped(ddp, model, _no_sync_of(ddp), register_compression(ddp, cfg))
 
 
-def sync_context(model: torch.nn.Module) -> Callable[[bool], AbstractContextManager]:
-    """``ctx(sync)``: a no-op when this micro-step must synchronize gradients, ``no_sync()`` otherwise."""
-
+def _no_sync_of(module: torch.nn.Module) -> Callable[[bool], AbstractContextManager]:
     def ctx(sync: bool) -> AbstractContextManager:
-        return nullcontext() if sync else model.no_sync()  # type: ignore[operator]
+        return nullcontext() if sync else module.no_sync()  # type: ignore[operator]
 
     return ctx

@@ -14,14 +14,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.optim import build_optimizer, build_scheduler
-from ddptrain.parallel import sync_context, wrap_model
+from ddptrain.parallel import wrap_model
+from ddptrain.plan import FP32, model_state_memory
 from ddptrain.runtime import DistEnv, main_first, seed_everything
 from ddptrain.telemetry import Sinks
+from ddptrain.telemetry.memory import ModelStateProbe, device_memory
 
 log = logging.getLogger("ddptrain")
 
@@ -39,21 +42,31 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              len(data.train), len(data.val))
-    ddp = wrap_model(model, cfg.parallel, device)
-    maybe_sync = sync_context(ddp)
-    optimizer = build_optimizer(model, cfg.optim)
+    wrapped = wrap_model(model, cfg.parallel, device)
+    optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches)
     autocast = autocast_context(cfg.train.precision, device)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
+    probe = ModelStateProbe(model)
 
     history: list[dict[str, Any]] = []
+    model_state: dict[str, Any] = {}
     window_start, window_steps = _now(device), 0
     try:
         for step in range(1, cfg.train.steps + 1):
-            loss = accumulate_gradients(ddp, batches, plan.grad_accum, maybe_sync, autocast)
+            loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast)
+            if step == 1:
+                probe.after_backward()
             grad_norm = optimizer_step(model, optimizer, cfg.optim.grad_clip)
+            if step == 1:
+                probe.after_step(optimizer)
+                model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage)
+            comm_bytes = wrapped.meter.comm_bytes if wrapped.meter else None
+            comm_ratio = wrapped.meter.ratio if wrapped.meter else None
+            if wrapped.meter:
+                wrapped.meter.reset()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             window_steps += 1
@@ -70,6 +83,9 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 "tokens_per_s_per_rank": plan.tokens_per_step * window_steps / elapsed / env.world_size,
                 "tokens_seen": plan.tokens_per_step * step,
             }
+            if comm_bytes is not None:
+                metrics.update(comm_bytes=comm_bytes, compression_ratio=comm_ratio)
+            metrics.update(device_memory(device))
             if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 metrics["val_loss"] = evaluate(model, val, autocast)
             sinks.log(metrics)
@@ -78,6 +94,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     finally:
         sinks.close()
     summary = summarise(history, plan, env, n_params, cfg)
+    summary["model_state"] = model_state
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -105,11 +122,31 @@ def accumulate_gradients(
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
-    """Clip to ``grad_clip`` global norm (0: no clipping), step, clear; returns the norm before clipping."""
+    """Clip to ``grad_clip`` global norm (0: no clipping), step, clear; returns the norm before clipping.
+
+    With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards; its full value is returned.
+    """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+def report_model_state(held: dict[str, int], n_params: int, world_size: int, stage: int) -> dict[str, Any]:
+    """Measured model-state bytes of every rank next to the ZeRO formula for fp32 parameters + AdamW."""
+    per_rank: list[dict[str, int]] = [{}] * world_size
+    dist.all_gather_object(per_rank, held)
+    formula = model_state_memory(n_params, world_size, stage, FP32)
+    expected = {"parameters": formula.params, "gradients": formula.grads, "optimizer": formula.optimizer}
+    mine = per_rank[dist.get_rank()]
+    log.info(
+        "model state per rank (ZeRO-%d, %d ranks): %s",
+        stage, world_size,
+        ", ".join(f"{k} {mine[k] / 2**20:.2f} MiB (formula {expected[k] / 2**20:.2f})" for k in expected),
+    )
+    return {"zero_stage": stage, "formula_bytes": expected, "measured_bytes_per_rank": per_rank,
+            "formula": f"{FP32.param_bytes}Ψ params + {FP32.grad_bytes}Ψ grads + {FP32.optim_bytes}Ψ AdamW, "
+                       f"sharded per stage {stage}"}
 
 
 @torch.no_grad()
@@ -150,6 +187,8 @@ def summarise(history: list[dict[str, Any]], plan: BatchPlan, env: DistEnv, n_pa
         "model": cfg.model.name,
         "parameters": n_params,
         "engine": cfg.parallel.engine,
+        "zero_stage": cfg.parallel.zero_stage,
+        "compression": cfg.parallel.compression,
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,
