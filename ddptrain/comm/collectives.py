@@ -32,6 +32,7 @@ class _RingHandle:
 
 
 def validate_collective(name: str) -> None:
+    """Refuse an unknown ``parallel.collective`` with the key and the choices in the message."""
     if name not in COLLECTIVES:
         raise ValueError(f"parallel.collective={name!r}: expected one of {', '.join(COLLECTIVES)}")
 
