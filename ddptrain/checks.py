@@ -12,6 +12,8 @@ from ddptrain.errors import ConfigError
 from ddptrain.models import validate_model_config
 from ddptrain.optim import validate_optim_config
 from ddptrain.parallel import validate_parallel_config
+from ddptrain.telemetry.metrics import load_baseline
+from ddptrain.telemetry.profile import validate_profile_config
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -35,6 +37,10 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     validate_model_config(cfg.model, cfg.data.seq_len)
     validate_optim_config(cfg.optim, cfg.train.steps)
     validate_parallel_config(cfg.parallel)
+    validate_profile_config(cfg.profile, cfg.train.steps)
+    if cfg.metrics.sample_every < 1:
+        raise ConfigError(f"metrics.sample_every={cfg.metrics.sample_every}: expected a positive number of steps")
+    load_baseline(cfg.metrics.baseline)
     return BatchPlan.derive(
         cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, world_size, cfg.data.seq_len
     )

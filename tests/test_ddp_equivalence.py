@@ -11,7 +11,7 @@ import torch
 
 from ddptrain.config import Config, ModelConfig, ParallelConfig
 from ddptrain.models import build_model
-from ddptrain.parallel import sync_context, wrap_model
+from ddptrain.parallel import wrap_model
 from ddptrain.train.loop import accumulate_gradients
 from tests.dist import run_distributed
 
@@ -38,17 +38,17 @@ def _reference_grads(world_size: int) -> dict[str, torch.Tensor]:
 
 def _ddp_grads(rank: int, world_size: int, grad_accum: int) -> dict:
     model = _tiny_model(seed=rank)  # a different init on each rank: DDP's broadcast from rank 0 must fix it
-    ddp = wrap_model(model, ParallelConfig(), torch.device("cpu"))
+    wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
     shard = _global_batch(world_size)[rank * B : (rank + 1) * B]
     micro = iter(shard.chunk(grad_accum))
     seen_after_first: dict[str, torch.Tensor] = {}
 
     def maybe_sync(sync: bool):
         if not sync and not seen_after_first:
-            return _RecordAfter(sync_context(ddp)(False), model, seen_after_first)
-        return sync_context(ddp)(sync)
+            return _RecordAfter(wrapped.maybe_sync(False), model, seen_after_first)
+        return wrapped.maybe_sync(sync)
 
-    accumulate_gradients(ddp, micro, grad_accum, maybe_sync, nullcontext())
+    accumulate_gradients(wrapped.module, micro, grad_accum, maybe_sync, nullcontext())
     return {
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
         "local_after_first_micro": {n: g.clone() for n, g in seen_after_first.items()},

@@ -8,7 +8,10 @@ the training loop reads, and resets, after every optimizer step.
 # ``dist.GradBucket`` and ``Future[Tensor]`` types, and string annotations fail that check.
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,9 @@ class CommMeter:
 
     comm_bytes: int = 0
     uncompressed_bytes: int = 0
+    # Host clock (perf_counter) of each bucket's hook call and of its future's completion: on gloo the
+    # collective's real span; on NCCL the completion is when the work is enqueued, so spans are a lower bound.
+    spans: list[tuple[float, float]] = field(default_factory=list)
 
     def record(self, sent_bytes: int, bucket: torch.Tensor) -> None:
         """Charge one bucket's sync: what was sent, and what an uncompressed all-reduce of ``bucket`` would send."""
@@ -50,6 +56,35 @@ class CommMeter:
     def reset(self) -> None:
         self.comm_bytes = 0
         self.uncompressed_bytes = 0
+        self.spans.clear()
+
+    def comm_seconds(self) -> float:
+        """Wall time during which at least one gradient collective was in flight (union of the spans)."""
+        total, reach = 0.0, float("-inf")
+        for start, end in sorted(self.spans):
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        return total
+
+    def last_launch(self) -> float | None:
+        """When the last bucket became ready: the end of backward compute, as DDP sees it."""
+        return max((start for start, _ in self.spans), default=None)
+
+
+def _timed(hook: Callable[[Any, dist.GradBucket], Future[torch.Tensor]]) -> Callable[..., Future[torch.Tensor]]:
+    """The same hook, with the span from its call to its future's completion recorded on the meter."""
+
+    def timed(state: _State, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        start = time.perf_counter()
+
+        def done(fut: Future[torch.Tensor]) -> torch.Tensor:
+            state.meter.spans.append((start, time.perf_counter()))
+            return fut.value()
+
+        return hook(state, bucket).then(done)
+
+    return timed
 
 
 @dataclass
@@ -171,10 +206,10 @@ def register_compression(
     meter = CommMeter()
     match cfg.compression:
         case "none":
-            model.register_comm_hook(_State(process_group, meter), _allreduce_hook)
+            model.register_comm_hook(_State(process_group, meter), _timed(_allreduce_hook))
         case "fp16" | "bf16":
             dtype = torch.float16 if cfg.compression == "fp16" else torch.bfloat16
-            model.register_comm_hook(_CastState(process_group, meter, dtype), _cast_hook)
+            model.register_comm_hook(_CastState(process_group, meter, dtype), _timed(_cast_hook))
         case "powersgd":
             powersgd = PowerSGDState(
                 process_group,
@@ -183,8 +218,8 @@ def register_compression(
                 use_error_feedback=cfg.error_feedback,
                 warm_start=True,
             )
-            model.register_comm_hook(_PowerSGDState(process_group, meter, powersgd), _powersgd_hook)
+            model.register_comm_hook(_PowerSGDState(process_group, meter, powersgd), _timed(_powersgd_hook))
         case "topk":
             state = _TopKState(process_group, meter, cfg.topk_ratio, cfg.error_feedback)
-            model.register_comm_hook(state, _topk_hook)
+            model.register_comm_hook(state, _timed(_topk_hook))
     return meter

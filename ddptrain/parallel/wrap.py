@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from ddptrain.config import ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.compression import CommMeter, register_compression, validate_compression
 from ddptrain.parallel.zero import ZERO_STAGES, fsdp_sync, shard_model
+from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes
 
 
 @dataclass
@@ -24,6 +26,25 @@ class Wrapped:
     model: torch.nn.Module  # the underlying model (parameters, evaluation, export)
     maybe_sync: Callable[[bool], AbstractContextManager]  # ctx(sync): skip gradient sync when sync is False
     meter: CommMeter | None  # bytes the gradient hooks put on the wire (DDP-based strategies)
+
+    def take_sync_sample(self, backward_end: float, world_size: int) -> tuple[SyncSample | None, float | None]:
+        """The last step's gradient sync (bytes, time in flight, exposed time) and compression ratio; resets.
+
+        torch DDP: from the metered hook's spans; backward compute ends when the last bucket is launched.
+        Our engines: from their own ``comm_stats``. FSDP2 stages: not measured (None).
+        """
+        if self.meter is not None:
+            last_launch = self.meter.last_launch()
+            exposed = max(0.0, backward_end - last_launch) if last_launch is not None else 0.0
+            sample = SyncSample(self.meter.comm_bytes, self.meter.comm_seconds(), exposed)
+            ratio = self.meter.ratio
+            self.meter.reset()
+            return sample, ratio
+        stats = getattr(self.module, "comm_stats", None)
+        if stats is not None:
+            payload = payload_from_link_bytes(stats.bytes_sent, world_size)
+            return SyncSample(payload, stats.collective_s, stats.exposed_s), None
+        return None, None
 
 
 def validate_parallel_config(cfg: ParallelConfig) -> None:
@@ -74,15 +95,19 @@ def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device
             collective=cfg.collective,
         )
         return Wrapped(engine, model, _no_sync_of(engine), None)
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-        static_graph=cfg.static_graph,
-        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        find_unused_parameters=cfg.find_unused_parameters,
-        forward_sync_buffers=cfg.broadcast_buffers,  # torch 2.13's name for broadcast_buffers
-    )
+    with warnings.catch_warnings():
+        # torch 2.13 renames broadcast_buffers to forward_sync_buffers, which also syncs buffers at construction
+        # when False; we keep broadcast_buffers' exact meaning (no sync at all), as our engines do.
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            static_graph=cfg.static_graph,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            find_unused_parameters=cfg.find_unused_parameters,
+            broadcast_buffers=cfg.broadcast_buffers,
+        )
     return Wrapped(ddp, model, _no_sync_of(ddp), register_compression(ddp, cfg))
 
 

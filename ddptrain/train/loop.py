@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, closing, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +17,16 @@ from torch.distributed.tensor import DTensor
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.models import build_model, model_vocab_size
+from ddptrain.models.flops import flops_per_token
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import wrap_model
-from ddptrain.plan import FP32, model_state_memory
+from ddptrain.plan import FP32, model_state_memory, step_comm
 from ddptrain.runtime import DistEnv, main_first, seed_everything
 from ddptrain.telemetry import Sinks
-from ddptrain.telemetry.memory import ModelStateProbe, device_memory
+from ddptrain.telemetry.memory import ModelStateProbe
+from ddptrain.telemetry.metrics import StepMetrics, load_baseline, steady_medians
+from ddptrain.telemetry.profile import StepProfiler
+from ddptrain.telemetry.timers import StepTimer
 
 log = logging.getLogger("ddptrain")
 
@@ -37,8 +39,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     seed_everything(cfg.train.seed)
 
     data = main_first(env, lambda: build_token_data(cfg.data))
-    eos_id = data.tokenizer.eos_token_id if data.tokenizer is not None else None
-    model = build_model(cfg.model, model_vocab_size(cfg.model, data.vocab_size), eos_id).to(device)
+    vocab = model_vocab_size(cfg.model, data.vocab_size)
+    model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              len(data.train), len(data.val))
@@ -48,74 +50,64 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches)
     autocast = autocast_context(cfg.train.precision, device)
+    fpt = flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None else 6.0 * n_params
+    meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
+                        cfg.metrics.sample_every)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
 
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
-    window_start, window_steps = _now(device), 0
-    try:
+    with closing(sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(1, cfg.train.steps + 1):
-            loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast)
+            meter.start_step(step)
+            loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
+                                        meter.timer)
             if step == 1:
                 probe.after_backward()
-            grad_norm = optimizer_step(model, optimizer, cfg.optim.grad_clip)
+            with meter.timer.phase("optimizer"):
+                grad_norm = optimizer_step(model, optimizer, cfg.optim.grad_clip)
+            meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
             if step == 1:
                 probe.after_step(optimizer)
                 model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage)
-            comm_bytes = wrapped.meter.comm_bytes if wrapped.meter else None
-            comm_ratio = wrapped.meter.ratio if wrapped.meter else None
-            if wrapped.meter:
-                wrapped.meter.reset()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            window_steps += 1
+            profiler.step()
             if step % cfg.train.log_every and step != cfg.train.steps:
                 continue
-            elapsed = _now(device) - window_start
-            metrics = {
-                "step": step,
-                "loss": global_mean(loss),
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "step_time_s": elapsed / window_steps,
-                "tokens_per_s": plan.tokens_per_step * window_steps / elapsed,
-                "tokens_per_s_per_rank": plan.tokens_per_step * window_steps / elapsed / env.world_size,
-                "tokens_seen": plan.tokens_per_step * step,
-            }
-            if comm_bytes is not None:
-                metrics.update(comm_bytes=comm_bytes, compression_ratio=comm_ratio)
-            metrics.update(device_memory(device))
+            metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 metrics["val_loss"] = evaluate(model, val, autocast)
             sinks.log(metrics)
             history.append(metrics)
-            window_start, window_steps = _now(device), 0
-    finally:
-        sinks.close()
-    summary = summarise(history, plan, env, n_params, cfg)
-    summary["model_state"] = model_state
+            meter.restart_window()
+    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def accumulate_gradients(
-    ddp: torch.nn.Module, micro_batches: Iterator[torch.Tensor], grad_accum: int,
+    module: torch.nn.Module, micro_batches: Iterator[torch.Tensor], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
+    timer: StepTimer | None = None,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
 
     The loss is scaled by 1/grad_accum, so the synced ``.grad`` is the mean over the whole global batch.
     Returns this rank's mean loss over its micro batches.
     """
+    phase = timer.phase if timer is not None else (lambda _: nullcontext())
     loss_sum: torch.Tensor | None = None
     for micro in range(grad_accum):
-        ids = next(micro_batches)
+        with phase("data"):
+            ids = next(micro_batches)
         with maybe_sync(micro == grad_accum - 1):
-            with autocast:
-                loss = ddp(input_ids=ids, labels=ids).loss / grad_accum
-            loss.backward()
+            with phase("forward"), autocast:
+                loss = module(input_ids=ids, labels=ids).loss / grad_accum
+            with phase("backward"):
+                loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     assert loss_sum is not None
     return loss_sum
@@ -179,11 +171,14 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def summarise(history: list[dict[str, Any]], plan: BatchPlan, env: DistEnv, n_params: int, cfg: Config) -> dict:
-    """End-of-run figures; throughput is the median over logged windows after the first (warm-up)."""
-    steady = history[1:] or history
-    summary: dict[str, Any] = {
-        "world_size": env.world_size,
+def summarise(
+    history: list[dict[str, Any]], plan: BatchPlan, n_params: int, fpt: float, peak: float | None, cfg: Config,
+    model_state: dict[str, Any],
+) -> dict[str, Any]:
+    """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions."""
+    predicted_comm = step_comm(n_params, plan.dp, cfg.parallel.zero_stage, FP32)
+    return {
+        "world_size": plan.dp,
         "model": cfg.model.name,
         "parameters": n_params,
         "engine": cfg.parallel.engine,
@@ -197,13 +192,13 @@ def summarise(history: list[dict[str, Any]], plan: BatchPlan, env: DistEnv, n_pa
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
         "final_val_loss": next((m["val_loss"] for m in reversed(history) if "val_loss" in m), None),
-        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady) if steady else None,
-        "step_time_s": statistics.median(m["step_time_s"] for m in steady) if steady else None,
+        **(steady_medians(history) if history else {}),
+        "flops_per_token": fpt,
+        "peak_tflops": peak,
+        "predicted": {
+            # All-reduce of fp32 gradients: payload S = 4Ψ; each rank sends 2(N-1)/N·S (what the plan prints).
+            "comm_payload_bytes": 4.0 * n_params if cfg.parallel.zero_stage < 2 and plan.dp > 1 else None,
+            "comm_link_bytes_per_rank": predicted_comm.nbytes,
+        },
+        "model_state": model_state,
     }
-    return summary
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

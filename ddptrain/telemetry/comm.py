@@ -1,0 +1,42 @@
+"""Gradient-sync figures of one step: payload bytes, time in flight, exposed time, overlap, algbw and busbw.
+
+Bandwidths follow nccl-tests: algbw = S / t for an all-reduce of S bytes taking t; busbw = algbw · 2(N-1)/N,
+the rate each link must sustain, comparable across world sizes and with the hardware's peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SyncSample:
+    payload_bytes: float  # S: bytes handed to the collectives (compressed when compression is on)
+    comm_s: float  # wall time with at least one gradient collective in flight
+    exposed_s: float  # time backward waited for sync after its compute ended (logged as time_exposed_comm_s)
+
+
+def busbw_factor(world_size: int) -> float:
+    return 2 * (world_size - 1) / world_size if world_size > 1 else 0.0
+
+
+def payload_from_link_bytes(link_bytes: float, world_size: int) -> float:
+    """An all-reduce engine's per-rank link bytes 2(N-1)/N·S back to its payload S."""
+    factor = busbw_factor(world_size)
+    return link_bytes / factor if factor else 0.0
+
+
+def sync_metrics(samples: list[SyncSample], world_size: int) -> dict[str, float]:
+    """Per-step means over a window's samples, as the metrics keys the sinks log."""
+    if not samples:
+        return {}
+    n = len(samples)
+    payload = sum(s.payload_bytes for s in samples) / n
+    comm = sum(s.comm_s for s in samples) / n
+    exposed = sum(s.exposed_s for s in samples) / n
+    out = {"comm_bytes": payload, "comm_time_s": comm}
+    if comm > 0:
+        out["overlap_pct"] = 100.0 * max(0.0, 1.0 - exposed / comm)
+        out["algbw_gbps"] = payload / comm / 1e9
+        out["busbw_gbps"] = out["algbw_gbps"] * busbw_factor(world_size)
+    return out

@@ -1,0 +1,115 @@
+"""The metrics processor: turns a logging window of steps into the figures we log and summarise.
+
+Throughput (tokens/s global and per rank), achieved TFLOP/s and MFU, the step breakdown, gradient-sync
+bytes / time / exposure / overlap / bus bandwidth, memory, and scaling efficiency against a baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddptrain.data import BatchPlan
+from ddptrain.errors import ConfigError
+from ddptrain.telemetry.comm import SyncSample, sync_metrics
+from ddptrain.telemetry.memory import device_memory
+from ddptrain.telemetry.peak import mfu, peak_tflops
+from ddptrain.telemetry.timers import StepTimer
+
+
+def load_baseline(value: str | None) -> float | None:
+    """Single-rank tokens/s: a number, or a run directory whose summary.json holds ``tokens_per_s_per_rank``."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    summary = Path(value) / "summary.json"
+    try:
+        tps = json.loads(summary.read_text())["tokens_per_s_per_rank"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"metrics.baseline={value}: expected tokens/s or a run directory with a summary.json ({exc})"
+        ) from exc
+    if not tps or tps <= 0:
+        raise ConfigError(f"metrics.baseline={value}: {summary} holds no positive tokens_per_s_per_rank")
+    return float(tps)
+
+
+class StepMetrics:
+    """Collects each step's timing and sync sample; ``window()`` reduces them to one metrics record."""
+
+    def __init__(
+        self, plan: BatchPlan, device: torch.device, flops_per_token: float, peak: float | None,
+        baseline: float | None, sample_every: int,
+    ) -> None:
+        self.plan, self.device = plan, device
+        self.flops_per_token = flops_per_token
+        self.peak = peak if peak is not None else (
+            peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        )
+        self.baseline = baseline
+        self.timer = StepTimer(device, sample_every)
+        self.samples: list[SyncSample] = []
+        self.compression_ratio: float | None = None
+        self._start, self._steps = self._clock(), 0
+
+    def start_step(self, step: int) -> None:
+        self.timer.start_step(step)
+
+    def end_step(self, sample: SyncSample | None, compression_ratio: float | None) -> None:
+        if sample is not None and self.timer.active:
+            self.timer.add("backward", -sample.exposed_s)  # backward's wall time = compute + exposed sync
+            self.timer.add("exposed_comm", sample.exposed_s)
+            self.samples.append(sample)
+        self.compression_ratio = compression_ratio
+        self.timer.end_step()
+        self._steps += 1
+
+    def window(self, step: int, loss: float, lr: float, grad_norm: float) -> dict[str, Any]:
+        """The record for the steps since the last window (wall clock, evaluation excluded)."""
+        elapsed = self._clock() - self._start
+        dp = self.plan.dp
+        tokens_per_s = self.plan.tokens_per_step * self._steps / elapsed
+        metrics: dict[str, Any] = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "step_time_s": elapsed / self._steps,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": tokens_per_s / dp,
+            "tokens_seen": self.plan.tokens_per_step * step,
+            "tflops_per_rank": self.flops_per_token * tokens_per_s / dp / 1e12,
+        }
+        if (utilisation := mfu(metrics["tflops_per_rank"], self.peak)) is not None:
+            metrics["mfu_pct"] = 100.0 * utilisation
+        if self.baseline:
+            metrics["scaling_efficiency"] = tokens_per_s / (dp * self.baseline)
+        metrics.update(self.timer.window())
+        metrics.update(sync_metrics(self.samples, dp))
+        if self.compression_ratio is not None:
+            metrics["compression_ratio"] = self.compression_ratio
+        metrics.update(device_memory(self.device))
+        self.samples.clear()
+        return metrics
+
+    def restart_window(self) -> None:
+        """Start the next window now (after logging and evaluation, which are not training time)."""
+        self._start, self._steps = self._clock(), 0
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def steady_medians(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Median of every numeric metric over the logged windows after the first (warm-up: bucket rebuild, caches)."""
+    steady = history[1:] or history
+    skip = {"step", "tokens_seen", "loss", "val_loss", "lr", "grad_norm"}  # not steady-state quantities
+    keys = [k for k, v in steady[-1].items() if isinstance(v, int | float) and k not in skip]
+    return {k: statistics.median(m[k] for m in steady if k in m) for k in keys}

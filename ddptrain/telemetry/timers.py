@@ -1,0 +1,69 @@
+"""Where a step's time goes: data wait, forward, backward compute, exposed communication, optimizer.
+
+Host clock (perf_counter). On CUDA a sampled step synchronizes the device at each phase boundary so the
+host clock sees the device's work; that is why timing is sampled every ``metrics.sample_every`` steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class StepTimer:
+    """Accumulates phase durations over the sampled steps of one logging window."""
+
+    def __init__(self, device: torch.device, sample_every: int) -> None:
+        self.device = device
+        self.sample_every = max(1, sample_every)
+        self.active = False
+        self.totals: dict[str, float] = defaultdict(float)
+        self.sampled_steps = 0
+        self.backward_end = 0.0  # when the last (synchronizing) backward returned
+        self._step_start = 0.0
+
+    def now(self) -> float:
+        if self.active and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start_step(self, step: int) -> None:
+        self.active = step % self.sample_every == 0
+        if self.active:
+            self._step_start = self.now()
+
+    def end_step(self) -> None:
+        if self.active:
+            self.totals["step"] += self.now() - self._step_start
+            self.sampled_steps += 1
+            self.active = False
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        start = self.now()
+        yield
+        end = self.now()
+        self.totals[name] += end - start
+        if name == "backward":
+            self.backward_end = end
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.active:
+            self.totals[name] += seconds
+
+    def window(self) -> dict[str, float]:
+        """Mean seconds per sampled step of each phase since the last call; then start a new window."""
+        n = self.sampled_steps
+        out = {f"time_{k}_s": v / n for k, v in self.totals.items()} if n else {}
+        self.totals.clear()
+        self.sampled_steps = 0
+        return out

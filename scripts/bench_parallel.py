@@ -1,0 +1,101 @@
+"""Step time and model-state memory per ZeRO stage and per gradient compression, as ratios to DDP.
+
+Runs every variant through the real training loop inside one torchrun job, interleaved over repeats
+(A B C ... A B C ...), and reports medians, so machine noise hits every variant alike:
+
+    torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --repeats 3 --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ddptrain.config import Config
+from ddptrain.runtime import DistEnv
+from ddptrain.train import train
+
+VARIANTS: dict[str, dict] = {
+    "DDP (stage 0)": {},
+    "ZeRO-1": {"zero_stage": 1},
+    "ZeRO-2": {"zero_stage": 2},
+    "ZeRO-3": {"zero_stage": 3},
+    "fp16": {"compression": "fp16"},
+    "bf16": {"compression": "bf16"},
+    "powersgd r=4": {"compression": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
+    "topk 1%": {"compression": "topk", "topk_ratio": 0.01},
+}
+
+
+def config(steps: int, out: Path, parallel: dict) -> Config:
+    cfg = OmegaConf.structured(Config)
+    cfg.data.update(max_documents=300, seq_len=128, global_batch_size=16, micro_batch_size=8)
+    cfg.train.update(steps=steps, log_every=2, eval_every=0)
+    cfg.logger.update(progress=False, jsonl=False)
+    cfg.parallel.update(parallel)
+    cfg.data.cache_dir = str(out / "cache")
+    return OmegaConf.to_object(cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    env = DistEnv.from_environ()
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(tempfile.gettempdir()) / "ddptrain-bench-parallel"
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    state: dict[str, dict] = {}
+    comm: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for name, parallel in VARIANTS.items():
+            run_dir = out / name.replace(" ", "_")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            summary = train(config(args.steps, out, parallel), env, torch.device("cpu"), run_dir, {})
+            times[name].append(summary["step_time_s"])
+            state[name] = summary["model_state"]
+            comm[name] = summary.get("comm_bytes", float("nan"))
+    if env.is_main:
+        print(report(times, state, comm, args))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(times: dict[str, list[float]], state: dict[str, dict], comm: dict[str, float],
+           args: argparse.Namespace) -> str:
+    base_t = statistics.median(times["DDP (stage 0)"])
+    base_m = _max_total(state["DDP (stage 0)"])
+    lines = [
+        f"world size {dist.get_world_size()}, {args.repeats} interleaved repeats x {args.steps} steps, medians",
+        "",
+        "| variant | step time (ms) | vs DDP | model state / rank (MiB, max over ranks) | vs DDP | formula (MiB) "
+        "| gradient bytes sent / step / rank | vs DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in VARIANTS:
+        t = statistics.median(times[name])
+        m = _max_total(state[name])
+        formula = sum(state[name]["formula_bytes"].values()) / 2**20
+        sent = comm[name]
+        base_sent = comm["DDP (stage 0)"]
+        sent_cells = "n/a (FSDP2) | n/a" if sent != sent else f"{sent / 2**20:.3f} MiB | {sent / base_sent:.3f}x"
+        lines.append(f"| {name} | {t * 1e3:.0f} | {t / base_t:.2f}x | {m / 2**20:.2f} | {m / base_m:.2f}x "
+                     f"| {formula:.2f} | {sent_cells} |")
+    return "\n".join(lines)
+
+
+def _max_total(model_state: dict) -> float:
+    return max(sum(rank.values()) for rank in model_state["measured_bytes_per_rank"])
+
+
+if __name__ == "__main__":
+    main()
