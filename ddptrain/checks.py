@@ -14,6 +14,7 @@ from ddptrain.optim import validate_optim_config
 from ddptrain.parallel import validate_parallel_config
 from ddptrain.telemetry.metrics import load_baseline
 from ddptrain.telemetry.profile import validate_profile_config
+from ddptrain.train.control import validate_nan_policy
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -38,6 +39,9 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     validate_optim_config(cfg.optim, cfg.train.steps)
     validate_parallel_config(cfg.parallel)
     validate_profile_config(cfg.profile, cfg.train.steps)
+    validate_nan_policy(cfg.train.nan_policy)
+    if cfg.launch.stop_grace_s <= 0:
+        raise ConfigError(f"launch.stop_grace_s={cfg.launch.stop_grace_s}: expected a positive number of seconds")
     if cfg.metrics.sample_every < 1:
         raise ConfigError(f"metrics.sample_every={cfg.metrics.sample_every}: expected a positive number of steps")
     load_baseline(cfg.metrics.baseline)

@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.config import register_schema
-from ddptrain.errors import ConfigError, one_line
+from ddptrain.errors import ConfigError, RunEnded, one_line
 
 CONFIG_DIR = Path(__file__).parent / "conf"
 ERROR_GRACE_S = 3.0
@@ -75,6 +75,9 @@ def run_cli(argv: list[str]) -> int:
         if not launch.is_worker() and cfg.launch.nproc_per_node > 1:
             return launch.launch_workers(cfg, args.overrides)
         return launch.run_worker(cfg)
+    except RunEnded as exc:
+        print(f"ddptrain: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except ConfigError as exc:
         print(f"ddptrain: error: {exc}", file=sys.stderr, flush=True)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -115,6 +115,8 @@ class TrainConfig:
     eval_batches: int = 8  # micro batches per rank per evaluation
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    resume: str | None = None  # auto (latest checkpoint in this run dir, if any) | a checkpoint or run dir | null
+    nan_policy: str = "abort"  # non-finite loss or gradients: skip the update (every rank alike) | abort the run
 
 
 @dataclass
@@ -122,6 +124,7 @@ class LaunchConfig:
     nproc_per_node: int = 1  # >1 without torchrun: start the workers through torch's elastic launcher
     max_restarts: int = 0
     dry_run: bool = False  # print the plan (batch, memory, communication) and exit without training
+    stop_grace_s: float = 25.0  # after SIGTERM, a rank that cannot reach a step boundary exits after this long
 
 
 @dataclass
@@ -133,9 +136,10 @@ class DistConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_n_steps: int = 0  # 0: only at the end of training
+    every_n_steps: int = 0  # 0: only at the end of training (and when stopped by SIGTERM/SIGINT)
     keep_last: int = 2
     dir: str = "checkpoints"  # relative to the run directory
+    export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
 
 
 @dataclass

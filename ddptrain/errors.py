@@ -10,6 +10,14 @@ class ConfigError(Exception):
     """Bad input from the user. The CLI prints it as one line and exits non-zero on every rank."""
 
 
+class RunEnded(Exception):
+    """The run ended early on purpose (a requested stop, an aborted non-finite step); the message says why."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def one_line(exc: BaseException) -> str:
     """Condense a Hydra/OmegaConf composition error (several lines, a wrapped cause) into one line."""
     if isinstance(exc, MissingConfigException):

@@ -54,6 +54,7 @@ def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
 
     The run directory is fixed here, once, so every worker and every restart writes to the same place.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -74,6 +75,10 @@ def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
         rank, failure = exc.get_first_failure()
         print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
+    except SignalException as exc:
+        print(f"ddptrain: stopped by {exc.sigval.name}; workers were asked to checkpoint and exit "
+              f"(run dir {os.environ['DDPTRAIN_RUN_DIR']}; continue with train.resume=auto)", file=sys.stderr)
+        return 128 + exc.sigval.value
     return 0
 
 

@@ -11,11 +11,21 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 DDPTRAIN = [sys.executable, "-m", "ddptrain"]
 
 
+def test_env(cache: Path, extra_env: dict | None = None) -> dict[str, str]:
+    """The environment of a CLI run under test: offline, its own data cache, no inherited run dir or fault."""
+    env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[1])}
+    for key in ("DDPTRAIN_RUN_DIR", "DDPTRAIN_FAULT"):
+        env.pop(key, None)
+    return {**env, **(extra_env or {})}
+
+
+test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
 def run_cli(args: list[str], cwd: Path, cache: Path, timeout: float = 300, extra_env: dict | None = None,
             torchrun_nproc: int | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[1]), **(extra_env or {})}
-    env.pop("DDPTRAIN_RUN_DIR", None)
+    env = test_env(cache, extra_env)
     prefix = [*TORCHRUN, f"--nproc-per-node={torchrun_nproc}", "-m", "ddptrain"] if torchrun_nproc else DDPTRAIN
     return subprocess.run([*prefix, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)

@@ -1,5 +1,5 @@
 """The training loop."""
 
-from ddptrain.train.loop import train
+from ddptrain.train.loop import NonFiniteError, Stopped, train
 
-__all__ = ["train"]
+__all__ = ["NonFiniteError", "Stopped", "train"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, closing, nullcontext
 from pathlib import Path
@@ -13,9 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM
 
+from ddptrain.checkpoint import Checkpointer, TrainState
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
+from ddptrain.errors import RunEnded
+from ddptrain.faults import inject, poison_loss
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -27,6 +34,7 @@ from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics, load_baseline, steady_medians
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.telemetry.timers import StepTimer
+from ddptrain.train.control import StopRequest, agree
 
 log = logging.getLogger("ddptrain")
 
@@ -48,6 +56,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, cfg.parallel.zero_stage)
+    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches)
     autocast = autocast_context(cfg.train.precision, device)
     fpt = flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None else 6.0 * n_params
@@ -55,37 +65,119 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                         cfg.metrics.sample_every)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
+    stop = StopRequest(cfg.launch.stop_grace_s)
+
+    def save(step: int) -> None:
+        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.batches_in_epoch *
+                           plan.micro_batch_size * plan.dp, plan.dp, plan.global_batch_size, cfg.parallel.zero_stage)
+        checkpointer.save(state, model, optimizer)
 
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
+    skipped = 0
     with closing(sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(start + 1, cfg.train.steps + 1):
             meter.start_step(step)
             loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
                                         meter.timer)
-            if step == 1:
+            if poison_loss(step, env.rank):
+                loss = loss * float("nan")
+            if step == start + 1:
                 probe.after_backward()
             with meter.timer.phase("optimizer"):
-                grad_norm = optimizer_step(model, optimizer, cfg.optim.grad_clip)
+                grad_norm = clip_gradients(model, cfg.optim.grad_clip)
+                stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
+                if nonfinite and cfg.train.nan_policy == "abort":
+                    raise NonFiniteError(f"non-finite loss or gradients at step {step} (train.nan_policy=abort); "
+                                         "no checkpoint was written for it")
+                if nonfinite:
+                    skipped += 1
+                    log.warning("non-finite loss or gradients at step %d: update skipped on every rank", step)
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
-            if step == 1:
+            if step == start + 1:
                 probe.after_step(optimizer)
                 model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             profiler.step()
+            inject("step", step, env.rank)
+            if stopping or step == cfg.train.steps or (cfg.checkpoint.every_n_steps and
+                                                      step % cfg.checkpoint.every_n_steps == 0):
+                save(step)
+            if stopping:
+                stop.restore()
+                raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
+                              f"in {checkpointer.root}; continue with train.resume=auto", stop.signum)
             if step % cfg.train.log_every and step != cfg.train.steps:
                 continue
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
+            metrics["skipped_steps"] = skipped
             if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 metrics["val_loss"] = evaluate(model, val, autocast)
             sinks.log(metrics)
             history.append(metrics)
             meter.restart_window()
+    stop.restore()
+    if cfg.checkpoint.export:
+        fresh = AutoModelForCausalLM.from_config(model.config)
+        checkpointer.export(model, fresh, data.tokenizer, run_dir / "model")
     summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+class Stopped(RunEnded):
+    """A requested stop (SIGTERM/SIGINT) completed: the checkpoint is safe, the process exits 128 + signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message, 128 + signum)
+
+
+class NonFiniteError(RunEnded):
+    """train.nan_policy=abort met a non-finite loss or gradient (decided alike on every rank)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 3)
+
+
+def resume_target(configured: str | None) -> str | None:
+    """``train.resume``, except that a worker restarted by the elastic agent always continues (auto)."""
+    if configured is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        log.warning("restarted by the elastic agent: resuming from the latest checkpoint (train.resume=auto)")
+        return "auto"
+    return configured
+
+
+def resume(
+    checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR, batches: MicroBatches, plan: BatchPlan,
+) -> int:
+    """Load the checkpoint ``train.resume`` names (if any); returns the step to continue after."""
+    checkpointer.remove_partial()
+    path = checkpointer.resolve(resume_from)
+    if path is None:
+        if resume_from == "auto":
+            log.info("train.resume=auto: no checkpoint in %s, starting from step 0", checkpointer.root)
+        return 0
+    state = checkpointer.load(path, model, optimizer)
+    scheduler.load_state_dict(state.scheduler)
+    per_step = plan.micro_batch_size * plan.dp
+    if state.samples_in_epoch % per_step:
+        log.warning("data position %d is not a multiple of %d sequences per micro-step: rounding down",
+                    state.samples_in_epoch, per_step)
+    batches.load_state_dict({"epoch": state.epoch, "batches_in_epoch": state.samples_in_epoch // per_step})
+    if state.world_size != plan.dp:
+        log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
+                    plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
+    if state.global_batch_size != plan.global_batch_size:
+        log.warning("the checkpoint trained with a global batch of %d; continuing with %d",
+                    state.global_batch_size, plan.global_batch_size)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state.step
 
 
 def accumulate_gradients(
@@ -113,15 +205,17 @@ def accumulate_gradients(
     return loss_sum
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
-    """Clip to ``grad_clip`` global norm (0: no clipping), step, clear; returns the norm before clipping.
+def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
+    """Clip to ``grad_clip`` global norm (0: no clipping); returns the norm before clipping.
 
     With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards; its full value is returned.
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+def _finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    return bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
 
 
 def report_model_state(held: dict[str, int], n_params: int, world_size: int, stage: int) -> dict[str, Any]:

@@ -1,0 +1,40 @@
+"""Fault injection for the reliability tests, driven by ``DDPTRAIN_FAULT``; does nothing when it is unset.
+
+Format ``KIND@POINT:STEP[:RANK]``: KIND is kill (SIGKILL this process), hang (stop making progress) or nan
+(poison this rank's loss); POINT is ``step`` (after optimizer step STEP) or ``save`` (while the checkpoint of
+STEP is half written, before its commit). RANK defaults to 0. Example: ``DDPTRAIN_FAULT=kill@save:6``.
+The fault fires only in the first attempt of a run (``TORCHELASTIC_RESTART_COUNT`` 0), so restarts recover.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def _fault() -> tuple[str, str, int, int] | None:
+    spec = os.environ.get("DDPTRAIN_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    kind, _, where = spec.partition("@")
+    point, step, *rank = where.split(":")
+    return kind, point, int(step), int(rank[0]) if rank else 0
+
+
+def inject(point: str, step: int, rank: int) -> None:
+    """Kill or hang here if ``DDPTRAIN_FAULT`` names this point, step and rank."""
+    fault = _fault()
+    if fault is None or fault[1:] != (point, step, rank):
+        return
+    if fault[0] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault[0] == "hang":
+        while True:
+            time.sleep(1)
+
+
+def poison_loss(step: int, rank: int) -> bool:
+    """True when this rank's loss of ``step`` must become NaN."""
+    fault = _fault()
+    return fault is not None and fault[0] == "nan" and fault[2:] == (step, rank)

@@ -1,0 +1,155 @@
+"""Nothing lost, nothing hung: exact resume after kills, elastic restarts, preemption, dead ranks, NaNs, export."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from tests.cli import DDPTRAIN, run_cli, test_env
+
+RUN = ["launch.nproc_per_node=2", "train.steps=5", "train.log_every=1", "train.eval_every=0", "logger.progress=false",
+       "data.max_documents=60", "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_len=64",
+       "model.num_layers=2", "model.hidden_size=64", "checkpoint.every_n_steps=2"]
+STRATEGIES = {"ddp": [], "zero3": ["parallel.zero_stage=3"]}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict[str, Path]:
+    out = {}
+    for name, extra in STRATEGIES.items():
+        run = tmp_path_factory.mktemp(f"ref-{name}")
+        result = run_cli([*RUN, *extra, f"hydra.run.dir={run}"], cwd=run, cache=cache)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[name] = run
+    return out
+
+
+def _weights(run: Path) -> dict:
+    return load_file(run / "model" / "model.safetensors")
+
+
+def _assert_bitwise_equal(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not (wa[k] == wb[k]).all()]
+    assert not different, f"weights differ after resume: {different[:5]}"
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("fault", ["kill@step:3", "kill@save:4"], ids=["between-steps", "during-save"])
+def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
+    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path], strategy: str, fault: str
+) -> None:
+    args = [*RUN, *STRATEGIES[strategy], f"hydra.run.dir={tmp_path}"]
+    killed = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": fault})
+    assert killed.returncode != 0 and "worker rank 0 failed with exit code -9" in killed.stderr
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints[-1] in ("step_000002", ".tmp-step_000004"), checkpoints
+    resumed = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*")), "a partial save must be cleaned"
+    _assert_bitwise_equal(uninterrupted[strategy], tmp_path)
+
+
+def test_sigkilled_worker_is_restarted_and_the_run_completes(
+    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path]
+) -> None:
+    result = run_cli([*RUN, "launch.max_restarts=1", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, cache=cache,
+                     extra_env={"DDPTRAIN_FAULT": "kill@step:3:1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restarted by the elastic agent" in result.stderr and "resumed from" in result.stderr
+    _assert_bitwise_equal(uninterrupted["ddp"], tmp_path)
+
+
+def test_sigterm_of_the_launcher_leaves_a_loadable_checkpoint(tmp_path: Path, cache: Path) -> None:
+    args = [*RUN, "train.steps=100000", "checkpoint.every_n_steps=0", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen([*DDPTRAIN, *args], cwd=tmp_path, env=test_env(cache), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "checkpoint saved" in stderr and "continue with train.resume=auto" in stderr
+    (saved,) = (tmp_path / "checkpoints").glob("step_*")
+    step = int(saved.name.split("_")[1])
+    resumed = run_cli([*RUN, f"train.steps={step + 1}", "train.resume=auto", f"hydra.run.dir={tmp_path}"],
+                      cwd=tmp_path, cache=cache)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr, resumed.stderr[-3000:]
+
+
+def _survivors(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+@pytest.mark.parametrize("fault", ["kill@step:3:1", "hang@step:3:1"], ids=["rank-dies", "rank-hangs"])
+def test_a_dead_or_hung_rank_ends_the_whole_job_within_the_timeout(tmp_path: Path, cache: Path, fault: str) -> None:
+    timeout_s = 10
+    args = [*RUN, "train.steps=50", f"dist.timeout_s={timeout_s}", "launch.stop_grace_s=5",
+            f"hydra.run.dir={tmp_path}"]
+    start = time.monotonic()
+    result = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": fault}, timeout=timeout_s + 90)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < timeout_s + 30 + 15, f"took {elapsed:.0f}s"  # + start-up and 3 training steps
+    assert "worker rank" in result.stderr and "failed" in result.stderr
+    assert not _survivors(str(tmp_path)), "no worker process may outlive the job"
+
+
+@pytest.mark.parametrize("policy", ["skip", "abort"])
+def test_non_finite_loss_is_decided_alike_on_every_rank(tmp_path: Path, cache: Path, policy: str) -> None:
+    args = [*RUN, f"train.nan_policy={policy}", f"hydra.run.dir={tmp_path}"]
+    result = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": "nan@step:3:1"})
+    if policy == "skip":
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "update skipped on every rank" in result.stderr
+        assert '"skipped_steps": 1' in (tmp_path / "metrics.jsonl").read_text()
+    else:
+        assert result.returncode != 0
+        lines = [ln for ln in result.stderr.splitlines() if "non-finite loss or gradients at step 3" in ln]
+        assert len([ln for ln in lines if ln.startswith("ddptrain:")]) == 2, result.stderr[-3000:]
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
+
+
+def test_export_loads_with_transformers_alone(uninterrupted: dict[str, Path]) -> None:
+    code = (
+        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(uninterrupted['zero3'] / 'model')!r})\n"
+        f"t = AutoTokenizer.from_pretrained({str(uninterrupted['zero3'] / 'model')!r})\n"
+        "ids = t('def main():', return_tensors='pt').input_ids\n"
+        "print(m(input_ids=ids).logits.shape[-1]); assert 'ddptrain' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/",
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip()) >= 8192 // 2
+
+
+def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path: Path, cache: Path) -> None:
+    first = run_cli([*RUN, "train.steps=2", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, cache=cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = run_cli([*RUN, "launch.nproc_per_node=1", "train.steps=4", "train.resume=auto",
+                    f"hydra.run.dir={tmp_path}"], cwd=tmp_path, cache=cache)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resuming on 1 ranks from a checkpoint of 2: grad_accum 4 keeps the global batch of 8" in more.stderr
