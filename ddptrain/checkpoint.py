@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ class Checkpointer:
         try:
             meta = json.loads((path / MARKER).read_text())
             state = TrainState(**torch.load(path / "trainer.pt", weights_only=False))
-        except (OSError, ValueError, TypeError, RuntimeError, EOFError) as exc:
+        except (OSError, ValueError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             raise ConfigError(f"train.resume: {path} is not a readable checkpoint ({type(exc).__name__})") from exc
         if meta["fingerprint"] != model_fingerprint(model):
             raise ConfigError(f"train.resume: {path} was saved for a different model (parameter names or shapes "

@@ -1,0 +1,137 @@
+"""The README's bad-input table, case by case: one line naming the key or file, non-zero exit, seconds, no hang.
+
+Checks that run before the process group exists are the same code on every rank, so they run in-process here;
+``test_cli.py`` runs a representative set under torchrun with 2 ranks, and the cases that can only fail once
+ranks have met (checkpoints, the run directory) run under torchrun below.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddptrain.cli import run_cli as ddptrain_main
+from ddptrain.errors import ConfigError
+from ddptrain.runtime import DistEnv, pick_device
+from tests.cli import run_cli
+from tests.test_cli import BAD_INPUTS as UNDER_TORCHRUN
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _files(tmp: Path) -> dict[str, str]:
+    (tmp / "empty.txt").write_text("")
+    (tmp / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
+    return {"EMPTY": str(tmp / "empty.txt"), "CORRUPT": str(tmp / "bad.parquet")}
+
+
+IN_PROCESS = [
+    (["data.micro_batch_size=0"], "data.micro_batch_size=0: expected a positive number of sequences"),
+    (["train.steps=-1"], "train.steps=-1: expected a positive integer"),
+    (["data=files", "data.paths=[EMPTY]"], "empty.txt: the file is empty"),
+    (["data=files", "data.paths=[CORRUPT]", "launch.nproc_per_node=1"], "data.paths: cannot read as parquet"),
+    (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.max_position_embeddings=512"),
+    (["parallel.zero_stage=5"], "parallel.zero_stage=5: expected 0, 1, 2 or 3"),
+    (["parallel.zero_stage=3", "parallel.compression=powersgd"],
+     "parallel.compression=powersgd cannot be combined with parallel.zero_stage=3"),
+    (["parallel.engine=bucketed", "parallel.zero_stage=1"],
+     "parallel.engine=bucketed cannot be combined with parallel.zero_stage=1"),
+    (["parallel.engine=warp"], "parallel.engine='warp': expected one of torch, naive"),
+    (["parallel.compression=zip"], "parallel.compression='zip': must be one of"),
+    (["+experiment=nope"], "Could not find 'experiment/nope'; available: gpt2_small, quickstart"),
+    (["data=nope"], "Could not find 'data/nope'; available: files, hub, stdlib_code, synthetic"),
+    (["optim.lr=-1"], "optim.lr=-1.0: expected a positive learning rate"),
+    (["train.precision=fp8"], "train.precision='fp8': expected one of auto, fp32, bf16"),
+    (["train.nan_policy=ignore"], "train.nan_policy='ignore': expected skip or abort"),
+    (["data.tokenizer=/no/such/tokenizer"], "data.tokenizer=/no/such/tokenizer: expected a local tokenizer directory"),
+    (["model.num_heads=5"], "model.hidden_size=128 is not divisible by model.num_heads=5"),
+    (["profile.enabled=true", "train.steps=3"], "profile: wait 5 + warmup 1 + active 2 steps exceed train.steps=3"),
+    (["metrics.baseline=/no/such/run"], "metrics.baseline=/no/such/run: expected tokens/s or a run directory"),
+    (["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), IN_PROCESS, ids=[m[:40] for _, m in IN_PROCESS])
+def test_bad_input_is_one_line_and_exits_non_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], overrides: list[str],
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    files = _files(tmp_path)
+    args = [next((a.replace(k, v) for k, v in files.items() if k in a), a) for a in overrides]
+    start = time.monotonic()
+    code = ddptrain_main([*args, "data.max_documents=20"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert err and err[-1].startswith("ddptrain: error: ") and message in err[-1], err
+    assert time.monotonic() - start < 30
+
+
+def test_more_local_processes_than_cuda_devices_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="launch: 4 processes on this node but only 2 CUDA devices"):
+        pick_device(DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=4))
+
+
+SMALL = ["train.steps=2", "train.log_every=1", "data.max_documents=60", "data.global_batch_size=4",
+         "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false", "checkpoint.export=false"]
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    run, cache = tmp_path_factory.mktemp("good"), tmp_path_factory.mktemp("cache")
+    result = run_cli([*SMALL, f"hydra.run.dir={run}"], cwd=run, cache=cache, torchrun_nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run, cache
+
+
+def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) -> None:
+    result = run_cli(args, cwd=cwd, cache=cache, torchrun_nproc=2, timeout=120)
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("ddptrain: error:")]
+    assert result.returncode != 0 and len(errors) == 2, result.stderr[-3000:]
+    assert all(message in line for line in errors), errors
+
+
+def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
+    run, cache = good_run
+    (ckpt,) = (run / "checkpoints").glob("step_*")
+    broken = tmp_path / "broken" / ckpt.name
+    broken.parent.mkdir()
+    (broken / "rng").mkdir(parents=True)
+    (broken / "COMMITTED").write_text((ckpt / "COMMITTED").read_text())
+    (broken / "trainer.pt").write_bytes(b"\x00not a torch file")
+    _fails_on_both_ranks([*SMALL, f"train.resume={broken}", f"hydra.run.dir={tmp_path}/new"], tmp_path, cache,
+                         "is not a readable checkpoint")
+
+
+def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
+    run, cache = good_run
+    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
+    _fails_on_both_ranks([*SMALL, "model.num_layers=2", f"train.resume={run}", f"hydra.run.dir={run}"], tmp_path,
+                         cache, "was saved for a different model")
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
+
+
+def test_resume_path_that_does_not_exist(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
+    _, cache = good_run
+    _fails_on_both_ranks([*SMALL, f"train.resume={tmp_path}/nope", f"hydra.run.dir={tmp_path}/run"], tmp_path, cache,
+                         f"train.resume={tmp_path}/nope: no such checkpoint or run directory")
+
+
+def test_unwritable_run_directory(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
+    _, cache = good_run
+    (tmp_path / "a-file").write_text("x")
+    _fails_on_both_ranks([*SMALL, f"hydra.run.dir={tmp_path}/a-file/run"], tmp_path, cache,
+                         f"hydra.run.dir={tmp_path}/a-file/run: cannot write there")
+
+
+def test_readme_table_lists_every_case() -> None:
+    table = README.read_text()
+    for _, message in [*IN_PROCESS, *UNDER_TORCHRUN]:
+        assert message.replace("|", r"\|") in table, f"README's bad-input table is missing: {message}"
