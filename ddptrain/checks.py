@@ -6,6 +6,8 @@ whose one-line message names the key and what was expected.
 
 from __future__ import annotations
 
+import torch
+
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, validate_source
 from ddptrain.errors import ConfigError
@@ -38,6 +40,9 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     validate_model_config(cfg.model, cfg.data.seq_len)
     validate_optim_config(cfg.optim, cfg.train.steps)
     validate_parallel_config(cfg.parallel)
+    if cfg.parallel.cpu_offload and not torch.cuda.is_available():
+        raise ConfigError("parallel.cpu_offload=true needs CUDA devices: it keeps FSDP2's state on the CPU and "
+                          "computes on the GPU")
     validate_profile_config(cfg.profile, cfg.train.steps)
     validate_nan_policy(cfg.train.nan_policy)
     if cfg.launch.stop_grace_s <= 0:

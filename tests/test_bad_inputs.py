@@ -51,6 +51,7 @@ IN_PROCESS = [
     (["profile.enabled=true", "train.steps=3"], "profile: wait 5 + warmup 1 + active 2 steps exceed train.steps=3"),
     (["metrics.baseline=/no/such/run"], "metrics.baseline=/no/such/run: expected tokens/s or a run directory"),
     (["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices"),
+    (["parallel.zero_stage=3", "parallel.cpu_offload=true"], "parallel.cpu_offload=true needs CUDA devices"),
 ]
 
 
