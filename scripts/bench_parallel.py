@@ -4,12 +4,16 @@ Runs every variant through the real training loop inside one torchrun job, inter
 (A B C ... A B C ...), and reports medians, so machine noise hits every variant alike:
 
     torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --repeats 3 --steps 12
+    torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --suite telemetry --repeats 7
+
+``--suite telemetry`` measures what the step-breakdown timing costs: every step timed against none.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -22,25 +26,33 @@ from ddptrain.config import Config
 from ddptrain.runtime import DistEnv
 from ddptrain.train import train
 
-VARIANTS: dict[str, dict] = {
-    "DDP (stage 0)": {},
-    "ZeRO-1": {"zero_stage": 1},
-    "ZeRO-2": {"zero_stage": 2},
-    "ZeRO-3": {"zero_stage": 3},
-    "fp16": {"compression": "fp16"},
-    "bf16": {"compression": "bf16"},
-    "powersgd r=4": {"compression": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
-    "topk 1%": {"compression": "topk", "topk_ratio": 0.01},
+SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config section -> overrides
+    "strategies": {
+        "DDP (stage 0)": {},
+        "ZeRO-1": {"parallel": {"zero_stage": 1}},
+        "ZeRO-2": {"parallel": {"zero_stage": 2}},
+        "ZeRO-3": {"parallel": {"zero_stage": 3}},
+        "fp16": {"parallel": {"compression": "fp16"}},
+        "bf16": {"parallel": {"compression": "bf16"}},
+        "powersgd r=4": {"parallel": {"compression": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2}},
+        "topk 1%": {"parallel": {"compression": "topk", "topk_ratio": 0.01}},
+    },
+    "telemetry": {
+        "DDP (stage 0)": {"metrics": {"sample_every": 10**9}},  # the breakdown timer never runs
+        "timed every step": {"metrics": {"sample_every": 1}},
+    },
 }
 
 
-def config(steps: int, out: Path, parallel: dict) -> Config:
+def config(steps: int, out: Path, overrides: dict[str, dict]) -> Config:
     cfg = OmegaConf.structured(Config)
     cfg.data.update(max_documents=300, seq_len=128, global_batch_size=16, micro_batch_size=8)
     cfg.train.update(steps=steps, log_every=2, eval_every=0)
     cfg.logger.update(progress=False, jsonl=False)
-    cfg.parallel.update(parallel)
+    for section, values in overrides.items():
+        cfg[section].update(values)
     cfg.data.cache_dir = str(out / "cache")
+    cfg.checkpoint.export = False
     return OmegaConf.to_object(cfg)
 
 
@@ -48,19 +60,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="strategies")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     env = DistEnv.from_environ()
     logging.basicConfig(level=logging.WARNING)
     out = Path(tempfile.gettempdir()) / "ddptrain-bench-parallel"
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    variants = SUITES[args.suite]
+    times: dict[str, list[float]] = {name: [] for name in variants}
     state: dict[str, dict] = {}
     comm: dict[str, float] = {}
     for _ in range(args.repeats):
-        for name, parallel in VARIANTS.items():
+        for name, overrides in variants.items():
             run_dir = out / name.replace(" ", "_")
+            if env.is_main:
+                shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run dir per repeat
+            dist.barrier()
             run_dir.mkdir(parents=True, exist_ok=True)
-            summary = train(config(args.steps, out, parallel), env, torch.device("cpu"), run_dir, {})
+            summary = train(config(args.steps, out, overrides), env, torch.device("cpu"), run_dir, {})
             times[name].append(summary["step_time_s"])
             state[name] = summary["model_state"]
             comm[name] = summary.get("comm_bytes", float("nan"))
@@ -81,7 +98,7 @@ def report(times: dict[str, list[float]], state: dict[str, dict], comm: dict[str
         "| gradient bytes sent / step / rank | vs DDP |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in VARIANTS:
+    for name in times:
         t = statistics.median(times[name])
         m = _max_total(state[name])
         formula = sum(state[name]["formula_bytes"].values()) / 2**20
