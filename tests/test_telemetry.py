@@ -6,53 +6,32 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from omegaconf import OmegaConf
 
-from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
 from ddptrain.telemetry.metrics import load_baseline
 from tests.dist import run_distributed
+from tests.runs import train_each
 
 BREAKDOWN = ("time_data_s", "time_forward_s", "time_backward_s", "time_exposed_comm_s", "time_optimizer_s")
 
 
-def _config(tmp: str, **over: dict) -> Config:
-    cfg = OmegaConf.structured(Config)
-    cfg.model.update(hidden_size=32, num_layers=8, num_heads=2, num_kv_heads=2)  # many small tensors
-    cfg.data.update(source="synthetic", vocab_size=256, num_samples=512, seq_len=32, global_batch_size=8,
-                    micro_batch_size=4, grad_accum=None, cache_dir=tmp)
-    cfg.train.update(steps=10, log_every=2, eval_every=0)
-    cfg.logger.progress = False
-    for section, values in over.items():
-        cfg[section].update(values)
-    return OmegaConf.to_object(cfg)
-
-
-def _train_each(rank: int, world_size: int, tmp: str, variants: list[dict]) -> list[dict]:
-    from ddptrain.runtime import DistEnv
-    from ddptrain.train import train
-
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
-    out = []
-    for i, over in enumerate(variants):
-        run_dir = Path(tmp) / f"w{world_size}-{i}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        summary = train(_config(tmp, **over), env, torch.device("cpu"), run_dir, {})
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
-        out.append({"summary": summary, "metrics": [json.loads(line) for line in lines], "dir": str(run_dir)})
-    return out
+BASE = {
+    "model": {"hidden_size": 32, "num_layers": 8, "num_heads": 2, "num_kv_heads": 2},  # many small tensors
+    "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 512, "seq_len": 32, "global_batch_size": 8,
+             "micro_batch_size": 4},
+    "train": {"steps": 10, "log_every": 2, "eval_every": 0},
+}
 
 
 def test_metrics_are_present_and_sane_with_a_single_rank_baseline(tmp_path: Path) -> None:
-    (single,) = run_distributed(_train_each, 1, str(tmp_path), [{}])[0]
+    (single,) = run_distributed(train_each, 1, str(tmp_path), BASE, [{}])[0]
     assert single["summary"]["tokens_per_s_per_rank"] > 0
     variants = [
         {"parallel": {"bucket_cap_mb": 0.05}, "metrics": {"baseline": single["dir"]}},
         {"metrics": {"peak_tflops": 1.0}},
     ]
-    ddp, with_peak = run_distributed(_train_each, 2, str(tmp_path), variants)[0]
+    ddp, with_peak = run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0]
     for m in ddp["metrics"]:
         for key in (*BREAKDOWN, "time_step_s", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank",
                     "comm_bytes", "comm_time_s", "overlap_pct", "algbw_gbps", "busbw_gbps", "rss_gib",
@@ -71,7 +50,7 @@ def test_metrics_are_present_and_sane_with_a_single_rank_baseline(tmp_path: Path
 
 def test_naive_engine_exposes_more_communication_than_bucketed(tmp_path: Path) -> None:
     variants = [{"parallel": {"engine": "naive"}}, {"parallel": {"engine": "bucketed", "bucket_cap_mb": 0.02}}]
-    naive, bucketed = (r["summary"] for r in run_distributed(_train_each, 2, str(tmp_path), variants)[0])
+    naive, bucketed = (r["summary"] for r in run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0])
     # naive all-reduces ~70 tensors one by one after backward; bucketed launches each bucket as it fills.
     assert naive["time_exposed_comm_s"] > 1.5 * bucketed["time_exposed_comm_s"], (naive, bucketed)
     assert naive["overlap_pct"] < bucketed["overlap_pct"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.loop import accumulate_gradients
 from tests.dist import run_distributed
+from tests.runs import train_each
 
 VOCAB, SEQ, B = 256, 16, 4
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
@@ -55,36 +55,17 @@ def test_every_stage_gives_the_single_process_gradients_with_accumulation() -> N
                                            msg=f"rank {rank} stage {stage} {name}")
 
 
-def _config(tmp: str, **parallel: object) -> Config:
-    cfg = OmegaConf.structured(Config)
-    cfg.model.update(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=2)
-    cfg.data.update(source="synthetic", vocab_size=512, num_samples=256, seq_len=32, global_batch_size=8,
-                    micro_batch_size=2, cache_dir=tmp)
-    cfg.train.update(steps=5, log_every=1, eval_every=0)
-    cfg.logger.progress = False
-    cfg.parallel.update(parallel)
-    return OmegaConf.to_object(cfg)
-
-
-def _train_each(rank: int, world_size: int, tmp: str, variants: list[dict]) -> list[dict]:
-    from ddptrain.runtime import DistEnv
-    from ddptrain.train import train
-
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
-    results = []
-    for i, parallel in enumerate(variants):
-        run_dir = Path(tmp) / f"run{i}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        summary = train(_config(tmp, **parallel), env, torch.device("cpu"), run_dir, {})
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
-        metrics = [json.loads(line) for line in lines]
-        results.append({"summary": summary, "metrics": metrics})
-    return results
+BASE = {
+    "model": {"hidden_size": 64, "num_layers": 4, "num_heads": 2, "num_kv_heads": 2},
+    "data": {"source": "synthetic", "vocab_size": 512, "num_samples": 256, "seq_len": 32, "global_batch_size": 8,
+             "micro_batch_size": 2},
+    "train": {"steps": 5, "log_every": 1, "eval_every": 0},
+}
 
 
 def test_each_stage_tracks_stage_zero_and_memory_follows_the_formula_at_two_ranks(tmp_path: Path) -> None:
-    variants = [{"zero_stage": s} for s in (0, 1, 2, 3)]
-    results = run_distributed(_train_each, 2, str(tmp_path), variants)[0]
+    variants = [{"parallel": {"zero_stage": s}} for s in (0, 1, 2, 3)]
+    results = run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0]
     base = [m["loss"] for m in results[0]["metrics"]]
     assert base[-1] < base[0]
     for stage, result in enumerate(results):
@@ -95,8 +76,8 @@ def test_each_stage_tracks_stage_zero_and_memory_follows_the_formula_at_two_rank
 
 
 def test_memory_follows_the_formula_at_four_ranks(tmp_path: Path) -> None:
-    variants = [{"zero_stage": s} for s in (0, 1, 2, 3)]
-    for stage, result in enumerate(run_distributed(_train_each, 4, str(tmp_path), variants)[0]):
+    variants = [{"parallel": {"zero_stage": s}} for s in (0, 1, 2, 3)]
+    for stage, result in enumerate(run_distributed(train_each, 4, str(tmp_path), BASE, variants)[0]):
         _assert_memory_matches_formula(result["summary"]["model_state"], stage)
 
 
@@ -108,8 +89,9 @@ def _assert_memory_matches_formula(state: dict, stage: int) -> None:
 
 
 def test_compression_bytes_are_logged_through_the_loop(tmp_path: Path) -> None:
-    variants = [{"compression": "none"}, {"compression": "fp16"}, {"compression": "topk", "topk_ratio": 0.01}]
-    none, fp16, topk = (r["metrics"] for r in run_distributed(_train_each, 2, str(tmp_path), variants)[0])
+    variants = [{"parallel": {"compression": c}} for c in ("none", "fp16")]
+    variants.append({"parallel": {"compression": "topk", "topk_ratio": 0.01}})
+    none, fp16, topk = (r["metrics"] for r in run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0])
     assert all(m["compression_ratio"] == 1.0 for m in none)
     assert len(fp16) == len(none) == 5
     assert all(m["compression_ratio"] == 0.5 for m in fp16)

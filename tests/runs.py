@@ -1,0 +1,42 @@
+"""Train several configurations in one spawned process group, through the real ``train`` loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from ddptrain.config import Config
+
+Overrides = dict[str, dict[str, Any]]  # config section -> key -> value
+
+
+def make_config(tmp: str, *layers: Overrides) -> Config:
+    """The schema's defaults with each layer of overrides applied in turn (quiet, no export)."""
+    cfg = OmegaConf.structured(Config)
+    cfg.data.cache_dir = tmp
+    cfg.logger.progress = False
+    cfg.checkpoint.export = False
+    for layer in layers:
+        for section, values in layer.items():
+            cfg[section].update(values)
+    return OmegaConf.to_object(cfg)
+
+
+def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides]) -> list[dict]:
+    """For ``run_distributed``: train ``base`` + each variant on this rank; rank 0 also returns metrics.jsonl."""
+    from ddptrain.runtime import DistEnv
+    from ddptrain.train import train
+
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    results = []
+    for i, variant in enumerate(variants):
+        run_dir = Path(tmp) / f"w{world_size}-run{i}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        summary = train(make_config(tmp, base, variant), env, torch.device("cpu"), run_dir, {})
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+        results.append({"summary": summary, "metrics": [json.loads(line) for line in lines], "dir": str(run_dir)})
+    return results
