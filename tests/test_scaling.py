@@ -1,0 +1,55 @@
+"""The scaling sweep runs the real launcher at N = 1, 2 and writes its table, CSV and plot; a failed size is named."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+TINY = ["data.max_documents=60", "train.steps=6", "train.log_every=2", "train.eval_every=0",
+        "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized-data cache for the module's sweeps: the tokenizer is trained once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def sweep(args: list[str], tmp_path: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "scaling.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_weak_sweep_writes_table_csv_plot_and_wandb_run(tmp_path: Path, cache: Path) -> None:
+    result = sweep(["--sizes", "1", "2", "--out", "docs", "--runs", "runs", "--wandb", "--",
+                    *TINY, "data.global_batch_size=4"], tmp_path, cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    docs = tmp_path / "docs"
+    rows = list(csv.DictReader((docs / "scaling.csv").open()))
+    assert [int(r["world_size"]) for r in rows] == [1, 2]
+    assert [int(r["global_batch_size"]) for r in rows] == [4, 8]  # weak: the work per rank is held fixed
+    for row in rows:
+        assert float(row["tokens_per_s"]) > 0 and 0 < float(row["efficiency"]) <= 1.2, row
+    md = (docs / "scaling.md").read_text()
+    assert "| 2 | 8 |" in md and "scripts/scaling.py --sizes 1 2" in md and "Weak scaling" in md
+    assert (docs / "scaling.png").stat().st_size > 10_000
+    assert len(list((tmp_path / "runs" / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_a_failed_size_is_reported_and_the_others_are_still_written(tmp_path: Path, cache: Path) -> None:
+    # strong scaling holds the global batch at 2: one micro-batch of 2 at N=1, impossible at N=2
+    result = sweep(["--sizes", "1", "2", "--mode", "strong", "--out", "docs", "--runs", "runs", "--",
+                    *TINY, "data.global_batch_size=2"], tmp_path, cache)
+    assert result.returncode == 1
+    assert "N=2 failed" in result.stderr and "global_batch_size" in result.stderr.split("N=2 failed")[1]
+    rows = list(csv.DictReader((tmp_path / "docs" / "scaling.csv").open()))
+    assert [int(r["world_size"]) for r in rows] == [1]
+    assert "Failed runs (left out above): N=2" in (tmp_path / "docs" / "scaling.md").read_text()
