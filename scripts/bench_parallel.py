@@ -104,7 +104,7 @@ def report(times: dict[str, list[float]], state: dict[str, dict], comm: dict[str
         formula = sum(state[name]["formula_bytes"].values()) / 2**20
         sent = comm[name]
         base_sent = comm["DDP (stage 0)"]
-        sent_cells = "n/a (FSDP2) | n/a" if sent != sent else f"{sent / 2**20:.3f} MiB | {sent / base_sent:.3f}x"
+        sent_cells = "not measured | -" if sent != sent else f"{sent / 2**20:.3f} MiB | {sent / base_sent:.3f}x"
         lines.append(f"| {name} | {t * 1e3:.0f} | {t / base_t:.2f}x | {m / 2**20:.2f} | {m / base_m:.2f}x "
                      f"| {formula:.2f} | {sent_cells} |")
     return "\n".join(lines)
