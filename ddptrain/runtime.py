@@ -48,11 +48,6 @@ class DistEnv:
         )
 
 
-def under_torchrun() -> bool:
-    """True when an elastic agent (torchrun or our own launch) started this process as a worker."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
 def pick_device(env: DistEnv) -> torch.device:
     """One device per rank: cuda:LOCAL_RANK when CUDA is present, else the CPU."""
     if not torch.cuda.is_available():

@@ -50,10 +50,6 @@ class MicroBatches:
         self.batches_in_epoch = 0  # consumed in the current epoch: the data position
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.sampler.num_samples // self.loader.batch_size  # type: ignore[operator]
-
     def __iter__(self) -> MicroBatches:
         return self
 
