@@ -61,6 +61,13 @@ def print_config(cfg: DictConfig, which: str, resolve: bool) -> None:
     print(OmegaConf.to_yaml(node, resolve=resolve), end="")
 
 
+def say(line: str) -> None:
+    """One line to stderr in a single write: lines of ranks sharing a pipe never interleave (print writes the
+    text and the newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run_cli(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
@@ -76,10 +83,10 @@ def run_cli(argv: list[str]) -> int:
             return launch.launch_workers(cfg, args.overrides)
         return launch.run_worker(cfg)
     except RunEnded as exc:
-        print(f"ddptrain: {exc}", file=sys.stderr, flush=True)
+        say(f"ddptrain: {exc}")
         return exc.exit_code
     except ConfigError as exc:
-        print(f"ddptrain: error: {exc}", file=sys.stderr, flush=True)
+        say(f"ddptrain: error: {exc}")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # The elastic agent stops every worker as soon as one exits: give the peers, which fail the same
             # way, time to print their own line before this rank's exit triggers that.
