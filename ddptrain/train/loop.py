@@ -87,15 +87,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             with meter.timer.phase("optimizer"):
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip)
                 stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
-                if nonfinite and cfg.train.nan_policy == "abort":
-                    raise NonFiniteError(f"non-finite loss or gradients at step {step} (train.nan_policy=abort); "
-                                         "no checkpoint was written for it")
-                if nonfinite:
-                    skipped += 1
-                    log.warning("non-finite loss or gradients at step %d: update skipped on every rank", step)
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                skipped += not apply_update(optimizer, nonfinite, cfg.train.nan_policy, step)
             meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
             if step == start + 1:
                 probe.after_step(optimizer)
@@ -104,8 +96,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             scheduler.step()
             profiler.step()
             inject("step", step, env.rank)
-            if stopping or step == cfg.train.steps or (cfg.checkpoint.every_n_steps and
-                                                      step % cfg.checkpoint.every_n_steps == 0):
+            if stopping or step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps):
                 save(step)
             if stopping:
                 stop.restore()
@@ -115,7 +106,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 continue
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
-            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
                 metrics["val_loss"] = evaluate(model, val, autocast)
             sinks.log(metrics)
             history.append(metrics)
@@ -212,6 +203,27 @@ def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+def apply_update(optimizer: torch.optim.Optimizer, nonfinite: bool, nan_policy: str, step: int) -> bool:
+    """Step the optimizer, unless some rank saw a non-finite value: then every rank skips, or all abort.
+
+    Returns whether the update was applied. Gradients are cleared either way.
+    """
+    if nonfinite and nan_policy == "abort":
+        raise NonFiniteError(f"non-finite loss or gradients at step {step} (train.nan_policy=abort); "
+                             "no checkpoint was written for it")
+    if nonfinite:
+        log.warning("non-finite loss or gradients at step %d: update skipped on every rank", step)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return not nonfinite
+
+
+def _every(step: int, period: int) -> bool:
+    """True every ``period`` steps; never when the period is 0 (disabled)."""
+    return period > 0 and step % period == 0
 
 
 def _finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
