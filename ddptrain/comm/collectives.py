@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Protocol
@@ -29,6 +30,18 @@ class _RingHandle:
 
     def wait(self) -> int:
         return self._future.result()
+
+
+def when_done(handle: Handle, callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the collective completes, on the thread that completes it.
+
+    gloo and the ring complete on their own threads, so the callback sees the real end; an NCCL work's future
+    completes once the work is enqueued on its stream, so there the end is a lower bound.
+    """
+    if isinstance(handle, _RingHandle):
+        handle._future.add_done_callback(lambda _: callback())
+    else:
+        handle.get_future().then(lambda _: callback())  # type: ignore[attr-defined]
 
 
 def validate_collective(name: str) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.comm import Handle, all_reduce_bytes, all_reduce_sum
+from ddptrain.comm import Handle, all_reduce_bytes, all_reduce_sum, when_done
 from ddptrain.engines.buckets import Bucket, assign_buckets
 from ddptrain.engines.graph import reachable_leaves
 from ddptrain.engines.stats import CommStats
@@ -76,6 +76,7 @@ class Reducer:
         self.collective = collective
         self.find_unused_parameters = find_unused_parameters
         self.stats = CommStats()
+        self._in_flight: list[tuple[float, list[float]]] = []  # (launch, [completion once seen]) per collective
         cap = int(bucket_cap_mb * 1024 * 1024) if policy.bucketed else None
         self.buckets = [
             Bucket(indices, [self.params[i] for i in indices], policy.bucketed, gradient_as_bucket_view)
@@ -110,6 +111,7 @@ class Reducer:
     def _start_backward(self) -> None:
         self._started = True
         self.stats = CommStats()
+        self._in_flight = []
         self._ready = [False] * len(self.params)
         self._used = [False] * len(self.params)
         self._next = 0
@@ -147,8 +149,12 @@ class Reducer:
         self.stats.collective_s += perf_counter() - start
         self.stats.bytes_sent += all_reduce_bytes(tensor.numel() * tensor.element_size(), self._world)
         if not self.policy.blocking:
+            completed: list[float] = []
+            when_done(handle, lambda: completed.append(perf_counter()))
+            self._in_flight.append((start, completed))
             return handle
         self._join(handle)
+        self.stats.spans.append((start, perf_counter()))
         return None
 
     def _join(self, handle: Handle) -> None:
@@ -171,7 +177,11 @@ class Reducer:
             if bucket.handle is not None:
                 self._join(bucket.handle)
             bucket.finish(used)
-        self.stats.exposed_s = perf_counter() - start
+        joined = perf_counter()
+        # A completion callback may still be running on the collective's thread: the join bounds it from above.
+        self.stats.spans += [(launch, done[0] if done else joined) for launch, done in self._in_flight]
+        self._in_flight = []
+        self.stats.exposed_s = joined - start
 
     def _globally_used(self) -> list[bool] | None:
         """Which parameters some rank used (with ``find_unused_parameters``); the others keep ``.grad`` untouched."""

@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from ddptrain.comm.accounting import in_flight_seconds
 from ddptrain.config import ParallelConfig
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
@@ -60,12 +61,7 @@ class CommMeter:
 
     def comm_seconds(self) -> float:
         """Wall time during which at least one gradient collective was in flight (union of the spans)."""
-        total, reach = 0.0, float("-inf")
-        for start, end in sorted(self.spans):
-            if end > reach:
-                total += end - max(start, reach)
-                reach = end
-        return total
+        return in_flight_seconds(self.spans)
 
     def last_launch(self) -> float | None:
         """When the last bucket became ready: the end of backward compute, as DDP sees it."""

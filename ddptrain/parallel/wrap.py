@@ -43,7 +43,7 @@ class Wrapped:
         stats = getattr(self.module, "comm_stats", None)
         if stats is not None:
             payload = payload_from_link_bytes(stats.bytes_sent, world_size)
-            return SyncSample(payload, stats.collective_s, stats.exposed_s), None
+            return SyncSample(payload, stats.in_flight_s, stats.exposed_s), None
         return None, None
 
 
