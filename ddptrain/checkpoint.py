@@ -2,9 +2,15 @@
 
 Layout of ``<run dir>/<checkpoint.dir>/step_000010/``: ``COMMITTED`` (JSON, written last), ``trainer.pt`` (step,
 LR schedule, data position, batch, config), ``rng/rank{r}.pt`` (every rank's RNG states), and the model and
-optimizer: rank 0's ``model.pt`` + ``optimizer.pt`` for DDP and our engines (ZeRO-1's optimizer consolidated on
-rank 0 first), or a torch.distributed.checkpoint directory ``state/`` for FSDP2 (ZeRO-2/3), each rank writing
-its shards. A directory without ``COMMITTED`` is a save that died half way: it is ignored and removed.
+optimizer:
+
+- DDP and our engines: rank 0's ``model.pt`` and ``optimizer.pt``;
+- ZeRO-1: rank 0's ``model.pt`` and ``optimizer_groups.pt``, and a torch.distributed.checkpoint directory
+  ``optim/`` where each rank writes the state of the parameters it owns, keyed by parameter name (so another
+  world size can load it);
+- FSDP2 (ZeRO-2/3): a torch.distributed.checkpoint directory ``state/`` with every rank's shards.
+
+A directory without ``COMMITTED`` is a save that died half way: it is ignored and removed.
 """
 
 from __future__ import annotations
@@ -126,10 +132,13 @@ class Checkpointer:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
             return
         if self.zero_stage == 1:
-            optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+            dcp.save({"optim": _owned_optimizer_state(model, optimizer)}, checkpoint_id=str(tmp / "optim"))
         if self.rank == 0:
             torch.save(model.state_dict(), tmp / "model.pt")
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            if self.zero_stage == 1:
+                torch.save(_hyperparameters(optimizer), tmp / "optimizer_groups.pt")
+            else:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
 
     def _prune(self) -> None:
         for old in self.committed()[: -self.cfg.keep_last]:
@@ -169,6 +178,11 @@ class Checkpointer:
             set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
             return
         model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+        if self.zero_stage == 1:
+            _load_owned_optimizer_state(model, optimizer, path / "optim")
+            for group, saved in zip(optimizer.param_groups, torch.load(path / "optimizer_groups.pt"), strict=True):
+                group.update(saved)
+            return
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
 
     # ---- export --------------------------------------------------------------------------------------------
@@ -183,6 +197,31 @@ class Checkpointer:
                 tokenizer.save_pretrained(str(out))
             log.info("model exported with save_pretrained: %s", out)
         dist.barrier()
+
+
+def _owned_optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """ZeRO-1: the state of the parameters this rank's shard owns, keyed by parameter name."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: dict(state) for p, state in optimizer.optim.state.items()}
+
+
+def _load_owned_optimizer_state(model: torch.nn.Module, optimizer: Any, checkpoint: Path) -> None:
+    """Read the state of the parameters this rank owns now (whatever rank wrote them) into its shard."""
+    names = {p: n for n, p in model.named_parameters()}
+    owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
+    loaded = {names[p]: _adamw_state_like(p) for p in owned}
+    dcp.load({"optim": loaded}, checkpoint_id=str(checkpoint))
+    for p in owned:
+        optimizer.optim.state[p] = loaded[names[p]]
+
+
+def _adamw_state_like(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
+            "exp_avg_sq": torch.zeros_like(param)}
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def _rng_state() -> dict[str, Any]:

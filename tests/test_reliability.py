@@ -18,7 +18,11 @@ from tests.cli import DDPTRAIN, run_cli, test_env
 RUN = ["launch.nproc_per_node=2", "train.steps=5", "train.log_every=1", "train.eval_every=0", "logger.progress=false",
        "data.max_documents=60", "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_len=64",
        "model.num_layers=2", "model.hidden_size=64", "checkpoint.every_n_steps=2"]
-STRATEGIES = {"ddp": [], "zero3": ["parallel.zero_stage=3"]}
+STRATEGIES = {"ddp": [], "zero1": ["parallel.zero_stage=1"], "zero3": ["parallel.zero_stage=3"]}
+KILLS = [  # (strategy, fault): every strategy is killed mid-save, the hardest case; DDP and ZeRO-3 also between steps
+    ("ddp", "kill@step:3"), ("ddp", "kill@save:4"), ("zero1", "kill@save:4"),
+    ("zero3", "kill@step:3"), ("zero3", "kill@save:4"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,7 @@ def _assert_bitwise_equal(a: Path, b: Path) -> None:
     assert not different, f"weights differ after resume: {different[:5]}"
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("fault", ["kill@step:3", "kill@save:4"], ids=["between-steps", "during-save"])
+@pytest.mark.parametrize(("strategy", "fault"), KILLS, ids=[f"{s}-{f}" for s, f in KILLS])
 def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
     tmp_path: Path, cache: Path, uninterrupted: dict[str, Path], strategy: str, fault: str
 ) -> None:
