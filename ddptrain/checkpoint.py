@@ -21,6 +21,7 @@ import logging
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,10 +188,14 @@ class Checkpointer:
 
     # ---- export --------------------------------------------------------------------------------------------
 
-    def export(self, model: torch.nn.Module, fresh: torch.nn.Module, tokenizer: Any, out: Path) -> None:
-        """``save_pretrained`` of the full model (gathered from shards) and tokenizer, loadable by transformers."""
+    def export(self, model: torch.nn.Module, new_model: Callable[[], Any], tokenizer: Any, out: Path) -> None:
+        """``save_pretrained`` of the full model (gathered from shards) and tokenizer, loadable by transformers.
+
+        Every rank takes part in gathering; only rank 0 builds the unsharded copy it saves (``new_model()``).
+        """
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            fresh = new_model()
             fresh.load_state_dict(full)
             fresh.save_pretrained(str(out))
             if tokenizer is not None:

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.config import register_schema
+from ddptrain.config import job_config, register_schema
 from ddptrain.errors import ConfigError, RunEnded, one_line
 
 CONFIG_DIR = Path(__file__).parent / "conf"
@@ -47,13 +47,6 @@ def compose_config(overrides: list[str]) -> DictConfig:
     except Exception as exc:
         raise ConfigError(one_line(exc)) from exc
     return cfg
-
-
-def job_config(cfg: DictConfig) -> DictConfig:
-    """The run's config without Hydra's own node."""
-    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
-    assert isinstance(job, DictConfig)
-    return job
 
 
 def print_config(cfg: DictConfig, which: str, resolve: bool) -> None:

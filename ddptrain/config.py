@@ -7,8 +7,10 @@ of the wrong type fails at start-up with a message that names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass
@@ -184,6 +186,20 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+
+def job_config(cfg: DictConfig) -> DictConfig:
+    """A composed config without Hydra's own ``hydra`` node: what the run itself is configured with."""
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    assert isinstance(job, DictConfig)
+    return job
+
+
+def build_config(*layers: DictConfig | dict[str, Any]) -> Config:
+    """The schema's defaults with each layer merged on top, checked against the schema and typed."""
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
+    assert isinstance(typed, Config)
+    return typed
 
 
 def register_schema() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.checks import validate_config
-from ddptrain.config import Config
+from ddptrain.config import Config, build_config, job_config
 from ddptrain.errors import ConfigError
 from ddptrain.runtime import DistEnv, distributed, shared_run_dir
 from ddptrain.telemetry import setup_logging
@@ -25,13 +25,13 @@ def is_worker() -> bool:
 
 def typed_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     """The job config as the schema's dataclasses, and as a plain resolved dict (for W&B and the run dir)."""
-    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    job = job_config(cfg)
     try:
         resolved = OmegaConf.to_container(job, resolve=True)
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), job))
-    except Exception as exc:
+        typed = build_config(job)
+    except Exception as exc:  # a bad interpolation is bad input
         raise ConfigError(" ".join(str(exc).split())[:300]) from exc
-    assert isinstance(typed, Config) and isinstance(resolved, dict)
+    assert isinstance(resolved, dict)
     return typed, resolved
 
 

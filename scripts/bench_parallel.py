@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from ddptrain.config import Config
+from ddptrain.config import Config, build_config
 from ddptrain.runtime import DistEnv
 from ddptrain.train import train
 
@@ -45,15 +44,14 @@ SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config 
 
 
 def config(steps: int, out: Path, overrides: dict[str, dict]) -> Config:
-    cfg = OmegaConf.structured(Config)
-    cfg.data.update(max_documents=300, seq_len=128, global_batch_size=16, micro_batch_size=8)
-    cfg.train.update(steps=steps, log_every=2, eval_every=0)
-    cfg.logger.update(progress=False, jsonl=False)
-    for section, values in overrides.items():
-        cfg[section].update(values)
-    cfg.data.cache_dir = str(out / "cache")
-    cfg.checkpoint.export = False
-    return OmegaConf.to_object(cfg)
+    base = {
+        "data": {"max_documents": 300, "seq_len": 128, "global_batch_size": 16, "micro_batch_size": 8,
+                 "cache_dir": str(out / "cache")},
+        "train": {"steps": steps, "log_every": 2, "eval_every": 0},
+        "logger": {"progress": False, "jsonl": False},
+        "checkpoint": {"export": False},
+    }
+    return build_config(base, overrides)
 
 
 def main() -> None:

@@ -7,23 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from ddptrain.config import Config
+from ddptrain.config import Config, build_config
 
 Overrides = dict[str, dict[str, Any]]  # config section -> key -> value
 
 
 def make_config(tmp: str, *layers: Overrides) -> Config:
     """The schema's defaults with each layer of overrides applied in turn (quiet, no export)."""
-    cfg = OmegaConf.structured(Config)
-    cfg.data.cache_dir = tmp
-    cfg.logger.progress = False
-    cfg.checkpoint.export = False
-    for layer in layers:
-        for section, values in layer.items():
-            cfg[section].update(values)
-    return OmegaConf.to_object(cfg)
+    quiet = {"data": {"cache_dir": tmp}, "logger": {"progress": False}, "checkpoint": {"export": False}}
+    return build_config(quiet, *layers)
 
 
 def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides]) -> list[dict]:

@@ -11,11 +11,17 @@ def all_reduce_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) intervals merged into a sorted list of disjoint ones."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def in_flight_seconds(spans: list[tuple[float, float]]) -> float:
-    """Wall time during which at least one of the (start, end) spans was open: the union of the intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    """Wall time during which at least one of the (start, end) spans was open."""
+    return sum(end - start for start, end in union(spans))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
 from ddptrain.telemetry.memory import device_memory
 from ddptrain.telemetry.peak import mfu, peak_tflops
-from ddptrain.telemetry.timers import StepTimer
+from ddptrain.telemetry.timers import StepTimer, device_clock
 
 
 def load_baseline(value: str | None) -> float | None:
@@ -102,9 +101,7 @@ class StepMetrics:
         self._start, self._steps = self._clock(), 0
 
     def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return device_clock(self.device)
 
 
 def steady_medians(history: list[dict[str, Any]]) -> dict[str, float]:

@@ -18,6 +18,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from ddptrain.comm.accounting import union
+
 COMM = re.compile(r"gloo:|nccl|c10d::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|broadcast", re.I)
 STEP = re.compile(r"ProfilerStep#(\d+)")
 PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#DD8452", "other": "#8C8C8C"}
@@ -186,16 +188,6 @@ def thread_names(trace: dict[str, Any]) -> dict[tuple[Any, Any], str]:
         if (e["pid"], e["tid"]) not in names or own != process.get(e["pid"]):
             names[(e["pid"], e["tid"])] = label
     return names
-
-
-def union(intervals: Intervals) -> Intervals:
-    merged: Intervals = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def intersect(a: Intervals, b: Intervals) -> Intervals:

@@ -16,6 +16,13 @@ import torch
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
+def device_clock(device: torch.device) -> float:
+    """The host clock once the device's queued work is done (a synchronize on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class StepTimer:
     """Accumulates phase durations over the sampled steps of one logging window."""
 
@@ -29,9 +36,7 @@ class StepTimer:
         self._step_start = 0.0
 
     def now(self) -> float:
-        if self.active and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return device_clock(self.device) if self.active else time.perf_counter()
 
     def start_step(self, step: int) -> None:
         self.active = step % self.sample_every == 0

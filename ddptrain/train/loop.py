@@ -113,8 +113,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             meter.restart_window()
     stop.restore()
     if cfg.checkpoint.export:
-        fresh = AutoModelForCausalLM.from_config(model.config)
-        checkpointer.export(model, fresh, data.tokenizer, run_dir / "model")
+        checkpointer.export(model, lambda: AutoModelForCausalLM.from_config(model.config), data.tokenizer,
+                            run_dir / "model")
     summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
