@@ -25,6 +25,7 @@ RUN python3.12 -m venv /opt/venv \
 WORKDIR /opt/ddptrain
 COPY pyproject.toml README.md ./
 COPY ddptrain ./ddptrain
+COPY configs ./configs
 RUN pip install .
 
 WORKDIR /workspace

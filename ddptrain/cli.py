@@ -16,9 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from ddptrain.config import job_config, register_schema
 from ddptrain.errors import ConfigError, RunEnded, one_line
 
-CONFIG_DIR = Path(__file__).parent / "conf"
 ERROR_GRACE_S = 3.0
 log = logging.getLogger("ddptrain")
+
+
+def config_dir() -> Path:
+    """The config groups: shipped inside the package (``pip install .``, Docker), else the checkout's ``configs/``."""
+    installed = Path(__file__).parent / "configs"
+    return installed if installed.is_dir() else Path(__file__).parents[1] / "configs"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,7 +43,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     """The composed config with its ``hydra`` node, checked against the schema (one-line errors)."""
     register_schema()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None, job_name="ddptrain"):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None, job_name="ddptrain"):
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
         OmegaConf.to_container(job_config(cfg), resolve=True, throw_on_missing=True)  # bad interpolations
