@@ -49,6 +49,9 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
         raise ConfigError(f"launch.stop_grace_s={cfg.launch.stop_grace_s}: expected a positive number of seconds")
     if cfg.metrics.sample_every < 1:
         raise ConfigError(f"metrics.sample_every={cfg.metrics.sample_every}: expected a positive number of steps")
+    if cfg.metrics.straggler_windows < 1 or cfg.metrics.straggler_pct < 0:
+        raise ConfigError(f"metrics.straggler_windows={cfg.metrics.straggler_windows}, metrics.straggler_pct="
+                          f"{cfg.metrics.straggler_pct}: expected >= 1 window and a threshold >= 0 percent")
     load_baseline(cfg.metrics.baseline)
     return BatchPlan.derive(
         cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, world_size, cfg.data.seq_len

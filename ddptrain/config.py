@@ -160,6 +160,8 @@ class MetricsConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: look the device up
     baseline: str | None = None  # single-rank tokens/s, or a run directory whose summary.json holds it
     sample_every: int = 1  # time the step breakdown every k steps
+    straggler_windows: int = 5  # a rank slowest in most of the last K logged windows is a persistent straggler
+    straggler_pct: float = 20.0  # ... when it is busy this many percent longer than the median rank
 
 
 @dataclass

@@ -14,6 +14,7 @@ from ddptrain.config import Config, build_config, job_config
 from ddptrain.errors import ConfigError
 from ddptrain.runtime import DistEnv, distributed, shared_run_dir
 from ddptrain.telemetry import setup_logging
+from ddptrain.topology import check_shared_run_dir
 
 log = logging.getLogger("ddptrain")
 
@@ -92,6 +93,8 @@ def run_worker(cfg: DictConfig) -> int:
 
     with distributed(typed.dist) as (env, device):
         run_dir = shared_run_dir(cfg.hydra.run.dir)
+        if env.num_nodes > 1:
+            check_shared_run_dir(run_dir)
         setup_logging(env.rank, run_dir)
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))

@@ -31,10 +31,15 @@ class DistEnv:
     local_rank: int
     world_size: int
     local_world_size: int
+    node_rank: int = 0  # torchrun's GROUP_RANK: which node (agent) this process runs on
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
 
     @classmethod
     def from_environ(cls) -> DistEnv:
@@ -45,6 +50,7 @@ class DistEnv:
             local_rank=int(env.get("LOCAL_RANK", "0")),
             world_size=world_size,
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+            node_rank=int(env.get("GROUP_RANK", "0")),
         )
 
 
@@ -117,9 +123,11 @@ def broadcast_from_main(value: T) -> T:
 
 
 def main_first(env: DistEnv, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0, then on the others (which reuse what rank 0 cached).
+    """Run ``fn`` on rank 0, then on each other node's first rank, then on the rest (which reuse the cache).
 
-    A ConfigError on rank 0 is re-raised on every rank, so no rank waits at a barrier for a peer that quit.
+    The middle wave prepares a node's own cache when the cache directory is not shared between nodes, so no
+    two ranks of a node build it at once. A ConfigError on rank 0 is re-raised on every rank, so no rank waits
+    at a barrier for a peer that quit.
     """
     result: T | None = None
     error: str | None = None
@@ -131,7 +139,11 @@ def main_first(env: DistEnv, fn: Callable[[], T]) -> T:
     error = broadcast_from_main(error)
     if error is not None:
         raise ConfigError(error)
-    if not env.is_main:
+    if not env.is_main and env.local_rank == 0:
+        result = fn()
+    if env.num_nodes > 1:
+        dist.barrier()
+    if env.local_rank != 0:
         result = fn()
     return result  # type: ignore[return-value]
 

@@ -107,6 +107,6 @@ class StepMetrics:
 def steady_medians(history: list[dict[str, Any]]) -> dict[str, float]:
     """Median of every numeric metric over the logged windows after the first (warm-up: bucket rebuild, caches)."""
     steady = history[1:] or history
-    skip = {"step", "tokens_seen", "loss", "val_loss", "lr", "grad_norm"}  # not steady-state quantities
+    skip = {"step", "tokens_seen", "loss", "val_loss", "lr", "grad_norm", "slowest_rank"}  # not steady quantities
     keys = [k for k, v in steady[-1].items() if isinstance(v, int | float) and k not in skip]
     return {k: statistics.median(m[k] for m in steady if k in m) for k in keys}

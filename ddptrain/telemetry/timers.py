@@ -1,5 +1,9 @@
 """Where a step's time goes: data wait, forward, backward compute, exposed communication, optimizer.
 
+A wrapper's own work at the start of forward (DDP's buffer broadcast: a collective, so time spent waiting for
+the slowest rank) is split off as ``forward_sync`` when the wrapped model reports its own start
+(``inner_forward_started``).
+
 Host clock (perf_counter). On CUDA a sampled step synchronizes the device at each phase boundary so the
 host clock sees the device's work; that is why timing is sampled every ``metrics.sample_every`` steps.
 """
@@ -34,6 +38,7 @@ class StepTimer:
         self.sampled_steps = 0
         self.backward_end = 0.0  # when the last (synchronizing) backward returned
         self._step_start = 0.0
+        self._inner_start: float | None = None  # when the wrapped model's own forward began, this phase
 
     def now(self) -> float:
         return device_clock(self.device) if self.active else time.perf_counter()
@@ -55,11 +60,20 @@ class StepTimer:
             yield
             return
         start = self.now()
+        self._inner_start = None
         yield
         end = self.now()
+        if name == "forward" and self._inner_start is not None:
+            self.totals["forward_sync"] += self._inner_start - start
+            start = self._inner_start
         self.totals[name] += end - start
         if name == "backward":
             self.backward_end = end
+
+    def inner_forward_started(self) -> None:
+        """Called by a forward pre-hook on the wrapped model: what came before was the wrapper's sync."""
+        if self.active:
+            self._inner_start = self.now()
 
     def add(self, name: str, seconds: float) -> None:
         if self.active:

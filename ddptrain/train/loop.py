@@ -22,7 +22,7 @@ from ddptrain.checkpoint import Checkpointer, TrainState
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
-from ddptrain.faults import inject, poison_loss
+from ddptrain.faults import delay, inject, poison_loss
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -33,7 +33,9 @@ from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics, load_baseline, steady_medians
 from ddptrain.telemetry.profile import StepProfiler
+from ddptrain.telemetry.stragglers import StragglerMonitor
 from ddptrain.telemetry.timers import StepTimer
+from ddptrain.topology import gather_topology
 from ddptrain.train.control import StopRequest, agree
 
 log = logging.getLogger("ddptrain")
@@ -43,7 +45,9 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     plan = BatchPlan.derive(
         cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, env.world_size, cfg.data.seq_len
     )
-    log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
+    topology = gather_topology(env)
+    log.info("run dir %s | %d ranks on %s | %s | %s", run_dir, env.world_size, device.type, topology.describe(),
+             plan.equation())
     seed_everything(cfg.train.seed)
 
     data = main_first(env, lambda: build_token_data(cfg.data))
@@ -65,6 +69,9 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                         cfg.metrics.sample_every)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
+    if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
+        model.register_forward_pre_hook(lambda *_: meter.timer.inner_forward_started())
+    stragglers = StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct)
     stop = StopRequest(cfg.launch.stop_grace_s)
 
     def save(step: int) -> None:
@@ -78,6 +85,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     with closing(sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(start + 1, cfg.train.steps + 1):
             meter.start_step(step)
+            delay(step, env.rank, meter.timer.phase)
             loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
                                         meter.timer)
             if poison_loss(step, env.rank):
@@ -106,6 +114,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 continue
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
+            metrics.update(stragglers.window(metrics))
             if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
                 metrics["val_loss"] = evaluate(model, val, autocast)
             sinks.log(metrics)

@@ -1,0 +1,73 @@
+"""Stragglers named: every rank's window timing gathered, the slowest rank and its skew, one warning with the cause."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from ddptrain.errors import ConfigError
+from ddptrain.telemetry.stragglers import skew
+from ddptrain.topology import check_shared_run_dir
+from tests.dist import run_distributed
+from tests.runs import train_each
+
+BASE = {
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 256, "seq_len": 16, "global_batch_size": 4,
+             "micro_batch_size": 2},
+    "train": {"steps": 6, "log_every": 1, "eval_every": 0},
+    "metrics": {"straggler_windows": 4, "straggler_pct": 20.0},
+}
+
+
+def _train_capturing_warnings(rank: int, world_size: int, tmp: str, fault: str) -> tuple[list[dict], list[str]]:
+    import os
+
+    os.environ["DDPTRAIN_FAULT"] = fault
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ddptrain").addHandler(handler)
+    (result,) = train_each(rank, world_size, tmp, BASE, [{}])
+    return result["metrics"], [r for r in records if r.startswith("straggler")]
+
+
+@pytest.mark.parametrize("phase", ["data", "forward"])
+def test_a_delayed_rank_is_named_slowest_with_its_cause(tmp_path: Path, phase: str) -> None:
+    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), f"delay@{phase}:1:1:200")[0]
+    assert all(len(m["rank_step_s"]) == len(m["rank_data_s"]) == len(m["rank_compute_s"]) == 2 for m in metrics)
+    named = [m["slowest_rank"] == 1 and m["rank_skew_pct"] > BASE["metrics"]["straggler_pct"] for m in metrics]
+    assert sum(named) > len(named) // 2, [(m["slowest_rank"], m["rank_skew_pct"]) for m in metrics]
+    # rank 0 waits for rank 1 at the step's first collective (DDP's buffer broadcast): its wait holds the delay
+    assert sum(m["rank_wait_s"][0] for m in metrics) > sum(m["rank_wait_s"][1] for m in metrics)
+    cause = "data" if phase == "data" else "compute"
+    assert len(warnings) == 1 and "rank 1 on " in warnings[0] and f"; {cause} +" in warnings[0], warnings
+
+
+def test_no_straggler_warning_without_a_delay(tmp_path: Path) -> None:
+    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), "")[0]
+    assert warnings == [] and all("rank_skew_pct" in m for m in metrics)
+
+
+def test_skew_is_the_slowest_rank_against_the_median() -> None:
+    assert skew([1.0, 1.0, 1.5, 1.0]) == (2, 50.0)
+    assert skew([2.0, 2.0]) == (0, 0.0)
+
+
+def _check_storage(rank: int, world_size: int, shared: str, private: str) -> str:
+    try:
+        check_shared_run_dir(Path(shared if rank == 0 else private))
+    except ConfigError as exc:
+        return str(exc)
+    return "shared"
+
+
+def test_a_run_dir_that_another_node_cannot_see_is_refused_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert run_distributed(_check_storage, 2, str(tmp_path / "a"), str(tmp_path / "a")) == ["shared", "shared"]
+    errors = run_distributed(_check_storage, 2, str(tmp_path / "a"), str(tmp_path / "b"))
+    assert all("not shared by every node (rank(s) 1 (" in e for e in errors), errors
+    assert not list((tmp_path / "a").iterdir()), "the probe file is removed"
