@@ -7,6 +7,7 @@ of the wrong type fails at start-up with a message that names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -56,6 +57,13 @@ class DataConfig:
     num_workers: int = 0
 
 
+class ShardGroup(StrEnum):
+    """Over which ranks ZeRO-2/3 shard model state: all of them, or each node's (HSDP: replicate across nodes)."""
+
+    world = "world"
+    node = "node"
+
+
 @dataclass
 class ParallelConfig:
     """How gradients travel and where model state lives."""
@@ -74,6 +82,7 @@ class ParallelConfig:
     error_feedback: bool = True  # powersgd/topk: carry what was not sent into the next step
     zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
+    shard_group: ShardGroup = ShardGroup.world  # zero_stage 2-3: node = shard within a node, replicate across
 
 
 @dataclass

@@ -61,6 +61,9 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"parallel.compression={cfg.compression} cannot be combined with parallel.zero_stage={cfg.zero_stage}: "
             "compression hooks belong to DDP, and stages 2-3 reduce-scatter through FSDP2"
         )
+    if cfg.shard_group != "world" and cfg.zero_stage < 2:
+        raise ConfigError(f"parallel.shard_group={cfg.shard_group} needs parallel.zero_stage=2 or 3 (got "
+                          f"{cfg.zero_stage}): only FSDP2 shards model state over a group")
     if cfg.cpu_offload and cfg.zero_stage != 3:
         raise ConfigError(f"parallel.cpu_offload=true needs parallel.zero_stage=3 (got {cfg.zero_stage})")
     if cfg.engine == "torch":
@@ -81,10 +84,14 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             )
 
 
-def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
-    """torch DDP (stages 0-1, with its knobs and a compression hook), FSDP2 (stages 2-3), or our own engines."""
+def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, ranks_per_node: int = 1
+               ) -> Wrapped:
+    """torch DDP (stages 0-1, with its knobs and a compression hook), FSDP2 (stages 2-3), or our own engines.
+
+    ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE) lays out the 2-D mesh of ``parallel.shard_group=node``.
+    """
     if cfg.zero_stage >= 2:
-        sharded = shard_model(model, cfg, device)
+        sharded = shard_model(model, cfg, device, ranks_per_node)
         return Wrapped(sharded, model, partial(fsdp_sync, sharded), None)
     if cfg.engine != "torch":
         from ddptrain.engines import build_engine

@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddptrain.config import ParallelConfig
+from ddptrain.config import ParallelConfig, ShardGroup
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -23,10 +25,32 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> FSDPModule:
-    """FSDP2 ``fully_shard`` per transformer block, then the root (embeddings, head, final norm)."""
+def shard_group_size(cfg: ParallelConfig, world_size: int, ranks_per_node: int) -> int:
+    """How many ranks share one copy of the model state: the world, or one node's ranks under HSDP."""
+    return ranks_per_node if cfg.shard_group == ShardGroup.node else world_size
+
+
+def hybrid_mesh(device: torch.device, ranks_per_node: int) -> DeviceMesh:
+    """A 2-D mesh (nodes x ranks per node): FSDP2 shards along ``shard`` and all-reduces along ``replicate``.
+
+    Ranks are numbered node by node (torchrun's rule), so each row of the mesh is one node's ranks and the
+    frequent all-gathers and reduce-scatters stay on the fast intra-node links.
+    """
+    nodes = dist.get_world_size() // ranks_per_node
+    return init_device_mesh(device.type, (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, ranks_per_node: int = 1
+                ) -> FSDPModule:
+    """FSDP2 ``fully_shard`` per transformer block, then the root (embeddings, head, final norm).
+
+    With ``parallel.shard_group=node`` the model state is sharded over each node's ranks and replicated across
+    nodes (HSDP); otherwise over every rank.
+    """
     reshard = cfg.zero_stage == 3
     kwargs: dict = {"reshard_after_forward": reshard}
+    if cfg.shard_group == ShardGroup.node:
+        kwargs["mesh"] = hybrid_mesh(device, ranks_per_node)
     if device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.cpu_offload:

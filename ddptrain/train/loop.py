@@ -27,6 +27,7 @@ from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import wrap_model
+from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan import FP32, model_state_memory, step_comm
 from ddptrain.runtime import DistEnv, main_first, seed_everything
 from ddptrain.telemetry import Sinks
@@ -56,7 +57,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              len(data.train), len(data.val))
-    wrapped = wrap_model(model, cfg.parallel, device)
+    wrapped = wrap_model(model, cfg.parallel, device, env.local_world_size)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
@@ -99,7 +100,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
             if step == start + 1:
                 probe.after_step(optimizer)
-                model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage)
+                model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage,
+                                                 shard_group_size(cfg.parallel, env.world_size, env.local_world_size))
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             profiler.step()
@@ -239,19 +241,24 @@ def _finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
     return bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
 
 
-def report_model_state(held: dict[str, int], n_params: int, world_size: int, stage: int) -> dict[str, Any]:
-    """Measured model-state bytes of every rank next to the ZeRO formula for fp32 parameters + AdamW."""
+def report_model_state(held: dict[str, int], n_params: int, world_size: int, stage: int, shard_size: int
+                       ) -> dict[str, Any]:
+    """Measured model-state bytes of every rank next to the ZeRO formula for fp32 parameters + AdamW.
+
+    ``shard_size``: the ranks that share one copy of the state (the world, or a node's ranks under HSDP).
+    """
     per_rank: list[dict[str, int]] = [{}] * world_size
     dist.all_gather_object(per_rank, held)
-    formula = model_state_memory(n_params, world_size, stage, FP32)
+    formula = model_state_memory(n_params, shard_size, stage, FP32)
     expected = {"parameters": formula.params, "gradients": formula.grads, "optimizer": formula.optimizer}
     mine = per_rank[dist.get_rank()]
     log.info(
-        "model state per rank (ZeRO-%d, %d ranks): %s",
-        stage, world_size,
+        "model state per rank (ZeRO-%d, sharded over %d of %d ranks): %s",
+        stage, shard_size, world_size,
         ", ".join(f"{k} {mine[k] / 2**20:.2f} MiB (formula {expected[k] / 2**20:.2f})" for k in expected),
     )
-    return {"zero_stage": stage, "formula_bytes": expected, "measured_bytes_per_rank": per_rank,
+    return {"zero_stage": stage, "shard_group_size": shard_size, "formula_bytes": expected,
+            "measured_bytes_per_rank": per_rank,
             "formula": f"{FP32.param_bytes}Ψ params + {FP32.grad_bytes}Ψ grads + {FP32.optim_bytes}Ψ AdamW, "
                        f"sharded per stage {stage}"}
 
