@@ -162,6 +162,10 @@ class PlanConfig:
     interconnect: str = "nvlink"  # nvlink | infiniband_ndr | pcie_gen5
     bandwidth_gbps: float | None = None  # a measured bus bandwidth in GB/s; overrides the preset
     latency_us: float | None = None  # None: the preset's
+    from_run: str | None = None  # a finished run dir: predict its step at plan.world_size on plan.nodes nodes
+    nodes: int = 1  # nodes the plan.world_size ranks are spread over (equal ranks per node)
+    inter_node: str = "infiniband_ndr"  # the link between nodes (a preset); plan.interconnect is the one within
+    hierarchical: bool = True  # multi-node all-reduce: within nodes, then across (false: one flat ring)
 
 
 @dataclass

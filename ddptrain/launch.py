@@ -44,6 +44,12 @@ def dry_run(cfg: DictConfig) -> int:
 
     typed, _ = typed_config(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))
+    if typed.plan.from_run:
+        from ddptrain.predict import what_if
+
+        if DistEnv.from_environ().is_main:
+            print(what_if(typed.plan, world_size))
+        return 0
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     if DistEnv.from_environ().is_main:
         print(render_plan(build_plan(typed, world_size, device_name)))

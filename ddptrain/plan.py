@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from ddptrain.config import Config
+from ddptrain.config import Config, PlanConfig
 from ddptrain.data.batch import BatchPlan
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
@@ -112,6 +112,22 @@ def step_comm(params: float, world_size: int, stage: int, precision: Precision =
     return Comm(share * (2 * precision.param_bytes + precision.grad_bytes), 3 * (world_size - 1))
 
 
+def preset_link(key: str, name: str) -> Link:
+    """The interconnect preset ``name``, or a ConfigError naming the key ``key``."""
+    if name not in INTERCONNECTS:
+        raise ConfigError(f"{key}={name!r}: expected one of {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name]
+
+
+def chosen_link(cfg: PlanConfig | DictConfig) -> Link:
+    """``plan.interconnect``'s preset or a measured bus bandwidth (``plan.bandwidth_gbps``); α ``plan.latency_us``."""
+    preset = preset_link("plan.interconnect", cfg.interconnect)
+    alpha = preset.latency_us if cfg.latency_us is None else cfg.latency_us
+    if cfg.bandwidth_gbps:
+        return Link("measured", cfg.bandwidth_gbps, alpha, "plan.bandwidth_gbps")
+    return replace(preset, latency_us=alpha)
+
+
 def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
     """Ring all-reduce time: t = 2(N−1)·α + 2(N−1)/N·D/B."""
     return link.seconds(Comm(2 * (world_size - 1) / world_size * nbytes, 2 * (world_size - 1)))
@@ -177,14 +193,7 @@ def build_plan(
         flops, rule = flops_per_token(cfg.model, vocab, batch.seq_len), "6·matmul params + 12·L·H·Q·T"
     on_gpu = device_name is not None
     precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
-    if cfg.plan.interconnect not in INTERCONNECTS:
-        raise ConfigError(f"plan.interconnect={cfg.plan.interconnect!r}: expected one of {', '.join(INTERCONNECTS)}")
-    preset = INTERCONNECTS[cfg.plan.interconnect]
-    alpha = preset.latency_us if cfg.plan.latency_us is None else cfg.plan.latency_us
-    if cfg.plan.bandwidth_gbps:
-        link = Link("measured", cfg.plan.bandwidth_gbps, alpha, "plan.bandwidth_gbps")
-    else:
-        link = replace(preset, latency_us=alpha)
+    link = chosen_link(cfg.plan)
     links = {**INTERCONNECTS, link.name: link}  # the chosen link replaces its preset, or joins as "measured"
     peak = cfg.metrics.peak_tflops or (peak_tflops(device_name) if on_gpu else None)
     micro_tokens = batch.micro_batch_size * batch.seq_len

@@ -43,6 +43,7 @@ class CommMeter:
     # Host clock (perf_counter) of each bucket's hook call and of its future's completion: on gloo the
     # collective's real span; on NCCL the completion is when the work is enqueued, so spans are a lower bound.
     spans: list[tuple[float, float]] = field(default_factory=list)
+    launches: list[tuple[float, int]] = field(default_factory=list)  # (host clock, bucket bytes) at each hook call
 
     def record(self, sent_bytes: int, bucket: torch.Tensor) -> None:
         """Charge one bucket's sync: what was sent, and what an uncompressed all-reduce of ``bucket`` would send."""
@@ -58,6 +59,7 @@ class CommMeter:
         self.comm_bytes = 0
         self.uncompressed_bytes = 0
         self.spans.clear()
+        self.launches.clear()
 
     def comm_seconds(self) -> float:
         """Wall time during which at least one gradient collective was in flight (union of the spans)."""
@@ -73,6 +75,7 @@ def _timed(hook: Callable[[Any, dist.GradBucket], Future[torch.Tensor]]) -> Call
 
     def timed(state: _State, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         start = time.perf_counter()
+        state.meter.launches.append((start, bucket.buffer().numel() * bucket.buffer().element_size()))
 
         def done(fut: Future[torch.Tensor]) -> torch.Tensor:
             state.meter.spans.append((start, time.perf_counter()))

@@ -36,7 +36,8 @@ class Wrapped:
         if self.meter is not None:
             last_launch = self.meter.last_launch()
             exposed = max(0.0, backward_end - last_launch) if last_launch is not None else 0.0
-            sample = SyncSample(self.meter.comm_bytes, self.meter.comm_seconds(), exposed)
+            buckets = tuple((last_launch - t, n) for t, n in self.meter.launches) if last_launch is not None else ()
+            sample = SyncSample(self.meter.comm_bytes, self.meter.comm_seconds(), exposed, buckets)
             ratio = self.meter.ratio
             self.meter.reset()
             return sample, ratio

@@ -14,6 +14,9 @@ class SyncSample:
     payload_bytes: float  # S: bytes handed to the collectives (compressed when compression is on)
     comm_s: float  # wall time with at least one gradient collective in flight
     exposed_s: float  # time backward waited for sync after its compute ended (logged as time_exposed_comm_s)
+    # per bucket, in launch order: (seconds before backward compute ended that it became ready, bytes);
+    # what the what-if predictor needs to model overlap (empty when the strategy does not report it)
+    buckets: tuple[tuple[float, int], ...] = ()
 
 
 def busbw_factor(world_size: int) -> float:

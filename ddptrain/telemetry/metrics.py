@@ -57,6 +57,7 @@ class StepMetrics:
         self.timer = StepTimer(device, sample_every)
         self.samples: list[SyncSample] = []
         self.compression_ratio: float | None = None
+        self.buckets: tuple[tuple[float, int], ...] = ()  # the last timed step's bucket profile (for the predictor)
         self._start, self._steps = self._clock(), 0
 
     def start_step(self, step: int) -> None:
@@ -67,6 +68,7 @@ class StepMetrics:
             self.timer.add("backward", -sample.exposed_s)  # backward's wall time = compute + exposed sync
             self.timer.add("exposed_comm", sample.exposed_s)
             self.samples.append(sample)
+            self.buckets = sample.buckets or self.buckets
         self.compression_ratio = compression_ratio
         self.timer.end_step()
         self._steps += 1

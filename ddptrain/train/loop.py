@@ -126,7 +126,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     if cfg.checkpoint.export:
         checkpointer.export(model, lambda: AutoModelForCausalLM.from_config(model.config), data.tokenizer,
                             run_dir / "model")
-    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state)
+    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, meter.buckets)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -295,9 +295,13 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 def summarise(
     history: list[dict[str, Any]], plan: BatchPlan, n_params: int, fpt: float, peak: float | None, cfg: Config,
-    model_state: dict[str, Any],
+    model_state: dict[str, Any], buckets: tuple[tuple[float, int], ...] = (),
 ) -> dict[str, Any]:
-    """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions."""
+    """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions.
+
+    ``buckets``: the last timed step's gradient buckets as (seconds before backward compute ended that each
+    was ready, bytes), which calibrate the what-if predictor (``plan.from_run``).
+    """
     predicted_comm = step_comm(n_params, plan.dp, cfg.parallel.zero_stage, FP32)
     return {
         "world_size": plan.dp,
@@ -323,4 +327,5 @@ def summarise(
             "comm_link_bytes_per_rank": predicted_comm.nbytes,
         },
         "model_state": model_state,
+        "buckets": [[lead, nbytes] for lead, nbytes in buckets],
     }
