@@ -41,7 +41,7 @@ def _train_as_two_nodes(rank: int, world_size: int, tmp: str) -> dict[str, dict]
 
 
 def test_hsdp_matches_zero3_and_holds_a_shard_group_of_two(tmp_path: Path) -> None:
-    summaries = run_distributed(_train_as_two_nodes, 4, str(tmp_path))[0]
+    summaries = run_distributed(_train_as_two_nodes, 4, str(tmp_path), timeout=600)[0]
     zero3, hsdp = summaries["world"], summaries["node"]
     assert len(hsdp["losses"]) == BASE["train"]["steps"]
     assert hsdp["losses"] == pytest.approx(zero3["losses"], rel=1e-4)

@@ -18,11 +18,12 @@ BASE = {
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 256, "seq_len": 16, "global_batch_size": 4,
              "micro_batch_size": 2},
     "train": {"steps": 6, "log_every": 1, "eval_every": 0},
-    "metrics": {"straggler_windows": 4, "straggler_pct": 20.0},
+    "metrics": {"straggler_windows": 4},
 }
 
 
-def _train_capturing_warnings(rank: int, world_size: int, tmp: str, fault: str) -> tuple[list[dict], list[str]]:
+def _train_capturing_warnings(rank: int, world_size: int, tmp: str, fault: str, threshold_pct: float
+                              ) -> tuple[list[dict], list[str]]:
     import os
 
     os.environ["DDPTRAIN_FAULT"] = fault
@@ -30,15 +31,17 @@ def _train_capturing_warnings(rank: int, world_size: int, tmp: str, fault: str) 
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("ddptrain").addHandler(handler)
-    (result,) = train_each(rank, world_size, tmp, BASE, [{}])
+    (result,) = train_each(rank, world_size, tmp, BASE, [{"metrics": {"straggler_pct": threshold_pct}}])
     return result["metrics"], [r for r in records if r.startswith("straggler")]
 
 
 @pytest.mark.parametrize("phase", ["data", "forward"])
 def test_a_delayed_rank_is_named_slowest_with_its_cause(tmp_path: Path, phase: str) -> None:
-    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), f"delay@{phase}:1:1:200")[0]
+    # 10%: on a loaded machine every rank's compute swells, and 200 ms shrinks against it
+    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), f"delay@{phase}:1:1:200", 10.0,
+                                        timeout=600)[0]
     assert all(len(m["rank_step_s"]) == len(m["rank_data_s"]) == len(m["rank_compute_s"]) == 2 for m in metrics)
-    named = [m["slowest_rank"] == 1 and m["rank_skew_pct"] > BASE["metrics"]["straggler_pct"] for m in metrics]
+    named = [m["slowest_rank"] == 1 and m["rank_skew_pct"] > 10.0 for m in metrics]
     assert sum(named) > len(named) // 2, [(m["slowest_rank"], m["rank_skew_pct"]) for m in metrics]
     # rank 0 waits for rank 1 at the step's first collective (DDP's buffer broadcast): its wait holds the delay
     assert sum(m["rank_wait_s"][0] for m in metrics) > sum(m["rank_wait_s"][1] for m in metrics)
@@ -47,7 +50,7 @@ def test_a_delayed_rank_is_named_slowest_with_its_cause(tmp_path: Path, phase: s
 
 
 def test_no_straggler_warning_without_a_delay(tmp_path: Path) -> None:
-    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), "")[0]
+    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), "", 20.0, timeout=600)[0]
     assert warnings == [] and all("rank_skew_pct" in m for m in metrics)
 
 
