@@ -5,8 +5,8 @@ batch, and the gradient buckets of a timed step, each with when it became ready 
 compute ended) and its size. Links are α–β models: the planner's presets, or a fit of the real process group
 (``scripts/bench_collectives.py``). For a target of N ranks on M nodes:
 
-- compute per rank scales with the micro-steps each rank runs (the global batch is kept, so grad_accum
-  changes with N); the optimizer step is paid once;
+- weak scaling: every rank keeps the calibration run's work per step (micro batch x grad_accum), so the
+  global batch grows with N and compute per rank stays as measured;
 - each bucket's all-reduce starts when the bucket is ready and the previous bucket's all-reduce has finished,
   so it can only hide behind the backward compute that follows it; what runs past the end of backward is exposed;
 - one node: a ring over the intra-node link. Several nodes: a flat ring pays the inter-node link on every hop,
@@ -138,8 +138,10 @@ class Prediction:
 
 
 def predict(cal: Calibration, layout: Layout) -> Prediction:
-    """The step of ``cal``'s run on ``layout``, at the same global batch (grad_accum re-derived)."""
-    batch = BatchPlan.derive(cal.global_batch_size, cal.micro_batch_size, None, layout.world_size, cal.seq_len)
+    """The step of ``cal``'s run on ``layout``, each rank doing the work per step that it did (weak scaling)."""
+    per_rank = cal.micro_batch_size * cal.grad_accum
+    batch = BatchPlan.derive(per_rank * layout.world_size, cal.micro_batch_size, cal.grad_accum, layout.world_size,
+                             cal.seq_len)
     compute = cal.micro_step_s * batch.grad_accum + cal.optimizer_s
     exposed, comm = exposed_comm(cal.buckets, lambda n: allreduce_seconds(n, layout))
     return Prediction(layout, batch, compute, exposed if layout.world_size > 1 else 0.0, comm)
@@ -148,19 +150,20 @@ def predict(cal: Calibration, layout: Layout) -> Prediction:
 def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout]) -> str:
     """A table of predicted step time, exposed communication, tokens/s and scaling efficiency per layout."""
     single = predict(cal, Layout(1, 1, layouts[0].intra, layouts[0].inter))
-    out = Console(file=io.StringIO(), width=120, record=True, color_system=None)
+    out = Console(file=io.StringIO(), width=160, record=True, color_system=None)
     where = "measured" if cal.buckets_measured else "not measured: one bucket of 4 bytes/parameter, no overlap"
     out.print(f"Calibrated from {run_dir} ({cal.world_size} rank(s)): {cal.micro_step_s * 1e3:.1f} ms compute per "
               f"micro-batch, optimizer {cal.optimizer_s * 1e3:.1f} ms, {len(cal.buckets)} gradient bucket(s) "
               f"of {sum(n for _, n in cal.buckets) / 1e6:.2f} MB ({where})")
-    table = Table(title=f"Predicted at the global batch of {cal.global_batch_size} sequences")
-    for column in ("layout", "grad_accum", "step", "compute", "comm", "exposed", "tokens/s", "efficiency"):
+    table = Table(title=f"Predicted with {cal.micro_batch_size} x {cal.grad_accum} sequences per rank per step "
+                        "(weak scaling)")
+    for column in ("layout", "global batch", "step", "compute", "comm", "exposed", "tokens/s", "efficiency"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for layout in layouts:
         p = predict(cal, layout)
-        table.add_row(layout.describe(), str(p.batch.grad_accum), f"{p.step_s * 1e3:,.1f} ms",
+        table.add_row(layout.describe(), str(p.batch.global_batch_size), f"{p.step_s * 1e3:,.1f} ms",
                       f"{p.compute_s * 1e3:,.1f} ms", f"{p.comm_s * 1e3:,.2f} ms", f"{p.exposed_s * 1e3:,.2f} ms",
-                      f"{p.tokens_per_s:,.0f}", f"{p.tokens_per_s / (layout.world_size * single.tokens_per_s):.0%}")
+                      f"{p.tokens_per_s:,.0f}", f"{p.tokens_per_s / (layout.world_size * single.tokens_per_s):.1%}")
     out.print(table)
     for link in dict.fromkeys((layouts[0].intra, layouts[0].inter)):
         out.print(f"link {link.name}: {link.bandwidth_gbps:g} GB/s bus bandwidth, α {link.latency_us:g} µs "

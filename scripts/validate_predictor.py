@@ -1,5 +1,7 @@
 """Validate the what-if predictor on this machine: calibrate from 1-rank runs, predict 2 ranks, run 2 ranks.
 
+Weak scaling, as the predictor models it: the 2-rank runs keep each rank's work (global batch doubled).
+
     python scripts/validate_predictor.py --repeats 3
 
 For each configuration the 1-rank and 2-rank runs alternate (repeats interleaved, medians reported); the link
@@ -27,18 +29,20 @@ COMMON = ["data=synthetic", "train.steps=12", "train.log_every=4", "train.eval_e
 CONFIGS = {  # name -> overrides
     "compute-bound (llama 128x4, seq 128, one 25 MB bucket)": [
         "model.hidden_size=128", "model.num_layers=4", "data.seq_len=128", "data.micro_batch_size=8",
-        "data.global_batch_size=16"],
+        "data.grad_accum=2"],
     "many small buckets (llama 64x8, seq 64, 0.05 MB buckets)": [
         "model.hidden_size=64", "model.num_layers=8", "model.num_heads=2", "model.num_kv_heads=2",
-        "data.seq_len=64", "data.micro_batch_size=4", "data.global_batch_size=8", "parallel.bucket_cap_mb=0.05"],
+        "data.seq_len=64", "data.micro_batch_size=4", "data.grad_accum=2", "parallel.bucket_cap_mb=0.05"],
 }
 
 
 def _run(args: list[str], nproc: int, run_dir: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("DDPTRAIN_RUN_DIR", None)
+    micro, accum = (int(next(a for a in args if a.startswith(k)).split("=")[1])
+                    for k in ("data.micro_batch_size", "data.grad_accum"))
     command = [sys.executable, "-m", "ddptrain", *COMMON, *args, f"launch.nproc_per_node={nproc}",
-               f"hydra.run.dir={run_dir}"]
+               f"data.global_batch_size={micro * accum * nproc}", f"hydra.run.dir={run_dir}"]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(result.stderr[-3000:])
