@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -11,11 +12,14 @@ from functools import partial
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddptrain.comm.clock import CommClock
 from ddptrain.config import ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.compression import CommMeter, register_compression, validate_compression
 from ddptrain.parallel.zero import ZERO_STAGES, fsdp_sync, shard_model
 from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,24 +31,31 @@ class Wrapped:
     maybe_sync: Callable[[bool], AbstractContextManager]  # ctx(sync): skip gradient sync when sync is False
     meter: CommMeter | None  # bytes the gradient hooks put on the wire (DDP-based strategies)
 
-    def take_sync_sample(self, backward_end: float, world_size: int) -> tuple[SyncSample | None, float | None]:
+    def take_sync_sample(self, world_size: int, sampled: bool) -> tuple[SyncSample | None, float | None]:
         """The last step's gradient sync (bytes, time in flight, exposed time) and compression ratio; resets.
 
-        torch DDP: from the metered hook's spans; backward compute ends when the last bucket is launched.
-        Our engines: from their own ``comm_stats``. FSDP2 stages: not measured (None).
+        Only a ``sampled`` step (one the timer synchronized) yields a sample: CUDA events are readable only then.
+        torch DDP: from the metered hook's spans. Our engines: from their own ``comm_stats``. FSDP2: not measured.
+        Times are None where the backend's clock cannot see its collectives.
         """
         if self.meter is not None:
-            last_launch = self.meter.last_launch()
-            exposed = max(0.0, backward_end - last_launch) if last_launch is not None else 0.0
-            sample = SyncSample(self.meter.comm_bytes, self.meter.comm_seconds(), exposed)
+            comm_s, exposed_s = self.meter.timing() if sampled else (None, None)
+            sample = SyncSample(self.meter.comm_bytes, comm_s, exposed_s)
             ratio = self.meter.ratio
             self.meter.reset()
-            return sample, ratio
+            return (sample if sampled else None), ratio
         stats = getattr(self.module, "comm_stats", None)
-        if stats is not None:
+        if stats is not None and sampled:
             payload = payload_from_link_bytes(stats.bytes_sent, world_size)
             return SyncSample(payload, stats.in_flight_s, stats.exposed_s), None
         return None, None
+
+    def comm_clock(self) -> CommClock | None:
+        """The clock gradient collectives are timed on (None: this strategy's sync is not measured)."""
+        if self.meter is not None:
+            return self.meter.clock
+        stats = getattr(self.module, "comm_stats", None)
+        return stats.clock if stats is not None else None
 
 
 def validate_parallel_config(cfg: ParallelConfig) -> None:
@@ -82,7 +93,18 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
 
 
 def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
-    """torch DDP (stages 0-1, with its knobs and a compression hook), FSDP2 (stages 2-3), or our own engines."""
+    """torch DDP (stages 0-1, with its knobs and a compression hook), FSDP2 (stages 2-3), or our own engines.
+
+    Says once, in the log, when the backend's clock cannot time gradient sync (those figures are then absent).
+    """
+    wrapped = _wrap(model, cfg, device)
+    clock = wrapped.comm_clock()
+    if clock is not None and not clock.available:
+        log.warning(clock.unavailable_reason())
+    return wrapped
+
+
+def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
     if cfg.zero_stage >= 2:
         sharded = shard_model(model, cfg, device)
         return Wrapped(sharded, model, partial(fsdp_sync, sharded), None)

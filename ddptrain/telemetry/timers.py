@@ -32,7 +32,6 @@ class StepTimer:
         self.active = False
         self.totals: dict[str, float] = defaultdict(float)
         self.sampled_steps = 0
-        self.backward_end = 0.0  # when the last (synchronizing) backward returned
         self._step_start = 0.0
 
     def now(self) -> float:
@@ -58,8 +57,6 @@ class StepTimer:
         yield
         end = self.now()
         self.totals[name] += end - start
-        if name == "backward":
-            self.backward_end = end
 
     def add(self, name: str, seconds: float) -> None:
         if self.active:

@@ -88,7 +88,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip)
                 stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
                 skipped += not apply_update(optimizer, nonfinite, cfg.train.nan_policy, step)
-            meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
+            meter.end_step(*wrapped.take_sync_sample(env.world_size, meter.timer.active))
             if step == start + 1:
                 probe.after_step(optimizer)
                 model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage)
