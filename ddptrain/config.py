@@ -188,6 +188,11 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
+def computes_in_bf16(precision: str, device_type: str) -> bool:
+    """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
+    return precision == "bf16" or (precision == "auto" and device_type == "cuda")
+
+
 def job_config(cfg: DictConfig) -> DictConfig:
     """A composed config without Hydra's own ``hydra`` node: what the run itself is configured with."""
     job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])

@@ -62,22 +62,26 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
-def pick_backend(cfg: DistConfig, device: torch.device) -> str:
+def pick_backend(cfg: DistConfig, device: torch.device, cpu_collectives: bool = False) -> str:
+    """The process group's backend. With ``cpu_collectives`` on CUDA (CPU offload keeps gradient shards and the
+    norm that clips them on the CPU) NCCL runs CUDA tensors and gloo CPU ones: ``cuda:nccl,cpu:gloo``."""
     if cfg.backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if cfg.backend not in ("nccl", "gloo"):
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    elif cfg.backend not in ("nccl", "gloo"):
         raise ConfigError(f"dist.backend={cfg.backend!r}: expected auto, nccl or gloo")
-    if cfg.backend == "nccl" and device.type != "cuda":
+    elif cfg.backend == "nccl" and device.type != "cuda":
         raise ConfigError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on CPU")
-    return cfg.backend
+    else:
+        backend = cfg.backend
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" and cpu_collectives else backend
 
 
-def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device) -> None:
+def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_collectives: bool = False) -> None:
     """Join the job's process group (a one-rank group when run in-process) with the configured timeout."""
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group(
-        backend=pick_backend(cfg, device),
+        backend=pick_backend(cfg, device, cpu_collectives),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
@@ -165,16 +169,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def apply_debug_level(debug: str) -> None:
+    """``dist.debug=info|detail``: torch's distributed debug level, for the process groups created from now on.
+
+    torch reads ``TORCH_DISTRIBUTED_DEBUG`` once, at import; setting the variable later changes nothing until
+    ``set_debug_level_from_env()`` reads it again. With detail, each group checks that every rank calls the same
+    collective with the same shapes and names the mismatch, instead of hanging or failing obscurely.
+    """
+    if debug not in ("off", "info", "detail"):
+        raise ConfigError(f"dist.debug={debug!r}: expected off, info or detail")
+    if debug != "off":
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug.upper()
+        dist.set_debug_level_from_env()
+
+
 @contextmanager
-def distributed(cfg: DistConfig) -> Iterator[tuple[DistEnv, torch.device]]:
-    """The process group for the duration of a run; always torn down, errors included."""
-    if cfg.debug not in ("off", "info", "detail"):
-        raise ConfigError(f"dist.debug={cfg.debug!r}: expected off, info or detail")
-    if cfg.debug != "off":
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = cfg.debug.upper()
+def distributed(cfg: DistConfig, cpu_collectives: bool = False) -> Iterator[tuple[DistEnv, torch.device]]:
+    """The process group for the duration of a run (``cpu_collectives``: CPU tensors too, on CUDA); always torn
+    down, errors included."""
+    apply_debug_level(cfg.debug)
     env = DistEnv.from_environ()
     device = pick_device(env)
-    init_process_group(cfg, env, device)
+    init_process_group(cfg, env, device, cpu_collectives)
     clean = False
     try:
         yield env, device

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
@@ -54,3 +55,111 @@ def test_no_time_or_bandwidth_figure_on_a_backend_whose_works_complete_at_enqueu
     assert metrics["comm_bytes"] > 0
     assert not [k for k in TIME_FIGURES if k in metrics], metrics
     assert "gradient-sync timing is unavailable on backend 'fake'" in caplog.text
+
+
+def _mismatched_all_reduce(rank: int, world_size: int) -> tuple[str, str]:
+    from ddptrain.runtime import apply_debug_level
+
+    apply_debug_level("detail")
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))  # created after the level is set
+    try:
+        dist.all_reduce(torch.zeros(2 + rank), group=group)  # rank 0 sends 2 elements, rank 1 sends 3
+    except RuntimeError as exc:
+        return str(dist.get_debug_level()), str(exc)
+    return str(dist.get_debug_level()), "no error"
+
+
+def test_debug_detail_turns_a_collective_mismatch_into_torchs_readable_error() -> None:
+    from tests.dist import run_distributed
+
+    for level, error in run_distributed(_mismatched_all_reduce, 2, timeout=120):
+        assert level == "DebugLevel.DETAIL"
+        assert "Detected mismatch between collectives on ranks" in error, error
+
+
+@pytest.mark.parametrize(("precision", "device", "bf16"), [
+    ("fp32", "cuda", False), ("auto", "cuda", True), ("bf16", "cuda", True), ("auto", "cpu", False),
+])
+def test_fsdp_mixed_precision_follows_train_precision(
+    monkeypatch: pytest.MonkeyPatch, precision: str, device: str, bf16: bool
+) -> None:
+    """``train.precision=fp32`` on CUDA trains fp32 under FSDP2 too (it used to get bf16 whenever on CUDA)."""
+    from ddptrain.parallel import zero
+
+    calls: list[dict] = []
+    monkeypatch.setattr(zero, "fully_shard", lambda module, **kwargs: calls.append(kwargs) or module)
+    zero.shard_model(nn.Linear(2, 2), ParallelConfig(zero_stage=3), torch.device(device), precision)
+    policy = calls[-1].get("mp_policy")
+    assert (policy is not None) == bf16
+    if bf16:
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_cpu_offload_joins_a_group_with_gloo_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offloaded gradient shards (and their norm) are CPU tensors: NCCL alone cannot reduce them."""
+    from ddptrain.config import DistConfig
+    from ddptrain.runtime import DistEnv, init_process_group
+
+    seen: list[str] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **_: seen.append(backend))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2)
+    for offload in (True, False):
+        init_process_group(DistConfig(), env, torch.device("cuda", 0), cpu_collectives=offload)
+    init_process_group(DistConfig(), env, torch.device("cpu"), cpu_collectives=True)
+    assert seen == ["cuda:nccl,cpu:gloo", "nccl", "gloo"]
+
+
+def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omegaconf import OmegaConf
+
+    from ddptrain import launch
+
+    class Joined(Exception):
+        pass
+
+    seen: list[bool] = []
+
+    def joining(_: object, cpu_collectives: bool = False) -> None:
+        seen.append(cpu_collectives)
+        raise Joined
+
+    monkeypatch.setattr(launch, "distributed", joining)
+    monkeypatch.setattr(launch, "validate_config", lambda *_: None)  # offload is refused without CUDA
+    monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
+    for offload in (True, False):
+        with pytest.raises(Joined):
+            launch.run_worker(OmegaConf.create({"parallel": {"zero_stage": 3, "cpu_offload": offload}}))
+    assert seen == [True, False]
+
+
+class _Offloaded(nn.Module):
+    """Parameters away from the compute device (as with CPU offload), a loss on the compute device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, device="meta"))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> object:
+        return type("Output", (), {"loss": input_ids.float().mean()})()
+
+
+def test_evaluation_reduces_on_the_runs_device_not_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    from contextlib import nullcontext
+
+    from ddptrain.train.loop import evaluate
+
+    reduced: list[torch.device] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *_, **__: reduced.append(tensor.device))
+    val = evaluate(_Offloaded(), [torch.full((2, 3), 4)], nullcontext(), torch.device("cpu"))
+    assert reduced == [torch.device("cpu")] and val == 4.0
+
+
+def test_clipping_off_computes_the_norm_without_a_clipping_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddptrain.train.loop import clip_gradients
+
+    model = nn.Linear(3, 1)
+    model(torch.ones(2, 3)).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *_, **__: pytest.fail("clipping pass with clip 0"))
+    assert clip_gradients(model, 0.0) == pytest.approx(expected.item())

@@ -92,21 +92,23 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             )
 
 
-def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
+def wrap_model(
+    model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str = "auto"
+) -> Wrapped:
     """torch DDP (stages 0-1, with its knobs and a compression hook), FSDP2 (stages 2-3), or our own engines.
 
     Says once, in the log, when the backend's clock cannot time gradient sync (those figures are then absent).
     """
-    wrapped = _wrap(model, cfg, device)
+    wrapped = _wrap(model, cfg, device, precision)
     clock = wrapped.comm_clock()
     if clock is not None and not clock.available:
         log.warning(clock.unavailable_reason())
     return wrapped
 
 
-def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
+def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str) -> Wrapped:
     if cfg.zero_stage >= 2:
-        sharded = shard_model(model, cfg, device)
+        sharded = shard_model(model, cfg, device, precision)
         return Wrapped(sharded, model, partial(fsdp_sync, sharded), None)
     if cfg.engine != "torch":
         from ddptrain.engines import build_engine

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.config import Config
+from ddptrain.config import Config, computes_in_bf16
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import inject, poison_loss
@@ -52,7 +51,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              len(data.train), len(data.val))
-    wrapped = wrap_model(model, cfg.parallel, device)
+    wrapped = wrap_model(model, cfg.parallel, device, cfg.train.precision)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
@@ -107,7 +106,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
             if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
-                metrics["val_loss"] = evaluate(model, val, autocast)
+                metrics["val_loss"] = evaluate(model, val, autocast, device)
             sinks.log(metrics)
             history.append(metrics)
             meter.restart_window()
@@ -199,9 +198,14 @@ def accumulate_gradients(
 def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
     """Clip to ``grad_clip`` global norm (0: no clipping); returns the norm before clipping.
 
-    With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards; its full value is returned.
+    With clipping off only the norm is computed (it is logged and checked for non-finite values), never the
+    scaling pass. With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards (on the CPU with
+    CPU offload, hence gloo next to NCCL); its full value is returned.
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
@@ -248,10 +252,14 @@ def report_model_state(held: dict[str, int], n_params: int, world_size: int, sta
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
-    """Mean validation loss over every rank's fixed batches (the same batches at every evaluation)."""
+def evaluate(
+    model: torch.nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager, device: torch.device
+) -> float:
+    """Mean validation loss over every rank's fixed batches (the same batches at every evaluation).
+
+    ``device`` is the run's: with CPU offload the parameters sit on the CPU while compute and NCCL use the GPU.
+    """
     model.eval()
-    device = next(model.parameters()).device
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for ids in batches:
         ids = ids.to(device)
@@ -272,7 +280,7 @@ def global_mean(value: torch.Tensor) -> float:
 
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
     """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
-    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+    if not computes_in_bf16(precision, device.type):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
