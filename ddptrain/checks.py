@@ -47,7 +47,7 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     validate_nan_policy(cfg.train.nan_policy)
     if cfg.launch.stop_grace_s <= 0:
         raise ConfigError(f"launch.stop_grace_s={cfg.launch.stop_grace_s}: expected a positive number of seconds")
-    if cfg.metrics.sample_every < 1:
+    if cfg.metrics.sample_every is not None and cfg.metrics.sample_every < 1:
         raise ConfigError(f"metrics.sample_every={cfg.metrics.sample_every}: expected a positive number of steps")
     load_baseline(cfg.metrics.baseline)
     return BatchPlan.derive(

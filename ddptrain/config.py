@@ -159,7 +159,7 @@ class PlanConfig:
 class MetricsConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: look the device up
     baseline: str | None = None  # single-rank tokens/s, or a run directory whose summary.json holds it
-    sample_every: int = 1  # time the step breakdown every k steps
+    sample_every: int | None = None  # time the step breakdown every k steps; None: 1 on CPU, 10 on CUDA (syncs)
 
 
 @dataclass

@@ -163,3 +163,31 @@ def test_clipping_off_computes_the_norm_without_a_clipping_pass(monkeypatch: pyt
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *_, **__: pytest.fail("clipping pass with clip 0"))
     assert clip_gradients(model, 0.0) == pytest.approx(expected.item())
+
+
+def test_at_default_settings_only_every_tenth_cuda_step_synchronizes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A timed step synchronizes at every phase boundary (15 times with 4 micro-steps): not at every step."""
+    from ddptrain.config import MetricsConfig
+    from ddptrain.telemetry.timers import StepTimer
+
+    syncs: list[int] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: syncs.append(1))
+    with caplog.at_level(logging.INFO):
+        timer = StepTimer(torch.device("cuda", 0), MetricsConfig().sample_every)
+    per_step = []
+    for step in range(1, 21):
+        syncs.clear()
+        timer.start_step(step)
+        for _ in range(4):
+            for phase in ("data", "forward", "backward"):
+                with timer.phase(phase):
+                    pass
+        with timer.phase("optimizer"):
+            pass
+        timer.end_step()
+        per_step.append(len(syncs))
+    assert [s for s, n in enumerate(per_step, 1) if n] == [10, 20]
+    assert per_step[9] == 2 + 2 * 13
+    assert "the other steps run unsynchronized" in caplog.text

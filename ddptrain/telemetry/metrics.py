@@ -46,7 +46,7 @@ class StepMetrics:
 
     def __init__(
         self, plan: BatchPlan, device: torch.device, flops_per_token: float, peak: float | None,
-        baseline: float | None, sample_every: int,
+        baseline: float | None, sample_every: int | None,
     ) -> None:
         self.plan, self.device = plan, device
         self.flops_per_token = flops_per_token
