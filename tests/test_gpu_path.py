@@ -191,3 +191,90 @@ def test_at_default_settings_only_every_tenth_cuda_step_synchronizes(
     assert [s for s, n in enumerate(per_step, 1) if n] == [10, 20]
     assert per_step[9] == 2 + 2 * 13
     assert "the other steps run unsynchronized" in caplog.text
+
+
+class _FakeCuda:
+    """Stands in for the ``torch.cuda`` calls of the ring's stream plumbing and records them, thread by thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.log: list[tuple] = []
+        self.local = threading.local()
+        self.compute = _FakeStream(self, "compute")
+
+    def current(self) -> _FakeStream:
+        return getattr(self.local, "stream", self.compute)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+        from contextlib import contextmanager
+
+        @contextmanager
+        def stream(s: _FakeStream) -> Iterator[None]:
+            before, self.local.stream = self.current(), s
+            try:
+                yield
+            finally:
+                self.local.stream = before
+
+        def set_device(index: int) -> None:
+            self.log.append(("set_device", threading.current_thread().name, index))
+
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "set_device", set_device)
+        monkeypatch.setattr(cuda, "Stream", lambda device=None: _FakeStream(self, "ring"))
+        monkeypatch.setattr(cuda, "Event", lambda **_: _FakeEvent(self))
+        monkeypatch.setattr(cuda, "current_stream", lambda device=None: self.current())
+        monkeypatch.setattr(cuda, "stream", stream)
+
+
+class _FakeStream:
+    def __init__(self, cuda: _FakeCuda, name: str) -> None:
+        self.cuda, self.name, self.device = cuda, name, torch.device("cuda", 3)
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.cuda.log.append(("wait", self.name, event.stream))
+
+
+class _FakeEvent:
+    def __init__(self, cuda: _FakeCuda) -> None:
+        self.cuda, self.stream = cuda, ""
+
+    def record(self, stream: _FakeStream | None = None) -> None:
+        self.stream = (stream or self.cuda.current()).name
+        self.cuda.log.append(("record", self.stream))
+
+
+def test_ring_runs_on_its_own_stream_in_a_thread_bound_to_the_ranks_gpu(
+    fake_group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defects 5 and 6: the ring thread sets its device before any CUDA call (no context on GPU 0 in every rank),
+    and the ring's work goes to its own stream, ordered against compute by events, never onto the compute stream."""
+    from ddptrain.comm import collectives
+
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    ring_streams: list[str] = []
+    real_ring = collectives.ring_all_reduce
+    monkeypatch.setattr(collectives, "ring_all_reduce",
+                        lambda *args: ring_streams.append(cuda.current().name) or real_ring(*args))
+    collectives._ring_thread.cache_clear()
+    collectives._ring_stream.cache_clear()
+    try:
+        handle = collectives._launch_on_ring_stream(torch.ones(64), torch.device("cuda", 3), None)
+        done_on: list[str] = []
+        handle.add_done_callback(lambda: done_on.append(cuda.current().name))
+        handle.wait()
+    finally:
+        collectives._ring_thread.cache_clear()
+        collectives._ring_stream.cache_clear()
+    log = [("set_device", "ddptrain-ring" in e[1], e[2]) if e[0] == "set_device" else e for e in cuda.log]
+    assert log == [
+        ("record", "compute"),  # launch: the gradient is ready once compute reaches here
+        ("set_device", True, 3),  # the ring thread binds to the rank's GPU before any CUDA work
+        ("wait", "ring", "compute"),  # the ring stream, not the compute stream, waits for the gradient
+        ("record", "ring"),  # the ring's end, on its own stream
+        ("wait", "compute", "ring"),  # the join: the compute stream waits on the device, not the host
+    ]
+    assert ring_streams == ["ring"] and done_on == ["ring"]
