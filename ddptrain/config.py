@@ -54,6 +54,7 @@ class DataConfig:
     cache_dir: str = "${oc.env:DDPTRAIN_CACHE_DIR,${oc.env:HOME,.}/.cache/ddptrain}"
     shuffle: bool = True
     num_workers: int = 0
+    prepare_timeout_s: float = 3600.0  # how long other ranks wait for rank 0 to tokenize into cache_dir
 
 
 @dataclass

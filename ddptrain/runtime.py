@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -120,24 +121,46 @@ def broadcast_from_main(value: T) -> T:
     return box[0]
 
 
-def main_first(env: DistEnv, fn: Callable[[], T]) -> T:
+def main_first(env: DistEnv, fn: Callable[[], T], timeout_s: float) -> T:
     """Run ``fn`` on rank 0, then on the others (which reuse what rank 0 cached).
 
-    A ConfigError on rank 0 is re-raised on every rank, so no rank waits at a barrier for a peer that quit.
+    The others wait on the job's key-value store, not in a collective: rank 0 tokenizing a large corpus is not a
+    collective timeout (an NCCL watchdog abort), and a wait past ``timeout_s`` ends with a message saying so. An
+    error on rank 0 is re-raised on every rank, so no rank waits for a peer that quit.
     """
-    result: T | None = None
-    error: str | None = None
+    if env.world_size == 1:
+        return fn()
+    store = dist.distributed_c10d._get_default_store()
+    # A restarted job may find the keys of its previous attempt in the same store.
+    key = f"ddptrain/main_first/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_main_first_calls)}"
     if env.is_main:
         try:
             result = fn()
         except ConfigError as exc:
-            error = str(exc)
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ConfigError(error)
-    if not env.is_main:
-        result = fn()
-    return result  # type: ignore[return-value]
+            store.set(key, f"{_CONFIG_ERROR}{exc}")
+            raise
+        except Exception as exc:
+            store.set(key, f"rank 0 failed while preparing: {type(exc).__name__}: {exc}")
+            raise
+        store.set(key, _DONE)
+        return result
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:  # the store's timeout
+        raise ConfigError(
+            f"data.prepare_timeout_s={timeout_s:g}: rank {env.rank} waited that long for rank 0 to prepare the data "
+            "(tokenizing into data.cache_dir); raise it, or prepare the cache with a one-process run first"
+        ) from exc
+    status = store.get(key).decode()
+    if status.startswith(_CONFIG_ERROR):
+        raise ConfigError(status.removeprefix(_CONFIG_ERROR))
+    if status != _DONE:
+        raise RuntimeError(status)
+    return fn()
+
+
+_main_first_calls = itertools.count()  # one store key per call, the same sequence on every rank
+_DONE, _CONFIG_ERROR = "done", "config error: "
 
 
 def shared_run_dir(configured: str) -> Path:

@@ -278,3 +278,35 @@ def test_ring_runs_on_its_own_stream_in_a_thread_bound_to_the_ranks_gpu(
         ("wait", "compute", "ring"),  # the join: the compute stream waits on the device, not the host
     ]
     assert ring_streams == ["ring"] and done_on == ["ring"]
+
+
+def _slow_then_failing_main(rank: int, world_size: int) -> list[str]:
+    import time
+
+    from ddptrain.errors import ConfigError
+    from ddptrain.runtime import DistEnv, main_first
+
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    seen = []
+    try:  # rank 0 takes 6 s; the others give up after 1 s with a message, not at the collective timeout
+        seen.append(str(main_first(env, lambda: time.sleep(6 if rank == 0 else 0) or "prepared", timeout_s=1)))
+    except ConfigError as exc:
+        seen.append(str(exc))
+
+    def refuse() -> str:
+        raise ConfigError("data.paths: /nowhere: no such file")
+
+    try:
+        main_first(env, refuse, timeout_s=60)
+    except ConfigError as exc:
+        seen.append(str(exc))
+    return seen
+
+
+def test_ranks_waiting_for_data_preparation_stop_with_a_message_not_a_collective_timeout() -> None:
+    from tests.dist import run_distributed
+
+    main, other = run_distributed(_slow_then_failing_main, 2, timeout=120)
+    assert main == ["prepared", "data.paths: /nowhere: no such file"]
+    assert other[0].startswith("data.prepare_timeout_s=1: rank 1 waited that long for rank 0 to prepare the data")
+    assert other[1] == "data.paths: /nowhere: no such file"

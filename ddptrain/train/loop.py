@@ -45,7 +45,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
     seed_everything(cfg.train.seed)
 
-    data = main_first(env, lambda: build_token_data(cfg.data))
+    data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
     vocab = model_vocab_size(cfg.model, data.vocab_size)
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None).to(device)
     n_params = sum(p.numel() for p in model.parameters())
