@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,3 +311,78 @@ def test_ranks_waiting_for_data_preparation_stop_with_a_message_not_a_collective
     assert main == ["prepared", "data.paths: /nowhere: no such file"]
     assert other[0].startswith("data.prepare_timeout_s=1: rank 1 waited that long for rank 0 to prepare the data")
     assert other[1] == "data.paths: /nowhere: no such file"
+
+
+class _DeviceTimeline:
+    """CUDA events on a made-up device clock: ``record()`` stamps the device time the test has set."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+
+    def event(self, **_: object) -> object:
+        timeline = self
+
+        class Event:
+            def record(self, stream: object = None) -> None:
+                self.ms = timeline.now_ms
+
+            def elapsed_time(self, end: Event) -> float:
+                return end.ms - self.ms
+
+        return Event()
+
+
+def test_on_cuda_sync_figures_come_from_device_events_not_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two buckets on the device: 0-5 ms and 2-9 ms. In flight 9 ms; exposed 7 ms, from the last launch (the end
+    of backward compute) to the end of the last collective, whatever the host clock saw."""
+    from ddptrain.comm.clock import ClockKind, CommClock
+    from ddptrain.parallel.compression import CommMeter
+
+    device = _DeviceTimeline()
+    monkeypatch.setattr(torch.cuda, "Event", device.event)
+    meter = CommMeter(CommClock(ClockKind.cuda, "nccl"))
+    marks = {}
+    for name, ms in (("a0", 0.0), ("b0", 2.0), ("a1", 5.0), ("b1", 9.0)):
+        device.now_ms = ms
+        marks[name] = meter.clock.mark()
+    meter.spans += [(marks["a0"], marks["a1"]), (marks["b0"], marks["b1"])]
+    comm_s, exposed_s = meter.timing()
+    assert comm_s == pytest.approx(9e-3) and exposed_s == pytest.approx(7e-3)
+
+
+@pytest.fixture
+def nccl_group() -> Iterator[None]:
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(engine="bucketed", bucket_cap_mb=1)],
+                         ids=["torch-ddp", "bucketed-engine"])
+@pytest.mark.usefixtures("nccl_group")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_sync_is_timed_by_events_and_takes_device_time(parallel: ParallelConfig) -> None:
+    torch.cuda.set_device(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8))).cuda()
+    wrapped = wrap_model(model, parallel, torch.device("cuda", 0))
+    assert wrapped.comm_clock() is not None and wrapped.comm_clock().kind == "cuda"
+    for _ in range(3):
+        wrapped.module(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        torch.cuda.synchronize()
+        sample, _ = wrapped.take_sync_sample(1, True)
+    assert sample is not None and sample.comm_s is not None and sample.comm_s > 0
+    assert sample.exposed_s is not None and 0 <= sample.exposed_s <= sample.comm_s + 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_offload_and_fp32_fsdp_train_and_evaluate_on_a_gpu(tmp_path: Path) -> None:
+    from tests.cli import run_cli
+
+    for extra in (["parallel.cpu_offload=true", "optim.grad_clip=0"], ["train.precision=fp32"]):
+        result = run_cli(["parallel.zero_stage=3", "train.steps=4", "train.eval_every=2", "train.log_every=2",
+                          "data.max_documents=120", "dist.debug=detail", *extra],
+                         cwd=tmp_path, cache=tmp_path / "cache", timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
