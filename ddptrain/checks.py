@@ -49,6 +49,8 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
         raise ConfigError(f"launch.stop_grace_s={cfg.launch.stop_grace_s}: expected a positive number of seconds")
     if cfg.metrics.sample_every is not None and cfg.metrics.sample_every < 1:
         raise ConfigError(f"metrics.sample_every={cfg.metrics.sample_every}: expected a positive number of steps")
+    if cfg.data.prepare_timeout_s <= 0:
+        raise ConfigError(f"data.prepare_timeout_s={cfg.data.prepare_timeout_s}: expected a positive number of seconds")
     load_baseline(cfg.metrics.baseline)
     return BatchPlan.derive(
         cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, world_size, cfg.data.seq_len

@@ -70,10 +70,20 @@ def _mismatched_all_reduce(rank: int, world_size: int) -> tuple[str, str]:
     return str(dist.get_debug_level()), "no error"
 
 
-def test_debug_detail_turns_a_collective_mismatch_into_torchs_readable_error() -> None:
+def _two_rank_checks(rank: int, world_size: int) -> dict[str, object]:
+    """Both multi-process checks in one process group (one spawn): data preparation first, then the debug level."""
+    return {"prepare": _slow_then_failing_main(rank, world_size), "debug": _mismatched_all_reduce(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
     from tests.dist import run_distributed
 
-    for level, error in run_distributed(_mismatched_all_reduce, 2, timeout=120):
+    return run_distributed(_two_rank_checks, 2, timeout=180)
+
+
+def test_debug_detail_turns_a_collective_mismatch_into_torchs_readable_error(two_ranks: list[dict]) -> None:
+    for level, error in (rank["debug"] for rank in two_ranks):
         assert level == "DebugLevel.DETAIL"
         assert "Detected mismatch between collectives on ranks" in error, error
 
@@ -289,8 +299,8 @@ def _slow_then_failing_main(rank: int, world_size: int) -> list[str]:
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     seen = []
-    try:  # rank 0 takes 6 s; the others give up after 1 s with a message, not at the collective timeout
-        seen.append(str(main_first(env, lambda: time.sleep(6 if rank == 0 else 0) or "prepared", timeout_s=1)))
+    try:  # rank 0 takes 3 s; the others give up after 1 s with a message, not at the collective timeout
+        seen.append(str(main_first(env, lambda: time.sleep(3 if rank == 0 else 0) or "prepared", timeout_s=1)))
     except ConfigError as exc:
         seen.append(str(exc))
 
@@ -304,10 +314,10 @@ def _slow_then_failing_main(rank: int, world_size: int) -> list[str]:
     return seen
 
 
-def test_ranks_waiting_for_data_preparation_stop_with_a_message_not_a_collective_timeout() -> None:
-    from tests.dist import run_distributed
-
-    main, other = run_distributed(_slow_then_failing_main, 2, timeout=120)
+def test_ranks_waiting_for_data_preparation_stop_with_a_message_not_a_collective_timeout(
+    two_ranks: list[dict],
+) -> None:
+    main, other = (rank["prepare"] for rank in two_ranks)
     assert main == ["prepared", "data.paths: /nowhere: no such file"]
     assert other[0].startswith("data.prepare_timeout_s=1: rank 1 waited that long for rank 0 to prepare the data")
     assert other[1] == "data.paths: /nowhere: no such file"
@@ -386,3 +396,12 @@ def test_cpu_offload_and_fp32_fsdp_train_and_evaluate_on_a_gpu(tmp_path: Path) -
                           "data.max_documents=120", "dist.debug=detail", *extra],
                          cwd=tmp_path, cache=tmp_path / "cache", timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_wait_for_data_preparation_must_be_positive(tmp_path: Path) -> None:
+    from ddptrain.checks import validate_config
+    from ddptrain.errors import ConfigError
+    from tests.runs import make_config
+
+    with pytest.raises(ConfigError, match=r"^data.prepare_timeout_s=0.0: expected a positive number of seconds$"):
+        validate_config(make_config(str(tmp_path), {"data": {"prepare_timeout_s": 0}}), 1)
