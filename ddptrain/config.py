@@ -74,6 +74,7 @@ class ParallelConfig:
     error_feedback: bool = True  # powersgd/topk: carry what was not sent into the next step
     zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
+    wrap_single: bool = False  # world size 1: wrap anyway (to measure the wrapper's overhead); default: bare model
 
 
 @dataclass

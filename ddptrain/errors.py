@@ -18,16 +18,20 @@ class RunEnded(Exception):
         self.exit_code = exit_code
 
 
-def one_line(exc: BaseException) -> str:
-    """Condense a Hydra/OmegaConf composition error (several lines, a wrapped cause) into one line."""
+def one_line(exc: BaseException, limit: int | None = None) -> str:
+    """An error's text on one line, at most ``limit`` characters: a Hydra/OmegaConf composition error (several
+    lines, a wrapped cause) condensed to its key and message, anything else with its whitespace collapsed."""
     if isinstance(exc, MissingConfigException):
         lines = str(exc).splitlines()
         first = lines[0].removeprefix("In 'config': ")
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
-        return f"{first}; available: {', '.join(options)}" if options else first
-    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
-    if isinstance(cause, OmegaConfBaseException):
-        message = str(cause).splitlines()[0]
-        key = getattr(cause, "full_key", None)
-        return f"{key}: {message}" if key else message
-    return " ".join(str(exc).split())
+        text = f"{first}; available: {', '.join(options)}" if options else first
+    else:
+        cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+        if isinstance(cause, OmegaConfBaseException):
+            message = str(cause).splitlines()[0]
+            key = getattr(cause, "full_key", None)
+            text = f"{key}: {message}" if key else message
+        else:
+            text = " ".join(str(exc).split())
+    return text[:limit]

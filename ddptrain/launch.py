@@ -64,7 +64,8 @@ def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
     threads = max(1, (os.cpu_count() or 1) // typed.launch.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
     if typed.launch.max_restarts > 0:
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # gloo restarts need it (FACTS.md)
+        # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={typed.launch.nproc_per_node}",
          f"--max-restarts={typed.launch.max_restarts}", "-m", "ddptrain", *overrides]

@@ -31,12 +31,13 @@ import torch
 from matplotlib.figure import Figure
 
 from ddptrain.cli import compose_config
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, one_line
 
 # summary.json keys shown when the runs report them, with their markdown headers
 OPTIONAL_KEYS = {
     "step_time_s": "step (s)", "time_exposed_comm_s": "exposed comm (s)", "comm_time_s": "comm in flight (s)",
-    "overlap_pct": "overlap %", "busbw_gbps": "busbw (GB/s)", "tflops_per_rank": "TFLOP/s per rank", "mfu": "MFU",
+    "overlap_pct": "overlap %", "busbw_gbps": "busbw (GB/s)", "tflops_per_rank": "TFLOP/s per rank",
+    "mfu_pct": "MFU %",
 }
 
 
@@ -243,7 +244,7 @@ def log_wandb(rows: list[dict[str, Any]], png: Path, runs_dir: Path, wandb_cfg: 
                  "scaling_plot": wandb.Image(str(png))})
         run.finish()
     except Exception as exc:  # noqa: BLE001 - the sweep's files are written; W&B is a copy
-        print(f"warning: W&B logging failed: {' '.join(str(exc).split())[:200]}", file=sys.stderr)
+        print(f"warning: W&B logging failed: {one_line(exc, 200)}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddptrain.config import DataConfig
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, one_line
 
 SOURCES = ("stdlib_code", "synthetic", "files", "hub")
 FILE_LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -87,7 +87,7 @@ def _files_corpus(cfg: DataConfig) -> Corpus:
     try:
         ds = load_dataset(kind, data_files=[str(Path(p).absolute()) for p in cfg.paths], split="train", **extra)
     except Exception as exc:
-        raise ConfigError(f"data.paths: cannot read as {kind}: {' '.join(str(exc).split())[:200]}") from exc
+        raise ConfigError(f"data.paths: cannot read as {kind}: {one_line(exc, 200)}") from exc
     digest = hashlib.sha256()
     for p in cfg.paths:
         st = Path(p).stat()

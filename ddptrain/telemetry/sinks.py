@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ddptrain.config import LoggerConfig, WandbConfig
+from ddptrain.errors import one_line
 
 log = logging.getLogger(__name__)
 Metrics = dict[str, Any]
@@ -88,7 +89,7 @@ class WandbSink:
                 settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
             )
         except Exception as exc:  # noqa: BLE001 - whatever W&B says, the run goes on without it
-            log.warning("W&B unavailable, continuing without it: %s", " ".join(str(exc).split())[:200])
+            log.warning("W&B unavailable, continuing without it: %s", one_line(exc, 200))
             return None
         return cls(run)
 
