@@ -9,7 +9,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -104,9 +103,9 @@ def test_world_size_one_logs_no_communication_unless_wrapped_and_the_sweep_row_s
     assert "time_exposed_comm_s" in scaling.columns(wrapped_rows)
 
 
-def _first_step(rank: int, world_size: int, tmp: str, dropout: float) -> dict[str, Any]:
-    """One real training step in which both ranks are fed the same batch; the initial weights (before DDP's
-    broadcast) and this rank's first loss."""
+def _first_steps(rank: int, world_size: int, tmp: str) -> dict[float, dict[str, Any]]:
+    """Per dropout rate: one real training step in which both ranks are fed the same batch; the initial weights
+    (before DDP's broadcast) and this rank's loss."""
     from ddptrain.train import loop
 
     seen: dict[str, Any] = {}
@@ -122,20 +121,22 @@ def _first_step(rank: int, world_size: int, tmp: str, dropout: float) -> dict[st
         return loss
 
     loop.wrap_model, loop.accumulate_gradients = wrap, accumulate
-    variant = {"model": {"dropout": dropout}, "train": {"steps": 1, "log_every": 1}}
-    train_each(rank, world_size, str(Path(tmp) / str(dropout)), BASE, [variant])
-    return seen
+    out = {}
+    for dropout in (0.0, 0.1):
+        variant = {"model": {"dropout": dropout}, "train": {"steps": 1, "log_every": 1}}
+        train_each(rank, world_size, str(Path(tmp) / str(dropout)), BASE, [variant])
+        out[dropout] = dict(seen)
+    return out
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_ranks_draw_their_own_dropout_masks_from_identical_weights(tmp_path: Path, dropout: float) -> None:
-    first, second = run_distributed(_first_step, 2, str(tmp_path), dropout)
-    assert first["init"].keys() == second["init"].keys()
-    assert all(torch.equal(first["init"][k], second["init"][k]) for k in first["init"])
-    if dropout:
-        assert first["loss"] != second["loss"]  # same weights, same batch: only the masks differ
-    else:
-        assert first["loss"] == second["loss"]
+def test_ranks_draw_their_own_dropout_masks_from_identical_weights(tmp_path: Path) -> None:
+    first, second = run_distributed(_first_steps, 2, str(tmp_path))
+    for dropout in (0.0, 0.1):
+        a, b = first[dropout], second[dropout]
+        assert a["init"].keys() == b["init"].keys()
+        assert all(torch.equal(a["init"][k], b["init"][k]) for k in a["init"]), dropout
+    assert first[0.1]["loss"] != second[0.1]["loss"]  # same weights, same batch: only the masks differ
+    assert first[0.0]["loss"] == second[0.0]["loss"]  # without dropout nothing else tells the ranks apart
 
 
 def test_resume_with_dropout_is_bitwise_equal_to_the_uninterrupted_run(tmp_path: Path) -> None:
