@@ -65,8 +65,6 @@ def pick_device(env: DistEnv) -> torch.device:
 def pick_backend(cfg: DistConfig, device: torch.device) -> str:
     if cfg.backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
-    if cfg.backend not in ("nccl", "gloo"):
-        raise ConfigError(f"dist.backend={cfg.backend!r}: expected auto, nccl or gloo")
     if cfg.backend == "nccl" and device.type != "cuda":
         raise ConfigError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on CPU")
     return cfg.backend
@@ -168,8 +166,6 @@ def _free_port() -> int:
 @contextmanager
 def distributed(cfg: DistConfig) -> Iterator[tuple[DistEnv, torch.device]]:
     """The process group for the duration of a run; always torn down, errors included."""
-    if cfg.debug not in ("off", "info", "detail"):
-        raise ConfigError(f"dist.debug={cfg.debug!r}: expected off, info or detail")
     if cfg.debug != "off":
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = cfg.debug.upper()
     env = DistEnv.from_environ()
