@@ -139,5 +139,6 @@ def test_slow_link_cannot_hide_the_sync() -> None:
 
 
 def test_unknown_interconnect_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"plan\.interconnect='carrier_pigeon': expected one of nvlink, infiniband_ndr"):
+    expected = r"plan\.interconnect='carrier_pigeon': expected one of nvlink, infiniband_ndr"
+    with pytest.raises(ConfigError, match=expected):
         build_config({"plan": {"interconnect": "carrier_pigeon"}})
