@@ -69,7 +69,8 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as elastic_run
 
     typed = run.typed
     validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
@@ -83,7 +84,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
          f"--max-restarts={typed.launch.max_restarts}", "-m", "ddptrain", *argv]
     )
     try:
-        run(args)
+        elastic_run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)

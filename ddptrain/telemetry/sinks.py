@@ -84,6 +84,7 @@ class WandbSink:
 
             run = wandb.init(
                 project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.name, tags=list(cfg.tags),
+                group=cfg.group,
                 config=config, dir=str(run_dir), mode=cfg.mode or os.environ.get("WANDB_MODE"),
                 settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
             )
