@@ -156,7 +156,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_multirun_runs_each_job_with_its_own_workers_and_writes_the_comparison(tmp_path: Path, cache: Path) -> None:
-    sweep = ["-m", "parallel.bucket_cap_mb=1,25", "launch.nproc_per_node=2", *_without(TINY, "train.steps", "data.global_batch_size"),
+    fixed = _without(TINY, "train.steps", "data.global_batch_size")
+    sweep = ["-m", "parallel.bucket_cap_mb=1,25", "launch.nproc_per_node=2", *fixed,
              "train.steps=4", "data.global_batch_size=4", "hydra.sweep.dir=sweep"]
     result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
