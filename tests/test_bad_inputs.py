@@ -99,6 +99,7 @@ def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) 
     assert all(message in line for line in errors), errors
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     run, cache = good_run
     (ckpt,) = (run / "checkpoints").glob("step_*")
@@ -111,6 +112,7 @@ def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None
                          "is not a readable checkpoint")
 
 
+@pytest.mark.slow
 def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     run, cache = good_run
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
@@ -119,12 +121,14 @@ def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, g
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
 
 
+@pytest.mark.slow
 def test_resume_path_that_does_not_exist(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     _, cache = good_run
     _fails_on_both_ranks([*SMALL, f"train.resume={tmp_path}/nope", f"hydra.run.dir={tmp_path}/run"], tmp_path, cache,
                          f"train.resume={tmp_path}/nope: no such checkpoint or run directory")
 
 
+@pytest.mark.slow
 def test_unwritable_run_directory(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     _, cache = good_run
     (tmp_path / "a-file").write_text("x")
