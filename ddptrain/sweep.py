@@ -64,7 +64,8 @@ def expand(overrides: list[str], params: dict[str, str] | None) -> list[list[str
     parsed = parser.parse_overrides(from_config) + given
     if any(o.is_hydra_override() and o.is_sweep_override() for o in parsed):
         raise ConfigError("--multirun: sweeping over hydra.* keys is not supported")
-    return BasicSweeper.split_arguments(parsed, None)[0]
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    return [[o for o in job if not o.startswith("hydra.sweep.")] for job in jobs]  # the sweep's, not the job's
 
 
 def run_job(num: int, argv: list[str], overrides: list[str], run_dir: Path, env: dict[str, str]) -> JobResult:
