@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from hydra.errors import MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
+
+_INVALID_CHOICE = re.compile(r"Invalid value (?P<value>'.*'), expected one of \[(?P<allowed>.*)\]")
 
 
 class ConfigError(Exception):
@@ -18,20 +22,23 @@ class RunEnded(Exception):
         self.exit_code = exit_code
 
 
-def one_line(exc: BaseException, limit: int | None = None) -> str:
-    """An error's text on one line, at most ``limit`` characters: a Hydra/OmegaConf composition error (several
-    lines, a wrapped cause) condensed to its key and message, anything else with its whitespace collapsed."""
+def one_line(exc: BaseException) -> str:
+    """Condense a Hydra/OmegaConf composition error (several lines, a wrapped cause) into one line."""
     if isinstance(exc, MissingConfigException):
         lines = str(exc).splitlines()
         first = lines[0].removeprefix("In 'config': ")
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
-        text = f"{first}; available: {', '.join(options)}" if options else first
-    else:
-        cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
-        if isinstance(cause, OmegaConfBaseException):
-            message = str(cause).splitlines()[0]
-            key = getattr(cause, "full_key", None)
-            text = f"{key}: {message}" if key else message
-        else:
-            text = " ".join(str(exc).split())
-    return text[:limit]
+        return f"{first}; available: {', '.join(options)}" if options else first
+    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    if isinstance(cause, OmegaConfBaseException):
+        message = str(cause).splitlines()[0]
+        key = getattr(cause, "full_key", None)
+        if key and (choice := _INVALID_CHOICE.match(message)):  # a schema Enum: name the key and the choices
+            return f"{key}={choice['value']}: expected one of {choice['allowed']}"
+        return f"{key}: {message}" if key else message
+    return flat(str(exc))
+
+
+def flat(text: str, limit: int = 300) -> str:
+    """Any message as one line (whitespace and newlines collapsed), at most ``limit`` characters."""
+    return " ".join(text.split())[:limit]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
+
+pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 TINY = ["data.max_documents=60", "train.steps=6", "train.log_every=2", "train.eval_every=0",
         "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false"]
 

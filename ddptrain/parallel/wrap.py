@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import ParallelConfig
-from ddptrain.errors import ConfigError
-from ddptrain.parallel.compression import CommMeter, register_compression, validate_compression
-from ddptrain.parallel.zero import ZERO_STAGES, fsdp_sync, shard_model
+from ddptrain.parallel.compression import CommMeter, register_compression
+from ddptrain.parallel.zero import fsdp_sync, shard_model
 from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes
 
 log = logging.getLogger(__name__)
@@ -50,40 +49,6 @@ class Wrapped:
             payload = payload_from_link_bytes(stats.bytes_sent, world_size)
             return SyncSample(payload, stats.in_flight_s, stats.exposed_s), None
         return None, None
-
-
-def validate_parallel_config(cfg: ParallelConfig) -> None:
-    if cfg.bucket_cap_mb <= 0:
-        raise ConfigError(f"parallel.bucket_cap_mb={cfg.bucket_cap_mb}: expected a positive size in MB")
-    if cfg.zero_stage not in ZERO_STAGES:
-        raise ConfigError(f"parallel.zero_stage={cfg.zero_stage}: expected 0, 1, 2 or 3")
-    try:
-        validate_compression(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    if cfg.compression != "none" and cfg.zero_stage >= 2:
-        raise ConfigError(
-            f"parallel.compression={cfg.compression} cannot be combined with parallel.zero_stage={cfg.zero_stage}: "
-            "compression hooks belong to DDP, and stages 2-3 reduce-scatter through FSDP2"
-        )
-    if cfg.cpu_offload and cfg.zero_stage != 3:
-        raise ConfigError(f"parallel.cpu_offload=true needs parallel.zero_stage=3 (got {cfg.zero_stage})")
-    if cfg.engine == "torch":
-        if cfg.collective != "native":
-            raise ConfigError(
-                f"parallel.collective={cfg.collective} needs a from-scratch parallel.engine (torch DDP uses native)"
-            )
-        return
-    from ddptrain.engines import ENGINES
-
-    if cfg.engine not in ENGINES:
-        raise ConfigError(f"parallel.engine={cfg.engine!r}: expected one of torch, {', '.join(ENGINES)}")
-    for key, value, default in (("zero_stage", cfg.zero_stage, 0), ("compression", cfg.compression, "none")):
-        if value != default:
-            raise ConfigError(
-                f"parallel.engine={cfg.engine} cannot be combined with parallel.{key}={value}: "
-                "ZeRO and compression hooks run on torch DDP (parallel.engine=torch)"
-            )
 
 
 def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:

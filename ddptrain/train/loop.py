@@ -40,9 +40,7 @@ log = logging.getLogger("ddptrain")
 
 
 def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]) -> dict[str, Any]:
-    plan = BatchPlan.derive(
-        cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, env.world_size, cfg.data.seq_len
-    )
+    plan = BatchPlan.from_config(cfg, env.world_size)
     log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
     seed_everything(cfg.train.seed)
 
