@@ -125,6 +125,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     from omegaconf import OmegaConf
 
     from ddptrain import launch
+    from ddptrain.config import build_config
 
     class Joined(Exception):
         pass
@@ -139,8 +140,9 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     monkeypatch.setattr(launch, "validate_config", lambda *_: None)  # offload is refused without CUDA
     monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
     for offload in (True, False):
+        typed = build_config({"parallel": {"zero_stage": 3, "cpu_offload": offload}})
         with pytest.raises(Joined):
-            launch.run_worker(OmegaConf.create({"parallel": {"zero_stage": 3, "cpu_offload": offload}}))
+            launch.run_worker(launch.Run(OmegaConf.create({}), typed, {}))
     assert seen == [True, False]
 
 
