@@ -142,6 +142,7 @@ class CheckpointConfig:
     keep_last: int = 2
     dir: str = "checkpoints"  # relative to the run directory
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
+    async_save: bool = False  # copy state to host memory and write it in the background (at most one in flight)
 
 
 @dataclass
