@@ -29,7 +29,7 @@ BASE: Overrides = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 32},
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 96, "seq_len": 16, "global_batch_size": 12,
              "micro_batch_size": 2},
-    "train": {"steps": 4, "log_every": 1, "eval_every": 0},
+    "train": {"steps": 3, "log_every": 1, "eval_every": 0},
     "optim": {"warmup_steps": 1},
     "checkpoint": {"every_n_steps": 2},
 }
@@ -37,7 +37,7 @@ STRATEGIES: dict[str, Overrides] = {
     "ddp": {}, "bucketed": {"parallel": {"engine": "bucketed"}}, "zero1": {"parallel": {"zero_stage": 1}},
     "zero3": {"parallel": {"zero_stage": 3}},
 }
-SAVED_AT = 2  # every source run saves at step 2 (and 4); resumed runs continue from step 2
+SAVED_AT = 2  # every source run saves at step 2 (and 3, its last); resumed runs train step 3 from step 2's
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,14 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     out = {}
     for name, result in zip(STRATEGIES, results, strict=True):
         run_dir = Path(result["dir"])
-        out[name] = {"losses": [m["loss"] for m in result["metrics"]], "dir": run_dir,
+        out[name] = {"metrics": result["metrics"], "dir": run_dir,
                      "checkpoint": run_dir / "checkpoints" / f"step_{SAVED_AT:06d}"}
     return out
 
 
 def _load_and_resume(rank: int, world_size: int, tmp: str, jobs: list[tuple[str, str, str]]) -> list[dict]:
-    """For each (source, target, checkpoint): the full state right after ``Checkpointer.load`` under the target,
-    then training on from the checkpoint through the real loop."""
+    """For each (source, target, checkpoint): the full state and learning rate right after ``Checkpointer.load``
+    under the target, then the loss of training on from the checkpoint through the real loop."""
     from ddptrain.checkpoint import Checkpointer
     from ddptrain.checkpoint.state import named_state
     from ddptrain.models import build_model, model_vocab_size
@@ -73,12 +73,13 @@ def _load_and_resume(rank: int, world_size: int, tmp: str, jobs: list[tuple[str,
         build_scheduler(optimizer, cfg.optim, cfg.train.steps)
         Checkpointer(cfg, Path(tmp) / f"load-{source}-{target}").load(Path(checkpoint), model, optimizer)
         state = named_state(model, optimizer)
-        loaded.append({f"{section}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
-                       for section in ("model", "optim") for key, value in state[section].items()
-                       if isinstance(value, torch.Tensor)})
+        tensors = {f"{section}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
+                   for section in ("model", "optim") for key, value in state[section].items()
+                   if isinstance(value, torch.Tensor)}
+        loaded.append({"tensors": tensors, "lr": [group["lr"] for group in optimizer.param_groups]})
     variants = [{**STRATEGIES[target], "train": {"resume": checkpoint}} for _, target, checkpoint in jobs]
     resumed = train_each(rank, world_size, tmp, BASE, variants)
-    return [{"state": state, "losses": [m["loss"] for m in run["metrics"]]}
+    return [{**state, "losses": [m["loss"] for m in run["metrics"]]}
             for state, run in zip(loaded, resumed, strict=True)]
 
 
@@ -86,23 +87,24 @@ def _load_and_resume(rank: int, world_size: int, tmp: str, jobs: list[tuple[str,
 def test_every_strategy_resumes_every_other_on_any_world_size(
     tmp_path: Path, sources: dict[str, dict[str, Any]], world_size: int
 ) -> None:
-    # 3 ranks (of 2 cores) only for a ZeRO-3 target, the strategy that reshards the most.
-    targets = ["zero3"] if world_size == 3 else list(STRATEGIES)
-    jobs = [(s, t, str(sources[s]["checkpoint"])) for s in STRATEGIES for t in targets if s != t or world_size != 2]
+    pairs = [(s, t) for s in STRATEGIES for t in STRATEGIES if s != t]
+    if world_size == 3:  # 3 ranks on a 2-core machine are slow: one case, an engine's state resharded 2 -> 3 by FSDP2
+        pairs = [("bucketed", "zero3")]
+    jobs = [(s, t, str(sources[s]["checkpoint"])) for s, t in pairs]
     per_rank = run_distributed(_load_and_resume, world_size, str(tmp_path), jobs, timeout=600)
     for i, (source, target, checkpoint) in enumerate(jobs):
         case = f"{source} (2 ranks) -> {target} ({world_size} ranks)"
         saved = offline.read_tensors(Path(checkpoint), list(offline.tensor_entries(Path(checkpoint))))
         union: dict[str, torch.Tensor] = {}
         for rank_results in per_rank:
-            union.update(rank_results[i]["state"])  # ZeRO-1 ranks hold disjoint optimizer entries
+            union.update(rank_results[i]["tensors"])  # ZeRO-1 ranks hold disjoint optimizer entries
         assert union.keys() == saved.keys(), case
         different = [k for k in saved if not torch.equal(union[k], saved[k])]
-        assert not different, f"{case}: not bitwise equal after loading: {different[:4]}"
-        expected = sources[source]["losses"][SAVED_AT:]
-        losses = per_rank[0][i]["losses"]
-        assert losses[0] == pytest.approx(expected[0], rel=1e-5), case  # the next step: same weights, same batch
-        assert losses[1] == pytest.approx(expected[1], rel=1e-4), case  # after an update from the loaded moments
+        assert not different, f"{case}: weights or optimizer state not bitwise equal after loading: {different[:4]}"
+        uninterrupted = sources[source]["metrics"][SAVED_AT]  # step 3: its lr, and its loss (before its update)
+        assert per_rank[0][i]["lr"] == [uninterrupted["lr"]] * 2, case
+        (loss,) = per_rank[0][i]["losses"]
+        assert loss == pytest.approx(uninterrupted["loss"], rel=1e-5), case  # same weights, same global batch
 
 
 def _stream(dataset: Dataset, dp: int, rank: int) -> MicroBatches:
@@ -145,7 +147,7 @@ def test_export_of_a_zero3_checkpoint_on_one_process_matches_the_run_export(
     out = subprocess.run([sys.executable, "-m", "ddptrain.checkpoint", "export", str(run_dir), str(tmp_path / "x")],
                          capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "step_000004" in out.stdout  # a run directory means its latest checkpoint: the final step
+    assert "step_000003" in out.stdout  # a run directory means its latest checkpoint: the final step
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = [AutoModelForCausalLM.from_pretrained(str(p))(input_ids=ids).logits for p in (tmp_path / "x",
                                                                                          run_dir / "model")]
