@@ -42,13 +42,14 @@ SAVED_AT = 2  # every source run saves at step 2 (and 3, its last); resumed runs
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """One uninterrupted 2-rank run per strategy (ZeRO-3 also exports its final model): losses and checkpoints."""
+    """One uninterrupted 2-rank run per strategy (ZeRO-3 also exports its final model), and DDP once more with
+    asynchronous saves: metrics and checkpoints."""
     tmp = tmp_path_factory.mktemp("sources")
-    variants = [STRATEGIES[name] for name in STRATEGIES]
-    variants[-1] = {**STRATEGIES["zero3"], "checkpoint": {"every_n_steps": 2, "export": True}}
-    results = run_distributed(train_each, 2, str(tmp), BASE, variants)[0]
+    variants = {**STRATEGIES, "zero3": {**STRATEGIES["zero3"], "checkpoint": {"every_n_steps": 2, "export": True}},
+                "ddp_async": {"checkpoint": {"every_n_steps": 2, "async_save": True}}}
+    results = run_distributed(train_each, 2, str(tmp), BASE, list(variants.values()))[0]
     out = {}
-    for name, result in zip(STRATEGIES, results, strict=True):
+    for name, result in zip(variants, results, strict=True):
         run_dir = Path(result["dir"])
         out[name] = {"metrics": result["metrics"], "dir": run_dir,
                      "checkpoint": run_dir / "checkpoints" / f"step_{SAVED_AT:06d}"}
@@ -105,6 +106,16 @@ def test_every_strategy_resumes_every_other_on_any_world_size(
         assert per_rank[0][i]["lr"] == [uninterrupted["lr"]] * 2, case
         (loss,) = per_rank[0][i]["losses"]
         assert loss == pytest.approx(uninterrupted["loss"], rel=1e-5), case  # same weights, same global batch
+
+
+def test_an_asynchronous_save_writes_what_a_synchronous_one_does(sources: dict[str, dict[str, Any]]) -> None:
+    # Step 3 trained while step 2's save was written from its host copy: the copy, not the live tensors, is saved.
+    assert [m["loss"] for m in sources["ddp_async"]["metrics"]] == [m["loss"] for m in sources["ddp"]["metrics"]]
+    for step in (2, 3):
+        checkpoints = [sources[name]["dir"] / "checkpoints" / f"step_{step:06d}" for name in ("ddp", "ddp_async")]
+        keys = list(offline.tensor_entries(checkpoints[0]))
+        sync, async_ = (offline.read_tensors(c, keys) for c in checkpoints)
+        assert all(torch.equal(sync[k], async_[k]) for k in keys), f"step {step}"
 
 
 def _stream(dataset: Dataset, dp: int, rank: int) -> MicroBatches:

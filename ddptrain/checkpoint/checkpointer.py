@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,8 @@ class Checkpointer:
         self.rank = dist.get_rank()
         # Async saves coordinate on their own gloo group from a background thread, so their collectives never
         # interleave with training's on the default group. Created on every rank alike (a collective call).
-        self._group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if cfg.checkpoint.async_save else None
         self._pending: Future[None] | None = None  # the save in flight: done once its commit is
 
@@ -193,8 +195,8 @@ class Checkpointer:
                       started: float, blocked: float) -> None:
         """Background thread: wait for the write; rank 0 then commits. DCP's save ends with a step in which rank 0
         gathers every rank's write results, so rank 0's write completing means every rank's files are on disk."""
+        inject("save", step, self.rank)  # a crash while the write is in flight must leave the previous checkpoint
         staged.result()
-        inject("save", step, self.rank)  # a crash here, before the commit, must leave the previous checkpoint
         if self.rank == 0:
             self._commit(tmp, final, meta)
             log.info("checkpoint saved: %s (training blocked %.2f s, background write %.2f s)", final, blocked,
