@@ -197,3 +197,6 @@ def test_verify_finds_a_non_finite_tensor_and_a_missing_checkpoint_is_one_line(
     assert ckpt_tool(["info", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"ddptrain-ckpt: error: PATH={tmp_path / 'nope'}: no such checkpoint " \
                                               "or run directory"
+    (checkpoint / "COMMITTED").write_text('{"step": 2, "zero_stage": 0}\n')  # what the per-strategy layout wrote
+    assert ckpt_tool(["verify", str(checkpoint)]) == 2
+    assert "has checkpoint format 1; this ddptrain reads format 2" in capsys.readouterr().err
