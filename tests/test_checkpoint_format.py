@@ -32,6 +32,7 @@ BASE: Overrides = {
     "train": {"steps": 3, "log_every": 1, "eval_every": 0},
     "optim": {"warmup_steps": 1},
     "checkpoint": {"every_n_steps": 2},
+    "parallel": {"wrap_single": True},  # on 1 rank too, each strategy wraps the model (not the bare model)
 }
 STRATEGIES: dict[str, Overrides] = {
     "ddp": {}, "bucketed": {"parallel": {"engine": "bucketed"}}, "zero1": {"parallel": {"zero_stage": 1}},
@@ -69,10 +70,11 @@ def _load_and_resume(rank: int, world_size: int, tmp: str, jobs: list[tuple[str,
     for source, target, checkpoint in jobs:
         cfg = make_config(tmp, BASE, STRATEGIES[target])
         model = build_model(cfg.model, model_vocab_size(cfg.model, cfg.data.vocab_size), eos_id=0)
-        wrap_model(model, cfg.parallel, torch.device("cpu"))
+        wrapped = wrap_model(model, cfg.parallel, torch.device("cpu"))
         optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
         build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-        Checkpointer(cfg, Path(tmp) / f"load-{source}-{target}").load(Path(checkpoint), model, optimizer)
+        checkpointer = Checkpointer(cfg, Path(tmp) / f"load-{source}-{target}", wrapped.strategy)
+        checkpointer.load(Path(checkpoint), model, optimizer)
         state = named_state(model, optimizer)
         tensors = {f"{section}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
                    for section in ("model", "optim") for key, value in state[section].items()
@@ -171,7 +173,7 @@ def test_info_and_verify_read_a_sharded_checkpoint(
     checkpoint = sources["zero3"]["checkpoint"]
     assert ckpt_tool(["info", str(checkpoint), "parallel.zero_stage=1", "data.global_batch_size=16"]) == 0
     shown = capsys.readouterr().out
-    for expected in ("step         2", "ZeRO-3 on 2 ranks (global batch 12)", "24 samples of the epoch",
+    for expected in ("step         2", "FSDP2 (ZeRO-3) on 2 ranks (global batch 12)", "24 samples of the epoch",
                      "parallel.zero_stage: 3 -> 1", "data.global_batch_size: 12 -> 16"):
         assert expected in shown, shown
     assert ckpt_tool(["verify", str(checkpoint)]) == 0

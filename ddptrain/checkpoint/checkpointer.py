@@ -29,8 +29,8 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ddptrain.checkpoint.state import load_named_state, named_state
-from ddptrain.config import Config, ParallelConfig
-from ddptrain.errors import ConfigError
+from ddptrain.config import Config
+from ddptrain.errors import ConfigError, flat
 from ddptrain.faults import inject
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     strategy (FSDP2's DTensors report their full shape)."""
     items = sorted((k, tuple(v.shape)) for k, v in model.state_dict().items())
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
-
-
-def strategy_name(cfg: ParallelConfig) -> str:
-    """How the state was held: recorded in the marker, shown by ``info`` and when resuming under another."""
-    if cfg.zero_stage:
-        return f"ZeRO-{cfg.zero_stage}"
-    return "torch DDP" if cfg.engine == "torch" else f"engine {cfg.engine}"
 
 
 def committed(root: Path) -> list[Path]:
@@ -96,10 +89,12 @@ def read_trainer_state(path: Path, key: str) -> tuple[dict[str, Any], TrainState
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, run_dir: Path, tokenizer: Any = None) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, strategy: str, tokenizer: Any = None) -> None:
+        """``strategy``: what holds the model (``Wrapped.strategy``), recorded in the marker and shown by ``info``
+        and when a checkpoint is resumed under another."""
         self.cfg = cfg.checkpoint
         self.config = cfg  # written into every checkpoint, so ``info`` can diff it and ``export`` needs no run
-        self.strategy = strategy_name(cfg.parallel)
+        self.strategy = "the bare model" if strategy == "none" else strategy
         self.root = run_dir / cfg.checkpoint.dir
         self.tokenizer = tokenizer
         self.rank = dist.get_rank()
@@ -228,7 +223,7 @@ class Checkpointer:
         try:
             load_named_state(path / "state", model, optimizer)
         except (OSError, RuntimeError, EOFError, KeyError, ValueError) as exc:
-            raise ConfigError(f"train.resume: {path} is corrupt ({' '.join(str(exc).split())[:160]})") from exc
+            raise ConfigError(f"train.resume: {path} is corrupt ({flat(str(exc), 160)})") from exc
         rng = path / "rng" / f"rank{self.rank}.pt"
         if rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
