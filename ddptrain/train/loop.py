@@ -57,7 +57,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, cfg.parallel.zero_stage)
+    checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches)
     autocast = autocast_context(cfg.train.precision, device)
@@ -68,10 +68,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     probe = ModelStateProbe(model)
     stop = StopRequest(cfg.launch.stop_grace_s)
 
-    def save(step: int) -> None:
-        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.batches_in_epoch *
-                           plan.micro_batch_size * plan.dp, plan.dp, plan.global_batch_size, cfg.parallel.zero_stage)
-        checkpointer.save(state, model, optimizer)
+    def save(step: int, wait: bool) -> None:
+        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.position, plan.dp,
+                           plan.global_batch_size, cfg.parallel.zero_stage)
+        checkpointer.save(state, model, optimizer, wait)
 
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
@@ -98,7 +98,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             profiler.step()
             inject("step", step, env.rank)
             if stopping or step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps):
-                save(step)
+                save(step, wait=stopping or step == cfg.train.steps)  # the last save is committed before exit
             if stopping:
                 stop.restore()
                 raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
@@ -157,11 +157,7 @@ def resume(
         return 0
     state = checkpointer.load(path, model, optimizer)
     scheduler.load_state_dict(state.scheduler)
-    per_step = plan.micro_batch_size * plan.dp
-    if state.samples_in_epoch % per_step:
-        log.warning("data position %d is not a multiple of %d sequences per micro-step: rounding down",
-                    state.samples_in_epoch, per_step)
-    batches.load_state_dict({"epoch": state.epoch, "batches_in_epoch": state.samples_in_epoch // per_step})
+    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
     if state.world_size != plan.dp:
         log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
                     plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
