@@ -7,10 +7,55 @@ of the wrong type fails at start-up with a message that names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from ddptrain.errors import ConfigError
+
+
+class BaseDtype(StrEnum):
+    """Dtype of the frozen base weights when fine-tuning (adapters always train in fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Quantize(StrEnum):
+    """Quantization of the frozen base weights at load time (QLoRA: bitsandbytes NF4 under LoRA)."""
+
+    none = "none"
+    nf4 = "nf4"
+
+
+class DataFormat(StrEnum):
+    """How records become training sequences."""
+
+    packed = "packed"  # documents concatenated into full seq_len blocks; loss on every token
+    prompt_completion = "prompt_completion"  # one padded sequence per record; loss on completion tokens only
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters through peft: only these train; the base model stays frozen and is never all-reduced."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"model.lora.r={self.r}: expected a positive rank")
+        if self.alpha <= 0:
+            raise ConfigError(f"model.lora.alpha={self.alpha}: expected a positive scale")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout={self.dropout}: expected a probability in [0, 1)")
+        if not self.target_modules:
+            raise ConfigError("model.lora.target_modules: expected module names or [all-linear]")
 
 
 @dataclass
@@ -30,15 +75,25 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     pretrained: str | None = None  # a local path or hub name; loads weights instead of building
+    dtype: BaseDtype = BaseDtype.fp32  # pretrained: dtype of the loaded base weights
+    device_map: str = "rank"  # rank: the whole model on this rank's device (the only layout data parallelism allows)
+    quantize: Quantize = Quantize.none  # nf4: 4-bit base weights (needs model.lora.enabled=true)
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward (non-reentrant)
+    checkpoint_reentrant: bool = False  # torch's reentrant variant: breaks under DDP, refused with 2+ ranks
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass
 class DataConfig:
     """Where tokens come from and how they are batched: gbs = mbs x grad_accum x dp."""
 
-    source: str = "stdlib_code"  # stdlib_code | synthetic | files | hub
+    source: str = "stdlib_code"  # stdlib_code | synthetic | files | hub | instructions (prompt_completion)
     paths: list[str] = field(default_factory=list)  # source=files: local .txt / .jsonl / .json / .parquet
     text_field: str = "text"
+    format: DataFormat = DataFormat.packed
+    prompt_field: str = "prompt"  # format=prompt_completion: the record fields holding the two parts
+    completion_field: str = "completion"
+    chat_template: bool = True  # format=prompt_completion: wrap the prompt in the tokenizer's chat template if any
     name: str | None = None  # source=hub: a data set name
     subset: str | None = None
     split: str = "train"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -32,7 +33,7 @@ class MicroBatches:
 
     def __init__(
         self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int, shuffle: bool, num_workers: int,
-        device: torch.device,
+        device: torch.device, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
         per_rank = len(dataset) // plan.dp
         if per_rank < plan.micro_batch_size:
@@ -43,7 +44,7 @@ class MicroBatches:
         self.sampler = ResumableSampler(dataset, plan.dp, rank, shuffle, seed)
         self.loader = DataLoader(
             dataset, batch_size=plan.micro_batch_size, sampler=self.sampler, drop_last=True,
-            num_workers=num_workers, pin_memory=device.type == "cuda",
+            num_workers=num_workers, pin_memory=device.type == "cuda", collate_fn=collate,
         )
         self.device = device
         self.epoch = 0
@@ -53,7 +54,7 @@ class MicroBatches:
     def __iter__(self) -> MicroBatches:
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> torch.Tensor | dict[str, torch.Tensor]:
         if self._it is None:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.batches_in_epoch * self.loader.batch_size  # type: ignore[operator]
@@ -64,7 +65,9 @@ class MicroBatches:
             self.epoch, self.batches_in_epoch, self._it = self.epoch + 1, 0, None
             return next(self)
         self.batches_in_epoch += 1
-        return batch["input_ids"].to(self.device, non_blocking=True)
+        if len(batch) == 1:  # packed blocks: the token ids are inputs and labels alike
+            return batch["input_ids"].to(self.device, non_blocking=True)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
@@ -73,14 +76,17 @@ class MicroBatches:
         self.epoch, self.batches_in_epoch, self._it = state["epoch"], state["batches_in_epoch"], None
 
 
-def eval_batches(dataset: Dataset, micro_batch_size: int, dp: int, rank: int, limit: int) -> list[torch.Tensor]:
+def eval_batches(
+    dataset: Dataset, micro_batch_size: int, dp: int, rank: int, limit: int,
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+) -> list[torch.Tensor | dict[str, torch.Tensor]]:
     """The same fixed validation batches at every evaluation (at most ``limit`` per rank)."""
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=False, drop_last=True)
     batch_size = max(1, min(micro_batch_size, sampler.num_samples))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    out = []
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate)
+    out: list[torch.Tensor | dict[str, torch.Tensor]] = []
     for batch in loader:
         if len(out) == limit:
             break
-        out.append(batch["input_ids"])
+        out.append(batch["input_ids"] if len(batch) == 1 else batch)
     return out
