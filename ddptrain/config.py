@@ -205,6 +205,7 @@ class PlanConfig:
 
     world_size: int | None = None  # None: the launch's world size
     params: float | None = None  # plan by parameter count alone (e.g. 70e9) instead of the model config
+    trainable_params: float | None = None  # with plan.params and model.lora.enabled: the adapter parameters
     interconnect: str = "nvlink"  # nvlink | infiniband_ndr | pcie_gen5
     bandwidth_gbps: float | None = None  # a measured bus bandwidth in GB/s; overrides the preset
     latency_us: float | None = None  # None: the preset's

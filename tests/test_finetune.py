@@ -15,8 +15,10 @@ from ddptrain.config import LoraSettings, ModelConfig, ParallelConfig
 from ddptrain.data.instruct import IGNORE, PadCollate, encode, generated_instructions
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.models import build_model
+from ddptrain.models.flops import lora_param_count
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning
 from ddptrain.parallel import wrap_model
+from ddptrain.plan import Plan, build_plan, render_plan
 from ddptrain.train.loop import accumulate_gradients
 from tests.cli import run_cli
 from tests.dist import run_distributed
@@ -224,3 +226,26 @@ def test_lora_quickstart_trains_through_the_cli_and_the_completion_loss_falls(ba
     assert "trainable;" in (run / "train.log").read_text() and "all-reduced per step" in result.stderr + (
         run / "train.log").read_text()
     assert (run / "adapter" / "adapter_config.json").is_file() and (run / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_planner_counts_the_adapters_peft_builds(arch: str) -> None:
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, lora=LORA)
+    trainable, _ = parameter_counts(prepare_for_finetuning(build_model(cfg, 384), cfg))
+    assert lora_param_count(cfg) == trainable
+    only_q = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, lora=LoraSettings(True, 4, 8.0, 0.0, ["q_proj"]))
+    assert lora_param_count(only_q) == parameter_counts(prepare_for_finetuning(build_model(only_q, 384), only_q))[0]
+
+
+def test_planner_sends_adapter_gradients_only_and_shrinks_the_frozen_base() -> None:
+    def plan(**model: object) -> Plan:
+        cfg = make_config("/tmp", {"model": {"lora": {"enabled": True}, **model}, "data": {"vocab_size": 8192}})
+        return build_plan(cfg, 2, None)
+
+    bf16, nf4 = plan(dtype="bf16"), plan(quantize="nf4", pretrained="x")
+    trainable = lora_param_count(make_config("/tmp", {"model": {"lora": {"enabled": True}}}).model)
+    assert bf16.trainable == nf4.trainable == trainable
+    assert bf16.comm[0].nbytes == 4 * trainable  # 2(N-1)/N x 4 bytes x adapters, N = 2
+    assert bf16.memory[0].grads == 4 * trainable and bf16.memory[1].optimizer == 8 * trainable / 2
+    assert nf4.memory[0].params < bf16.memory[0].params < plan(dtype="fp32").memory[0].params
+    assert "LoRA adapter parameters (frozen base in nf4" in render_plan(nf4)
