@@ -37,7 +37,7 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s}: expected a positive number of seconds")
     if cfg.checkpoint.every_n_steps < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1")
-    validate_finetune_config(cfg.model, cfg.parallel, world_size)
+    validate_finetune_config(cfg.model, cfg.parallel)
     validate_source(cfg.data)
     validate_model_config(cfg.model, cfg.data.seq_len)
     validate_optim_config(cfg.optim, cfg.train.steps)

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 DTYPES = {BaseDtype.fp32: torch.float32, BaseDtype.bf16: torch.bfloat16}
 
 
-def validate_finetune_config(cfg: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
+def validate_finetune_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     """Cross-key rules of fine-tuning that need no model: layout, quantization, ZeRO, checkpointing."""
     if cfg.pretrained is not None and _local_path(cfg.pretrained) and not Path(cfg.pretrained).is_dir():
         raise ConfigError(f"model.pretrained={cfg.pretrained}: no such model directory; make a small base model "
@@ -40,14 +40,23 @@ def validate_finetune_config(cfg: ModelConfig, parallel: ParallelConfig, world_s
                           "adapters are small, so shard nothing (0) or the optimizer state (1)")
     if cfg.checkpoint_reentrant and not cfg.gradient_checkpointing:
         raise ConfigError("model.checkpoint_reentrant=true needs model.gradient_checkpointing=true")
-    if cfg.checkpoint_reentrant and world_size > 1:
-        raise ConfigError("model.checkpoint_reentrant=true fails under data parallelism (a gradient is marked ready "
-                          "twice, or lost behind frozen inputs); set model.checkpoint_reentrant=false")
 
 
 def _local_path(name: str) -> bool:
     """A file-system path rather than a hub id (``name`` or ``org/name``)."""
     return name.startswith((".", "/", "~")) or len(Path(name).parts) > 2
+
+
+def reentrant_failure(exc: BaseException) -> ConfigError:
+    """The one line for a backward that failed under ``model.checkpoint_reentrant=true``.
+
+    Reentrant checkpointing re-runs each block's forward inside backward; under DDP that can mark a gradient
+    ready twice ("Expected to mark a variable ready only once"), and behind frozen inputs it skips the block's
+    gradients. The non-reentrant variant has neither problem.
+    """
+    first = " ".join(str(exc).split())[:160]
+    return ConfigError(f"model.checkpoint_reentrant=true: backward failed under data parallelism ({first}); "
+                       "set model.checkpoint_reentrant=false")
 
 
 def load_kwargs(cfg: ModelConfig, device: torch.device | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from ddptrain.models.lora import (
     is_adapted,
     parameter_counts,
     prepare_for_finetuning,
+    reentrant_failure,
     trainable_line,
 )
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -89,8 +90,13 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     with closing(sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(start + 1, cfg.train.steps + 1):
             meter.start_step(step)
-            loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
-                                        meter.timer, token_weighted)
+            try:
+                loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
+                                            meter.timer, token_weighted)
+            except RuntimeError as exc:
+                if cfg.model.checkpoint_reentrant:
+                    raise reentrant_failure(exc) from exc
+                raise
             if poison_loss(step, env.rank):
                 loss = loss * float("nan")
             if step == start + 1:
