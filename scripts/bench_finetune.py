@@ -5,9 +5,9 @@ training loop inside one torchrun job, interleaved over repeats (A B C A B C ...
 
     torchrun --standalone --nproc-per-node=2 scripts/bench_finetune.py --repeats 3 --steps 10
 
-Activation memory is what autograd keeps for backward during one micro batch's forward, summed over the
-tensors it saves (measured with saved-tensor hooks; checkpointed blocks save only their inputs). On CUDA the
-peak allocated memory of one forward/backward is reported too.
+Activation memory is what autograd keeps for backward during one micro batch's forward: the distinct storages
+of the tensors it saves, weights excluded (measured with saved-tensor hooks; checkpointed blocks save only
+their inputs). On CUDA the peak allocated memory of one forward/backward is reported too.
 """
 
 from __future__ import annotations
@@ -72,11 +72,15 @@ def activation_bytes(cfg: Config) -> tuple[int, float | None]:
     model.train()
     rows = [data.train[i] for i in range(cfg.data.micro_batch_size)]
     batch = {k: v.to(device) for k, v in PadCollate(data.tokenizer.eos_token_id)(rows).items()}
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights are not activations
     saved = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal saved
-        saved += t.untyped_storage().nbytes()  # a view saved twice counts twice: an upper bound, alike for all
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:  # views of one storage count once
+            seen.add(storage.data_ptr())
+            saved += storage.nbytes()
         return t
 
     if device.type == "cuda":
