@@ -182,7 +182,7 @@ def _finetune_base(base: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def lora_runs(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """One 2-rank process group trains LoRA on torch DDP, ZeRO-1, a from-scratch engine, QLoRA, and a resume."""
+    """One 2-rank process group trains LoRA on torch DDP, ZeRO-1, a from-scratch engine, QLoRA, a resume, fp16."""
     tmp = tmp_path_factory.mktemp("lora")
     variants = [
         {},
@@ -190,16 +190,19 @@ def lora_runs(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict
         {"parallel": {"engine": "bucketed"}},
         {"model": {"quantize": "nf4", "gradient_checkpointing": True}},
         {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
+        {"parallel": {"compression": "fp16"}},
     ]
     return run_distributed(train_each, 2, str(tmp), _finetune_base(base), variants, timeout=400)[0]
 
 
-@pytest.mark.parametrize(("run", "what"), [(0, "torch DDP"), (1, "ZeRO-1"), (2, "bucketed engine"), (3, "QLoRA")])
-def test_only_adapter_gradients_cross_the_wire(lora_runs: list[dict], run: int, what: str) -> None:
+@pytest.mark.parametrize(("run", "what", "width"),
+                         [(0, "torch DDP", 4), (1, "ZeRO-1", 4), (2, "bucketed engine", 4), (3, "QLoRA", 4),
+                          (5, "fp16 compression", 2)])
+def test_only_adapter_gradients_cross_the_wire(lora_runs: list[dict], run: int, what: str, width: int) -> None:
     summary, metrics = lora_runs[run]["summary"], lora_runs[run]["metrics"]
     trainable = summary["trainable_parameters"]
     assert 0 < trainable < summary["parameters"] / 4, what
-    assert [m["comm_bytes"] for m in metrics] == [4 * trainable] * 4, what  # fp32 adapter gradients, exactly
+    assert [m["comm_bytes"] for m in metrics] == [width * trainable] * 4, what  # adapter gradients, exactly
     assert all(m["loss"] == m["loss"] for m in metrics) and metrics[-1]["loss"] < metrics[0]["loss"], what
     assert "val_loss" in metrics[-1]
 

@@ -72,7 +72,9 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
     autocast = autocast_context(cfg.train.precision, device)
-    fpt = flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None else 6.0 * n_params
+    # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
+    fpt = (flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None
+           else 4.0 * n_params + 2.0 * trainable)
     meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
                         cfg.metrics.sample_every)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
