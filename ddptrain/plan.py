@@ -175,13 +175,7 @@ def build_plan(
     so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
     unless ``cfg.metrics.peak_tflops`` is given.
     """
-    batch = BatchPlan.derive(
-        cfg.data.global_batch_size,
-        cfg.data.micro_batch_size,
-        cfg.data.grad_accum,
-        cfg.plan.world_size or world_size,
-        cfg.data.seq_len,
-    )
+    batch = BatchPlan.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
     lora = cfg.model.lora.enabled
     if cfg.plan.params:
@@ -205,8 +199,6 @@ def build_plan(
         quant = str(cfg.model.quantize) if cfg.model.quantize != "none" else str(cfg.model.dtype)
         base_bytes = (FROZEN_BYTES[quant] * (params - adapters - embedding) + 4.0 * embedding) / (params - adapters)
         note = f"frozen base in {quant}, {base_bytes:.3g} bytes per weight"
-    if cfg.plan.interconnect not in INTERCONNECTS:
-        raise ConfigError(f"plan.interconnect={cfg.plan.interconnect!r}: expected one of {', '.join(INTERCONNECTS)}")
     preset = INTERCONNECTS[cfg.plan.interconnect]
     alpha = preset.latency_us if cfg.plan.latency_us is None else cfg.plan.latency_us
     if cfg.plan.bandwidth_gbps:

@@ -29,7 +29,6 @@ class TokenData:
     val: Dataset
     vocab_size: int  # ids are < vocab_size
     tokenizer: PreTrainedTokenizerBase | None  # None for synthetic data
-    cache_dir: Path | None = None
     # prompt/completion data: builds a padded micro batch (input_ids, attention_mask, labels) from rows of
     # different lengths; None for packed blocks, which batch as plain input_ids
     collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
@@ -61,7 +60,7 @@ def build_token_data(cfg: DataConfig) -> TokenData:
                  target)
         _write_packed(target, tok, train_docs, val_docs, cfg.seq_len)
     train, val = load_from_disk(str(target / "train")), load_from_disk(str(target / "val"))
-    return TokenData(train.with_format("torch"), val.with_format("torch"), len(tok), tok, target)
+    return TokenData(train.with_format("torch"), val.with_format("torch"), len(tok), tok)
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:

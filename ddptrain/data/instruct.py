@@ -24,7 +24,7 @@ from ddptrain.config import DataConfig
 from ddptrain.data.corpus import FILE_LOADERS
 from ddptrain.data.dataset import TokenData, split_documents
 from ddptrain.data.tokenizer import load_tokenizer
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, flat
 
 IGNORE = -100  # label of a position that carries no loss (prompt, padding): torch's cross-entropy ignore_index
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def _records(cfg: DataConfig) -> list[tuple[str, str]]:
         try:
             ds = load_dataset(kind, data_files=[str(Path(p).absolute()) for p in cfg.paths], split="train")
         except Exception as exc:
-            raise ConfigError(f"data.paths: cannot read as {kind}: {' '.join(str(exc).split())[:200]}") from exc
+            raise ConfigError(f"data.paths: cannot read as {kind}: {flat(str(exc), 200)}") from exc
     else:
         what = f"data.name={cfg.name}"
         try:

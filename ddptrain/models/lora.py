@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ddptrain.config import BaseDtype, ModelConfig, ParallelConfig, Quantize
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, flat
 
 log = logging.getLogger(__name__)
 DTYPES = {BaseDtype.fp32: torch.float32, BaseDtype.bf16: torch.bfloat16}
@@ -54,7 +54,7 @@ def reentrant_failure(exc: BaseException) -> ConfigError:
     ready twice ("Expected to mark a variable ready only once"), and behind frozen inputs it skips the block's
     gradients. The non-reentrant variant has neither problem.
     """
-    first = " ".join(str(exc).split())[:160]
+    first = flat(str(exc), 160)
     return ConfigError(f"model.checkpoint_reentrant=true: backward failed under data parallelism ({first}); "
                        "set model.checkpoint_reentrant=false")
 
@@ -99,7 +99,7 @@ def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn
     try:
         return get_peft_model(model, lora)  # adapters in fp32 whatever the base dtype (peft's default)
     except ValueError as exc:
-        raise ConfigError(f"model.lora.target_modules={list(targets)}: {' '.join(str(exc).split())[:200]}") from exc
+        raise ConfigError(f"model.lora.target_modules={list(targets)}: {flat(str(exc), 200)}") from exc
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
