@@ -24,7 +24,8 @@ from pathlib import Path
 from ddptrain.plan import Link
 from ddptrain.predict import Calibration, Layout, predict
 
-COMMON = ["data=synthetic", "train.steps=12", "train.log_every=4", "train.eval_every=0", "logger.progress=false",
+COMMON = ["data=synthetic", "parallel.wrap_single=true",  # one rank: DDP anyway, so its buckets are recorded
+          "train.steps=12", "train.log_every=4", "train.eval_every=0", "logger.progress=false",
           "checkpoint.export=false", "checkpoint.every_n_steps=0"]
 CONFIGS = {  # name -> overrides
     "compute-bound (llama 128x4, seq 128, one 25 MB bucket)": [

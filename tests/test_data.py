@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from ddptrain.config import DataConfig
+from ddptrain.config import DataConfig, build_config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, validate_source
 from ddptrain.data.dataset import pack_batch, split_documents
 from ddptrain.errors import ConfigError
@@ -24,8 +24,8 @@ def test_grad_accum_is_derived_and_checked() -> None:
         BatchPlan.derive(10, 4, None, 2, 128)
     with pytest.raises(ConfigError, match=r"global_batch_size=64 != .* x data.grad_accum=3 x dp=8 = 96"):
         BatchPlan.derive(64, 4, 3, 8, 128)
-    with pytest.raises(ConfigError, match="micro_batch_size=0"):
-        BatchPlan.derive(64, 0, None, 8, 128)
+    with pytest.raises(ConfigError, match="micro_batch_size=0"):  # the schema refuses it before any plan
+        build_config({"data": {"micro_batch_size": 0}})
     assert "global batch 64 = micro batch 4 x grad accum 2 x dp 8" in BatchPlan.derive(64, 4, None, 8, 16).equation()
 
 
@@ -49,15 +49,16 @@ def _stream(dataset: Dataset, rank: int, dp: int = 2) -> MicroBatches:
 def test_micro_batches_resume_mid_epoch_exactly_and_reshuffle_each_epoch() -> None:
     ds = Dataset.from_dict({"input_ids": [[i] * 4 for i in range(20)]}).with_format("torch")
     straight = _stream(ds, rank=0)
-    seen = [next(straight)[:, 0].tolist() for _ in range(12)]  # 5 batches per epoch: crosses two epochs
-    assert seen[:5] != seen[5:10], "epoch 1 must be shuffled differently from epoch 0 (set_epoch)"
+    # Epochs are cut to whole global batches (16 of 20 samples): 4 batches per rank, so 12 cross two epochs.
+    seen = [next(straight)[:, 0].tolist() for _ in range(12)]
+    assert seen[:4] != seen[4:8], "epoch 1 must be shuffled differently from epoch 0"
     interrupted = _stream(ds, rank=0)
     first = [next(interrupted)[:, 0].tolist() for _ in range(7)]
     resumed = _stream(ds, rank=0)
     resumed.load_state_dict(interrupted.state_dict())
     assert first + [next(resumed)[:, 0].tolist() for _ in range(5)] == seen
     other = _stream(ds, rank=1)
-    assert not {i for b in seen[:5] for i in b} & {i for _ in range(5) for i in next(other)[:, 0].tolist()}
+    assert not {i for b in seen[:4] for i in b} & {i for _ in range(4) for i in next(other)[:, 0].tolist()}
 
 
 def _cfg(tmp_path: Path, **kw: object) -> DataConfig:

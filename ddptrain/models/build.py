@@ -11,30 +11,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Pretrain
 from ddptrain.config import ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models.flops import llama_intermediate_size
+from ddptrain.models.lora import load_kwargs
 
-ARCHS = ("llama", "gpt2")
 log = logging.getLogger(__name__)
-
-
-def validate_model_config(cfg: ModelConfig, seq_len: int) -> None:
-    if cfg.pretrained is not None:
-        return
-    if cfg.arch not in ARCHS:
-        raise ConfigError(f"model.arch={cfg.arch!r}: expected one of {', '.join(ARCHS)}")
-    for key in ("hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"model.{key}={getattr(cfg, key)}: expected a positive integer")
-    if cfg.hidden_size % cfg.num_heads:
-        raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
-    kv = cfg.num_kv_heads or cfg.num_heads
-    if cfg.num_heads % kv:
-        raise ConfigError(f"model.num_heads={cfg.num_heads} is not divisible by model.num_kv_heads={kv}")
-    if cfg.arch == "gpt2" and kv != cfg.num_heads:
-        raise ConfigError(f"model.num_kv_heads={kv}: gpt2 has no grouped-query attention; use {cfg.num_heads}")
-    if seq_len > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"data.seq_len={seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
-        )
 
 
 def model_vocab_size(cfg: ModelConfig, data_vocab: int) -> int:
@@ -64,17 +43,28 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int | None) -> Pretrain
     )
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int | None = None) -> PreTrainedModel:
-    """A freshly initialised model on the CPU (the caller moves it), or the weights at ``model.pretrained``."""
+def build_model(
+    cfg: ModelConfig, vocab_size: int, eos_id: int | None = None, device: torch.device | None = None
+) -> PreTrainedModel:
+    """A freshly initialised model on the CPU (the caller moves it), or the weights at ``model.pretrained``.
+
+    Pretrained weights load straight onto ``device`` (this rank's device only: a whole replica per rank), in
+    ``model.dtype``, 4-bit quantized when ``model.quantize=nf4``.
+    """
     if cfg.pretrained is not None:
-        return _load_pretrained(cfg.pretrained, vocab_size)
+        return _load_pretrained(cfg, vocab_size, device)
     return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eos_id), attn_implementation="sdpa")
 
 
-def _load_pretrained(name: str, data_vocab: int) -> PreTrainedModel:
+def _load_pretrained(cfg: ModelConfig, data_vocab: int, device: torch.device | None) -> PreTrainedModel:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-rank "Loading weights" bars would interleave on the console
+    name = cfg.pretrained
+    assert name is not None
     local = Path(name).exists()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, **load_kwargs(cfg, device))
     except Exception as exc:
         raise ConfigError(f"model.pretrained={name}: cannot load a causal LM ({type(exc).__name__})") from exc
     if model.get_input_embeddings().num_embeddings < data_vocab:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddptrain.config import ParallelConfig, ShardGroup
+from ddptrain.config import ParallelConfig, ShardGroup, computes_in_bf16
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -40,18 +40,20 @@ def hybrid_mesh(device: torch.device, ranks_per_node: int) -> DeviceMesh:
     return init_device_mesh(device.type, (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
 
 
-def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, ranks_per_node: int = 1
-                ) -> FSDPModule:
+def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str,
+                ranks_per_node: int = 1) -> FSDPModule:
     """FSDP2 ``fully_shard`` per transformer block, then the root (embeddings, head, final norm).
 
-    With ``parallel.shard_group=node`` the model state is sharded over each node's ranks and replicated across
-    nodes (HSDP); otherwise over every rank.
+    With bf16 compute (``train.precision`` resolved for ``device``) parameters are gathered in bf16 and gradients
+    reduced in fp32 over fp32 shards; with fp32 everything stays fp32, as under DDP. With
+    ``parallel.shard_group=node`` the model state is sharded over each node's ranks and replicated across nodes
+    (HSDP); otherwise over every rank.
     """
     reshard = cfg.zero_stage == 3
     kwargs: dict = {"reshard_after_forward": reshard}
     if cfg.shard_group == ShardGroup.node:
         kwargs["mesh"] = hybrid_mesh(device, ranks_per_node)
-    if device.type == "cuda":
+    if computes_in_bf16(precision, device.type):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
