@@ -155,6 +155,7 @@ def main_first(env: DistEnv, fn: Callable[[], T], timeout_s: float) -> T:
             store.set(key, f"rank 0 failed while preparing: {type(exc).__name__}: {exc}")
             raise
         store.set(key, _DONE)
+        store.set(f"{key}/node{env.node_rank}", _DONE)  # rank 0 is its own node's first wave
         return result
     try:
         store.wait([key], timedelta(seconds=timeout_s))
