@@ -50,7 +50,8 @@ def test_a_delayed_rank_is_named_slowest_with_its_cause(tmp_path: Path, phase: s
 
 
 def test_no_straggler_warning_without_a_delay(tmp_path: Path) -> None:
-    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), "", 20.0, timeout=600)[0]
+    # 50%: this model's ~25 ms step varies by a third between ranks on a loaded 2-core machine
+    metrics, warnings = run_distributed(_train_capturing_warnings, 2, str(tmp_path), "", 50.0, timeout=600)[0]
     assert warnings == [] and all("rank_skew_pct" in m for m in metrics)
 
 
