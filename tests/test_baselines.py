@@ -9,6 +9,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -149,3 +150,14 @@ def test_resume_with_dropout_is_bitwise_equal_to_the_uninterrupted_run(tmp_path:
     a = torch.load(uninterrupted / "checkpoints" / "step_000004" / "model.pt")
     b = torch.load(Path(runs[1]["dir"]) / "checkpoints" / "step_000004" / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bare_one_rank_zero3_checkpoint_resumes_sharded_on_two_ranks(tmp_path: Path) -> None:
+    zero3 = {"parallel": {"zero_stage": 3}, "checkpoint": {"every_n_steps": 2}}
+    (one,) = run_distributed(train_each, 1, str(tmp_path), BASE, [zero3])[0]
+    assert one["summary"]["wrapper"] == "none"
+    resume = {"train": {"resume": str(Path(one["dir"]) / "checkpoints" / "step_000002")}}
+    (two,) = run_distributed(train_each, 2, str(tmp_path), BASE, [{**zero3, **resume}])[0]
+    assert two["summary"]["wrapper"] == "FSDP2 (ZeRO-3)"
+    # the same global batches from the same state: steps 3-4 match the uninterrupted run up to reduction order
+    assert two["metrics"][-1]["loss"] == pytest.approx(one["metrics"][-1]["loss"], rel=1e-4)
