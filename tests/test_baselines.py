@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import ModelConfig, ParallelConfig
@@ -143,12 +144,11 @@ def test_ranks_draw_their_own_dropout_masks_from_identical_weights(tmp_path: Pat
 def test_resume_with_dropout_is_bitwise_equal_to_the_uninterrupted_run(tmp_path: Path) -> None:
     uninterrupted = tmp_path / "w2-run0"  # train_each's directory for the first variant
     resumed_from = str(uninterrupted / "checkpoints" / "step_000002")
-    dropout = {"model": {"dropout": 0.1}, "checkpoint": {"every_n_steps": 2}}
+    dropout = {"model": {"dropout": 0.1}, "checkpoint": {"every_n_steps": 2, "export": True}}
     variants = [dropout, {**dropout, "train": {"resume": resumed_from}}]
     runs = run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0]
     assert [m["loss"] for m in runs[0]["metrics"]][1:] == [m["loss"] for m in runs[1]["metrics"]]
-    a = torch.load(uninterrupted / "checkpoints" / "step_000004" / "model.pt")
-    b = torch.load(Path(runs[1]["dir"]) / "checkpoints" / "step_000004" / "model.pt")
+    a, b = (load_file(Path(run["dir"]) / "model" / "model.safetensors") for run in runs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
