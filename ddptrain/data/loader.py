@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -53,7 +54,7 @@ class MicroBatches:
 
     def __init__(
         self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int, shuffle: bool, num_workers: int,
-        device: torch.device,
+        device: torch.device, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
         self.epoch_len = len(dataset) // plan.global_batch_size * plan.global_batch_size
         if self.epoch_len == 0:
@@ -66,6 +67,7 @@ class MicroBatches:
         self.loader = DataLoader(
             dataset, batch_size=plan.micro_batch_size, sampler=self.sampler, drop_last=True,
             num_workers=num_workers, pin_memory=device.type == "cuda", generator=_own_generator(seed),
+            collate_fn=collate,
         )
         self.device = device
         self.epoch = 0
@@ -75,7 +77,7 @@ class MicroBatches:
     def __iter__(self) -> MicroBatches:
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> torch.Tensor | dict[str, torch.Tensor]:
         if self._it is None:
             self.sampler.epoch, self.sampler.cursor = self.epoch, self.position
             self._it = iter(self.loader)
@@ -85,7 +87,9 @@ class MicroBatches:
             self.epoch, self.position, self._it = self.epoch + 1, 0, None
             return next(self)
         self.position += self.per_micro_step
-        return batch["input_ids"].to(self.device, non_blocking=True)
+        if len(batch) == 1:  # packed blocks: the token ids are inputs and labels alike
+            return batch["input_ids"].to(self.device, non_blocking=True)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -106,16 +110,20 @@ class MicroBatches:
         self.epoch, self.position, self._it = epoch, position, None
 
 
-def eval_batches(dataset: Dataset, micro_batch_size: int, dp: int, rank: int, limit: int) -> list[torch.Tensor]:
+def eval_batches(
+    dataset: Dataset, micro_batch_size: int, dp: int, rank: int, limit: int,
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+) -> list[torch.Tensor | dict[str, torch.Tensor]]:
     """The same fixed validation batches at every evaluation (at most ``limit`` per rank)."""
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=False, drop_last=True)
     batch_size = max(1, min(micro_batch_size, sampler.num_samples))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, generator=_own_generator(0))
-    out = []
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, generator=_own_generator(0),
+                        collate_fn=collate)
+    out: list[torch.Tensor | dict[str, torch.Tensor]] = []
     for batch in loader:
         if len(out) == limit:
             break
-        out.append(batch["input_ids"])
+        out.append(batch["input_ids"] if len(batch) == 1 else batch)
     return out
 
 
