@@ -17,7 +17,8 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: 
     for _, p in named:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # LoRA trains matrices only: an empty group breaks DCP's loader
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
