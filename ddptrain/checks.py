@@ -14,6 +14,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.models import validate_model_config
 from ddptrain.optim import validate_optim_config
 from ddptrain.parallel import validate_parallel_config
+from ddptrain.parallel.compile import validate_compile
 from ddptrain.telemetry.metrics import load_baseline
 from ddptrain.telemetry.profile import validate_profile_config
 from ddptrain.train.control import validate_nan_policy
@@ -40,6 +41,7 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     validate_model_config(cfg.model, cfg.data.seq_len)
     validate_optim_config(cfg.optim, cfg.train.steps)
     validate_parallel_config(cfg.parallel)
+    validate_compile(cfg)
     if cfg.parallel.cpu_offload and not torch.cuda.is_available():
         raise ConfigError("parallel.cpu_offload=true needs CUDA devices: it keeps FSDP2's state on the CPU and "
                           "computes on the GPU")

@@ -7,10 +7,13 @@ of the wrong type fails at start-up with a message that names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from ddptrain.errors import ConfigError
 
 
 @dataclass
@@ -76,6 +79,15 @@ class ParallelConfig:
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
 
 
+class OptimImpl(StrEnum):
+    """AdamW's kernels: one fused kernel, one multi-tensor launch per op, or a Python loop over parameters."""
+
+    auto = "auto"  # fused where torch has a fused AdamW for the device (CUDA, CPU), else foreach
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
 @dataclass
 class OptimConfig:
     """AdamW with warm-up and a cosine, WSD or constant schedule."""
@@ -89,6 +101,7 @@ class OptimConfig:
     warmup_steps: int = 10
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    impl: OptimImpl = OptimImpl.auto  # fused skips a non-finite step on the device, with no host read
 
 
 @dataclass
@@ -119,6 +132,12 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     resume: str | None = None  # auto (latest checkpoint in this run dir, if any) | a checkpoint or run dir | null
     nan_policy: str = "abort"  # non-finite loss or gradients: skip the update (every rank alike) | abort the run
+    check_every: int = 10  # steps between the ranks' agreement on stop requests and non-finite steps (a sync)
+    compile: bool = False  # torch.compile each transformer block (torch DDP and ZeRO engines)
+
+    def __post_init__(self) -> None:
+        if self.check_every < 1:
+            raise ConfigError(f"train.check_every={self.check_every}: expected a positive number of steps")
 
 
 @dataclass
