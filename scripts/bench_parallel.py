@@ -7,6 +7,7 @@ Runs every variant through the real training loop inside one torchrun job, inter
     torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --suite telemetry --repeats 7
 
 ``--suite telemetry`` measures what the step-breakdown timing costs: every step timed against none.
+``--suite optim`` compares AdamW's kernels (``optim.impl``); ``--suite compile`` eager against ``train.compile``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config 
     "telemetry": {
         "DDP (stage 0)": {"metrics": {"sample_every": 10**9}},  # the breakdown timer never runs
         "timed every step": {"metrics": {"sample_every": 1}},
+    },
+    "optim": {  # AdamW's kernel; the default (auto) is fused on CPU
+        "DDP (stage 0)": {},
+        "foreach": {"optim": {"impl": "foreach"}},
+        "for_loop": {"optim": {"impl": "for_loop"}},
+    },
+    "compile": {  # eager against compiled blocks; compilation is reported apart, out of the step time
+        "DDP (stage 0)": {},
+        "compiled blocks": {"train": {"compile": True}},
     },
 }
 
@@ -79,6 +89,8 @@ def main() -> None:
             times[name].append(summary["step_time_s"])
             state[name] = summary["model_state"]
             comm[name] = summary.get("comm_bytes", float("nan"))
+            if "compile_s" in summary and env.is_main:
+                print(f"{name}: first step {summary['compile_s']:.1f} s, compilation included", flush=True)
     if env.is_main:
         print(report(times, state, comm, args))
     dist.barrier()
