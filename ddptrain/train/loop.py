@@ -89,22 +89,22 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                                         meter.timer, guard)
             if step == start + 1:
                 probe.after_backward()
-            logging = step % cfg.train.log_every == 0 or step == cfg.train.steps
-            saving = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
+            log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
+            save_step = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
             stopping = False
             with meter.timer.phase("optimizer"):
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip)
                 nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
                 apply_update(optimizer, nonfinite)
                 nonfinite_steps.record(nonfinite, step)
-                if logging or saving or step % cfg.train.check_every == 0:
+                if log_step or save_step or step % cfg.train.check_every == 0:
                     stopping, count, first = agree(stop.signum != 0, nonfinite_steps)
                     skipped += settle_nonfinite(count, first, step, cfg.train.nan_policy)
             meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
             if cfg.train.compile and step == start + 1:
                 compile_s = device_clock(device) - first_step_start
                 log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)", compile_s)
-                if not logging:
+                if not log_step:
                     meter.restart_window()
             if step == start + 1:
                 probe.after_step(optimizer)
@@ -113,13 +113,13 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             scheduler.step()
             profiler.step()
             inject("step", step, env.rank)
-            if stopping or saving:
+            if stopping or save_step:
                 save(step)
             if stopping:
                 stop.restore()
                 raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
                               f"in {checkpointer.root}; continue with train.resume=auto", stop.signum)
-            if not logging:
+            if not log_step:
                 continue
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
