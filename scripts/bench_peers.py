@@ -1,8 +1,9 @@
 """ddptrain's loop against what a user would otherwise write: a minimal hand-written torch DDP loop (the floor)
 and the same training through Hugging Face ``accelerate`` (``pip install -e .[bench]``).
 
-Same model (built by ddptrain's ``build_model``), same batch shapes, same world size, same AdamW kernel and
-clipping; the three run interleaved (A B C A B C ...) inside one torchrun job and report median step times:
+Same model (built by ddptrain's ``build_model``), same data set (read by a plain torch DataLoader in the
+peers), same batch, same world size, same AdamW kernel and clipping. The three run interleaved (A B C A B C ...)
+inside one torchrun job and report median step times:
 
     torchrun --standalone --nproc-per-node=2 scripts/bench_peers.py --repeats 3 --steps 25
 
@@ -18,18 +19,20 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddptrain.config import Config, build_config
+from ddptrain.data import build_token_data
 from ddptrain.models import build_model
 from ddptrain.optim import impl_kwargs
-from ddptrain.runtime import DistEnv
+from ddptrain.runtime import DistEnv, main_first
 from ddptrain.train import train
 
 
@@ -54,12 +57,19 @@ def ddptrain_loop(cfg: Config, env: DistEnv, out: Path) -> float:
     return train(cfg, env, torch.device("cpu"), run_dir, {})["step_time_s"]
 
 
-def batches(cfg: Config, env: DistEnv) -> list[torch.Tensor]:
-    """This rank's micro batches for every step: random tokens of the shapes ddptrain trains on."""
-    micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * env.world_size)
-    generator = torch.Generator().manual_seed(cfg.train.seed + env.rank)
-    shape = (cfg.train.steps * micro, cfg.data.micro_batch_size, cfg.data.seq_len)
-    return list(torch.randint(0, cfg.data.vocab_size, shape, generator=generator))
+def loader(cfg: Config, env: DistEnv, train_set: Dataset) -> DataLoader:
+    """The DataLoader a user writes: this rank's shuffled share, micro batches of ``data.micro_batch_size``."""
+    sampler = DistributedSampler(train_set, env.world_size, env.rank, shuffle=True, seed=cfg.train.seed)
+    return DataLoader(train_set, batch_size=cfg.data.micro_batch_size, sampler=sampler, drop_last=True)
+
+
+def endless(data: DataLoader) -> Iterator[torch.Tensor]:
+    epoch = 0
+    while True:
+        data.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        for batch in data:
+            yield batch["input_ids"]
+        epoch += 1
 
 
 def windows(cfg: Config, step: Callable[[int], torch.Tensor]) -> float:
@@ -84,17 +94,17 @@ def _model_and_optimizer(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Opti
     return model, optimizer
 
 
-def hand_loop(cfg: Config, env: DistEnv) -> float:
+def hand_loop(cfg: Config, env: DistEnv, train_set: Dataset) -> float:
     """The floor: DDP, forward/backward with no_sync on accumulation steps, clip, step. Nothing else."""
     model, optimizer = _model_and_optimizer(cfg)
     ddp = DistributedDataParallel(model)
-    data = batches(cfg, env)
-    micro = len(data) // cfg.train.steps
+    data = endless(loader(cfg, env, train_set))
+    micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * env.world_size)
 
     def step(i: int) -> torch.Tensor:
         total = torch.zeros(())
         for m in range(micro):
-            ids = data[i * micro + m]
+            ids = next(data)
             with nullcontext() if m == micro - 1 else ddp.no_sync():
                 loss = ddp(input_ids=ids, labels=ids).loss / micro
                 loss.backward()
@@ -107,19 +117,19 @@ def hand_loop(cfg: Config, env: DistEnv) -> float:
     return windows(cfg, step)
 
 
-def accelerate_loop(cfg: Config, env: DistEnv) -> float:
+def accelerate_loop(cfg: Config, env: DistEnv, train_set: Dataset) -> float:
     """The same training as a user writes it with ``accelerate``: prepare, accumulate, backward, clip, step."""
     from accelerate import Accelerator
 
     micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * env.world_size)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro)
     model, optimizer = accelerator.prepare(*_model_and_optimizer(cfg))
-    data = batches(cfg, env)
+    data = endless(loader(cfg, env, train_set))  # already this rank's share: not passed through prepare
 
     def step(i: int) -> torch.Tensor:
         total = torch.zeros(())
-        for m in range(micro):
-            ids = data[i * micro + m]
+        for _ in range(micro):
+            ids = next(data)
             with accelerator.accumulate(model):
                 loss = model(input_ids=ids, labels=ids).loss
                 accelerator.backward(loss)
@@ -148,10 +158,11 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     out = Path(tempfile.gettempdir()) / "ddptrain-bench-peers"
     cfg = config(args, out)
+    train_set = main_first(env, lambda: build_token_data(cfg.data)).train
     runs: dict[str, Callable[[], float]] = {
-        "hand-written DDP": lambda: hand_loop(cfg, env),
+        "hand-written DDP": lambda: hand_loop(cfg, env, train_set),
         "ddptrain": lambda: ddptrain_loop(cfg, env, out),
-        "accelerate": lambda: accelerate_loop(cfg, env),
+        "accelerate": lambda: accelerate_loop(cfg, env, train_set),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
