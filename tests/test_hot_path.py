@@ -133,10 +133,38 @@ def _nonfinite_run(rank: int, world_size: int, tmp: str, policy: str, impl: str)
     return {"metrics": result["metrics"], "params": params}
 
 
+def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Rank 0 gets SIGTERM after step 4; checks fall every 3 steps, so every rank stops after step 6."""
+    import signal
+
+    import ddptrain.train.loop as loop
+
+    inject = loop.inject
+
+    def terminate(point: str, step: int, rank: int) -> None:
+        if (point, step, rank) == ("step", 4, 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+        inject(point, step, rank)
+
+    loop.inject = terminate
+    run_dir = os.path.join(tmp, "sigterm")
+    # A long grace: the SIGTERM watchdog must not end this worker, which goes on to other runs.
+    variant: Overrides = {"train": {"steps": 20, "log_every": 20, "check_every": 3}, "launch": {"stop_grace_s": 900}}
+    try:
+        train_each(rank, world_size, run_dir, TINY, [variant])
+    except loop.Stopped as exc:
+        return {"exit_code": exc.exit_code, "message": str(exc),
+                "checkpoints": sorted(p.name for p in Path(run_dir).glob("*/checkpoints/step_*"))}
+    finally:
+        loop.inject = inject
+    return {"exit_code": 0}
+
+
 def _every_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """All the distributed runs of this module in one process group (spawning one costs tens of seconds)."""
     out = {f"{policy}-{impl}": _nonfinite_run(rank, world_size, tmp, policy, impl)
            for policy, impl in (("skip", "fused"), ("skip", "foreach"), ("abort", "fused"))}
+    out["sigterm"] = _sigterm_run(rank, world_size, tmp)
     # Last: it instruments torch.distributed and torch.Tensor for good in this process.
     variant: Overrides = {"train": {"steps": 8, "log_every": 4, "check_every": 3},
                           "parallel": {"broadcast_buffers": False}}  # else DDP broadcasts llama's RoPE buffer
@@ -163,6 +191,17 @@ def test_one_ranks_nan_between_checks_aborts_every_rank_naming_the_step(runs: li
     for rank in (r["abort-fused"] for r in runs):
         assert rank["error"].startswith("NonFiniteError: non-finite loss or gradients at step 2 "), rank
         assert rank["checkpoints"] == [], "no checkpoint after the non-finite step"
+
+
+def test_sigterm_between_checks_stops_every_rank_at_the_next_check_with_a_checkpoint(
+    runs: list[dict[str, Any]],
+) -> None:
+    import signal
+
+    for rank in (r["sigterm"] for r in runs):
+        assert rank["exit_code"] == 128 + signal.SIGTERM, rank
+        assert "after step 6" in rank["message"]
+        assert rank["checkpoints"] == ["step_000006"]
 
 
 def test_guard_keeps_a_finite_loss_exactly_and_poisons_the_gradients_of_a_non_finite_one() -> None:

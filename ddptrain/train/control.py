@@ -83,17 +83,19 @@ class NonFiniteSteps:
         self.first.zero_()
 
 
-def agree(stop_requested: bool, nonfinite: NonFiniteSteps) -> tuple[bool, int, int]:
-    """A check step: does any rank want to stop; how many non-finite steps since the last check, and the first.
+def agree(signum: int, nonfinite: NonFiniteSteps) -> tuple[int, int, int]:
+    """A check step: the signal that asks some rank to stop (0: none); the non-finite steps since the last check,
+    and the first of them.
 
+    Every rank learns the signal, also those the launcher did not signal, so all exit 128 + that signal.
     One small all-reduce and one host read (a sync point), once per check rather than once per step.
     """
-    stop = torch.tensor(float(stop_requested), dtype=torch.float64, device=nonfinite.count.device)
+    stop = torch.tensor(float(signum), dtype=torch.float64, device=nonfinite.count.device)
     flags = torch.stack([stop, nonfinite.count, nonfinite.first])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     stopping, count, first = flags.tolist()  # sync point: the host learns the agreed flags here
     nonfinite.reset()
-    return stopping > 0, int(count), int(first)
+    return int(stopping), int(count), int(first)
 
 
 def validate_nan_policy(policy: str) -> None:

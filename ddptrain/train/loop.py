@@ -91,14 +91,14 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 probe.after_backward()
             log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
             save_step = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
-            stopping = False
+            stopping = 0  # the agreed signal number; 0: go on
             with meter.timer.phase("optimizer"):
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip)
                 nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
                 apply_update(optimizer, nonfinite)
                 nonfinite_steps.record(nonfinite, step)
                 if log_step or save_step or step % cfg.train.check_every == 0:
-                    stopping, count, first = agree(stop.signum != 0, nonfinite_steps)
+                    stopping, count, first = agree(stop.signum, nonfinite_steps)
                     skipped += settle_nonfinite(count, first, step, cfg.train.nan_policy)
             meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
             if cfg.train.compile and step == start + 1:
@@ -117,8 +117,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 save(step)
             if stopping:
                 stop.restore()
-                raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
-                              f"in {checkpointer.root}; continue with train.resume=auto", stop.signum)
+                raise Stopped(f"stopped by {signal.Signals(stopping).name} after step {step}; checkpoint saved "
+                              f"in {checkpointer.root}; continue with train.resume=auto", stopping)
             if not log_step:
                 continue
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
