@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.zero import transformer_blocks
 
@@ -25,11 +24,3 @@ def compile_blocks(model: torch.nn.Module) -> int:
         block.compile()
     return len(blocks)
 
-
-def validate_compile(cfg: Config) -> None:
-    """Compiled blocks run under torch DDP and FSDP2 (ZeRO); the from-scratch engines are left eager."""
-    if cfg.train.compile and cfg.parallel.engine != "torch":
-        raise ConfigError(
-            f"train.compile=true cannot be combined with parallel.engine={cfg.parallel.engine}: compiled blocks "
-            "are supported with parallel.engine=torch (DDP and ZeRO stages)"
-        )

@@ -17,10 +17,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from ddptrain.errors import ConfigError
-
 log = logging.getLogger(__name__)
-NAN_POLICIES = ("skip", "abort")
 
 
 class StopRequest:
@@ -97,7 +94,3 @@ def agree(signum: int, nonfinite: NonFiniteSteps) -> tuple[int, int, int]:
     nonfinite.reset()
     return int(stopping), int(count), int(first)
 
-
-def validate_nan_policy(policy: str) -> None:
-    if policy not in NAN_POLICIES:
-        raise ConfigError(f"train.nan_policy={policy!r}: expected skip or abort")

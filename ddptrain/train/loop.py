@@ -41,9 +41,7 @@ log = logging.getLogger("ddptrain")
 
 
 def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]) -> dict[str, Any]:
-    plan = BatchPlan.derive(
-        cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, env.world_size, cfg.data.seq_len
-    )
+    plan = BatchPlan.from_config(cfg, env.world_size)
     log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
     seed_everything(cfg.train.seed)
 
@@ -56,6 +54,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     if cfg.train.compile:
         log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
     wrapped = wrap_model(model, cfg.parallel, device)
+    # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
+    # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
+    # save and restore each rank's stream.
+    seed_everything(cfg.train.seed + env.rank)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
@@ -132,7 +134,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     if cfg.checkpoint.export:
         checkpointer.export(model, lambda: AutoModelForCausalLM.from_config(model.config), data.tokenizer,
                             run_dir / "model")
-    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state)
+    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, wrapped.strategy)
     if compile_s is not None:
         summary["compile_s"] = compile_s
     if env.is_main:
@@ -313,7 +315,7 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 def summarise(
     history: list[dict[str, Any]], plan: BatchPlan, n_params: int, fpt: float, peak: float | None, cfg: Config,
-    model_state: dict[str, Any],
+    model_state: dict[str, Any], wrapper: str,
 ) -> dict[str, Any]:
     """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions."""
     predicted_comm = step_comm(n_params, plan.dp, cfg.parallel.zero_stage, FP32)
@@ -324,6 +326,7 @@ def summarise(
         "engine": cfg.parallel.engine,
         "zero_stage": cfg.parallel.zero_stage,
         "compression": cfg.parallel.compression,
+        "wrapper": wrapper,
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,
