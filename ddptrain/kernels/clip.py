@@ -1,0 +1,30 @@
+"""Global-norm gradient clipping on the chosen kernels: one norm launch and one scale launch for all gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ddptrain.kernels import select_kernels
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, mode: str) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (norm 2) on the kernels ``mode`` picks; returns the norm before clipping.
+
+    The torch reference is torch's own function, as are sharded (DTensor) gradients, whose norm needs a
+    reduction across ranks. The coefficient stays on the device: clipping never waits for the host.
+    """
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    kernels = select_kernels(mode, grads[0].device)
+    if kernels.name == "torch":
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = kernels.squared_norm(grads).sqrt()
+    if max_norm != math.inf:
+        kernels.scale_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))  # torch's coefficient, eps included
+    return total
