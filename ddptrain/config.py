@@ -7,6 +7,7 @@ of the wrong type fails at start-up with a message that names the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -56,6 +57,14 @@ class DataConfig:
     num_workers: int = 0
 
 
+class Kernels(StrEnum):
+    """Who runs the element-wise passes around gradient collectives (pack, average, norm, clip, bf16 casts)."""
+
+    auto = "auto"  # Triton on CUDA when it is importable, else torch
+    triton = "triton"  # always Triton: a start-up error where it cannot run
+    torch = "torch"  # always the torch ops
+
+
 @dataclass
 class ParallelConfig:
     """How gradients travel and where model state lives."""
@@ -74,6 +83,7 @@ class ParallelConfig:
     error_feedback: bool = True  # powersgd/topk: carry what was not sent into the next step
     zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
+    kernels: Kernels = Kernels.auto  # fused Triton kernels for our engines, the clip step and the bf16 hook
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ddptrain.comm import Handle, all_reduce_bytes, all_reduce_sum, when_done
 from ddptrain.engines.buckets import Bucket, assign_buckets
 from ddptrain.engines.graph import reachable_leaves
 from ddptrain.engines.stats import CommStats
+from ddptrain.kernels import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Reducer:
         bucket_cap_mb: float,
         gradient_as_bucket_view: bool,
         find_unused_parameters: bool,
+        kernels: TorchKernels,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
@@ -75,6 +77,7 @@ class Reducer:
         self.group = group
         self.collective = collective
         self.find_unused_parameters = find_unused_parameters
+        self.kernels = kernels  # who packs buckets and averages into .grad: Triton or torch
         self.stats = CommStats()
         self._in_flight: list[tuple[float, list[float]]] = []  # (launch, [completion once seen]) per collective
         cap = int(bucket_cap_mb * 1024 * 1024) if policy.bucketed else None
@@ -130,15 +133,14 @@ class Reducer:
         self._ready[index] = True
         bucket, slot = self._slot[index]
         bucket.add(slot, self._used[index])
-        bucket.pending -= 1
         if bucket.pending == 0 and self.policy.overlap:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
+            bucket.pack(self.kernels)
             assert bucket.tensor is not None
-            bucket.tensor.div_(self._world)  # a sum of pre-divided gradients is the average, as in torch DDP
             bucket.handle = self._launch(bucket.tensor)
             self._next += 1
 
@@ -176,7 +178,7 @@ class Reducer:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 self._join(bucket.handle)
-            bucket.finish(used)
+            bucket.finish(used, 1.0 / self._world, self.kernels)  # the average: SUM, then scaled on the way out
         joined = perf_counter()
         # A completion callback may still be running on the collective's thread: the join bounds it from above.
         self.stats.spans += [(launch, done[0] if done else joined) for launch, done in self._in_flight]

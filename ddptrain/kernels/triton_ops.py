@@ -109,7 +109,7 @@ def _to_bf16_kernel(src, dst, n, scale, seed, STOCHASTIC: tl.constexpr, BLOCK: t
     mask = idx < n
     x = tl.load(src + idx, mask=mask) * scale
     bits = x.to(tl.uint32, bitcast=True)
-    if STOCHASTIC:
+    if STOCHASTIC:  # noqa: SIM108 - a compile-time branch: each variant compiles only its own side
         bias = tl.randint(seed, idx.to(tl.uint32)) & 0xFFFF
     else:
         bias = 0x7FFF + ((bits >> 16) & 1)
@@ -180,7 +180,7 @@ def _groups(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, l
         if src.numel() == 0:
             continue
         ok = src.dtype in TL_DTYPES and dst.dtype == src.dtype and src.device == dst.device
-        if ok and (src.is_contiguous() and dst.is_contiguous() or _layout(src.shape, src.stride(), dst.stride())):
+        if ok and ((src.is_contiguous() and dst.is_contiguous()) or _layout(src.shape, src.stride(), dst.stride())):
             groups.setdefault(src.dtype, []).append((src, dst))
         else:
             rest.append((src, dst))

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config import ParallelConfig
 from ddptrain.errors import ConfigError
+from ddptrain.kernels import check_kernels
 from ddptrain.parallel.compression import CommMeter, register_compression, validate_compression
 from ddptrain.parallel.zero import ZERO_STAGES, fsdp_sync, shard_model
 from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes
@@ -61,6 +62,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"parallel.compression={cfg.compression} cannot be combined with parallel.zero_stage={cfg.zero_stage}: "
             "compression hooks belong to DDP, and stages 2-3 reduce-scatter through FSDP2"
         )
+    check_kernels(cfg.kernels, "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.cpu_offload and cfg.zero_stage != 3:
         raise ConfigError(f"parallel.cpu_offload=true needs parallel.zero_stage=3 (got {cfg.zero_stage})")
     if cfg.engine == "torch":
@@ -92,7 +94,7 @@ def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device
         engine = build_engine(
             cfg.engine, model, bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=cfg.broadcast_buffers,
-            collective=cfg.collective,
+            collective=cfg.collective, kernels=cfg.kernels,
         )
         return Wrapped(engine, model, _no_sync_of(engine), None)
     with warnings.catch_warnings():

@@ -23,6 +23,7 @@ from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import inject, poison_loss
+from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -85,7 +86,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             if step == start + 1:
                 probe.after_backward()
             with meter.timer.phase("optimizer"):
-                grad_norm = clip_gradients(model, cfg.optim.grad_clip)
+                grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
                 stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
                 skipped += not apply_update(optimizer, nonfinite, cfg.train.nan_policy, step)
             meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
@@ -196,12 +197,13 @@ def accumulate_gradients(
     return loss_sum
 
 
-def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
-    """Clip to ``grad_clip`` global norm (0: no clipping); returns the norm before clipping.
+def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str = "auto") -> torch.Tensor:
+    """Clip to ``grad_clip`` global norm (0: no clipping) on ``kernels``' fused norm and scale; returns the norm
+    before clipping.
 
     With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards; its full value is returned.
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else math.inf, kernels)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
