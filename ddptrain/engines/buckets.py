@@ -89,14 +89,15 @@ class Bucket:
 
     def finish(self, used: Sequence[bool] | None, scale: float, kernels: TorchKernels) -> None:
         """Hand the summed values times ``scale`` (1/world: the average) to ``.grad`` in one launch; a parameter
-        that no rank used keeps its gradient untouched."""
+        that no rank used keeps its gradient, averaged only if the collective summed it in place (a bucket view)."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         for slot, (index, param) in enumerate(zip(self.indices, self.params, strict=True)):
-            if used is not None and not used[index]:
-                continue
             reduced = self.tensor if self.buffer is None else self.views[slot]
             assert reduced is not None
+            in_place = param.grad is not None and param.grad.data_ptr() == reduced.data_ptr()
+            if used is not None and not used[index] and not in_place:
+                continue
             if param.grad is None:
                 param.grad = reduced if self.buffer is None or self.as_view else torch.empty_like(reduced)
             dsts.append(param.grad)  # the reduced tensor itself when the gradient is its view: scaled in place

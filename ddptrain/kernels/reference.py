@@ -32,10 +32,8 @@ class TorchKernels:
 
     def squared_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The squared global L2 norm of all tensors, accumulated in fp32 (0 for none)."""
-        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-        if not norms:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.stack(norms).square().sum()
+        sums = [t.float().square().sum() for t in tensors]  # torch's cascade sum: accurate in fp32
+        return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float32)
 
     def cast_(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, stochastic: bool = False,
               seed: int = 0) -> None:

@@ -18,6 +18,9 @@ import triton.language as tl
 from ddptrain.kernels.reference import TorchKernels
 
 BLOCK = 2048  # elements per program: large enough to stream at full bandwidth, small enough for many programs
+# Triton's interpreter runs programs one after another in Python, at a cost per program rather than per element:
+# there a launch gets few programs, each as large as its largest tensor needs (up to this many elements).
+INTERPRETER_MAX_BLOCK = 1 << 16
 MAX_DIMS = 4  # dimensions a strided tensor may keep after coalescing; more falls back to torch
 COLS = 3 + 3 * MAX_DIMS  # per row: source, destination, numel, sizes, source strides, destination strides
 # The same layout as constants the kernels can read.
@@ -143,13 +146,21 @@ def _layout(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ..
     return [(1, *(0 for _ in strides))] * (MAX_DIMS - len(merged)) + merged
 
 
+def _block(numels: Sequence[int]) -> int:
+    """Elements per program for tensors of these sizes: ``BLOCK`` compiled, larger under the interpreter."""
+    if not triton.knobs.runtime.interpret:
+        return BLOCK
+    return min(INTERPRETER_MAX_BLOCK, triton.next_power_of_2(max(max(numels), 16)))
+
+
 @functools.lru_cache(maxsize=256)
-def _chunk_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(row, first element) of every BLOCK-sized chunk; it depends on sizes only, so it is built once per layout."""
-    counts = torch.tensor([-(-n // BLOCK) for n in numels], dtype=torch.int64)
+def _chunk_table(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
+    """(row, first element) of every ``block``-sized chunk; it depends on sizes only, so it is built once per
+    layout."""
+    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
     first_chunk = torch.cumsum(counts, 0) - counts
-    starts = (torch.arange(len(rows)) - first_chunk[rows]) * BLOCK
+    starts = (torch.arange(len(rows)) - first_chunk[rows]) * block
     return torch.stack([rows, starts], dim=1).contiguous().to(device)
 
 
@@ -209,9 +220,11 @@ class TritonKernels(TorchKernels):
     def _copy(self, pairs: list, dtype: torch.dtype, mode: int, scale: float, coef: torch.Tensor | None) -> None:
         device = pairs[0][0].device
         table, strided = _table(pairs, device)
-        chunks = _chunk_table(tuple(s.numel() for s, _ in pairs), device)
+        numels = tuple(s.numel() for s, _ in pairs)
+        block = _block(numels)
+        chunks = _chunk_table(numels, block, device)
         _copy_kernel[(len(chunks),)](table, chunks, scale, table if coef is None else coef,
-                                     DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=strided, BLOCK=BLOCK)
+                                     DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=strided, BLOCK=block)
 
     def squared_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         groups, rest = _groups([(t, t) for t in tensors])
@@ -221,12 +234,14 @@ class TritonKernels(TorchKernels):
         launches = []
         for dtype, pairs in groups.items():
             table, strided = _table(pairs, device)
-            launches.append((dtype, table, strided, _chunk_table(tuple(s.numel() for s, _ in pairs), device)))
+            numels = tuple(s.numel() for s, _ in pairs)
+            block = _block(numels)
+            launches.append((dtype, table, strided, block, _chunk_table(numels, block, device)))
         partials = torch.empty(sum(len(c) for *_, c in launches), dtype=torch.float32, device=device)
         start = 0
-        for dtype, table, strided, chunks in launches:
+        for dtype, table, strided, block, chunks in launches:
             _square_sum_kernel[(len(chunks),)](table, chunks, partials[start:], DTYPE=TL_DTYPES[dtype],
-                                               STRIDED=strided, BLOCK=BLOCK)
+                                               STRIDED=strided, BLOCK=block)
             start += len(chunks)
         total = torch.empty((), dtype=torch.float32, device=device)
         _sum_kernel[(1,)](partials, len(partials), total, BLOCK=1024)
@@ -236,10 +251,11 @@ class TritonKernels(TorchKernels):
               seed: int = 0) -> None:
         n = src.numel()
         fused = src.is_contiguous() and dst.is_contiguous() and n > 0
-        grid = (triton.cdiv(n, BLOCK),)
+        block = _block([n])
+        grid = (triton.cdiv(n, block),)
         if fused and src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
-            _to_bf16_kernel[grid](src, dst, n, scale, seed, STOCHASTIC=stochastic, BLOCK=BLOCK)
+            _to_bf16_kernel[grid](src, dst, n, scale, seed, STOCHASTIC=stochastic, BLOCK=block)
         elif fused and src.dtype == torch.bfloat16 and dst.dtype == torch.float32 and not stochastic:
-            _from_bf16_kernel[grid](src, dst, n, scale, BLOCK=BLOCK)
+            _from_bf16_kernel[grid](src, dst, n, scale, BLOCK=block)
         else:
             super().cast_(dst, src, scale, stochastic, seed)
