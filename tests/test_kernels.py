@@ -127,7 +127,7 @@ def test_squared_norm_is_deterministic_and_within_1e6_of_torch(sources: list[tor
 def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm: float) -> None:
     def params() -> list[torch.nn.Parameter]:
         made = [torch.nn.Parameter(torch.zeros(t.shape)) for t in sources[:4]] + [torch.nn.Parameter(torch.zeros(3))]
-        for p, t in zip(made[:4], sources, strict=True):
+        for p, t in zip(made[:4], sources[:4], strict=True):
             p.grad = t.clone()  # the last parameter has no gradient
         return made
 
@@ -158,8 +158,8 @@ def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float) -> None:
     TORCH_KERNELS.cast_(want, x, scale)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     back, back_want = torch.empty_like(x), torch.empty_like(x)
-    TRITON.cast_(back, got, 2.0)
-    TORCH_KERNELS.cast_(back_want, got, 2.0)
+    TRITON.cast_(back, got, 0.5)
+    TORCH_KERNELS.cast_(back_want, got, 0.5)
     assert torch.equal(back, back_want)
     nan = torch.tensor([math.nan])
     out = torch.empty(1, dtype=torch.bfloat16)
@@ -168,7 +168,7 @@ def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float) -> None:
 
 
 def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased() -> None:
-    x = torch.full((200_000,), 1.0 + 2**-9 + 2**-11)  # between bf16 neighbours 1+2^-8·k: 5/8 of the way up
+    x = torch.full((200_000,), 1.0 + 2**-9 + 2**-11)  # between the bf16 neighbours 1 and 1 + 2^-7, 5/16 up
     x[:7] = torch.tensor([0.0, -1.5, math.inf, -math.inf, 3.0, 2**-130, 7.25])
     out, again, other = (torch.empty_like(x, dtype=torch.bfloat16) for _ in range(3))
     TRITON.cast_(out, x, stochastic=True, seed=11)
@@ -176,9 +176,8 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased() -> None:
     TRITON.cast_(other, x, stochastic=True, seed=12)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
     assert not torch.equal(out.view(torch.int16), other.view(torch.int16))
-    down, up = 1.0 + 2**-8 * 0, 1.0 + 2**-8
     body = out[7:].float()
-    assert set(body.unique().tolist()) == {down, up}
+    assert set(body.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert abs(body.mean().item() - x[7].item()) < 1e-4  # unbiased: the mean lands on x (std of mean ~1e-5)
     assert torch.equal(out[:7].float()[[0, 1, 2, 3, 4]], x[:5])  # representable values stay exact
     reference = torch.empty_like(out)

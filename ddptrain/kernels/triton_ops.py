@@ -73,7 +73,7 @@ def _copy_kernel(table, chunks, scale, scale_ptr, DTYPE: tl.constexpr, SCALE: tl
     else:
         src_off = idx
         dst_off = idx
-    x = tl.load(src + src_off, mask=mask)
+    x = tl.load(src + src_off, mask=mask, other=0.0)
     if SCALE == 1:
         x = (x.to(tl.float32) * scale).to(DTYPE)
     elif SCALE == 2:
@@ -110,7 +110,7 @@ def _to_bf16_kernel(src, dst, n, scale, seed, STOCHASTIC: tl.constexpr, BLOCK: t
     """
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = idx < n
-    x = tl.load(src + idx, mask=mask) * scale
+    x = tl.load(src + idx, mask=mask, other=0.0) * scale
     bits = x.to(tl.uint32, bitcast=True)
     if STOCHASTIC:  # noqa: SIM108 - a compile-time branch: each variant compiles only its own side
         bias = tl.randint(seed, idx.to(tl.uint32)) & 0xFFFF
@@ -125,7 +125,7 @@ def _from_bf16_kernel(src, dst, n, scale, BLOCK: tl.constexpr):
     """dst = fp32(src) * scale; widening bf16 is exact (its bits are the high half of the fp32's)."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = idx < n
-    bits = tl.load(src + idx, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    bits = tl.load(src + idx, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
     tl.store(dst + idx, bits.to(tl.float32, bitcast=True) * scale, mask=mask)
 
 
