@@ -37,10 +37,10 @@ class TorchKernels:
 
     def cast_(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, stochastic: bool = False,
               seed: int = 0) -> None:
-        """``dst = src * scale`` in ``dst``'s dtype: the scale is applied at ``src``'s precision, then one rounding
-        (to nearest even; with ``stochastic``, fp32 to bf16 rounds up with probability equal to the dropped
-        fraction, drawn from ``seed``)."""
-        scaled = src if scale == 1.0 else src * scale
+        """``dst = src * scale`` in ``dst``'s dtype: the scale is applied in the wider of the two dtypes, then one
+        rounding (to nearest even; with ``stochastic``, fp32 to bf16 rounds up with probability equal to the
+        dropped fraction, drawn from ``seed``)."""
+        scaled = src if scale == 1.0 else src.to(torch.promote_types(src.dtype, dst.dtype)) * scale
         if stochastic and src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
             dst.copy_(stochastic_bf16(scaled, seed))
         else:
