@@ -10,21 +10,21 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import math  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from ddptrain.cli import run_cli as ddptrain_main  # noqa: E402
-from ddptrain.config import Kernels, build_config  # noqa: E402
-from ddptrain.errors import ConfigError  # noqa: E402
-from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels  # noqa: E402
-from ddptrain.kernels import triton_ops as ops  # noqa: E402
-from ddptrain.kernels.clip import clip_grad_norm  # noqa: E402
+from ddptrain.cli import run_cli as ddptrain_main
+from ddptrain.config import Kernels, build_config
+from ddptrain.errors import ConfigError
+from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
+from ddptrain.kernels import triton_ops as ops
+from ddptrain.kernels.clip import clip_grad_norm
 
 TRITON = select_kernels("triton", torch.device("cpu"))
 SIZES = [1, 7, 1023, 1025, 10**6 + 3]
@@ -195,7 +195,7 @@ def test_auto_runs_triton_on_cuda_only_and_triton_where_it_cannot_run_is_refused
     assert select_kernels("auto", torch.device("cuda")) is TORCH_KERNELS  # the interpreter is on: not for CUDA
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert select_kernels("auto", torch.device("cuda")).name == "triton"
-    with pytest.raises(ConfigError, match="parallel.kernels=triton cannot run here: Triton compiles for CUDA"):
+    with pytest.raises(ConfigError, match=r"parallel.kernels=triton cannot run here: Triton compiles for CUDA"):
         check_kernels("triton", "cpu")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="Triton is not installed"):
