@@ -9,7 +9,9 @@ so a bucket of hundreds of gradients is one launch, not hundreds. Importing this
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -146,6 +148,21 @@ def _layout(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ..
     return [(1, *(0 for _ in strides))] * (MAX_DIMS - len(merged)) + merged
 
 
+_INTERPRETER_LOCK = threading.Lock()
+
+
+@contextmanager
+def _launching() -> Iterator[None]:
+    """Around every launch. Triton's interpreter swaps parts of ``triton.language`` while it runs a kernel, so
+    two threads (a collective's completion callback and the main thread) must not interpret at once; compiled
+    launches need no lock."""
+    if not triton.knobs.runtime.interpret:
+        yield
+        return
+    with _INTERPRETER_LOCK:
+        yield
+
+
 def _block(numels: Sequence[int]) -> int:
     """Elements per program for tensors of these sizes: ``BLOCK`` compiled, larger under the interpreter."""
     if not triton.knobs.runtime.interpret:
@@ -223,8 +240,9 @@ class TritonKernels(TorchKernels):
         numels = tuple(s.numel() for s, _ in pairs)
         block = _block(numels)
         chunks = _chunk_table(numels, block, device)
-        _copy_kernel[(len(chunks),)](table, chunks, scale, table if coef is None else coef,
-                                     DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=strided, BLOCK=block)
+        with _launching():
+            _copy_kernel[(len(chunks),)](table, chunks, scale, table if coef is None else coef,
+                                         DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=strided, BLOCK=block)
 
     def squared_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         groups, rest = _groups([(t, t) for t in tensors])
@@ -239,12 +257,13 @@ class TritonKernels(TorchKernels):
             launches.append((dtype, table, strided, block, _chunk_table(numels, block, device)))
         partials = torch.empty(sum(len(c) for *_, c in launches), dtype=torch.float32, device=device)
         start = 0
-        for dtype, table, strided, block, chunks in launches:
-            _square_sum_kernel[(len(chunks),)](table, chunks, partials[start:], DTYPE=TL_DTYPES[dtype],
-                                               STRIDED=strided, BLOCK=block)
-            start += len(chunks)
         total = torch.empty((), dtype=torch.float32, device=device)
-        _sum_kernel[(1,)](partials, len(partials), total, BLOCK=1024)
+        with _launching():
+            for dtype, table, strided, block, chunks in launches:
+                _square_sum_kernel[(len(chunks),)](table, chunks, partials[start:], DTYPE=TL_DTYPES[dtype],
+                                                   STRIDED=strided, BLOCK=block)
+                start += len(chunks)
+            _sum_kernel[(1,)](partials, len(partials), total, BLOCK=1024)
         return total + super().squared_norm([t for t, _ in rest]) if rest else total
 
     def cast_(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, stochastic: bool = False,
@@ -254,8 +273,10 @@ class TritonKernels(TorchKernels):
         block = _block([n])
         grid = (triton.cdiv(n, block),)
         if fused and src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
-            _to_bf16_kernel[grid](src, dst, n, scale, seed, STOCHASTIC=stochastic, BLOCK=block)
+            with _launching():
+                _to_bf16_kernel[grid](src, dst, n, scale, seed, STOCHASTIC=stochastic, BLOCK=block)
         elif fused and src.dtype == torch.bfloat16 and dst.dtype == torch.float32 and not stochastic:
-            _from_bf16_kernel[grid](src, dst, n, scale, BLOCK=block)
+            with _launching():
+                _from_bf16_kernel[grid](src, dst, n, scale, BLOCK=block)
         else:
             super().cast_(dst, src, scale, stochastic, seed)
