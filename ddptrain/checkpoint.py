@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ddptrain.config import CheckpointConfig
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, flat
 from ddptrain.faults import inject
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class Checkpointer:
         try:
             self._load_weights(path, model, optimizer)
         except (OSError, RuntimeError, EOFError, KeyError, ValueError) as exc:
-            raise ConfigError(f"train.resume: {path} is corrupt ({' '.join(str(exc).split())[:160]})") from exc
+            raise ConfigError(f"train.resume: {path} is corrupt ({flat(str(exc), 160)})") from exc
         rng = path / "rng" / f"rank{self.rank}.pt"
         if rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))

@@ -1,7 +1,9 @@
-"""Typed schema of every ddptrain config key: the single source of truth for names, types and defaults.
+"""Typed schema of every ddptrain config key: the single source of truth for names, types, defaults and choices.
 
-Hydra composes the YAML groups in ``configs/`` on top of these dataclasses, so an unknown key or a value
-of the wrong type fails at start-up with a message that names the key.
+Hydra composes the YAML groups in ``configs/`` on top of these dataclasses, so an unknown key, a value of the
+wrong type or a choice that does not exist fails at composition with a message that names the key (and the
+allowed values). Checks that need only the config run in ``__post_init__``, once each; checks that need the
+world size, devices or data live where those are known (``ddptrain/checks.py`` and the packages).
 """
 
 from __future__ import annotations
@@ -12,6 +14,99 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ddptrain.errors import ConfigError, one_line
+
+
+class Arch(StrEnum):
+    llama = "llama"
+    gpt2 = "gpt2"
+
+
+class DataSource(StrEnum):
+    stdlib_code = "stdlib_code"
+    synthetic = "synthetic"
+    files = "files"
+    hub = "hub"
+
+
+class Engine(StrEnum):
+    """torch DDP, or one of our from-scratch engines (``ddptrain/engines/``)."""
+
+    torch = "torch"
+    naive = "naive"
+    overlap_sync = "overlap_sync"
+    overlap_async = "overlap_async"
+    bucketed = "bucketed"
+    stream_bucketed = "stream_bucketed"
+
+
+class Collective(StrEnum):
+    native = "native"
+    ring = "ring"
+
+
+class Compression(StrEnum):
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    powersgd = "powersgd"
+    topk = "topk"
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class WandbMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class Precision(StrEnum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class NanPolicy(StrEnum):
+    skip = "skip"  # skip the update on every rank alike
+    abort = "abort"  # stop the run (no checkpoint is written for the bad step)
+
+
+class Backend(StrEnum):
+    auto = "auto"  # nccl on CUDA, else gloo
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class DebugLevel(StrEnum):
+    off = "off"
+    info = "info"
+    detail = "detail"
+
+
+class Interconnect(StrEnum):
+    nvlink = "nvlink"
+    infiniband_ndr = "infiniband_ndr"
+    pcie_gen5 = "pcie_gen5"
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(section: str, obj: object, *keys: str) -> None:
+    for key in keys:
+        _require(getattr(obj, key) >= 1, f"{section}.{key}={getattr(obj, key)}: expected a positive integer")
 
 
 @dataclass
@@ -19,7 +114,7 @@ class ModelConfig:
     """A Hugging Face causal LM built from these numbers (or loaded from ``pretrained``)."""
 
     name: str = "llama_tiny"
-    arch: str = "llama"  # llama | gpt2
+    arch: Arch = Arch.llama
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -32,12 +127,24 @@ class ModelConfig:
     rope_theta: float = 10000.0
     pretrained: str | None = None  # a local path or hub name; loads weights instead of building
 
+    def __post_init__(self) -> None:
+        if self.pretrained is not None:
+            return  # the loaded model's own config decides
+        _positive("model", self, "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
+        _require(self.hidden_size % self.num_heads == 0,
+                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}")
+        kv = self.num_kv_heads or self.num_heads
+        _require(self.num_heads % kv == 0,
+                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={kv}")
+        _require(self.arch != Arch.gpt2 or kv == self.num_heads,
+                 f"model.num_kv_heads={kv}: gpt2 has no grouped-query attention; use {self.num_heads}")
+
 
 @dataclass
 class DataConfig:
     """Where tokens come from and how they are batched: gbs = mbs x grad_accum x dp."""
 
-    source: str = "stdlib_code"  # stdlib_code | synthetic | files | hub
+    source: DataSource = DataSource.stdlib_code
     paths: list[str] = field(default_factory=list)  # source=files: local .txt / .jsonl / .json / .parquet
     text_field: str = "text"
     name: str | None = None  # source=hub: a data set name
@@ -56,6 +163,19 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
 
+    def __post_init__(self) -> None:
+        for key in ("global_batch_size", "micro_batch_size"):
+            value = getattr(self, key)
+            _require(value >= 1, f"data.{key}={value}: expected a positive number of sequences")
+        _require(self.seq_len >= 2, f"data.seq_len={self.seq_len}: expected at least 2 tokens")
+        _require(self.grad_accum is None or self.grad_accum >= 1,
+                 f"data.grad_accum={self.grad_accum}: expected a positive number of micro-steps (or null)")
+        _require(0.0 < self.val_fraction < 0.5, f"data.val_fraction={self.val_fraction}: expected a share in (0, 0.5)")
+        _require(self.source != DataSource.files or bool(self.paths),
+                 "data.paths: expected at least one local file for data.source=files")
+        _require(self.source != DataSource.hub or bool(self.name),
+                 "data.name: expected a hub data set name for data.source=hub")
+
 
 class Kernels(StrEnum):
     """Who runs the element-wise passes around gradient collectives (pack, average, norm, clip, bf16 casts)."""
@@ -69,14 +189,14 @@ class Kernels(StrEnum):
 class ParallelConfig:
     """How gradients travel and where model state lives."""
 
-    engine: str = "torch"  # torch | naive | overlap_sync | overlap_async | bucketed | stream_bucketed
-    collective: str = "native"  # native | ring (from-scratch engines only)
+    engine: Engine = Engine.torch
+    collective: Collective = Collective.native  # ring: our ring all-reduce (from-scratch engines only)
     bucket_cap_mb: float = 25.0
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
-    compression: str = "none"  # none | fp16 | bf16 | powersgd | topk (DDP communication hooks)
+    compression: Compression = Compression.none  # DDP communication hooks
     powersgd_rank: int = 4
     powersgd_start_iter: int = 10  # must be > 1 with error feedback (DDP rebuilds buckets after step 1)
     topk_ratio: float = 0.01  # share of each bucket's entries sent
@@ -84,6 +204,30 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
     kernels: Kernels = Kernels.auto  # fused Triton kernels for our engines, the clip step and the bf16 hook
+    wrap_single: bool = False  # world size 1: wrap anyway (to measure the wrapper's overhead); default: bare model
+
+    def __post_init__(self) -> None:
+        _require(self.bucket_cap_mb > 0, f"parallel.bucket_cap_mb={self.bucket_cap_mb}: expected a positive size in MB")
+        _require(self.zero_stage in ZERO_STAGES, f"parallel.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+        if self.compression == Compression.powersgd:
+            _require(self.powersgd_rank >= 1, f"parallel.powersgd_rank={self.powersgd_rank}: must be >= 1")
+            _require(self.powersgd_start_iter > 1,
+                     f"parallel.powersgd_start_iter={self.powersgd_start_iter}: must be > 1 (DDP rebuilds its buckets "
+                     "after the first step, and PowerSGD's warm start and error feedback keep per-bucket state)")
+        _require(self.compression != Compression.topk or 0 < self.topk_ratio <= 1,
+                 f"parallel.topk_ratio={self.topk_ratio}: must be in (0, 1]")
+        _require(self.compression == Compression.none or self.zero_stage < 2,
+                 f"parallel.compression={self.compression} cannot be combined with parallel.zero_stage="
+                 f"{self.zero_stage}: compression hooks belong to DDP, and stages 2-3 reduce-scatter through FSDP2")
+        _require(not self.cpu_offload or self.zero_stage == 3,
+                 f"parallel.cpu_offload=true needs parallel.zero_stage=3 (got {self.zero_stage})")
+        if self.engine == Engine.torch:
+            _require(self.collective == Collective.native, f"parallel.collective={self.collective} needs a "
+                     "from-scratch parallel.engine (torch DDP uses native)")
+            return
+        for key, value, default in (("zero_stage", self.zero_stage, 0), ("compression", self.compression, "none")):
+            _require(value == default, f"parallel.engine={self.engine} cannot be combined with parallel.{key}={value}: "
+                     "ZeRO and compression hooks run on torch DDP (parallel.engine=torch)")
 
 
 @dataclass
@@ -95,10 +239,19 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
-    schedule: str = "cosine"  # cosine | wsd | constant
+    schedule: Schedule = Schedule.cosine
     warmup_steps: int = 10
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr={self.lr}: expected a positive learning rate")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"optim.betas={list(self.betas)}: expected two numbers in [0, 1)")
+        _require(self.warmup_steps >= 0 and self.grad_clip >= 0 and self.weight_decay >= 0,
+                 "optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1 and 0 <= self.decay_fraction <= 1,
+                 "optim.min_lr_ratio and optim.decay_fraction must be in [0, 1]")
 
 
 @dataclass
@@ -108,7 +261,8 @@ class WandbConfig:
     entity: str | None = None
     name: str | None = None
     tags: list[str] = field(default_factory=list)
-    mode: str | None = None  # online | offline | disabled; None: honour WANDB_MODE
+    mode: WandbMode | None = None  # None: honour WANDB_MODE
+    group: str | None = None  # W&B run group (a multirun sets it to the sweep's name)
     init_timeout_s: float = 60.0
 
 
@@ -126,9 +280,13 @@ class TrainConfig:
     eval_every: int = 50  # 0 disables periodic evaluation
     eval_batches: int = 8  # micro batches per rank per evaluation
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    precision: Precision = Precision.auto
     resume: str | None = None  # auto (latest checkpoint in this run dir, if any) | a checkpoint or run dir | null
-    nan_policy: str = "abort"  # non-finite loss or gradients: skip the update (every rank alike) | abort the run
+    nan_policy: NanPolicy = NanPolicy.abort  # on a non-finite loss or gradient
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "log_every", "eval_batches")
+        _require(self.eval_every >= 0, f"train.eval_every={self.eval_every}: expected >= 0 (0 disables evaluation)")
 
 
 @dataclass
@@ -138,12 +296,21 @@ class LaunchConfig:
     dry_run: bool = False  # print the plan (batch, memory, communication) and exit without training
     stop_grace_s: float = 25.0  # after SIGTERM, a rank that cannot reach a step boundary exits after this long
 
+    def __post_init__(self) -> None:
+        _require(self.nproc_per_node >= 1 and self.max_restarts >= 0,
+                 "launch.nproc_per_node must be >= 1 and launch.max_restarts >= 0")
+        _require(self.stop_grace_s > 0,
+                 f"launch.stop_grace_s={self.stop_grace_s}: expected a positive number of seconds")
+
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
+    backend: Backend = Backend.auto
     timeout_s: float = 300.0  # collective timeout
-    debug: str = "off"  # off | info | detail (TORCH_DISTRIBUTED_DEBUG)
+    debug: DebugLevel = DebugLevel.off  # TORCH_DISTRIBUTED_DEBUG: info or detail checks collectives
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s}: expected a positive number of seconds")
 
 
 @dataclass
@@ -153,6 +320,10 @@ class CheckpointConfig:
     dir: str = "checkpoints"  # relative to the run directory
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
 
+    def __post_init__(self) -> None:
+        _require(self.every_n_steps >= 0 and self.keep_last >= 1,
+                 "checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1")
+
 
 @dataclass
 class PlanConfig:
@@ -160,7 +331,7 @@ class PlanConfig:
 
     world_size: int | None = None  # None: the launch's world size
     params: float | None = None  # plan by parameter count alone (e.g. 70e9) instead of the model config
-    interconnect: str = "nvlink"  # nvlink | infiniband_ndr | pcie_gen5
+    interconnect: Interconnect = Interconnect.nvlink
     bandwidth_gbps: float | None = None  # a measured bus bandwidth in GB/s; overrides the preset
     latency_us: float | None = None  # None: the preset's
 
@@ -171,6 +342,9 @@ class MetricsConfig:
     baseline: str | None = None  # single-rank tokens/s, or a run directory whose summary.json holds it
     sample_every: int = 1  # time the step breakdown every k steps
 
+    def __post_init__(self) -> None:
+        _positive("metrics", self, "sample_every")
+
 
 @dataclass
 class ProfileConfig:
@@ -180,6 +354,10 @@ class ProfileConfig:
     wait: int = 5  # steps skipped before the profiler starts (warm-up, bucket rebuild)
     warmup: int = 1
     active: int = 2  # steps recorded
+
+    def __post_init__(self) -> None:
+        _require(not self.enabled or (self.wait >= 0 and self.warmup >= 0 and self.active >= 1),
+                 "profile.wait and profile.warmup must be >= 0 and profile.active >= 1")
 
 
 @dataclass
@@ -197,6 +375,16 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
+    def __post_init__(self) -> None:
+        """Rules across sections (each section checked itself first)."""
+        _require(self.data.seq_len <= self.model.max_position_embeddings or self.model.pretrained is not None,
+                 f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
+                 f"{self.model.max_position_embeddings}")
+        window = self.profile.wait + self.profile.warmup + self.profile.active
+        _require(not self.profile.enabled or window <= self.train.steps,
+                 f"profile: wait {self.profile.wait} + warmup {self.profile.warmup} + active {self.profile.active} "
+                 f"steps exceed train.steps={self.train.steps}")
+
 
 def job_config(cfg: DictConfig) -> DictConfig:
     """A composed config without Hydra's own ``hydra`` node: what the run itself is configured with."""
@@ -206,8 +394,12 @@ def job_config(cfg: DictConfig) -> DictConfig:
 
 
 def build_config(*layers: DictConfig | dict[str, Any]) -> Config:
-    """The schema's defaults with each layer merged on top, checked against the schema and typed."""
-    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
+    """The schema's defaults with each layer merged on top, checked against the schema and typed (one-line
+    ConfigError otherwise)."""
+    try:
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
+    except OmegaConfBaseException as exc:  # unknown key, wrong type, unknown choice
+        raise ConfigError(one_line(exc)) from exc
     assert isinstance(typed, Config)
     return typed
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from hydra.errors import MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
+
+_INVALID_CHOICE = re.compile(r"Invalid value (?P<value>'.*'), expected one of \[(?P<allowed>.*)\]")
 
 
 class ConfigError(Exception):
@@ -29,5 +33,12 @@ def one_line(exc: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException):
         message = str(cause).splitlines()[0]
         key = getattr(cause, "full_key", None)
+        if key and (choice := _INVALID_CHOICE.match(message)):  # a schema Enum: name the key and the choices
+            return f"{key}={choice['value']}: expected one of {choice['allowed']}"
         return f"{key}: {message}" if key else message
-    return " ".join(str(exc).split())
+    return flat(str(exc))
+
+
+def flat(text: str, limit: int = 300) -> str:
+    """Any message as one line (whitespace and newlines collapsed), at most ``limit`` characters."""
+    return " ".join(text.split())[:limit]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.checks import validate_config
 from ddptrain.config import Config, build_config, job_config
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, one_line
 from ddptrain.runtime import DistEnv, distributed, shared_run_dir
 from ddptrain.telemetry import setup_logging
 
@@ -23,25 +24,37 @@ def is_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def typed_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
-    """The job config as the schema's dataclasses, and as a plain resolved dict (for W&B and the run dir)."""
+@dataclass(frozen=True)
+class Run:
+    """One composed run: the config with Hydra's node, the same as the schema's dataclasses, and as a plain
+    resolved dict (for W&B and the run dir). Resolved once, here."""
+
+    cfg: DictConfig
+    typed: Config
+    resolved: dict[str, Any]
+
+
+def typed_config(cfg: DictConfig) -> Run:
+    """Resolve and type the job config once; a bad interpolation or a failed schema check is bad input."""
     job = job_config(cfg)
     try:
-        resolved = OmegaConf.to_container(job, resolve=True)
-        typed = build_config(job)
-    except Exception as exc:  # a bad interpolation is bad input
-        raise ConfigError(" ".join(str(exc).split())[:300]) from exc
+        resolved = OmegaConf.to_container(job, resolve=True, throw_on_missing=True, enum_to_str=True)
+        typed = build_config(resolved)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(one_line(exc)) from exc
     assert isinstance(resolved, dict)
-    return typed, resolved
+    return Run(cfg, typed, resolved)
 
 
-def dry_run(cfg: DictConfig) -> int:
+def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
     import torch
 
     from ddptrain.plan import build_plan, render_plan
 
-    typed, _ = typed_config(cfg)
+    typed = run.typed
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     if DistEnv.from_environ().is_main:
@@ -49,28 +62,30 @@ def dry_run(cfg: DictConfig) -> int:
     return 0
 
 
-def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
+def launch_workers(run: Run, argv: list[str]) -> int:
     """``launch.nproc_per_node`` workers on this machine through torch.distributed.run (torchrun's own code).
 
     The run directory is fixed here, once, so every worker and every restart writes to the same place.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as elastic_run
 
-    typed, _ = typed_config(cfg)
+    typed = run.typed
     validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
-    os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(cfg.hydra.run.dir)
+    os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
     threads = max(1, (os.cpu_count() or 1) // typed.launch.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
     if typed.launch.max_restarts > 0:
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # gloo restarts need it (FACTS.md)
+        # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={typed.launch.nproc_per_node}",
-         f"--max-restarts={typed.launch.max_restarts}", "-m", "ddptrain", *overrides]
+         f"--max-restarts={typed.launch.max_restarts}", "-m", "ddptrain", *argv]
     )
     try:
-        run(args)
+        elastic_run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
@@ -82,16 +97,16 @@ def launch_workers(cfg: DictConfig, overrides: list[str]) -> int:
     return 0
 
 
-def run_worker(cfg: DictConfig) -> int:
+def run_worker(run: Run) -> int:
     """Train as one rank of the job (a job of one when nothing launched us)."""
     env = DistEnv.from_environ()
     setup_logging(env.rank)
-    typed, resolved = typed_config(cfg)
+    typed, resolved = run.typed, run.resolved
     validate_config(typed, env.world_size)
     from ddptrain.train import train
 
     with distributed(typed.dist) as (env, device):
-        run_dir = shared_run_dir(cfg.hydra.run.dir)
+        run_dir = shared_run_dir(run.cfg.hydra.run.dir)
         setup_logging(env.rank, run_dir)
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))

@@ -16,7 +16,6 @@ from rich.table import Table
 
 from ddptrain.config import Config
 from ddptrain.data.batch import BatchPlan
-from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
 from ddptrain.models.flops import count_params, flops_per_token
 from ddptrain.telemetry.peak import peak_tflops
@@ -160,13 +159,7 @@ def build_plan(
     so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
     unless ``cfg.metrics.peak_tflops`` is given.
     """
-    batch = BatchPlan.derive(
-        cfg.data.global_batch_size,
-        cfg.data.micro_batch_size,
-        cfg.data.grad_accum,
-        cfg.plan.world_size or world_size,
-        cfg.data.seq_len,
-    )
+    batch = BatchPlan.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
     if cfg.plan.params:
         params, source = float(cfg.plan.params), "plan.params"
@@ -177,8 +170,6 @@ def build_plan(
         flops, rule = flops_per_token(cfg.model, vocab, batch.seq_len), "6·matmul params + 12·L·H·Q·T"
     on_gpu = device_name is not None
     precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
-    if cfg.plan.interconnect not in INTERCONNECTS:
-        raise ConfigError(f"plan.interconnect={cfg.plan.interconnect!r}: expected one of {', '.join(INTERCONNECTS)}")
     preset = INTERCONNECTS[cfg.plan.interconnect]
     alpha = preset.latency_us if cfg.plan.latency_us is None else cfg.plan.latency_us
     if cfg.plan.bandwidth_gbps:

@@ -5,8 +5,12 @@ Runs every variant through the real training loop inside one torchrun job, inter
 
     torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --repeats 3 --steps 12
     torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --suite telemetry --repeats 7
+    torchrun --standalone --nproc-per-node=1 scripts/bench_parallel.py --suite single --repeats 7
 
 ``--suite telemetry`` measures what the step-breakdown timing costs: every step timed against none.
+``--suite single`` (one rank) measures what a wrapper costs where there is nothing to synchronise: the bare
+model against DDP, our bucketed engine and FSDP2, each forced on with ``parallel.wrap_single``.
+Every suite's first variant is the reference of its ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config 
     "telemetry": {
         "DDP (stage 0)": {"metrics": {"sample_every": 10**9}},  # the breakdown timer never runs
         "timed every step": {"metrics": {"sample_every": 1}},
+    },
+    "single": {
+        "bare model": {},
+        "torch DDP": {"parallel": {"wrap_single": True}},
+        "bucketed engine": {"parallel": {"wrap_single": True, "engine": "bucketed"}},
+        "FSDP2 (ZeRO-3)": {"parallel": {"wrap_single": True, "zero_stage": 3}},
     },
 }
 
@@ -87,13 +97,14 @@ def main() -> None:
 
 def report(times: dict[str, list[float]], state: dict[str, dict], comm: dict[str, float],
            args: argparse.Namespace) -> str:
-    base_t = statistics.median(times["DDP (stage 0)"])
-    base_m = _max_total(state["DDP (stage 0)"])
+    first = next(iter(times))  # the reference variant of the suite
+    base_t = statistics.median(times[first])
+    base_m = _max_total(state[first])
     lines = [
         f"world size {dist.get_world_size()}, {args.repeats} interleaved repeats x {args.steps} steps, medians",
         "",
-        "| variant | step time (ms) | vs DDP | model state / rank (MiB, max over ranks) | vs DDP | formula (MiB) "
-        "| gradient bytes sent / step / rank | vs DDP |",
+        f"| variant | step time (ms) | vs {first} | model state / rank (MiB, max over ranks) | vs {first} "
+        f"| formula (MiB) | gradient bytes sent / step / rank | vs {first} |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in times:
@@ -101,8 +112,13 @@ def report(times: dict[str, list[float]], state: dict[str, dict], comm: dict[str
         m = _max_total(state[name])
         formula = sum(state[name]["formula_bytes"].values()) / 2**20
         sent = comm[name]
-        base_sent = comm["DDP (stage 0)"]
-        sent_cells = "not measured | -" if sent != sent else f"{sent / 2**20:.3f} MiB | {sent / base_sent:.3f}x"
+        base_sent = comm[first]
+        if sent != sent:  # NaN: no gradient sync measured (FSDP2, or a bare model with nothing to send)
+            sent_cells = "not measured | -"
+        elif base_sent != base_sent:
+            sent_cells = f"{sent / 2**20:.3f} MiB | -"
+        else:
+            sent_cells = f"{sent / 2**20:.3f} MiB | {sent / base_sent:.3f}x"
         lines.append(f"| {name} | {t * 1e3:.0f} | {t / base_t:.2f}x | {m / 2**20:.2f} | {m / base_m:.2f}x "
                      f"| {formula:.2f} | {sent_cells} |")
     return "\n".join(lines)

@@ -1,5 +1,8 @@
 """Scaling sweep: the same ddptrain run at several world sizes, as a table (markdown + CSV), a plot and a W&B table.
 
+A preset over ``ddptrain -m``'s job runner (``ddptrain/sweep.py``): each size is one job of it, with the
+world size and, for weak scaling, the global batch set per job; this script adds speed-up and efficiency.
+
     python scripts/scaling.py --sizes 1 2 --out docs/ -- +experiment=quickstart train.steps=60 train.eval_every=0
 
 Each size N is one ``python -m ddptrain launch.nproc_per_node=N ...`` (the product's own launcher) in a run
@@ -18,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +32,14 @@ import torch
 from matplotlib.figure import Figure
 
 from ddptrain.cli import compose_config
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, flat
+from ddptrain.sweep import job_env, run_job
 
 # summary.json keys shown when the runs report them, with their markdown headers
 OPTIONAL_KEYS = {
     "step_time_s": "step (s)", "time_exposed_comm_s": "exposed comm (s)", "comm_time_s": "comm in flight (s)",
-    "overlap_pct": "overlap %", "busbw_gbps": "busbw (GB/s)", "tflops_per_rank": "TFLOP/s per rank", "mfu": "MFU",
+    "overlap_pct": "overlap %", "busbw_gbps": "busbw (GB/s)", "tflops_per_rank": "TFLOP/s per rank",
+    "mfu_pct": "MFU %",
 }
 
 
@@ -54,7 +57,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the sweep this many times, sizes interleaved; the table holds the fastest runs")
     parser.add_argument("--wandb", action="store_true", help="log the table and plot to W&B (also with logger=wandb)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed to one run")
     parser.add_argument("overrides", nargs="*", help="ddptrain overrides (after --)")
     args = parser.parse_args(argv)
     args.sizes = sorted(set(args.sizes or default_sizes()))
@@ -80,33 +82,23 @@ def global_batch(mode: str, base: int, size: int, smallest: int) -> int:
 
 def child_env(sizes: list[int]) -> dict[str, str]:
     """The runs' environment; on CPU, one fixed share of the cores per rank at every size."""
-    env = {**os.environ}
-    env.pop("DDPTRAIN_RUN_DIR", None)  # each run gets its own directory through hydra.run.dir
+    env = job_env()
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(sizes))))
     return env
 
 
-def run_one(size: int, batch: int, run_dir: Path, overrides: list[str], env: dict[str, str],
-            timeout: float) -> dict[str, Any]:
-    """Train at world size ``size`` through the product's launcher; its summary.json, or RuntimeError with the
-    tail of its stderr."""
-    command = [sys.executable, "-m", "ddptrain", *overrides, f"launch.nproc_per_node={size}",
-               f"data.global_batch_size={batch}", f"hydra.run.dir={run_dir}"]
-    print(f"N={size}: {shlex.join(['python', *command[1:]])}", file=sys.stderr, flush=True)
-    try:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
-                                stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"timed out after {timeout:.0f} s") from exc
-    summary_path = run_dir / "summary.json"
-    if result.returncode != 0 or not summary_path.is_file():
-        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"exit code {result.returncode}\n{tail}")
-    summary = json.loads(summary_path.read_text())
-    if not summary.get("tokens_per_s"):
+def run_one(size: int, batch: int, run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Train at world size ``size`` as one job of the product's sweep runner; its summary.json, or RuntimeError
+    with the job's error line."""
+    job = [*overrides, f"launch.nproc_per_node={size}", f"data.global_batch_size={batch}"]
+    print(f"N={size}: {shlex.join(['ddptrain', *job])}", file=sys.stderr, flush=True)
+    result = run_job(size, [], job, run_dir, env)
+    if not result.ok:
+        raise RuntimeError(result.error)
+    if not result.summary.get("tokens_per_s"):
         raise RuntimeError("summary.json holds no tokens_per_s (too few logged steps?)")
-    return summary
+    return result.summary
 
 
 def tabulate(summaries: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -243,7 +235,7 @@ def log_wandb(rows: list[dict[str, Any]], png: Path, runs_dir: Path, wandb_cfg: 
                  "scaling_plot": wandb.Image(str(png))})
         run.finish()
     except Exception as exc:  # noqa: BLE001 - the sweep's files are written; W&B is a copy
-        print(f"warning: W&B logging failed: {' '.join(str(exc).split())[:200]}", file=sys.stderr)
+        print(f"warning: W&B logging failed: {flat(str(exc), 200)}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
@@ -262,7 +254,7 @@ def main(argv: list[str]) -> int:
         for n in args.sizes:
             run_dir = (runs_dir / str(n) if args.repeats == 1 else runs_dir / f"{n}-{repeat + 1}").absolute()
             try:
-                summary = run_one(n, batches[n], run_dir, args.overrides, env, args.timeout)
+                summary = run_one(n, batches[n], run_dir, args.overrides, env)
             except RuntimeError as exc:
                 failures.append((n, repeat))
                 print(f"scaling: N={n} failed: {exc}", file=sys.stderr, flush=True)

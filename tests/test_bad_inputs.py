@@ -40,12 +40,12 @@ IN_PROCESS = [
     (["parallel.engine=bucketed", "parallel.zero_stage=1"],
      "parallel.engine=bucketed cannot be combined with parallel.zero_stage=1"),
     (["parallel.engine=warp"], "parallel.engine='warp': expected one of torch, naive"),
-    (["parallel.compression=zip"], "parallel.compression='zip': must be one of"),
+    (["parallel.compression=zip"], "parallel.compression='zip': expected one of none, fp16"),
     (["+experiment=nope"], "Could not find 'experiment/nope'; available: gpt2_small, quickstart"),
     (["data=nope"], "Could not find 'data/nope'; available: files, hub, stdlib_code, synthetic"),
     (["optim.lr=-1"], "optim.lr=-1.0: expected a positive learning rate"),
     (["train.precision=fp8"], "train.precision='fp8': expected one of auto, fp32, bf16"),
-    (["train.nan_policy=ignore"], "train.nan_policy='ignore': expected skip or abort"),
+    (["train.nan_policy=ignore"], "train.nan_policy='ignore': expected one of skip, abort"),
     (["data.tokenizer=/no/such/tokenizer"], "data.tokenizer=/no/such/tokenizer: expected a local tokenizer directory"),
     (["model.num_heads=5"], "model.hidden_size=128 is not divisible by model.num_heads=5"),
     (["profile.enabled=true", "train.steps=3"], "profile: wait 5 + warmup 1 + active 2 steps exceed train.steps=3"),
@@ -99,6 +99,7 @@ def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) 
     assert all(message in line for line in errors), errors
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     run, cache = good_run
     (ckpt,) = (run / "checkpoints").glob("step_*")
@@ -111,6 +112,7 @@ def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None
                          "is not a readable checkpoint")
 
 
+@pytest.mark.slow
 def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     run, cache = good_run
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
@@ -119,12 +121,14 @@ def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, g
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
 
 
+@pytest.mark.slow
 def test_resume_path_that_does_not_exist(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     _, cache = good_run
     _fails_on_both_ranks([*SMALL, f"train.resume={tmp_path}/nope", f"hydra.run.dir={tmp_path}/run"], tmp_path, cache,
                          f"train.resume={tmp_path}/nope: no such checkpoint or run directory")
 
 
+@pytest.mark.slow
 def test_unwritable_run_directory(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
     _, cache = good_run
     (tmp_path / "a-file").write_text("x")

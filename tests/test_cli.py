@@ -14,6 +14,7 @@ from tests.cli import run_cli
 SMALL = ["data.max_documents=120", "train.log_every=5"]
 
 
+@pytest.mark.slow
 def test_quickstart_trains_two_processes_and_the_loss_falls(tmp_path: Path) -> None:
     result = run_cli(["+experiment=quickstart", "train.steps=60", "train.eval_every=30", *SMALL],
                      cwd=tmp_path, cache=tmp_path / "cache")
@@ -37,6 +38,7 @@ def test_quickstart_trains_two_processes_and_the_loss_falls(tmp_path: Path) -> N
     assert "[rank 1]" not in (run / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_ranks_under_torchrun_share_one_run_dir(tmp_path: Path) -> None:
     result = run_cli(["train.steps=2", "data.global_batch_size=4", "data.micro_batch_size=2", *SMALL],
                      cwd=tmp_path, cache=tmp_path / "cache", torchrun_nproc=2)
@@ -65,6 +67,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS, ids=[b[1][:30] for b in BAD_INPUTS])
 def test_bad_input_fails_fast_with_one_line_on_every_rank(tmp_path: Path, overrides: list[str], message: str) -> None:
     start = time.monotonic()

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.config import ParallelConfig
-from ddptrain.parallel.compression import register_compression, validate_compression
+from ddptrain.config import ParallelConfig, build_config
+from ddptrain.errors import ConfigError
+from ddptrain.parallel.compression import register_compression
 from tests.dist import run_distributed
 
 IN, HIDDEN, OUT = 32, 64, 16
@@ -157,10 +158,10 @@ def test_topk_without_error_feedback_is_at_least_twice_as_bad(final_losses: dict
     ],
 )
 def test_bad_settings_fail_naming_the_key(override: dict, key: str) -> None:
-    with pytest.raises(ValueError, match=f"^{re.escape(key)}"):
-        validate_compression(ParallelConfig(**override))
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}"):
+        build_config({"parallel": override})
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd", "topk"])
 def test_default_settings_are_valid(compression: str) -> None:
-    validate_compression(ParallelConfig(compression=compression))
+    assert build_config({"parallel": {"compression": compression}}).parallel.compression == compression

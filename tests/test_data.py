@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from ddptrain.config import DataConfig
+from ddptrain.config import DataConfig, build_config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, validate_source
 from ddptrain.data.dataset import pack_batch, split_documents
 from ddptrain.errors import ConfigError
@@ -24,8 +24,8 @@ def test_grad_accum_is_derived_and_checked() -> None:
         BatchPlan.derive(10, 4, None, 2, 128)
     with pytest.raises(ConfigError, match=r"global_batch_size=64 != .* x data.grad_accum=3 x dp=8 = 96"):
         BatchPlan.derive(64, 4, 3, 8, 128)
-    with pytest.raises(ConfigError, match="micro_batch_size=0"):
-        BatchPlan.derive(64, 0, None, 8, 128)
+    with pytest.raises(ConfigError, match="micro_batch_size=0"):  # the schema refuses it before any plan
+        build_config({"data": {"micro_batch_size": 0}})
     assert "global batch 64 = micro batch 4 x grad accum 2 x dp 8" in BatchPlan.derive(64, 4, None, 8, 16).equation()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.config import Config
+from ddptrain.config import Config, build_config
 from ddptrain.errors import ConfigError
 from ddptrain.plan import (
     FP32,
@@ -139,5 +139,6 @@ def test_slow_link_cannot_hide_the_sync() -> None:
 
 
 def test_unknown_interconnect_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="carrier_pigeon"):
-        build_plan(config(**{"plan.interconnect": "carrier_pigeon"}), world_size=2, device_name=None)
+    expected = r"plan\.interconnect='carrier_pigeon': expected one of nvlink, infiniband_ndr"
+    with pytest.raises(ConfigError, match=expected):
+        build_config({"plan": {"interconnect": "carrier_pigeon"}})

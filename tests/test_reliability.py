@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from tests.cli import DDPTRAIN, run_cli, test_env
 
+pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
+
 RUN = ["launch.nproc_per_node=2", "train.steps=5", "train.log_every=1", "train.eval_every=0", "logger.progress=false",
        "data.max_documents=60", "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_len=64",
        "model.num_layers=2", "model.hidden_size=64", "checkpoint.every_n_steps=2"]

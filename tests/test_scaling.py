@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
+
+pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 TINY = ["data.max_documents=60", "train.steps=6", "train.log_every=2", "train.eval_every=0",
         "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false"]
 
@@ -30,7 +32,7 @@ def sweep(args: list[str], tmp_path: Path, cache: Path) -> subprocess.CompletedP
 
 def test_weak_sweep_writes_table_csv_plot_and_wandb_run(tmp_path: Path, cache: Path) -> None:
     result = sweep(["--sizes", "1", "2", "--out", "docs", "--runs", "runs", "--wandb", "--",
-                    *TINY, "data.global_batch_size=4"], tmp_path, cache)
+                    *TINY, "data.global_batch_size=4", "metrics.peak_tflops=1"], tmp_path, cache)
     assert result.returncode == 0, result.stderr[-3000:]
     docs = tmp_path / "docs"
     rows = list(csv.DictReader((docs / "scaling.csv").open()))
@@ -38,6 +40,10 @@ def test_weak_sweep_writes_table_csv_plot_and_wandb_run(tmp_path: Path, cache: P
     assert [int(r["global_batch_size"]) for r in rows] == [4, 8]  # weak: the work per rank is held fixed
     for row in rows:
         assert float(row["tokens_per_s"]) > 0 and 0 < float(row["efficiency"]) <= 1.2, row
+        assert 0 < float(row["mfu_pct"]) <= 100, row  # a known peak gives the MFU column
+    one, two = rows
+    for key in ("time_exposed_comm_s", "comm_time_s"):  # N=1 trains the bare model: nothing to communicate
+        assert one[key] == "" and float(two[key]) > 0, (key, one, two)
     md = (docs / "scaling.md").read_text()
     assert "| 2 | 8 |" in md and "scripts/scaling.py --sizes 1 2" in md and "Weak scaling" in md
     assert (docs / "scaling.png").stat().st_size > 10_000

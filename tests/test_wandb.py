@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.cli import run_cli
+
+pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 
 TINY = ["logger=wandb", "train.steps=4", "train.log_every=2", "data.max_documents=60", "logger.progress=false"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 
 
@@ -16,13 +17,14 @@ class BatchPlan:
     seq_len: int
 
     @classmethod
+    def from_config(cls, cfg: Config, dp: int) -> BatchPlan:
+        """The run's plan at data-parallel size ``dp``: the one derivation every caller uses."""
+        data = cfg.data
+        return cls.derive(data.global_batch_size, data.micro_batch_size, data.grad_accum, dp, data.seq_len)
+
+    @classmethod
     def derive(cls, global_batch_size: int, micro_batch_size: int, grad_accum: int | None, dp: int, seq_len: int):
-        """Check the three numbers agree (deriving grad_accum when it is None)."""
-        for key, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
-            if value < 1:
-                raise ConfigError(f"data.{key}={value}: expected a positive number of sequences")
-        if seq_len < 2:
-            raise ConfigError(f"data.seq_len={seq_len}: expected at least 2 tokens")
+        """Check the three numbers agree (deriving grad_accum when it is None); each is positive (the schema)."""
         per_step = micro_batch_size * dp
         if grad_accum is None:
             if global_batch_size % per_step:
@@ -31,8 +33,6 @@ class BatchPlan:
                     f"data.micro_batch_size={micro_batch_size} x dp={dp} = {per_step}"
                 )
             grad_accum = global_batch_size // per_step
-        elif grad_accum < 1:
-            raise ConfigError(f"data.grad_accum={grad_accum}: expected a positive integer (or null to derive it)")
         elif per_step * grad_accum != global_batch_size:
             raise ConfigError(
                 f"data.global_batch_size={global_batch_size} != data.micro_batch_size={micro_batch_size} x "

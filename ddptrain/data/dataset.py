@@ -27,7 +27,6 @@ class TokenData:
     val: Dataset
     vocab_size: int  # ids are < vocab_size
     tokenizer: PreTrainedTokenizerBase | None  # None for synthetic data
-    cache_dir: Path | None = None
 
 
 def build_token_data(cfg: DataConfig) -> TokenData:
@@ -52,7 +51,7 @@ def build_token_data(cfg: DataConfig) -> TokenData:
                  target)
         _write_packed(target, tok, train_docs, val_docs, cfg.seq_len)
     train, val = load_from_disk(str(target / "train")), load_from_disk(str(target / "val"))
-    return TokenData(train.with_format("torch"), val.with_format("torch"), len(tok), tok, target)
+    return TokenData(train.with_format("torch"), val.with_format("torch"), len(tok), tok)
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:

@@ -43,7 +43,7 @@ class MicroBatches:
         self.sampler = ResumableSampler(dataset, plan.dp, rank, shuffle, seed)
         self.loader = DataLoader(
             dataset, batch_size=plan.micro_batch_size, sampler=self.sampler, drop_last=True,
-            num_workers=num_workers, pin_memory=device.type == "cuda",
+            num_workers=num_workers, pin_memory=device.type == "cuda", generator=_own_generator(seed),
         )
         self.device = device
         self.epoch = 0
@@ -77,10 +77,17 @@ def eval_batches(dataset: Dataset, micro_batch_size: int, dp: int, rank: int, li
     """The same fixed validation batches at every evaluation (at most ``limit`` per rank)."""
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=False, drop_last=True)
     batch_size = max(1, min(micro_batch_size, sampler.num_samples))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, generator=_own_generator(0))
     out = []
     for batch in loader:
         if len(out) == limit:
             break
         out.append(batch["input_ids"])
     return out
+
+
+def _own_generator(seed: int) -> torch.Generator:
+    """A DataLoader's own generator. Without one, every new iterator (at the start, at each epoch, after a
+    resume) draws its workers' base seed from torch's global generator, which then no longer continues the
+    stream a checkpoint saved: dropout masks after a resume would differ from the uninterrupted run's."""
+    return torch.Generator().manual_seed(seed)

@@ -17,7 +17,6 @@ import torch
 from ddptrain.errors import ConfigError
 from ddptrain.kernels.reference import TorchKernels
 
-MODES = ("auto", "triton", "torch")
 TORCH_KERNELS = TorchKernels()
 
 
@@ -38,9 +37,7 @@ def triton_unavailable(device_type: str) -> str | None:
 
 
 def check_kernels(mode: str, device_type: str) -> None:
-    """Start-up check: a ConfigError for an unknown mode, or for ``triton`` where Triton cannot run."""
-    if mode not in MODES:
-        raise ConfigError(f"parallel.kernels={mode!r}: expected one of {', '.join(MODES)}")
+    """Start-up check (``mode`` is ``parallel.kernels``): a ConfigError for ``triton`` where Triton cannot run."""
     reason = triton_unavailable(device_type) if mode == "triton" else None
     if reason is not None:
         raise ConfigError(f"parallel.kernels=triton cannot run here: {reason}; use parallel.kernels=auto or torch")
@@ -61,4 +58,4 @@ def _triton_kernels() -> TorchKernels:
     return TritonKernels()
 
 
-__all__ = ["MODES", "TORCH_KERNELS", "TorchKernels", "check_kernels", "select_kernels", "triton_unavailable"]
+__all__ = ["TORCH_KERNELS", "TorchKernels", "check_kernels", "select_kernels", "triton_unavailable"]

@@ -1,5 +1,5 @@
 """Model presets built from config, and their parameter and FLOP counts."""
 
-from ddptrain.models.build import build_model, model_vocab_size, validate_model_config
+from ddptrain.models.build import build_model, model_vocab_size
 
-__all__ = ["build_model", "model_vocab_size", "validate_model_config"]
+__all__ = ["build_model", "model_vocab_size"]

@@ -12,29 +12,7 @@ from ddptrain.config import ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models.flops import llama_intermediate_size
 
-ARCHS = ("llama", "gpt2")
 log = logging.getLogger(__name__)
-
-
-def validate_model_config(cfg: ModelConfig, seq_len: int) -> None:
-    if cfg.pretrained is not None:
-        return
-    if cfg.arch not in ARCHS:
-        raise ConfigError(f"model.arch={cfg.arch!r}: expected one of {', '.join(ARCHS)}")
-    for key in ("hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"model.{key}={getattr(cfg, key)}: expected a positive integer")
-    if cfg.hidden_size % cfg.num_heads:
-        raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
-    kv = cfg.num_kv_heads or cfg.num_heads
-    if cfg.num_heads % kv:
-        raise ConfigError(f"model.num_heads={cfg.num_heads} is not divisible by model.num_kv_heads={kv}")
-    if cfg.arch == "gpt2" and kv != cfg.num_heads:
-        raise ConfigError(f"model.num_kv_heads={kv}: gpt2 has no grouped-query attention; use {cfg.num_heads}")
-    if seq_len > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"data.seq_len={seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
-        )
 
 
 def model_vocab_size(cfg: ModelConfig, data_vocab: int) -> int:

@@ -9,24 +9,6 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain.config import OptimConfig
-from ddptrain.errors import ConfigError
-
-SCHEDULES = ("cosine", "wsd", "constant")
-
-
-def validate_optim_config(cfg: OptimConfig, steps: int) -> None:
-    if cfg.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.lr}: expected a positive learning rate")
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
-        raise ConfigError(f"optim.betas={list(cfg.betas)}: expected two numbers in [0, 1)")
-    if cfg.warmup_steps < 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0:
-        raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
-    if not 0 <= cfg.min_lr_ratio <= 1 or not 0 <= cfg.decay_fraction <= 1:
-        raise ConfigError("optim.min_lr_ratio and optim.decay_fraction must be in [0, 1]")
-    if steps < 1:
-        raise ConfigError(f"train.steps={steps}: expected at least one optimizer step")
 
 
 def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:

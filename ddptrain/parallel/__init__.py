@@ -1,5 +1,5 @@
 """The data-parallel strategy: torch DDP (+ compression hooks, ZeRO-1), FSDP2 (ZeRO-2/3), or our engines."""
 
-from ddptrain.parallel.wrap import Wrapped, validate_parallel_config, wrap_model
+from ddptrain.parallel.wrap import Wrapped, wrap_model
 
-__all__ = ["Wrapped", "validate_parallel_config", "wrap_model"]
+__all__ = ["Wrapped", "wrap_model"]

@@ -9,20 +9,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from ddptrain.config import ProfileConfig
-from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def validate_profile_config(cfg: ProfileConfig, steps: int) -> None:
-    if not cfg.enabled:
-        return
-    if cfg.wait < 0 or cfg.warmup < 0 or cfg.active < 1:
-        raise ConfigError("profile.wait and profile.warmup must be >= 0 and profile.active >= 1")
-    if cfg.wait + cfg.warmup + cfg.active > steps:
-        raise ConfigError(
-            f"profile: wait {cfg.wait} + warmup {cfg.warmup} + active {cfg.active} steps exceed train.steps={steps}"
-        )
 
 
 class StepProfiler:

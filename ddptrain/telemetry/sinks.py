@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ddptrain.config import LoggerConfig, WandbConfig
+from ddptrain.errors import flat
 
 log = logging.getLogger(__name__)
 Metrics = dict[str, Any]
@@ -84,11 +85,12 @@ class WandbSink:
 
             run = wandb.init(
                 project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.name, tags=list(cfg.tags),
+                group=cfg.group,
                 config=config, dir=str(run_dir), mode=cfg.mode or os.environ.get("WANDB_MODE"),
                 settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
             )
         except Exception as exc:  # noqa: BLE001 - whatever W&B says, the run goes on without it
-            log.warning("W&B unavailable, continuing without it: %s", " ".join(str(exc).split())[:200])
+            log.warning("W&B unavailable, continuing without it: %s", flat(str(exc), 200))
             return None
         return cls(run)
 

@@ -13,8 +13,6 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("data", "forward", "backward", "optimizer")
-
 
 def device_clock(device: torch.device) -> float:
     """The host clock once the device's queued work is done (a synchronize on CUDA)."""

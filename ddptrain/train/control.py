@@ -11,10 +11,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from ddptrain.errors import ConfigError
-
 log = logging.getLogger(__name__)
-NAN_POLICIES = ("skip", "abort")
 
 
 class StopRequest:
@@ -51,8 +48,3 @@ def agree(stop_requested: bool, nonfinite: bool, device: torch.device) -> tuple[
     flags = torch.tensor([float(stop_requested), float(nonfinite)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1])
-
-
-def validate_nan_policy(policy: str) -> None:
-    if policy not in NAN_POLICIES:
-        raise ConfigError(f"train.nan_policy={policy!r}: expected skip or abort")

@@ -41,9 +41,7 @@ log = logging.getLogger("ddptrain")
 
 
 def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]) -> dict[str, Any]:
-    plan = BatchPlan.derive(
-        cfg.data.global_batch_size, cfg.data.micro_batch_size, cfg.data.grad_accum, env.world_size, cfg.data.seq_len
-    )
+    plan = BatchPlan.from_config(cfg, env.world_size)
     log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
     seed_everything(cfg.train.seed)
 
@@ -54,6 +52,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              len(data.train), len(data.val))
     wrapped = wrap_model(model, cfg.parallel, device)
+    # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
+    # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
+    # save and restore each rank's stream.
+    seed_everything(cfg.train.seed + env.rank)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
@@ -116,7 +118,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     if cfg.checkpoint.export:
         checkpointer.export(model, lambda: AutoModelForCausalLM.from_config(model.config), data.tokenizer,
                             run_dir / "model")
-    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state)
+    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, wrapped.strategy)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -281,7 +283,7 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 def summarise(
     history: list[dict[str, Any]], plan: BatchPlan, n_params: int, fpt: float, peak: float | None, cfg: Config,
-    model_state: dict[str, Any],
+    model_state: dict[str, Any], wrapper: str,
 ) -> dict[str, Any]:
     """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions."""
     predicted_comm = step_comm(n_params, plan.dp, cfg.parallel.zero_stage, FP32)
@@ -292,6 +294,7 @@ def summarise(
         "engine": cfg.parallel.engine,
         "zero_stage": cfg.parallel.zero_stage,
         "compression": cfg.parallel.compression,
+        "wrapper": wrapper,
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,

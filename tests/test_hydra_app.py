@@ -1,0 +1,184 @@
+"""ddptrain as a Hydra app: configs found after a plain install, the user's config dir, multirun, --help, choices."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import enum
+import json
+import subprocess
+import sys
+import tomllib
+import typing
+from pathlib import Path
+
+import pytest
+
+from ddptrain.cli import config_dir, run_cli
+from ddptrain.config import Config
+from ddptrain.help import config_groups, schema_keys
+from ddptrain.sweep import expand
+from tests.cli import run_cli as run_command
+from tests.cli import test_env
+
+REPO = Path(__file__).parents[1]
+TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
+        "model.hidden_size=64", "data.global_batch_size=2", "data.micro_batch_size=2", "checkpoint.export=false",
+        "logger.progress=false"]
+
+
+def _without(overrides: list[str], *keys: str) -> list[str]:
+    return [o for o in overrides if o.split("=")[0] not in keys]
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    """pyproject lists packages by hand (find cannot map configs/ in): a new subpackage must not be forgotten."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ddptrain").rglob("__init__.py")}
+    assert present | {"ddptrain.configs"} == listed
+
+
+@pytest.mark.slow
+def test_plain_install_finds_the_configs_and_trains(tmp_path: Path) -> None:
+    """``pip install .`` (not editable): the configs travel inside the package; compose and train from elsewhere."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(site), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
+    env = {**test_env(tmp_path / "cache"), "PYTHONPATH": str(site)}  # the installed copy, not the checkout
+    where = subprocess.run([sys.executable, "-c", "import ddptrain, ddptrain.cli as c; print(c.config_dir())"],
+                           env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert where.stdout.strip() == str(site / "ddptrain" / "configs")
+    shown = subprocess.run([sys.executable, "-m", "ddptrain", "--cfg", "job", "+experiment=quickstart"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert shown.returncode == 0 and "nproc_per_node: 2" in shown.stdout, shown.stderr[-2000:]
+    trained = subprocess.run([sys.executable, "-m", "ddptrain", *TINY, "hydra.run.dir=run"], env=env,
+                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.fixture
+def user_configs(tmp_path: Path) -> Path:
+    root = tmp_path / "my_configs"
+    (root / "experiment").mkdir(parents=True)
+    (root / "model").mkdir()
+    (root / "model" / "my_tiny.yaml").write_text("name: my_tiny\narch: gpt2\nhidden_size: 32\nnum_layers: 1\n"
+                                                 "num_heads: 2\nmax_position_embeddings: 64\n")
+    (root / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: my_tiny\ndata:\n  seq_len: 32\ntrain:\n  steps: 2\n")
+    return root
+
+
+def test_a_user_config_dir_adds_an_experiment_and_a_model_that_train(
+    user_configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    assert run_cli(["-cd", str(user_configs), "--cfg", "job", "+experiment=mine"]) == 0
+    shown = capsys.readouterr().out
+    assert "name: my_tiny" in shown and "arch: gpt2" in shown and "seq_len: 32" in shown
+    assert run_cli(["--config-dir", str(user_configs), "+experiment=mine", *TINY, "hydra.run.dir=run"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model"] == "my_tiny" and summary["steps"] == 2
+    # the same names without the directory: the one-line "available" message, which lists ours only
+    assert run_cli(["+experiment=mine"]) == 2
+    assert "ddptrain: error: Could not find 'experiment/mine'; available: bucket_sweep" in capsys.readouterr().err
+    assert run_cli(["model=my_tiny"]) == 2
+    assert "Could not find 'model/my_tiny'" in capsys.readouterr().err
+
+
+def test_config_name_picks_another_primary_config(user_configs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (user_configs / "small.yaml").write_text("defaults:\n  - config\n  - _self_\ntrain:\n  steps: 7\n")
+    assert run_cli(["-cd", str(user_configs), "-cn", "small", "--cfg", "job"]) == 0
+    assert "steps: 7" in capsys.readouterr().out
+
+
+def test_a_config_dir_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["-cd", "/no/such/dir", "--cfg", "job"]) == 2
+    assert capsys.readouterr().err.strip() == "ddptrain: error: --config-dir /no/such/dir: no such directory"
+
+
+def test_help_lists_every_group_choice_and_schema_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["--help"]) == 0
+    text = capsys.readouterr().out
+    groups = {p.parent.relative_to(config_dir()).as_posix() for p in config_dir().rglob("*.yaml")} - {"."}
+    assert {"model", "data", "parallel", "optim", "logger", "experiment", "parallel/compression"} <= groups
+    for path in config_dir().rglob("*/*.yaml"):  # every choice file of every group, so none can be forgotten
+        group = path.parent.relative_to(config_dir()).as_posix()
+        line = next(line for line in text.splitlines() if line.strip().startswith(f"{group}:"))
+        assert path.stem in line.split(":", 1)[1].split(", ") or f" {path.stem}" in line, (group, path.stem)
+    for option in ("--cfg", "--resolve", "-m, --multirun", "-cd, --config-dir", "-cn, --config-name",
+                   "hydra.searchpath"):
+        assert option in text
+    assert "train.precision: auto|fp32|bf16 = auto" in text and "parallel.bucket_cap_mb: float = 25.0" in text
+    assert len([k for k, _, _ in schema_keys()]) == sum(1 for line in text.splitlines() if line.startswith("  ")
+                                                         and ": " in line and " = " in line)
+    assert config_groups([config_dir()])["parallel"] == ["ddp", "fsdp_offload", "zero1", "zero2", "zero3"]
+
+
+def _choice_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, type[enum.Enum]]]:
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            found += _choice_fields(tp, f"{prefix}{f.name}.")
+        else:
+            enums = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, enum.Enum)]
+            found += [(f"{prefix}{f.name}", enums[0])] if enums else []
+    return found
+
+
+def test_every_choice_field_rejects_a_bad_value_at_composition(capsys: pytest.CaptureFixture[str]) -> None:
+    fields = _choice_fields()
+    assert {"data.source", "parallel.engine", "parallel.compression", "train.precision", "train.nan_policy",
+            "optim.schedule", "dist.backend", "model.arch"} <= {k for k, _ in fields}
+    for key, choices in fields:
+        assert run_cli(["--cfg", "job", f"{key}=bogus"]) == 2, key  # --cfg: composition alone, no training
+        allowed = ", ".join(c.value for c in choices)
+        assert capsys.readouterr().err.strip() == f"ddptrain: error: {key}='bogus': expected one of {allowed}"
+
+
+def test_sweep_syntax_expands_to_the_cartesian_product_with_config_params() -> None:
+    jobs = expand(["a.x=1,2", "b.y=range(0,6,3)", "c=5"], {"d.z": "p,q", "a.x": "7,8,9"})
+    assert len(jobs) == 2 * 2 * 2  # the command line's a.x wins over the config's
+    assert ["d.z=p", "a.x=1", "b.y=0", "c=5"] in jobs and ["d.z=q", "a.x=2", "b.y=3", "c=5"] in jobs
+    assert expand(["+experiment=quickstart", "m=choice(u,v)"], None) == [
+        ["+experiment=quickstart", "m=u"], ["+experiment=quickstart", "m=v"]]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized-data cache for the module's sweeps: the tokenizer is trained once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.slow
+def test_multirun_runs_each_job_with_its_own_workers_and_writes_the_comparison(tmp_path: Path, cache: Path) -> None:
+    fixed = _without(TINY, "train.steps", "data.global_batch_size")
+    sweep = ["-m", "parallel.bucket_cap_mb=1,25", "launch.nproc_per_node=2", *fixed,
+             "train.steps=4", "data.global_batch_size=4", "hydra.sweep.dir=sweep"]
+    result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
+    assert [r["parallel.bucket_cap_mb"] for r in rows] == ["1", "25"]
+    for num, row in enumerate(rows):
+        summary = json.loads((tmp_path / "sweep" / str(num) / "summary.json").read_text())
+        assert summary["world_size"] == 2 and float(row["tokens_per_s"]) == pytest.approx(summary["tokens_per_s"])
+        assert row["status"] == "ok" and float(row["comm_bytes"]) > 0
+    md = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "| job | parallel.bucket_cap_mb | tokens/s |" in md and "ddptrain --multirun" in md
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path: Path, cache: Path) -> None:
+    # a micro batch of 3 does not divide the global batch of 2: job 0 fails at start-up, job 1 trains
+    sweep = ["-m", "data.micro_batch_size=3,2", *_without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
+    result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
+    assert result.returncode == 1
+    assert ("sweep job 0 failed: ddptrain: error: data.global_batch_size=2 is not divisible by "
+            "data.micro_batch_size=3") in result.stderr
+    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
+    assert [r["status"][:6] for r in rows] == ["failed", "ok"] and float(rows[1]["tokens_per_s"]) > 0
