@@ -15,11 +15,12 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, mode: 
     """``torch.nn.utils.clip_grad_norm_`` (norm 2) on the kernels ``mode`` picks; returns the norm before clipping.
 
     The torch reference is torch's own function, as are sharded (DTensor) gradients, whose norm needs a
-    reduction across ranks. The coefficient stays on the device: clipping never waits for the host.
+    reduction across ranks, and gradients spread over several devices. The coefficient stays on the device:
+    clipping never waits for the host.
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads or any(isinstance(g, DTensor) for g in grads):
+    if not grads or any(isinstance(g, DTensor) for g in grads) or len({g.device for g in grads}) > 1:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     kernels = select_kernels(mode, grads[0].device)
     if kernels.name == "torch":
