@@ -12,11 +12,13 @@ from ddptrain.config import Config
 from ddptrain.data import BatchPlan, validate_source
 from ddptrain.errors import ConfigError
 from ddptrain.kernels import check_kernels
+from ddptrain.models.lora import validate_finetune_config
 from ddptrain.telemetry.metrics import load_baseline
 
 
 def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     """Check what the schema cannot (devices, files, the world size); returns the batch plan."""
+    validate_finetune_config(cfg.model, cfg.parallel)
     validate_source(cfg.data)
     if cfg.parallel.cpu_offload and not torch.cuda.is_available():
         raise ConfigError("parallel.cpu_offload=true needs CUDA devices: it keeps FSDP2's state on the CPU and "

@@ -29,6 +29,7 @@ class DataSource(StrEnum):
     synthetic = "synthetic"
     files = "files"
     hub = "hub"
+    instructions = "instructions"  # prompt/completion pairs generated locally (data.format=prompt_completion)
 
 
 class Engine(StrEnum):
@@ -108,6 +109,43 @@ def _positive(section: str, obj: object, *keys: str) -> None:
     for key in keys:
         _require(getattr(obj, key) >= 1, f"{section}.{key}={getattr(obj, key)}: expected a positive integer")
 
+class BaseDtype(StrEnum):
+    """Dtype of the frozen base weights when fine-tuning (adapters always train in fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Quantize(StrEnum):
+    """Quantization of the frozen base weights at load time (QLoRA: bitsandbytes NF4 under LoRA)."""
+
+    none = "none"
+    nf4 = "nf4"
+
+
+class DataFormat(StrEnum):
+    """How records become training sequences."""
+
+    packed = "packed"  # documents concatenated into full seq_len blocks; loss on every token
+    prompt_completion = "prompt_completion"  # one padded sequence per record; loss on completion tokens only
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters through peft: only these train; the base model stays frozen and is never all-reduced."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # module names, or all-linear
+
+    def __post_init__(self) -> None:
+        _require(self.r >= 1, f"model.lora.r={self.r}: expected a positive rank")
+        _require(self.alpha > 0, f"model.lora.alpha={self.alpha}: expected a positive scale")
+        _require(0.0 <= self.dropout < 1.0, f"model.lora.dropout={self.dropout}: expected a probability in [0, 1)")
+        _require(bool(self.target_modules), "model.lora.target_modules: expected module names or [all-linear]")
+
 
 @dataclass
 class ModelConfig:
@@ -126,6 +164,12 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     pretrained: str | None = None  # a local path or hub name; loads weights instead of building
+    dtype: BaseDtype = BaseDtype.fp32  # pretrained: dtype of the loaded base weights
+    device_map: str = "rank"  # rank: the whole model on this rank's device (the only layout data parallelism allows)
+    quantize: Quantize = Quantize.none  # nf4: 4-bit base weights (needs model.lora.enabled=true)
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward (non-reentrant)
+    checkpoint_reentrant: bool = False  # torch's reentrant variant; if backward fails under it, the error says so
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         if self.pretrained is not None:
@@ -147,6 +191,10 @@ class DataConfig:
     source: DataSource = DataSource.stdlib_code
     paths: list[str] = field(default_factory=list)  # source=files: local .txt / .jsonl / .json / .parquet
     text_field: str = "text"
+    format: DataFormat = DataFormat.packed
+    prompt_field: str = "prompt"  # format=prompt_completion: the record fields holding the two parts
+    completion_field: str = "completion"
+    chat_template: bool = True  # format=prompt_completion: wrap the prompt in the tokenizer's chat template if any
     name: str | None = None  # source=hub: a data set name
     subset: str | None = None
     split: str = "train"
@@ -162,6 +210,7 @@ class DataConfig:
     cache_dir: str = "${oc.env:DDPTRAIN_CACHE_DIR,${oc.env:HOME,.}/.cache/ddptrain}"
     shuffle: bool = True
     num_workers: int = 0
+    prepare_timeout_s: float = 3600.0  # how long other ranks wait for rank 0 to tokenize into cache_dir
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size"):
@@ -175,6 +224,8 @@ class DataConfig:
                  "data.paths: expected at least one local file for data.source=files")
         _require(self.source != DataSource.hub or bool(self.name),
                  "data.name: expected a hub data set name for data.source=hub")
+        _require(self.prepare_timeout_s > 0,
+                 f"data.prepare_timeout_s={self.prepare_timeout_s}: expected a positive number of seconds")
 
 
 class Kernels(StrEnum):
@@ -319,6 +370,7 @@ class CheckpointConfig:
     keep_last: int = 2
     dir: str = "checkpoints"  # relative to the run directory
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
+    async_save: bool = False  # copy state to host memory and write it in the background (at most one in flight)
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0 and self.keep_last >= 1,
@@ -331,6 +383,7 @@ class PlanConfig:
 
     world_size: int | None = None  # None: the launch's world size
     params: float | None = None  # plan by parameter count alone (e.g. 70e9) instead of the model config
+    trainable_params: float | None = None  # with plan.params and model.lora.enabled: the adapter parameters
     interconnect: Interconnect = Interconnect.nvlink
     bandwidth_gbps: float | None = None  # a measured bus bandwidth in GB/s; overrides the preset
     latency_us: float | None = None  # None: the preset's
@@ -340,10 +393,11 @@ class PlanConfig:
 class MetricsConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: look the device up
     baseline: str | None = None  # single-rank tokens/s, or a run directory whose summary.json holds it
-    sample_every: int = 1  # time the step breakdown every k steps
+    sample_every: int | None = None  # time the step breakdown every k steps; None: 1 on CPU, 10 on CUDA (syncs)
 
     def __post_init__(self) -> None:
-        _positive("metrics", self, "sample_every")
+        _require(self.sample_every is None or self.sample_every >= 1,
+                 f"metrics.sample_every={self.sample_every}: expected a positive integer (or null)")
 
 
 @dataclass
@@ -384,6 +438,11 @@ class Config:
         _require(not self.profile.enabled or window <= self.train.steps,
                  f"profile: wait {self.profile.wait} + warmup {self.profile.warmup} + active {self.profile.active} "
                  f"steps exceed train.steps={self.train.steps}")
+
+
+def computes_in_bf16(precision: str, device_type: str) -> bool:
+    """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
+    return precision == Precision.bf16 or (precision == Precision.auto and device_type == "cuda")
 
 
 def job_config(cfg: DictConfig) -> DictConfig:

@@ -16,8 +16,9 @@ from rich.table import Table
 
 from ddptrain.config import Config
 from ddptrain.data.batch import BatchPlan
+from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
-from ddptrain.models.flops import count_params, flops_per_token
+from ddptrain.models.flops import count_params, flops_per_token, lora_param_count
 from ddptrain.telemetry.peak import peak_tflops
 
 GB = 1e9
@@ -94,6 +95,19 @@ def model_state_memory(params: float, world_size: int, stage: int, precision: Pr
     )
 
 
+# Bytes per frozen base weight. NF4: 4 bits + double-quantized block scales (8-bit absmax per 64 weights, one fp32
+# per 256 absmax values: 0.127 bits, QLoRA paper section 2); embeddings stay fp32 (peft's k-bit preparation).
+FROZEN_BYTES = {"fp32": 4.0, "bf16": 2.0, "nf4": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
+
+
+def finetune_memory(params: float, trainable: float, base_bytes: float, world_size: int, stage: int) -> Memory:
+    """Per-rank model state with a frozen base: base weights at ``base_bytes`` each, fp32 adapters with fp32
+    gradients and AdamW state (8 bytes), sharded per ZeRO ``stage`` like full training."""
+    full = model_state_memory(trainable, world_size, stage, FP32)
+    base = base_bytes * (params - trainable) / (world_size if stage >= 3 else 1)
+    return Memory(params=base + full.params, grads=full.grads, optimizer=full.optimizer)
+
+
 def step_comm(params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16) -> Comm:
     """Per-rank traffic of one step, as the ZeRO paper counts it (per micro-batch under ZeRO-3).
 
@@ -127,6 +141,8 @@ class Plan:
 
     params: float
     params_source: str
+    trainable: float  # parameters with gradients: all of them, or the LoRA adapters (the rest is frozen)
+    frozen_note: str  # how the frozen base is held ("" when everything trains)
     flops_per_token: float
     flops_rule: str
     batch: BatchPlan
@@ -161,15 +177,28 @@ def build_plan(
     """
     batch = BatchPlan.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
+    lora = cfg.model.lora.enabled
     if cfg.plan.params:
         params, source = float(cfg.plan.params), "plan.params"
         flops, rule = 6.0 * params, "6·params"
+        if lora and not cfg.plan.trainable_params:
+            raise ConfigError("plan.trainable_params: expected the adapter parameter count with plan.params and "
+                              "model.lora.enabled=true")
+        adapters, embedding = float(cfg.plan.trainable_params or 0), 0.0
     else:
         vocab = model_vocab_size(cfg.model, cfg.data.vocab_size)
-        params, source = float(count_params(cfg.model, vocab).total), f"model {cfg.model.name}"
+        counts = count_params(cfg.model, vocab)
+        params, source = float(counts.total), f"model {cfg.model.name}"
         flops, rule = flops_per_token(cfg.model, vocab, batch.seq_len), "6·matmul params + 12·L·H·Q·T"
+        adapters, embedding = float(lora_param_count(cfg.model)), float(counts.embedding)
     on_gpu = device_name is not None
     precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
+    trainable, note, base_bytes = params, "", float(precision.param_bytes)
+    if lora:  # adapters train in fp32 on a frozen base: only they have gradients, optimizer state and traffic
+        params, trainable, precision = params + adapters, adapters, FP32
+        quant = str(cfg.model.quantize) if cfg.model.quantize != "none" else str(cfg.model.dtype)
+        base_bytes = (FROZEN_BYTES[quant] * (params - adapters - embedding) + 4.0 * embedding) / (params - adapters)
+        note = f"frozen base in {quant}, {base_bytes:.3g} bytes per weight"
     preset = INTERCONNECTS[cfg.plan.interconnect]
     alpha = preset.latency_us if cfg.plan.latency_us is None else cfg.plan.latency_us
     if cfg.plan.bandwidth_gbps:
@@ -182,13 +211,16 @@ def build_plan(
     return Plan(
         params=params,
         params_source=source,
+        trainable=trainable,
+        frozen_note=note,
         flops_per_token=flops,
         flops_rule=rule,
         batch=batch,
         zero_stage=cfg.parallel.zero_stage,
         precision=precision,
-        memory={s: model_state_memory(params, n, s, precision) for s in ZERO_STAGES},
-        comm={s: step_comm(params, n, s, precision) for s in ZERO_STAGES},
+        memory={s: finetune_memory(params, trainable, base_bytes, n, s) if lora
+                else model_state_memory(params, n, s, precision) for s in ZERO_STAGES},
+        comm={s: step_comm(trainable, n, s, precision) for s in ZERO_STAGES},
         links=list(links.values()),
         link=link,
         peak_tflops=peak,
@@ -243,6 +275,9 @@ def render_plan(plan: Plan) -> str:
         f"Model: {_count(plan.params)} parameters ({plan.params_source}); "
         f"{_count(plan.flops_per_token)}FLOP per token ({plan.flops_rule})"
     )
+    if plan.frozen_note:
+        out.print(f"Trainable: {_count(plan.trainable)} LoRA adapter parameters ({plan.frozen_note}); only their "
+                  "gradients are all-reduced")
     out.print(f"Batch: {plan.batch.equation()}")
     p = plan.precision
     out.print(f"Precision: {p.name} ({p.param_bytes} + {p.grad_bytes} + {p.optim_bytes} bytes per parameter)")

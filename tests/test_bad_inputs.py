@@ -41,8 +41,9 @@ IN_PROCESS = [
      "parallel.engine=bucketed cannot be combined with parallel.zero_stage=1"),
     (["parallel.engine=warp"], "parallel.engine='warp': expected one of torch, naive"),
     (["parallel.compression=zip"], "parallel.compression='zip': expected one of none, fp16"),
-    (["+experiment=nope"], "Could not find 'experiment/nope'; available: gpt2_small, quickstart"),
-    (["data=nope"], "Could not find 'data/nope'; available: files, hub, stdlib_code, synthetic"),
+    (["+experiment=nope"], "Could not find 'experiment/nope'; available: bucket_sweep, gpt2_small, llama_1b_zero3, "
+                           "lora_quickstart, qlora_4b, quickstart"),
+    (["data=nope"], "Could not find 'data/nope'; available: files, hub, instruct, stdlib_code, synthetic"),
     (["optim.lr=-1"], "optim.lr=-1.0: expected a positive learning rate"),
     (["train.precision=fp8"], "train.precision='fp8': expected one of auto, fp32, bf16"),
     (["train.nan_policy=ignore"], "train.nan_policy='ignore': expected one of skip, abort"),
@@ -52,6 +53,17 @@ IN_PROCESS = [
     (["metrics.baseline=/no/such/run"], "metrics.baseline=/no/such/run: expected tokens/s or a run directory"),
     (["dist.backend=nccl"], "dist.backend=nccl needs CUDA devices"),
     (["parallel.zero_stage=3", "parallel.cpu_offload=true"], "parallel.cpu_offload=true needs CUDA devices"),
+    (["model.device_map=auto"], "model.device_map=auto would split one model over all GPUs of the node and break "
+                                "data parallelism"),
+    (["model.quantize=nf4"], "model.quantize=nf4 needs model.lora.enabled=true"),
+    (["model.lora.enabled=true", "parallel.zero_stage=3"],
+     "model.lora.enabled=true cannot be combined with parallel.zero_stage=3"),
+    (["model.lora.r=0"], "model.lora.r=0: expected a positive rank"),
+    (["model.checkpoint_reentrant=true"], "model.checkpoint_reentrant=true needs model.gradient_checkpointing=true"),
+    (["+experiment=lora_quickstart", "model.pretrained=outputs/none/model"],
+     "model.pretrained=outputs/none/model: no such model directory; make a small base model with: "
+     "ddptrain +experiment=quickstart hydra.run.dir=outputs/quickstart"),
+    (["data=instruct"], "data.tokenizer: prompt_completion data needs the model's own tokenizer"),
 ]
 
 

@@ -8,9 +8,13 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptrain.config import DataConfig
+from ddptrain.config import DataConfig, DataFormat
 from ddptrain.errors import ConfigError, flat
 
+READS = {  # the sources each data.format can read; instructions: prompt/completion pairs generated locally
+    DataFormat.packed: ("stdlib_code", "synthetic", "files", "hub"),
+    DataFormat.prompt_completion: ("files", "hub", "instructions"),
+}
 FILE_LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
 
@@ -22,7 +26,11 @@ class Corpus:
 
 
 def validate_source(cfg: DataConfig) -> None:
-    """Checks that look at the file system (a stat, no reads): files that exist, a tokenizer directory."""
+    """Checks that look at the file system (a stat, no reads): files that exist, a tokenizer directory; and
+    which sources a data.format reads."""
+    if cfg.source not in READS[cfg.format]:
+        raise ConfigError(f"data.format={cfg.format} cannot read data.source={cfg.source}: expected one of "
+                          f"{', '.join(READS[cfg.format])}")
     if cfg.source == "files":
         for path in cfg.paths:
             suffix = Path(path).suffix.lower()
@@ -34,8 +42,14 @@ def validate_source(cfg: DataConfig) -> None:
                 raise ConfigError(f"data.paths: {path}: not readable")
             if Path(path).stat().st_size == 0:
                 raise ConfigError(f"data.paths: {path}: the file is empty")
+        if cfg.format == DataFormat.prompt_completion and any(FILE_LOADERS[Path(p).suffix.lower()] == "text"
+                                                              for p in cfg.paths):
+            raise ConfigError("data.paths: prompt_completion records need .jsonl/.json or .parquet files")
         if len({FILE_LOADERS[Path(p).suffix.lower()] for p in cfg.paths}) > 1:
             raise ConfigError("data.paths: expected files of one kind (all text, all json or all parquet)")
+    if cfg.format == DataFormat.prompt_completion and cfg.tokenizer is None:
+        raise ConfigError("data.tokenizer: prompt_completion data needs the model's own tokenizer (a local "
+                          "directory; data=instruct takes model.pretrained's)")
     if cfg.tokenizer is not None and not Path(cfg.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer={cfg.tokenizer}: expected a local tokenizer directory")
 

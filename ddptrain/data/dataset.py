@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from datasets import Dataset, disable_progress_bars, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain.config import DataConfig
+from ddptrain.config import DataConfig, DataFormat
 from ddptrain.data.corpus import load_corpus
 from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_fingerprint
 from ddptrain.errors import ConfigError
@@ -27,11 +29,18 @@ class TokenData:
     val: Dataset
     vocab_size: int  # ids are < vocab_size
     tokenizer: PreTrainedTokenizerBase | None  # None for synthetic data
+    # prompt/completion data: builds a padded micro batch (input_ids, attention_mask, labels) from rows of
+    # different lengths; None for packed blocks, which batch as plain input_ids
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
 
 
 def build_token_data(cfg: DataConfig) -> TokenData:
     """The data set named by ``cfg``. Real corpora are tokenized once and reused from ``data.cache_dir``."""
     disable_progress_bars()
+    if cfg.format == DataFormat.prompt_completion:
+        from ddptrain.data.instruct import build_instruct_data
+
+        return build_instruct_data(cfg)
     if cfg.source == "synthetic":
         return synthetic_data(cfg)
     corpus = load_corpus(cfg)

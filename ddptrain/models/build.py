@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Pretrain
 from ddptrain.config import ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models.flops import llama_intermediate_size
+from ddptrain.models.lora import load_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +43,28 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int | None) -> Pretrain
     )
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int | None = None) -> PreTrainedModel:
-    """A freshly initialised model on the CPU (the caller moves it), or the weights at ``model.pretrained``."""
+def build_model(
+    cfg: ModelConfig, vocab_size: int, eos_id: int | None = None, device: torch.device | None = None
+) -> PreTrainedModel:
+    """A freshly initialised model on the CPU (the caller moves it), or the weights at ``model.pretrained``.
+
+    Pretrained weights load straight onto ``device`` (this rank's device only: a whole replica per rank), in
+    ``model.dtype``, 4-bit quantized when ``model.quantize=nf4``.
+    """
     if cfg.pretrained is not None:
-        return _load_pretrained(cfg.pretrained, vocab_size)
+        return _load_pretrained(cfg, vocab_size, device)
     return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eos_id), attn_implementation="sdpa")
 
 
-def _load_pretrained(name: str, data_vocab: int) -> PreTrainedModel:
+def _load_pretrained(cfg: ModelConfig, data_vocab: int, device: torch.device | None) -> PreTrainedModel:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-rank "Loading weights" bars would interleave on the console
+    name = cfg.pretrained
+    assert name is not None
     local = Path(name).exists()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, **load_kwargs(cfg, device))
     except Exception as exc:
         raise ConfigError(f"model.pretrained={name}: cannot load a causal LM ({type(exc).__name__})") from exc
     if model.get_input_embeddings().num_embeddings < data_vocab:

@@ -58,3 +58,23 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> fl
     matmul_params = count_params(model_cfg, vocab_size).non_embedding + vocab_size * model_cfg.hidden_size
     head_dim = model_cfg.hidden_size // model_cfg.num_heads
     return 6.0 * matmul_params + 12.0 * model_cfg.num_layers * model_cfg.num_heads * head_dim * seq_len
+
+
+def linear_shapes(model_cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(module name, in features, out features) of every linear layer in one block, as ``transformers`` names them."""
+    h = model_cfg.hidden_size
+    if model_cfg.arch == "gpt2":
+        inter = model_cfg.intermediate_size or 4 * h
+        return [("c_attn", h, 3 * h), ("c_proj", h, h), ("c_fc", h, inter), ("c_proj", inter, h)]
+    head_dim = h // model_cfg.num_heads
+    inter = model_cfg.intermediate_size or llama_intermediate_size(h)
+    q, kv = model_cfg.num_heads * head_dim, (model_cfg.num_kv_heads or model_cfg.num_heads) * head_dim
+    return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h), ("gate_proj", h, inter),
+            ("up_proj", h, inter), ("down_proj", inter, h)]
+
+
+def lora_param_count(model_cfg: ModelConfig) -> int:
+    """Adapter parameters: r·(in + out) per targeted linear layer (``all-linear``: every block's, not lm_head)."""
+    targets = set(model_cfg.lora.target_modules)
+    per_block = sum(i + o for name, i, o in linear_shapes(model_cfg) if "all-linear" in targets or name in targets)
+    return model_cfg.lora.r * per_block * model_cfg.num_layers

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -19,13 +18,21 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.config import Config
+from ddptrain.config import Config, DataFormat, computes_in_bf16
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import inject, poison_loss
 from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
+from ddptrain.models.lora import (
+    export_adapter_and_merged,
+    is_adapted,
+    parameter_counts,
+    prepare_for_finetuning,
+    reentrant_failure,
+    trainable_line,
+)
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import wrap_model
 from ddptrain.plan import FP32, model_state_memory, step_comm
@@ -36,6 +43,7 @@ from ddptrain.telemetry.metrics import StepMetrics, load_baseline, steady_median
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.telemetry.timers import StepTimer
 from ddptrain.train.control import StopRequest, agree
+from ddptrain.train.tokens import MicroBatch, accumulate_token_weighted, loss_tokens
 
 log = logging.getLogger("ddptrain")
 
@@ -45,35 +53,40 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
     seed_everything(cfg.train.seed)
 
-    data = main_first(env, lambda: build_token_data(cfg.data))
+    data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
     vocab = model_vocab_size(cfg.model, data.vocab_size)
-    model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
-             len(data.train), len(data.val))
-    wrapped = wrap_model(model, cfg.parallel, device)
+    model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
+    model = prepare_for_finetuning(model.to(device), cfg.model)
+    trainable, n_params = parameter_counts(model)
+    log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
+             trainable_line(trainable, n_params, None), len(data.train), len(data.val))
+    wrapped = wrap_model(model, cfg.parallel, device, cfg.train.precision)
     # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
     # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
     # save and restore each rank's stream.
     seed_everything(cfg.train.seed + env.rank)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, cfg.parallel.zero_stage)
+    batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
+                           data.collate)
+    token_weighted = cfg.data.format == DataFormat.prompt_completion
+    checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
-    val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches)
+    val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
     autocast = autocast_context(cfg.train.precision, device)
-    fpt = flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None else 6.0 * n_params
+    # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
+    fpt = (flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None
+           else 4.0 * n_params + 2.0 * trainable)
     meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
                         cfg.metrics.sample_every)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     stop = StopRequest(cfg.launch.stop_grace_s)
 
-    def save(step: int) -> None:
-        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.batches_in_epoch *
-                           plan.micro_batch_size * plan.dp, plan.dp, plan.global_batch_size, cfg.parallel.zero_stage)
-        checkpointer.save(state, model, optimizer)
+    def save(step: int, wait: bool) -> None:
+        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.position, plan.dp,
+                           plan.global_batch_size, cfg.parallel.zero_stage)
+        checkpointer.save(state, model, optimizer, wait)
 
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
@@ -81,8 +94,13 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     with closing(sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(start + 1, cfg.train.steps + 1):
             meter.start_step(step)
-            loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
-                                        meter.timer)
+            try:
+                loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
+                                            meter.timer, token_weighted)
+            except RuntimeError as exc:
+                if cfg.model.checkpoint_reentrant:
+                    raise reentrant_failure(exc) from exc
+                raise
             if poison_loss(step, env.rank):
                 loss = loss * float("nan")
             if step == start + 1:
@@ -91,16 +109,19 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
                 stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
                 skipped += not apply_update(optimizer, nonfinite, cfg.train.nan_policy, step)
-            meter.end_step(*wrapped.take_sync_sample(meter.timer.backward_end, env.world_size))
+            sample, ratio = wrapped.take_sync_sample(env.world_size, meter.timer.active)
+            meter.end_step(sample, ratio)
             if step == start + 1:
+                log.info("%s", trainable_line(trainable, n_params, sample.payload_bytes if sample else None))
                 probe.after_step(optimizer)
-                model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage)
+                model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage,
+                                                 trainable)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             profiler.step()
             inject("step", step, env.rank)
             if stopping or step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps):
-                save(step)
+                save(step, wait=stopping or step == cfg.train.steps)  # the last save is committed before exit
             if stopping:
                 stop.restore()
                 raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
@@ -110,15 +131,19 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
             if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
-                metrics["val_loss"] = evaluate(model, val, autocast)
+                metrics["val_loss"] = evaluate(model, val, autocast, device)
             sinks.log(metrics)
             history.append(metrics)
             meter.restart_window()
     stop.restore()
-    if cfg.checkpoint.export:
+    if cfg.checkpoint.export and is_adapted(model):
+        if env.is_main:
+            export_adapter_and_merged(model, cfg.model, data.tokenizer, run_dir)
+        dist.barrier()
+    elif cfg.checkpoint.export:
         checkpointer.export(model, lambda: AutoModelForCausalLM.from_config(model.config), data.tokenizer,
                             run_dir / "model")
-    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, wrapped.strategy)
+    summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, wrapped.strategy, trainable)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -159,11 +184,7 @@ def resume(
         return 0
     state = checkpointer.load(path, model, optimizer)
     scheduler.load_state_dict(state.scheduler)
-    per_step = plan.micro_batch_size * plan.dp
-    if state.samples_in_epoch % per_step:
-        log.warning("data position %d is not a multiple of %d sequences per micro-step: rounding down",
-                    state.samples_in_epoch, per_step)
-    batches.load_state_dict({"epoch": state.epoch, "batches_in_epoch": state.samples_in_epoch // per_step})
+    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
     if state.world_size != plan.dp:
         log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
                     plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
@@ -177,14 +198,17 @@ def resume(
 def accumulate_gradients(
     module: torch.nn.Module, micro_batches: Iterator[torch.Tensor], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
-    timer: StepTimer | None = None,
+    timer: StepTimer | None = None, token_weighted: bool = False,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
 
-    The loss is scaled by 1/grad_accum, so the synced ``.grad`` is the mean over the whole global batch.
-    Returns this rank's mean loss over its micro batches.
+    Packed blocks: the loss is scaled by 1/grad_accum, so the synced ``.grad`` is the mean over the whole global
+    batch. Returns this rank's mean loss over its micro batches. ``token_weighted`` (padded prompt/completion
+    batches): the mean over every loss token of the global batch instead (see ``train/tokens.py``).
     """
     phase = timer.phase if timer is not None else (lambda _: nullcontext())
+    if token_weighted:
+        return accumulate_token_weighted(module, micro_batches, grad_accum, maybe_sync, autocast, phase)
     loss_sum: torch.Tensor | None = None
     for micro in range(grad_accum):
         with phase("data"):
@@ -200,12 +224,14 @@ def accumulate_gradients(
 
 
 def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str) -> torch.Tensor:
-    """Clip to ``grad_clip`` global norm (0: no clipping) on ``kernels``' fused norm and scale; returns the norm
-    before clipping.
+    """Clip to ``grad_clip`` global norm (0: no clipping) on ``kernels``' norm and scaling (``parallel.kernels``);
+    returns the norm before clipping.
 
-    With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards; its full value is returned.
+    With clipping off only the norm is computed (it is logged and checked for non-finite values), never the
+    scaling pass. With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards (on the CPU with
+    CPU offload, hence gloo next to NCCL); its full value is returned.
     """
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else math.inf, kernels)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else None, kernels)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
@@ -234,12 +260,19 @@ def _finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
     return bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
 
 
-def report_model_state(held: dict[str, int], n_params: int, world_size: int, stage: int) -> dict[str, Any]:
-    """Measured model-state bytes of every rank next to the ZeRO formula for fp32 parameters + AdamW."""
+def report_model_state(
+    held: dict[str, int], n_params: int, world_size: int, stage: int, trainable: int | None = None
+) -> dict[str, Any]:
+    """Measured model-state bytes of every rank next to the ZeRO formula for fp32 parameters + AdamW.
+
+    Gradients and optimizer state exist for the ``trainable`` parameters only (all of them unless fine-tuning
+    adapters on a frozen base).
+    """
     per_rank: list[dict[str, int]] = [{}] * world_size
     dist.all_gather_object(per_rank, held)
     formula = model_state_memory(n_params, world_size, stage, FP32)
-    expected = {"parameters": formula.params, "gradients": formula.grads, "optimizer": formula.optimizer}
+    adapted = model_state_memory(n_params if trainable is None else trainable, world_size, stage, FP32)
+    expected = {"parameters": formula.params, "gradients": adapted.grads, "optimizer": adapted.optimizer}
     mine = per_rank[dist.get_rank()]
     log.info(
         "model state per rank (ZeRO-%d, %d ranks): %s",
@@ -252,13 +285,26 @@ def report_model_state(held: dict[str, int], n_params: int, world_size: int, sta
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], autocast: AbstractContextManager) -> float:
-    """Mean validation loss over every rank's fixed batches (the same batches at every evaluation)."""
+def evaluate(
+    model: torch.nn.Module, batches: list[torch.Tensor | MicroBatch], autocast: AbstractContextManager,
+    device: torch.device,
+) -> float:
+    """Mean validation loss over every rank's fixed batches (the same batches at every evaluation).
+
+    Packed blocks: the mean of sequence means (every block has as many tokens); padded prompt/completion
+    batches: the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
+    the CPU while compute and NCCL use the GPU.
+    """
     model.eval()
-    device = next(model.parameters()).device
     total = torch.zeros(2, device=device, dtype=torch.float64)
-    for ids in batches:
-        ids = ids.to(device)
+    for batch in batches:
+        if isinstance(batch, dict):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast:  # num_items_in_batch=1: the model returns the summed token loss
+                total[0] += model(**batch, num_items_in_batch=1).loss.double()
+            total[1] += loss_tokens(batch["labels"])
+            continue
+        ids = batch.to(device)
         with autocast:
             total[0] += model(input_ids=ids, labels=ids).loss.double() * len(ids)
         total[1] += len(ids)
@@ -276,21 +322,26 @@ def global_mean(value: torch.Tensor) -> float:
 
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
     """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
-    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+    if not computes_in_bf16(precision, device.type):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def summarise(
     history: list[dict[str, Any]], plan: BatchPlan, n_params: int, fpt: float, peak: float | None, cfg: Config,
-    model_state: dict[str, Any], wrapper: str,
+    model_state: dict[str, Any], wrapper: str, trainable: int | None = None,
 ) -> dict[str, Any]:
-    """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions."""
-    predicted_comm = step_comm(n_params, plan.dp, cfg.parallel.zero_stage, FP32)
+    """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions.
+
+    Gradients, hence communication, exist for the ``trainable`` parameters only (default: all of them).
+    """
+    trainable = n_params if trainable is None else trainable
+    predicted_comm = step_comm(trainable, plan.dp, cfg.parallel.zero_stage, FP32)
     return {
         "world_size": plan.dp,
         "model": cfg.model.name,
         "parameters": n_params,
+        "trainable_parameters": trainable,
         "engine": cfg.parallel.engine,
         "zero_stage": cfg.parallel.zero_stage,
         "compression": cfg.parallel.compression,
@@ -308,7 +359,7 @@ def summarise(
         "peak_tflops": peak,
         "predicted": {
             # All-reduce of fp32 gradients: payload S = 4Ψ; each rank sends 2(N-1)/N·S (what the plan prints).
-            "comm_payload_bytes": 4.0 * n_params if cfg.parallel.zero_stage < 2 and plan.dp > 1 else None,
+            "comm_payload_bytes": 4.0 * trainable if cfg.parallel.zero_stage < 2 and plan.dp > 1 else None,
             "comm_link_bytes_per_rank": predicted_comm.nbytes,
         },
         "model_state": model_state,

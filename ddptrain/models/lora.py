@@ -1,0 +1,153 @@
+"""Fine-tuning a pretrained model: base dtype and 4-bit loading, gradient checkpointing, LoRA adapters (peft).
+
+Only adapter parameters require gradients, so DDP (and our engines, which bucket ``requires_grad`` parameters
+only) all-reduce adapter gradients alone: the frozen base never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from ddptrain.config import BaseDtype, ModelConfig, ParallelConfig, Quantize
+from ddptrain.errors import ConfigError, flat
+
+log = logging.getLogger(__name__)
+DTYPES = {BaseDtype.fp32: torch.float32, BaseDtype.bf16: torch.bfloat16}
+
+
+def validate_finetune_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """Cross-key rules of fine-tuning that need no model: layout, quantization, ZeRO, checkpointing."""
+    if cfg.pretrained is not None and _local_path(cfg.pretrained) and not Path(cfg.pretrained).is_dir():
+        raise ConfigError(f"model.pretrained={cfg.pretrained}: no such model directory; make a small base model "
+                          "with: ddptrain +experiment=quickstart hydra.run.dir=outputs/quickstart")
+    if cfg.device_map == "auto":
+        raise ConfigError("model.device_map=auto would split one model over all GPUs of the node and break data "
+                          "parallelism (each rank must hold a whole replica); leave model.device_map=rank")
+    if cfg.device_map != "rank":
+        raise ConfigError(f"model.device_map={cfg.device_map}: expected rank (the whole model on this rank's device)")
+    if cfg.quantize == Quantize.nf4 and not cfg.lora.enabled:
+        raise ConfigError("model.quantize=nf4 needs model.lora.enabled=true: 4-bit base weights are frozen, only "
+                          "adapters can train")
+    if cfg.quantize == Quantize.nf4 and cfg.pretrained is None:
+        raise ConfigError("model.quantize=nf4 needs model.pretrained: weights are quantized as they load")
+    if cfg.lora.enabled and parallel.zero_stage >= 2:
+        raise ConfigError(f"model.lora.enabled=true cannot be combined with parallel.zero_stage={parallel.zero_stage}: "
+                          "adapters are small, so shard nothing (0) or the optimizer state (1)")
+    if cfg.checkpoint_reentrant and not cfg.gradient_checkpointing:
+        raise ConfigError("model.checkpoint_reentrant=true needs model.gradient_checkpointing=true")
+
+
+def _local_path(name: str) -> bool:
+    """A file-system path rather than a hub id (``name`` or ``org/name``)."""
+    return name.startswith((".", "/", "~")) or len(Path(name).parts) > 2
+
+
+def reentrant_failure(exc: BaseException) -> ConfigError:
+    """The one line for a backward that failed under ``model.checkpoint_reentrant=true``.
+
+    Reentrant checkpointing re-runs each block's forward inside backward; under DDP that can mark a gradient
+    ready twice ("Expected to mark a variable ready only once"), and behind frozen inputs it skips the block's
+    gradients. The non-reentrant variant has neither problem.
+    """
+    first = flat(str(exc), 160)
+    return ConfigError(f"model.checkpoint_reentrant=true: backward failed under data parallelism ({first}); "
+                       "set model.checkpoint_reentrant=false")
+
+
+def load_kwargs(cfg: ModelConfig, device: torch.device | None) -> dict[str, Any]:
+    """``from_pretrained`` arguments: the base dtype, this rank's device only, and NF4 quantization if asked."""
+    device = device or torch.device("cpu")
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype],
+                              "device_map": {"": device.index if device.type == "cuda" else device.type}}
+    if cfg.quantize == Quantize.nf4:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    return kwargs
+
+
+def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
+    """Gradient checkpointing, k-bit preparation and LoRA adapters, as ``model.*`` asks; the model otherwise."""
+    ckpt_kwargs = {"use_reentrant": cfg.checkpoint_reentrant}
+    if cfg.quantize == Quantize.nf4:
+        from peft import prepare_model_for_kbit_training
+
+        # Freezes the base, keeps norms and embeddings in fp32, and (with checkpointing) makes the embedding
+        # output require grad so that adapters behind frozen inputs still receive gradients.
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
+        )
+    elif cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+    if not cfg.lora.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora.target_modules
+    lora = LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
+        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+    )
+    try:
+        return get_peft_model(model, lora)  # adapters in fp32 whatever the base dtype (peft's default)
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.target_modules={list(targets)}: {flat(str(exc), 200)}") from exc
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; a 4-bit weight counts as the elements it stands for, not its packed bytes."""
+    trainable = total = 0
+    for p in model.parameters():
+        quant = getattr(p, "quant_state", None)
+        n = quant.shape.numel() if quant is not None else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def trainable_line(trainable: int, total: int, comm_bytes: float | None) -> str:
+    """``1.2M of 1.1B trainable; 4.8 MB all-reduced per step`` (bytes measured on the first step, if any)."""
+    line = f"{_count(trainable)} of {_count(total)} trainable"
+    return line if comm_bytes is None else f"{line}; {comm_bytes / 1e6:.3g} MB all-reduced per step"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def export_adapter_and_merged(model: torch.nn.Module, cfg: ModelConfig, tokenizer: Any, run_dir: Path) -> None:
+    """Rank 0: the adapter in peft's format (``adapter/``) and the merged model (``model/``, save_pretrained).
+
+    Full-precision bases merge in place (the run is over). A 4-bit base is reloaded unquantized from
+    ``model.pretrained`` and the adapter merged into it: merging into NF4 would quantize the update away.
+    """
+    from peft import PeftModel
+
+    adapter = run_dir / "adapter"
+    model.save_pretrained(str(adapter))
+    if cfg.quantize == Quantize.nf4:
+        base = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=DTYPES[cfg.dtype], device_map={"": "cpu"})
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    else:
+        merged = model.merge_and_unload()  # type: ignore[operator]
+    merged.save_pretrained(str(run_dir / "model"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(run_dir / "model"))
+    log.info("adapter saved in %s; merged model exported with save_pretrained: %s", adapter, run_dir / "model")

@@ -1,0 +1,290 @@
+"""Fine-tuning under data parallelism: LoRA/QLoRA gradients, exact token-weighted loss, checkpointing, outputs."""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from ddptrain.config import LoraSettings, ModelConfig, ParallelConfig
+from ddptrain.data.instruct import IGNORE, PadCollate, encode, generated_instructions
+from ddptrain.data.tokenizer import train_bpe
+from ddptrain.errors import ConfigError
+from ddptrain.models import build_model
+from ddptrain.models.flops import lora_param_count
+from ddptrain.models.lora import parameter_counts, prepare_for_finetuning
+from ddptrain.parallel import wrap_model
+from ddptrain.plan import Plan, build_plan, render_plan
+from ddptrain.train.loop import accumulate_gradients
+from tests.cli import run_cli
+from tests.dist import run_distributed
+from tests.runs import make_config, train_each
+
+LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
+# Completion lengths per sequence: rank 0's micro batches hold 1-2 loss tokens, rank 1's 20+ (mbs 2, accum 2).
+COMPLETIONS = [1, 2, 1, 1, 22, 20, 18, 21]
+B, ACCUM, WIDTH = 2, 2, 28
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny "pretrained" Llama and its tokenizer, saved with save_pretrained (what a user brings).
+
+    Width 64: bitsandbytes packs 4-bit weights for the CPU in blocks of 64 input features.
+    """
+    out = tmp_path_factory.mktemp("base")
+    tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(400)], 320)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _global_batch() -> dict[str, torch.Tensor]:
+    """8 padded sequences with very different numbers of completion (loss) tokens."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for completion in COMPLETIONS:
+        prompt = int(torch.randint(3, 6, (), generator=g))
+        ids = torch.randint(0, 320, (prompt + completion,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]})
+    return PadCollate(pad_id=0)(rows)
+
+
+def _micro_batches(rank: int) -> list[dict[str, torch.Tensor]]:
+    batch = _global_batch()
+    mine = {k: v[rank * B * ACCUM : (rank + 1) * B * ACCUM] for k, v in batch.items()}
+    return [{k: v[i * B : (i + 1) * B] for k, v in mine.items()} for i in range(ACCUM)]
+
+
+def _lora_model(base: Path, **model: object) -> torch.nn.Module:
+    """The adapted base; LoRA's B starts at zero, so it is set at random (seeded) to give A a gradient too."""
+    cfg = ModelConfig(pretrained=str(base), lora=LORA, **model)  # type: ignore[arg-type]
+    torch.manual_seed(1)
+    peft = prepare_for_finetuning(build_model(cfg, 384), cfg)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return peft
+
+
+def _adapter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Adapter gradients after one accumulated step: exact (checkpointing off/on) and naive mean of means."""
+    out = {}
+    checkpointed = {"gradient_checkpointing": True}
+    reentrant = {**checkpointed, "checkpoint_reentrant": True}
+    for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant)):
+        model = _lora_model(base, **kwargs)
+        wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
+        accumulate_gradients(wrapped.module, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
+                             token_weighted=True)
+        out[variant] = _adapter_grads(model)
+    model = _lora_model(base)
+    wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
+    for i, micro in enumerate(_micro_batches(rank)):  # the classic bug: each micro batch's own token mean
+        with wrapped.maybe_sync(i == ACCUM - 1):
+            (wrapped.module(**micro).loss / ACCUM).backward()
+    out["mean_of_means"] = _adapter_grads(model)
+    return out
+
+
+def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base: Path) -> None:
+    reference = _lora_model(base)
+    reference(**_global_batch()).loss.backward()  # the model's own mean over every loss token of the batch
+    expected = _adapter_grads(reference)
+    assert len(expected) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers: adapters only
+    results = run_distributed(_grads_on_two_ranks, 2, base)
+    for rank, grads in enumerate(results):
+        for variant in ("exact", "checkpointed", "reentrant"):
+            assert grads[variant].keys() == expected.keys()
+            for name, grad in grads[variant].items():
+                torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5,
+                                           msg=f"rank {rank} {variant} {name}")
+        naive = grads["mean_of_means"]
+        worst = max((naive[n] - g).abs().max() / g.abs().max() for n, g in expected.items())
+        assert worst > 0.05, f"mean of means should be visibly wrong here, off by {worst:.3g} at most"
+
+
+def _train_with_failing_backward(rank: int, world_size: int, tmp: str, base: dict) -> dict[bool, str]:
+    """Train with a backward that fails as torch DDP does when a gradient is marked ready twice."""
+    import ddptrain.train.loop as loop
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Expected to mark a variable ready only once. This error is caused by one of the "
+                           "following reasons: 1) Use of a module parameter outside the `forward` function.")
+
+    loop.accumulate_gradients = fail  # type: ignore[assignment]  # this spawned process only
+    out = {}
+    for reentrant in (True, False):
+        model = {"gradient_checkpointing": True, "checkpoint_reentrant": reentrant}
+        try:
+            train_each(rank, world_size, tmp, base, [{"model": model, "checkpoint": {"export": False}}])
+            out[reentrant] = "no error"
+        except (ConfigError, RuntimeError) as exc:
+            out[reentrant] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_a_reentrant_checkpointing_failure_says_what_to_change(base: Path, tmp_path: Path) -> None:
+    """Reentrant checkpointing trained correctly under DDP here (see the gradient test above); where it fails
+    (other torch versions, models), the failure becomes one line that names the key to change."""
+    (messages,) = run_distributed(_train_with_failing_backward, 1, str(tmp_path), _finetune_base(base))
+    assert messages[True].startswith("ConfigError: model.checkpoint_reentrant=true: backward failed under data "
+                                     "parallelism (Expected to mark a variable ready only once.")
+    assert messages[True].endswith("set model.checkpoint_reentrant=false") and "\n" not in messages[True]
+    # Without reentrant checkpointing the same failure is not ours to explain: it propagates unchanged.
+    assert messages[False].startswith("RuntimeError: Expected to mark a variable ready only once")
+
+
+def test_prompt_and_padding_carry_no_loss(base: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    cfg = make_config(str(base), {"data": {"seq_len": 40, "chat_template": True}}).data
+    plain = encode([("What is 1 plus 2?", "3."), ("Spell 'os' backwards.", "'so'.")], tok, cfg)
+    prompt = tok("What is 1 plus 2?")["input_ids"]
+    row = plain[0]
+    assert row["labels"][: len(prompt)] == [IGNORE] * len(prompt)
+    assert row["labels"][len(prompt) :] == row["input_ids"][len(prompt) :] and row["input_ids"][-1] == tok.eos_token_id
+    batch = PadCollate(pad_id=0)([plain[0], plain[1]])
+    short = int(batch["attention_mask"].sum(1).argmin())
+    pad = batch["attention_mask"][short] == 0
+    assert pad.any() and (batch["labels"][short][pad] == IGNORE).all()
+    tok.chat_template = "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}<bot>"
+    templated = encode([("What is 1 plus 2?", "3.")], tok, cfg)[0]
+    assert tok.decode(templated["input_ids"]).startswith("<user>What is 1 plus 2?</user><bot>")
+    assert len(templated["input_ids"]) - templated["labels"].count(IGNORE) == len(row["input_ids"]) - len(prompt)
+
+
+def _finetune_base(base: Path) -> dict:
+    return {
+        "model": {"pretrained": str(base), "lora": {"enabled": True, "r": 4, "alpha": 8.0}},
+        "data": {"source": "instructions", "format": "prompt_completion", "tokenizer": str(base), "num_samples": 160,
+                 "seq_len": 40, "global_batch_size": 8, "micro_batch_size": 2},
+        "train": {"steps": 4, "log_every": 1, "eval_every": 4}, "optim": {"lr": 1e-2, "warmup_steps": 0},
+        "checkpoint": {"export": True, "every_n_steps": 2},
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_runs(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One 2-rank process group trains LoRA on torch DDP, ZeRO-1, a from-scratch engine, QLoRA, a resume, fp16."""
+    tmp = tmp_path_factory.mktemp("lora")
+    variants = [
+        {},
+        {"parallel": {"zero_stage": 1}},
+        {"parallel": {"engine": "bucketed"}},
+        {"model": {"quantize": "nf4", "gradient_checkpointing": True}},
+        {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
+        {"parallel": {"compression": "fp16"}},
+    ]
+    return run_distributed(train_each, 2, str(tmp), _finetune_base(base), variants, timeout=400)[0]
+
+
+@pytest.mark.parametrize(("run", "what", "width"),
+                         [(0, "torch DDP", 4), (1, "ZeRO-1", 4), (2, "bucketed engine", 4), (3, "QLoRA", 4),
+                          (5, "fp16 compression", 2)])
+def test_only_adapter_gradients_cross_the_wire(lora_runs: list[dict], run: int, what: str, width: int) -> None:
+    summary, metrics = lora_runs[run]["summary"], lora_runs[run]["metrics"]
+    trainable = summary["trainable_parameters"]
+    assert 0 < trainable < summary["parameters"] / 4, what
+    assert [m["comm_bytes"] for m in metrics] == [width * trainable] * 4, what  # adapter gradients, exactly
+    assert all(m["loss"] == m["loss"] for m in metrics) and metrics[-1]["loss"] < metrics[0]["loss"], what
+    assert "val_loss" in metrics[-1]
+
+
+def _base_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A peft state dict's frozen base weights under the base model's own names."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in state.items()
+            if "lora_" not in k}
+
+
+def test_frozen_base_is_bit_identical_after_training(base: Path, lora_runs: list[dict]) -> None:
+    trained = torch.load(Path(lora_runs[0]["dir"]) / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
+    original = load_file(base / "model.safetensors")
+    after = _base_weights(trained)
+    assert original.keys() <= after.keys()
+    for name, weight in original.items():
+        assert torch.equal(after[name], weight), name
+
+
+def test_merged_export_loads_with_transformers_and_matches_the_adapter(base: Path, lora_runs: list[dict]) -> None:
+    from peft import PeftModel
+
+    for run in (0, 3):  # full-precision base (merged in place) and NF4 base (merged into the unquantized weights)
+        run_dir = Path(lora_runs[run]["dir"])
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "adapter")
+        ids = _global_batch()["input_ids"]
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits,
+                                       rtol=1e-4, atol=1e-4)
+        assert (run_dir / "model" / "tokenizer.json").is_file()
+
+
+def test_resume_restores_adapter_and_optimizer_exactly(lora_runs: list[dict]) -> None:
+    straight, resumed = (Path(lora_runs[i]["dir"]) for i in (0, 4))
+    assert [m["step"] for m in lora_runs[4]["metrics"]] == [3, 4]
+    assert lora_runs[4]["metrics"][-1]["loss"] == lora_runs[0]["metrics"][-1]["loss"]
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_parameter_counts_see_through_4bit_packing(base: Path) -> None:
+    full = ModelConfig(pretrained=str(base))
+    nf4 = ModelConfig(pretrained=str(base), quantize="nf4", lora=LORA)  # type: ignore[arg-type]
+    _, total = parameter_counts(build_model(full, 384))
+    trainable, total_nf4 = parameter_counts(prepare_for_finetuning(build_model(nf4, 384), nf4))
+    assert total_nf4 == total + trainable
+
+
+@pytest.mark.slow
+def test_lora_quickstart_trains_through_the_cli_and_the_completion_loss_falls(base: Path, tmp_path: Path) -> None:
+    result = run_cli(["+experiment=lora_quickstart", f"model.pretrained={base}", "data.num_samples=600",
+                      "train.steps=60", "train.log_every=10", "train.eval_every=30", "optim.lr=1e-2"],
+                     cwd=tmp_path, cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = (tmp_path / "outputs").iterdir()
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # The test's base is untrained, so adapters alone move the completion loss slowly (the quickstart's trained
+    # base falls much further; see the README); 30 steps here took it down by 0.35 nats.
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert re.search(r"[\d.]+K of [\d.]+K trainable; [\d.]+ MB all-reduced per step", (run / "train.log").read_text())
+    assert (run / "adapter" / "adapter_config.json").is_file() and (run / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_planner_counts_the_adapters_peft_builds(arch: str) -> None:
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, lora=LORA)
+    trainable, _ = parameter_counts(prepare_for_finetuning(build_model(cfg, 384), cfg))
+    assert lora_param_count(cfg) == trainable
+    only_q = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, lora=LoraSettings(True, 4, 8.0, 0.0, ["q_proj"]))
+    assert lora_param_count(only_q) == parameter_counts(prepare_for_finetuning(build_model(only_q, 384), only_q))[0]
+
+
+def test_planner_sends_adapter_gradients_only_and_shrinks_the_frozen_base() -> None:
+    def plan(**model: object) -> Plan:
+        cfg = make_config("/tmp", {"model": {"lora": {"enabled": True}, **model}, "data": {"vocab_size": 8192}})
+        return build_plan(cfg, 2, None)
+
+    bf16, nf4 = plan(dtype="bf16"), plan(quantize="nf4", pretrained="x")
+    trainable = lora_param_count(make_config("/tmp", {"model": {"lora": {"enabled": True}}}).model)
+    assert bf16.trainable == nf4.trainable == trainable
+    assert bf16.comm[0].nbytes == 4 * trainable  # 2(N-1)/N x 4 bytes x adapters, N = 2
+    assert bf16.memory[0].grads == 4 * trainable and bf16.memory[1].optimizer == 8 * trainable / 2
+    assert nf4.memory[0].params < bf16.memory[0].params < plan(dtype="fp32").memory[0].params
+    assert "LoRA adapter parameters (frozen base in nf4" in render_plan(nf4)
