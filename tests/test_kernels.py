@@ -143,6 +143,15 @@ def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm:
     assert torch.equal(clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0, "triton"), torch.tensor(0.0))
 
 
+def test_norm_only_leaves_gradients_untouched(sources: list[torch.Tensor]) -> None:
+    params = [torch.nn.Parameter(torch.zeros(t.shape)) for t in sources[:4]]
+    for p, t in zip(params, sources[:4], strict=True):
+        p.grad = t.clone()
+    norm = clip_grad_norm(params, None, "triton")
+    torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(sources[:4]), rtol=1e-6, atol=0)
+    assert all(torch.equal(p.grad, t) for p, t in zip(params, sources[:4], strict=True))
+
+
 def _special_values() -> torch.Tensor:
     """Ties at every rounding boundary, infinities, the largest finite values, subnormals, signed zeros."""
     bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0xFF7F_FFFF, 0x0000_8000,

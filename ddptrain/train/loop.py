@@ -223,7 +223,7 @@ def accumulate_gradients(
     return loss_sum
 
 
-def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str) -> torch.Tensor:
+def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str = "auto") -> torch.Tensor:
     """Clip to ``grad_clip`` global norm (0: no clipping) on ``kernels``' norm and scaling (``parallel.kernels``);
     returns the norm before clipping.
 
