@@ -237,6 +237,14 @@ class DataConfig:
                  f"data.prepare_timeout_s={self.prepare_timeout_s}: expected a positive number of seconds")
 
 
+class Kernels(StrEnum):
+    """Who runs the element-wise passes around gradient collectives (pack, average, norm, clip, bf16 casts)."""
+
+    auto = "auto"  # Triton on CUDA when it is importable, else torch
+    triton = "triton"  # always Triton: a start-up error where it cannot run
+    torch = "torch"  # always the torch ops
+
+
 @dataclass
 class ParallelConfig:
     """How gradients travel and where model state lives."""
@@ -255,6 +263,7 @@ class ParallelConfig:
     error_feedback: bool = True  # powersgd/topk: carry what was not sent into the next step
     zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
+    kernels: Kernels = Kernels.auto  # fused Triton kernels for our engines, the clip step and the bf16 hook
     wrap_single: bool = False  # world size 1: wrap anyway (to measure the wrapper's overhead); default: bare model
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from ddptrain.config import Config, DataFormat, computes_in_bf16
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import inject, poison_loss
+from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import (
@@ -114,7 +115,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             save_step = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
             stopping = 0  # the agreed signal number; 0: go on
             with meter.timer.phase("optimizer"):
-                grad_norm = clip_gradients(model, cfg.optim.grad_clip)
+                grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
                 nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
                 apply_update(optimizer, nonfinite)
                 nonfinite_steps.record(nonfinite, step)
@@ -245,17 +246,15 @@ def accumulate_gradients(
     return loss_sum
 
 
-def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
-    """Clip to ``grad_clip`` global norm (0: no clipping); returns the norm before clipping.
+def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str = "auto") -> torch.Tensor:
+    """Clip to ``grad_clip`` global norm (0: no clipping) on ``kernels``' norm and scaling (``parallel.kernels``);
+    returns the norm before clipping.
 
     With clipping off only the norm is computed (it is logged and checked for non-finite values), never the
     scaling pass. With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards (on the CPU with
     CPU offload, hence gloo next to NCCL); its full value is returned.
     """
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else None, kernels)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
