@@ -1,7 +1,9 @@
-# ddptrain on NVIDIA GPUs: CUDA runtime + the pinned torch CUDA build + the package, `ddptrain` on PATH.
+# ddptrain on NVIDIA GPUs: the pinned torch CUDA build + the package, `ddptrain` on PATH, run as a non-root user.
 #   docker build -t ddptrain .
 #   docker run --gpus all --ipc=host ddptrain torchrun --nproc-per-node=8 -m ddptrain +experiment=gpt2_small
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# The CUDA base image (not -runtime/-cudnn): the torch wheel brings its own CUDA runtime, cuBLAS, cuDNN and NCCL
+# as pip packages, so a -runtime/-cudnn image would hold a second copy of each; the driver comes from the host.
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -26,7 +28,18 @@ WORKDIR /opt/ddptrain
 COPY pyproject.toml README.md ./
 COPY ddptrain ./ddptrain
 COPY configs ./configs
-RUN pip install .
+# Fail the build, not the first GPU run, if the torch that ends up installed is a CPU build.
+RUN pip install . \
+    && python -c "import torch; assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'"
+
+# A non-root user with a writable home: the data cache (~/.cache/ddptrain) and Hugging Face's cache live there.
+RUN groupadd --gid 10001 ddptrain \
+    && useradd --create-home --no-log-init --shell /bin/bash --uid 10001 --gid 10001 ddptrain \
+    && mkdir -p /workspace \
+    && chown ddptrain:ddptrain /workspace
+USER 10001:10001
+ENV HOME=/home/ddptrain \
+    HF_HOME=/home/ddptrain/.cache/huggingface
 
 WORKDIR /workspace
 CMD ["ddptrain", "--help"]

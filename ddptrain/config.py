@@ -210,6 +210,7 @@ class DataConfig:
     cache_dir: str = "${oc.env:DDPTRAIN_CACHE_DIR,${oc.env:HOME,.}/.cache/ddptrain}"
     shuffle: bool = True
     num_workers: int = 0
+    prepare_timeout_s: float = 3600.0  # how long other ranks wait for rank 0 to tokenize into cache_dir
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size"):
@@ -223,6 +224,8 @@ class DataConfig:
                  "data.paths: expected at least one local file for data.source=files")
         _require(self.source != DataSource.hub or bool(self.name),
                  "data.name: expected a hub data set name for data.source=hub")
+        _require(self.prepare_timeout_s > 0,
+                 f"data.prepare_timeout_s={self.prepare_timeout_s}: expected a positive number of seconds")
 
 
 @dataclass
@@ -358,6 +361,7 @@ class CheckpointConfig:
     keep_last: int = 2
     dir: str = "checkpoints"  # relative to the run directory
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
+    async_save: bool = False  # copy state to host memory and write it in the background (at most one in flight)
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0 and self.keep_last >= 1,
@@ -380,10 +384,11 @@ class PlanConfig:
 class MetricsConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: look the device up
     baseline: str | None = None  # single-rank tokens/s, or a run directory whose summary.json holds it
-    sample_every: int = 1  # time the step breakdown every k steps
+    sample_every: int | None = None  # time the step breakdown every k steps; None: 1 on CPU, 10 on CUDA (syncs)
 
     def __post_init__(self) -> None:
-        _positive("metrics", self, "sample_every")
+        _require(self.sample_every is None or self.sample_every >= 1,
+                 f"metrics.sample_every={self.sample_every}: expected a positive integer (or null)")
 
 
 @dataclass
@@ -424,6 +429,11 @@ class Config:
         _require(not self.profile.enabled or window <= self.train.steps,
                  f"profile: wait {self.profile.wait} + warmup {self.profile.warmup} + active {self.profile.active} "
                  f"steps exceed train.steps={self.train.steps}")
+
+
+def computes_in_bf16(precision: str, device_type: str) -> bool:
+    """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
+    return precision == Precision.bf16 or (precision == Precision.auto and device_type == "cuda")
 
 
 def job_config(cfg: DictConfig) -> DictConfig:

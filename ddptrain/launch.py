@@ -105,7 +105,7 @@ def run_worker(run: Run) -> int:
     validate_config(typed, env.world_size)
     from ddptrain.train import train
 
-    with distributed(typed.dist) as (env, device):
+    with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload) as (env, device):
         run_dir = shared_run_dir(run.cfg.hydra.run.dir)
         setup_logging(env.rank, run_dir)
         if env.is_main:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -62,20 +63,24 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
-def pick_backend(cfg: DistConfig, device: torch.device) -> str:
+def pick_backend(cfg: DistConfig, device: torch.device, cpu_collectives: bool = False) -> str:
+    """The process group's backend. With ``cpu_collectives`` on CUDA (CPU offload keeps gradient shards and the
+    norm that clips them on the CPU) NCCL runs CUDA tensors and gloo CPU ones: ``cuda:nccl,cpu:gloo``."""
     if cfg.backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if cfg.backend == "nccl" and device.type != "cuda":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    elif cfg.backend == "nccl" and device.type != "cuda":
         raise ConfigError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on CPU")
-    return cfg.backend
+    else:
+        backend = cfg.backend
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" and cpu_collectives else backend
 
 
-def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device) -> None:
+def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_collectives: bool = False) -> None:
     """Join the job's process group (a one-rank group when run in-process) with the configured timeout."""
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group(
-        backend=pick_backend(cfg, device),
+        backend=pick_backend(cfg, device, cpu_collectives),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
@@ -120,24 +125,46 @@ def broadcast_from_main(value: T) -> T:
     return box[0]
 
 
-def main_first(env: DistEnv, fn: Callable[[], T]) -> T:
+def main_first(env: DistEnv, fn: Callable[[], T], timeout_s: float) -> T:
     """Run ``fn`` on rank 0, then on the others (which reuse what rank 0 cached).
 
-    A ConfigError on rank 0 is re-raised on every rank, so no rank waits at a barrier for a peer that quit.
+    The others wait on the job's key-value store, not in a collective: rank 0 tokenizing a large corpus is not a
+    collective timeout (an NCCL watchdog abort), and a wait past ``timeout_s`` ends with a message saying so. An
+    error on rank 0 is re-raised on every rank, so no rank waits for a peer that quit.
     """
-    result: T | None = None
-    error: str | None = None
+    if env.world_size == 1:
+        return fn()
+    store = dist.distributed_c10d._get_default_store()
+    # A restarted job may find the keys of its previous attempt in the same store.
+    key = f"ddptrain/main_first/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_main_first_calls)}"
     if env.is_main:
         try:
             result = fn()
         except ConfigError as exc:
-            error = str(exc)
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ConfigError(error)
-    if not env.is_main:
-        result = fn()
-    return result  # type: ignore[return-value]
+            store.set(key, f"{_CONFIG_ERROR}{exc}")
+            raise
+        except Exception as exc:
+            store.set(key, f"rank 0 failed while preparing: {type(exc).__name__}: {exc}")
+            raise
+        store.set(key, _DONE)
+        return result
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:  # the store's timeout
+        raise ConfigError(
+            f"data.prepare_timeout_s={timeout_s:g}: rank {env.rank} waited that long for rank 0 to prepare the data "
+            "(tokenizing into data.cache_dir); raise it, or prepare the cache with a one-process run first"
+        ) from exc
+    status = store.get(key).decode()
+    if status.startswith(_CONFIG_ERROR):
+        raise ConfigError(status.removeprefix(_CONFIG_ERROR))
+    if status != _DONE:
+        raise RuntimeError(status)
+    return fn()
+
+
+_main_first_calls = itertools.count()  # one store key per call, the same sequence on every rank
+_DONE, _CONFIG_ERROR = "done", "config error: "
 
 
 def shared_run_dir(configured: str) -> Path:
@@ -169,14 +196,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def apply_debug_level(debug: str) -> None:
+    """``dist.debug=info|detail``: torch's distributed debug level, for the process groups created from now on.
+
+    torch reads ``TORCH_DISTRIBUTED_DEBUG`` once, at import; setting the variable later changes nothing until
+    ``set_debug_level_from_env()`` reads it again. With detail, each group checks that every rank calls the same
+    collective with the same shapes and names the mismatch, instead of hanging or failing obscurely.
+    """
+    if debug != "off":
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug.upper()
+        dist.set_debug_level_from_env()
+
+
 @contextmanager
-def distributed(cfg: DistConfig) -> Iterator[tuple[DistEnv, torch.device]]:
-    """The process group for the duration of a run; always torn down, errors included."""
-    if cfg.debug != "off":
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = cfg.debug.upper()
+def distributed(cfg: DistConfig, cpu_collectives: bool = False) -> Iterator[tuple[DistEnv, torch.device]]:
+    """The process group for the duration of a run (``cpu_collectives``: CPU tensors too, on CUDA); always torn
+    down, errors included."""
+    apply_debug_level(cfg.debug)
     env = DistEnv.from_environ()
     device = pick_device(env)
-    init_process_group(cfg, env, device)
+    init_process_group(cfg, env, device, cpu_collectives)
     clean = False
     try:
         yield env, device

@@ -7,7 +7,8 @@ Runs every variant through the real training loop inside one torchrun job, inter
     torchrun --standalone --nproc-per-node=2 scripts/bench_parallel.py --suite telemetry --repeats 7
     torchrun --standalone --nproc-per-node=1 scripts/bench_parallel.py --suite single --repeats 7
 
-``--suite telemetry`` measures what the step-breakdown timing costs: every step timed against none.
+``--suite telemetry`` measures what the step-breakdown timing costs: every step timed, the default sampling
+(every step on CPU, every 10th on CUDA), and none. With CUDA present each rank trains on cuda:LOCAL_RANK over NCCL.
 ``--suite single`` (one rank) measures what a wrapper costs where there is nothing to synchronise: the bare
 model against DDP, our bucketed engine and FSDP2, each forced on with ``parallel.wrap_single``.
 Every suite's first variant is the reference of its ratios.
@@ -42,6 +43,7 @@ SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config 
     },
     "telemetry": {
         "DDP (stage 0)": {"metrics": {"sample_every": 10**9}},  # the breakdown timer never runs
+        "default sampling": {"metrics": {"sample_every": None}},
         "timed every step": {"metrics": {"sample_every": 1}},
     },
     "single": {
@@ -70,8 +72,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--suite", choices=sorted(SUITES), default="strategies")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
     env = DistEnv.from_environ()
+    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     logging.basicConfig(level=logging.WARNING)
     out = Path(tempfile.gettempdir()) / "ddptrain-bench-parallel"
     variants = SUITES[args.suite]
@@ -85,7 +90,7 @@ def main() -> None:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run dir per repeat
             dist.barrier()
             run_dir.mkdir(parents=True, exist_ok=True)
-            summary = train(config(args.steps, out, overrides), env, torch.device("cpu"), run_dir, {})
+            summary = train(config(args.steps, out, overrides), env, device, run_dir, {})
             times[name].append(summary["step_time_s"])
             state[name] = summary["model_state"]
             comm[name] = summary.get("comm_bytes", float("nan"))

@@ -49,15 +49,16 @@ def _stream(dataset: Dataset, rank: int, dp: int = 2) -> MicroBatches:
 def test_micro_batches_resume_mid_epoch_exactly_and_reshuffle_each_epoch() -> None:
     ds = Dataset.from_dict({"input_ids": [[i] * 4 for i in range(20)]}).with_format("torch")
     straight = _stream(ds, rank=0)
-    seen = [next(straight)[:, 0].tolist() for _ in range(12)]  # 5 batches per epoch: crosses two epochs
-    assert seen[:5] != seen[5:10], "epoch 1 must be shuffled differently from epoch 0 (set_epoch)"
+    # Epochs are cut to whole global batches (16 of 20 samples): 4 batches per rank, so 12 cross two epochs.
+    seen = [next(straight)[:, 0].tolist() for _ in range(12)]
+    assert seen[:4] != seen[4:8], "epoch 1 must be shuffled differently from epoch 0"
     interrupted = _stream(ds, rank=0)
     first = [next(interrupted)[:, 0].tolist() for _ in range(7)]
     resumed = _stream(ds, rank=0)
     resumed.load_state_dict(interrupted.state_dict())
     assert first + [next(resumed)[:, 0].tolist() for _ in range(5)] == seen
     other = _stream(ds, rank=1)
-    assert not {i for b in seen[:5] for i in b} & {i for _ in range(5) for i in next(other)[:, 0].tolist()}
+    assert not {i for b in seen[:4] for i in b} & {i for _ in range(4) for i in next(other)[:, 0].tolist()}
 
 
 def _cfg(tmp_path: Path, **kw: object) -> DataConfig:

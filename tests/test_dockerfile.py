@@ -27,3 +27,18 @@ def test_dockerfile_pins_the_torch_the_package_pins() -> None:
     image = re.search(r"ARG TORCH_VERSION=([\d.]+)", (ROOT / "Dockerfile").read_text())
     assert pinned and image and pinned.group(1) == image.group(1)
     assert re.search(r"^FROM \S+:\d+\.\d+\.\d+-", (ROOT / "Dockerfile").read_text(), re.M), "base image unpinned"
+
+
+def test_the_image_is_checked_for_a_cuda_torch_and_runs_unprivileged() -> None:
+    """A CPU torch fails the build; the base image does not duplicate the CUDA libraries the torch wheel brings;
+    the package and its configs are copied before ``pip install .``; the user is not root and has a home."""
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", text, re.M)
+    assert base and "-base-" in base.group(1), "a -runtime/-cudnn base duplicates the wheel's CUDA libraries"
+    install = text.index("pip install .")
+    assert text.index("COPY configs ./configs") < install and text.index("COPY ddptrain ./ddptrain") < install
+    assert "assert torch.version.cuda" in text[install:], "no build-time check that torch is a CUDA build"
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the image runs as root"
+    assert re.search(r"useradd --create-home .*--uid " + users[-1].split(":")[0], text), "the user has no home"
+    assert "HOME=/home/" in text[text.index("USER "):], "HOME does not point at the user's home"

@@ -70,6 +70,20 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
     _assert_bitwise_equal(uninterrupted[strategy], tmp_path)
 
 
+def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_latest(
+    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path]
+) -> None:
+    args = [*RUN, "checkpoint.async_save=true", f"hydra.run.dir={tmp_path}"]
+    killed = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": "kill@save:4"})
+    assert killed.returncode != 0 and "worker rank 0 failed with exit code -9" in killed.stderr
+    assert "step_000002 (training blocked" in killed.stderr and "background write" in killed.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".tmp-step_000004", "step_000002"]
+    resumed = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_000002 at step 2" in resumed.stderr
+    _assert_bitwise_equal(uninterrupted["ddp"], tmp_path)
+
+
 def test_sigkilled_worker_is_restarted_and_the_run_completes(
     tmp_path: Path, cache: Path, uninterrupted: dict[str, Path]
 ) -> None:

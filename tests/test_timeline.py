@@ -72,14 +72,19 @@ def test_cpu_trace_figures_are_exact() -> None:
 
 
 def test_cuda_trace_counts_kernels_of_the_step_by_launch() -> None:
-    """On CUDA the lanes are kernels: a backward kernel 30-70 and an NCCL kernel 50-90 overlap for 20 µs; a kernel
-    launched in the next step does not belong to this one."""
+    """On CUDA the lanes are kernels, launched from any thread of the process: forward from the training thread (1),
+    backward from the autograd engine's device thread (2), and NCCL through the driver (``cuLaunchKernelEx``). A
+    forward kernel 20-30, a backward kernel 30-70 and an NCCL kernel 50-90 (20 µs of it hidden); a kernel launched
+    in the next step does not belong to this one."""
     trace = {"traceEvents": [
         op("ProfilerStep#3", 0, 60, cat="user_annotation"),
-        op("autograd::engine::evaluate_function: MmBackward0", 0, 40),
-        op("cudaLaunchKernel", 5, 2, cat="cuda_runtime", correlation=1),
-        op("cudaLaunchKernel", 10, 2, cat="cuda_runtime", correlation=2),
+        op("aten::linear", 1, 3),
+        op("cudaLaunchKernel", 2, 1, cat="cuda_runtime", correlation=4),
+        op("autograd::engine::evaluate_function: MmBackward0", 4, 40, tid=2),
+        op("cudaLaunchKernel", 5, 2, tid=2, cat="cuda_runtime", correlation=1),
+        op("cuLaunchKernelEx", 10, 2, tid=2, cat="cuda_driver", correlation=2),
         op("cudaLaunchKernel", 70, 2, cat="cuda_runtime", correlation=3),
+        {**op("sm80_xmma_gemm", 20, 10, tid=7, cat="kernel", correlation=4), "pid": 0},
         {**op("sm80_xmma_gemm", 30, 40, tid=7, cat="kernel", correlation=1), "pid": 0},
         {**op("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 40, tid=13, cat="kernel", correlation=2), "pid": 0},
         {**op("sm80_xmma_gemm", 95, 5, tid=7, cat="kernel", correlation=3), "pid": 0},
@@ -87,7 +92,8 @@ def test_cuda_trace_counts_kernels_of_the_step_by_launch() -> None:
     timeline = read_step(trace)
     figures = timeline.figures()
     assert figures["step_s"] == pytest.approx(90e-6)  # the step's kernels end after its CPU range
-    assert figures["compute_s"] == pytest.approx(40e-6) and figures["backward_s"] == pytest.approx(40e-6)
+    assert figures["compute_s"] == pytest.approx(50e-6) and figures["backward_s"] == pytest.approx(40e-6)
+    assert figures["forward_s"] == pytest.approx(10e-6)
     assert figures["comm_s"] == pytest.approx(40e-6) and figures["overlap_s"] == pytest.approx(20e-6)
     assert list(timeline.comm) == ["stream 13"]
 

@@ -1,47 +1,69 @@
-"""Per-rank micro batches: a resumable DistributedSampler over epochs, and the validation loader."""
+"""Per-rank micro batches from one global sample order (resumable on any world size), and the validation loader."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ddptrain.data.batch import BatchPlan
 from ddptrain.errors import ConfigError
 
+log = logging.getLogger(__name__)
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start part-way into an epoch (the data position of a checkpoint)."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.start = 0
+class GlobalOrderSampler(Sampler[int]):
+    """This rank's share of one global sample order that does not depend on the world size.
+
+    Epoch ``e`` visits a permutation seeded by ``seed + e`` (DistributedSampler's), cut to ``epoch_len``; the
+    data position is a global cursor into it and rank ``r`` takes every ``dp``-th index from ``cursor + r`` on.
+    One micro-step of all ranks consumes ``micro_batch x dp`` consecutive positions, one optimizer step
+    ``global_batch`` of them: the samples of each step are the same on any world size.
+    """
+
+    def __init__(self, size: int, epoch_len: int, dp: int, rank: int, shuffle: bool, seed: int) -> None:
+        self.size, self.epoch_len, self.dp, self.rank = size, epoch_len, dp, rank
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch = 0
+        self.cursor = 0  # global position in this epoch's order where iteration starts
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.epoch_len))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.size, generator=generator).tolist()[: self.epoch_len]
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.start :])
+        return iter(self.order(self.epoch)[self.cursor + self.rank :: self.dp])
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(range(self.cursor + self.rank, self.epoch_len, self.dp))
 
 
 class MicroBatches:
-    """An endless stream of this rank's micro batches; calls ``set_epoch`` at every epoch boundary."""
+    """An endless stream of this rank's micro batches over epochs, resumable at a global data position.
+
+    An epoch is cut to whole global batches, so no optimizer step straddles two epochs and the epoch, like the
+    position, means the same on every world size.
+    """
 
     def __init__(
         self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int, shuffle: bool, num_workers: int,
         device: torch.device, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
-        per_rank = len(dataset) // plan.dp
-        if per_rank < plan.micro_batch_size:
+        self.epoch_len = len(dataset) // plan.global_batch_size * plan.global_batch_size
+        if self.epoch_len == 0:
             raise ConfigError(
-                f"data: {len(dataset)} training sequences of {plan.seq_len} tokens cannot fill one micro batch of "
-                f"data.micro_batch_size={plan.micro_batch_size} on each of {plan.dp} ranks"
+                f"data: {len(dataset)} training sequences of {plan.seq_len} tokens cannot fill one global batch of "
+                f"data.global_batch_size={plan.global_batch_size}"
             )
-        self.sampler = ResumableSampler(dataset, plan.dp, rank, shuffle, seed)
+        self.per_micro_step = plan.micro_batch_size * plan.dp
+        self.sampler = GlobalOrderSampler(len(dataset), self.epoch_len, plan.dp, rank, shuffle, seed)
         self.loader = DataLoader(
             dataset, batch_size=plan.micro_batch_size, sampler=self.sampler, drop_last=True,
             num_workers=num_workers, pin_memory=device.type == "cuda", generator=_own_generator(seed),
@@ -49,7 +71,7 @@ class MicroBatches:
         )
         self.device = device
         self.epoch = 0
-        self.batches_in_epoch = 0  # consumed in the current epoch: the data position
+        self.position = 0  # global samples of this epoch consumed by all ranks together: the data position
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
 
     def __iter__(self) -> MicroBatches:
@@ -57,24 +79,35 @@ class MicroBatches:
 
     def __next__(self) -> torch.Tensor | dict[str, torch.Tensor]:
         if self._it is None:
-            self.sampler.set_epoch(self.epoch)
-            self.sampler.start = self.batches_in_epoch * self.loader.batch_size  # type: ignore[operator]
+            self.sampler.epoch, self.sampler.cursor = self.epoch, self.position
             self._it = iter(self.loader)
         try:
             batch = next(self._it)
         except StopIteration:
-            self.epoch, self.batches_in_epoch, self._it = self.epoch + 1, 0, None
+            self.epoch, self.position, self._it = self.epoch + 1, 0, None
             return next(self)
-        self.batches_in_epoch += 1
+        self.position += self.per_micro_step
         if len(batch) == 1:  # packed blocks: the token ids are inputs and labels alike
             return batch["input_ids"].to(self.device, non_blocking=True)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.batches_in_epoch, self._it = state["epoch"], state["batches_in_epoch"], None
+        """Continue at a position saved on any world size. It always starts a micro-step here unless the global
+        batch changed; then the samples it cannot continue from exactly are counted in a warning."""
+        epoch, position = state["epoch"], state["position"]
+        if position >= self.epoch_len:
+            if position > self.epoch_len:
+                log.warning("data position %d is past the end of epoch %d here (%d samples with this global batch): "
+                            "continuing with epoch %d", position, epoch, self.epoch_len, epoch + 1)
+            epoch, position = epoch + 1, 0
+        elif excess := position % self.per_micro_step:
+            log.warning("data position %d is not a multiple of %d sequences per micro-step: the last %d samples "
+                        "before it are seen again", position, self.per_micro_step, excess)
+            position -= excess
+        self.epoch, self.position, self._it = epoch, position, None
 
 
 def eval_batches(

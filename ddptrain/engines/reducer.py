@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.comm import Handle, all_reduce_bytes, all_reduce_sum, when_done
+from ddptrain.comm.clock import CommClock, Mark
 from ddptrain.engines.buckets import Bucket, assign_buckets
 from ddptrain.engines.graph import reachable_leaves
 from ddptrain.engines.stats import CommStats
@@ -75,8 +76,10 @@ class Reducer:
         self.group = group
         self.collective = collective
         self.find_unused_parameters = find_unused_parameters
-        self.stats = CommStats()
-        self._in_flight: list[tuple[float, list[float]]] = []  # (launch, [completion once seen]) per collective
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.clock = CommClock.for_collectives(device, group)  # what the collectives' times are read on
+        self.stats = CommStats(self.clock)
+        self._in_flight: list[tuple[Mark, list[Mark]]] = []  # (launch, [completion once seen]) per collective
         cap = int(bucket_cap_mb * 1024 * 1024) if policy.bucketed else None
         self.buckets = [
             Bucket(indices, [self.params[i] for i in indices], policy.bucketed, gradient_as_bucket_view)
@@ -110,7 +113,7 @@ class Reducer:
 
     def _start_backward(self) -> None:
         self._started = True
-        self.stats = CommStats()
+        self.stats = CommStats(self.clock)
         self._in_flight = []
         self._ready = [False] * len(self.params)
         self._used = [False] * len(self.params)
@@ -145,16 +148,22 @@ class Reducer:
     def _launch(self, tensor: torch.Tensor) -> Handle | None:
         """Start summing ``tensor``; the handle to wait on, or None when the policy already waited."""
         start = perf_counter()
-        handle = self.ordering.launch(tensor, lambda: all_reduce_sum(tensor, self.collective, self.group))
+        launched: list[Mark] = []
+
+        def collective() -> Handle:
+            launched.append(self.clock.mark())  # on the stream the collective is issued from, before it
+            return all_reduce_sum(tensor, self.collective, self.group)
+
+        handle = self.ordering.launch(tensor, collective)
         self.stats.collective_s += perf_counter() - start
         self.stats.bytes_sent += all_reduce_bytes(tensor.numel() * tensor.element_size(), self._world)
         if not self.policy.blocking:
-            completed: list[float] = []
-            when_done(handle, lambda: completed.append(perf_counter()))
-            self._in_flight.append((start, completed))
+            completed: list[Mark] = []
+            when_done(handle, lambda: completed.append(self.clock.mark()))
+            self._in_flight.append((launched[0], completed))
             return handle
         self._join(handle)
-        self.stats.spans.append((start, perf_counter()))
+        self.stats.spans.append((launched[0], self.clock.mark()))
         return None
 
     def _join(self, handle: Handle) -> None:
@@ -163,7 +172,7 @@ class Reducer:
         self.stats.collective_s += perf_counter() - start
 
     def _finalize(self) -> None:
-        start = perf_counter()
+        compute_done = self.clock.mark()  # queued once backward has computed every gradient
         self._armed = False
         missing = [name for name, ready in zip(self.names, self._ready, strict=True) if not ready]
         if missing:
@@ -177,11 +186,11 @@ class Reducer:
             if bucket.handle is not None:
                 self._join(bucket.handle)
             bucket.finish(used)
-        joined = perf_counter()
+        joined = self.clock.mark()  # after the joins: every gradient averaged
         # A completion callback may still be running on the collective's thread: the join bounds it from above.
         self.stats.spans += [(launch, done[0] if done else joined) for launch, done in self._in_flight]
         self._in_flight = []
-        self.stats.exposed_s = joined - start
+        self.stats.exposed = (compute_done, joined)
 
     def _globally_used(self) -> list[bool] | None:
         """Which parameters some rank used (with ``find_unused_parameters``); the others keep ``.grad`` untouched."""

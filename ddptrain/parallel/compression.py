@@ -8,7 +8,6 @@ the training loop reads, and resets, after every optimizer step.
 # ``dist.GradBucket`` and ``Future[Tensor]`` types, and string annotations fail that check.
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.accounting import in_flight_seconds
+from ddptrain.comm.clock import CommClock, Span
 from ddptrain.config import ParallelConfig
 
 
@@ -36,11 +36,12 @@ class CommMeter:
     all-gather of P moves (W-1)·P, so on W ranks TopK's link traffic ratio is W/2 times its payload ratio.
     """
 
+    clock: CommClock  # host clock on gloo, CUDA events on CUDA, none where works complete at enqueue
     comm_bytes: int = 0
     uncompressed_bytes: int = 0
-    # Host clock (perf_counter) of each bucket's hook call and of its future's completion: on gloo the
-    # collective's real span; on NCCL the completion is when the work is enqueued, so spans are a lower bound.
-    spans: list[tuple[float, float]] = field(default_factory=list)
+    # Each bucket's (hook call, completion of its future) on ``clock``. On CUDA the completion is an event
+    # recorded in the future's callback, whose stream waits for the collective, so it marks the device's end.
+    spans: list[Span] = field(default_factory=list)
 
     def record(self, sent_bytes: int, bucket: torch.Tensor) -> None:
         """Charge one bucket's sync: what was sent, and what an uncompressed all-reduce of ``bucket`` would send."""
@@ -57,23 +58,29 @@ class CommMeter:
         self.uncompressed_bytes = 0
         self.spans.clear()
 
-    def comm_seconds(self) -> float:
-        """Wall time during which at least one gradient collective was in flight (union of the spans)."""
-        return in_flight_seconds(self.spans)
+    def timing(self) -> tuple[float | None, float | None]:
+        """(time with a gradient collective in flight, exposed time), or (None, None) where the clock cannot see.
 
-    def last_launch(self) -> float | None:
-        """When the last bucket became ready: the end of backward compute, as DDP sees it."""
-        return max((start for start, _ in self.spans), default=None)
+        Exposed is the time from the last bucket's launch (the end of backward compute, as DDP sees it) to the end
+        of the last collective. On CUDA the events must have completed: read after the step's synchronization.
+        """
+        spans = self.clock.resolve(self.spans)
+        if spans is None:
+            return None, None
+        if not spans:
+            return 0.0, 0.0
+        exposed = max(end for _, end in spans) - max(start for start, _ in spans)
+        return in_flight_seconds(spans), max(0.0, exposed)
 
 
 def _timed(hook: Callable[[Any, dist.GradBucket], Future[torch.Tensor]]) -> Callable[..., Future[torch.Tensor]]:
-    """The same hook, with the span from its call to its future's completion recorded on the meter."""
+    """The same hook, with the span from its call to its future's completion recorded on the meter's clock."""
 
     def timed(state: _State, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        start = time.perf_counter()
+        start = state.meter.clock.mark()
 
         def done(fut: Future[torch.Tensor]) -> torch.Tensor:
-            state.meter.spans.append((start, time.perf_counter()))
+            state.meter.spans.append((start, state.meter.clock.mark()))
             return fut.value()
 
         return hook(state, bucket).then(done)
@@ -180,7 +187,8 @@ def register_compression(
     Every choice, ``none`` included, is metered, so the training loop can always log comm_bytes.
     PowerSGD always warm-starts (torch's recommendation); ``error_feedback`` applies to powersgd and topk.
     """
-    meter = CommMeter()
+    device = next(model.module.parameters()).device
+    meter = CommMeter(CommClock.for_collectives(device, process_group))
     match cfg.compression:
         case "none":
             model.register_comm_hook(_State(process_group, meter), _timed(_allreduce_hook))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddptrain.comm.clock import CommClock
 from ddptrain.config import ParallelConfig
 from ddptrain.parallel.compression import CommMeter, register_compression
 from ddptrain.parallel.zero import fsdp_sync, shard_model
@@ -31,42 +32,55 @@ class Wrapped:
     meter: CommMeter | None  # bytes the gradient hooks put on the wire (DDP-based strategies)
     strategy: str  # what wraps the model, for the log and summary.json ("none" for the bare model)
 
-    def take_sync_sample(self, backward_end: float, world_size: int) -> tuple[SyncSample | None, float | None]:
+    def take_sync_sample(self, world_size: int, sampled: bool) -> tuple[SyncSample | None, float | None]:
         """The last step's gradient sync (bytes, time in flight, exposed time) and compression ratio; resets.
 
-        torch DDP: from the metered hook's spans; backward compute ends when the last bucket is launched.
-        Our engines: from their own ``comm_stats``. FSDP2 stages and the bare model: nothing (None).
+        Only a ``sampled`` step (one the timer synchronized) yields a sample: CUDA events are readable only then.
+        torch DDP: from the metered hook's spans. Our engines: from their own ``comm_stats``. FSDP2 stages and the
+        bare model: nothing (None). Times are None where the backend's clock cannot see its collectives.
         """
         if self.meter is not None:
-            last_launch = self.meter.last_launch()
-            exposed = max(0.0, backward_end - last_launch) if last_launch is not None else 0.0
-            sample = SyncSample(self.meter.comm_bytes, self.meter.comm_seconds(), exposed)
+            comm_s, exposed_s = self.meter.timing() if sampled else (None, None)
+            sample = SyncSample(self.meter.comm_bytes, comm_s, exposed_s)
             ratio = self.meter.ratio
             self.meter.reset()
-            return sample, ratio
+            return (sample if sampled else None), ratio
         stats = getattr(self.module, "comm_stats", None)
-        if stats is not None:
+        if stats is not None and sampled:
             payload = payload_from_link_bytes(stats.bytes_sent, world_size)
             return SyncSample(payload, stats.in_flight_s, stats.exposed_s), None
         return None, None
 
+    def comm_clock(self) -> CommClock | None:
+        """The clock gradient collectives are timed on (None: this strategy's sync is not measured)."""
+        if self.meter is not None:
+            return self.meter.clock
+        stats = getattr(self.module, "comm_stats", None)
+        return stats.clock if stats is not None else None
 
-def wrap_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
+
+def wrap_model(
+    model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str = "auto"
+) -> Wrapped:
     """The bare model at world size 1; else torch DDP (stages 0-1, with its knobs and a compression hook),
-    FSDP2 (stages 2-3), or our own engines. The choice is logged."""
-    wrapped = _wrap(model, cfg, device)
+    FSDP2 (stages 2-3, in ``precision`` resolved for ``device``), or our own engines. The choice is logged, and
+    so is a backend whose clock cannot time gradient sync (those figures are then absent)."""
+    wrapped = _wrap(model, cfg, device, precision)
     log.info("data parallel: %s", wrapped.strategy if wrapped.strategy != "none" else
              "none (world size 1: the bare model, no gradient sync; parallel.wrap_single=true wraps it)")
+    clock = wrapped.comm_clock()
+    if clock is not None and not clock.available:
+        log.warning(clock.unavailable_reason())
     return wrapped
 
 
-def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> Wrapped:
+def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str) -> Wrapped:
     # One rank has nothing to synchronise: a wrapper would only add its own overhead to the single-device
     # baseline that scaling efficiency divides by. CPU offload still needs FSDP2 to move the state.
     if dist.get_world_size() == 1 and not (cfg.wrap_single or cfg.cpu_offload):
         return Wrapped(model, model, lambda _sync: nullcontext(), None, "none")
     if cfg.zero_stage >= 2:
-        sharded = shard_model(model, cfg, device)
+        sharded = shard_model(model, cfg, device, precision)
         return Wrapped(sharded, model, partial(fsdp_sync, sharded), None, f"FSDP2 (ZeRO-{cfg.zero_stage})")
     if cfg.engine != "torch":
         from ddptrain.engines import build_engine

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddptrain.config import ParallelConfig
+from ddptrain.config import ParallelConfig, computes_in_bf16
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -23,11 +23,15 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device) -> FSDPModule:
-    """FSDP2 ``fully_shard`` per transformer block, then the root (embeddings, head, final norm)."""
+def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str) -> FSDPModule:
+    """FSDP2 ``fully_shard`` per transformer block, then the root (embeddings, head, final norm).
+
+    With bf16 compute (``train.precision`` resolved for ``device``) parameters are gathered in bf16 and gradients
+    reduced in fp32 over fp32 shards; with fp32 everything stays fp32, as under DDP.
+    """
     reshard = cfg.zero_stage == 3
     kwargs: dict = {"reshard_after_forward": reshard}
-    if device.type == "cuda":
+    if computes_in_bf16(precision, device.type):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SyncSample:
     payload_bytes: float  # S: bytes handed to the collectives (compressed when compression is on)
-    comm_s: float  # wall time with at least one gradient collective in flight
-    exposed_s: float  # time backward waited for sync after its compute ended (logged as time_exposed_comm_s)
+    # Time with at least one gradient collective in flight, and time from the end of backward compute to the
+    # end of the last collective (logged as time_exposed_comm_s); None where no clock can see the collectives.
+    comm_s: float | None
+    exposed_s: float | None
 
 
 def busbw_factor(world_size: int) -> float:
@@ -27,13 +29,20 @@ def payload_from_link_bytes(link_bytes: float, world_size: int) -> float:
 
 
 def sync_metrics(samples: list[SyncSample], world_size: int) -> dict[str, float]:
-    """Per-step means over a window's samples, as the metrics keys the sinks log."""
+    """Per-step means over a window's samples, as the metrics keys the sinks log.
+
+    Without a time (a backend whose works complete at enqueue) only the bytes are logged: no time, overlap or
+    bandwidth figure is derived from a clock that did not see the collectives.
+    """
     if not samples:
         return {}
     n = len(samples)
     payload = sum(s.payload_bytes for s in samples) / n
-    comm = sum(s.comm_s for s in samples) / n
-    exposed = sum(s.exposed_s for s in samples) / n
+    timed = [s for s in samples if s.comm_s is not None and s.exposed_s is not None]
+    if len(timed) < n:
+        return {"comm_bytes": payload}
+    comm = sum(s.comm_s for s in timed) / n  # type: ignore[misc]
+    exposed = sum(s.exposed_s for s in timed) / n  # type: ignore[misc]
     out = {"comm_bytes": payload, "comm_time_s": comm}
     if comm > 0:
         out["overlap_pct"] = 100.0 * max(0.0, 1.0 - exposed / comm)

@@ -46,7 +46,7 @@ class StepMetrics:
 
     def __init__(
         self, plan: BatchPlan, device: torch.device, flops_per_token: float, peak: float | None,
-        baseline: float | None, sample_every: int,
+        baseline: float | None, sample_every: int | None,
     ) -> None:
         self.plan, self.device = plan, device
         self.flops_per_token = flops_per_token
@@ -64,8 +64,9 @@ class StepMetrics:
 
     def end_step(self, sample: SyncSample | None, compression_ratio: float | None) -> None:
         if sample is not None and self.timer.active:
-            self.timer.add("backward", -sample.exposed_s)  # backward's wall time = compute + exposed sync
-            self.timer.add("exposed_comm", sample.exposed_s)
+            if sample.exposed_s is not None:
+                self.timer.add("backward", -sample.exposed_s)  # backward's wall time = compute + exposed sync
+                self.timer.add("exposed_comm", sample.exposed_s)
             self.samples.append(sample)
         self.compression_ratio = compression_ratio
         self.timer.end_step()

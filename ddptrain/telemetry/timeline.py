@@ -4,7 +4,9 @@ much of the communication hid behind the compute (the overlap that decides how w
 The trace is what ``torch.profiler.profile(schedule=...).export_chrome_trace(path)`` writes: ``ProfilerStep#N``
 ranges on the training thread. On CPU (gloo), compute is the training thread's outermost ops and collectives run
 on gloo's own threads, so communication is gathered from every thread. On CUDA, compute is the non-collective
-kernels and communication the NCCL kernels, each kernel belonging to the step whose thread launched it.
+kernels and communication the NCCL kernels, each kernel belonging to the step within whose window some thread of
+the process launched it: backward runs on the autograd engine's device thread, not the training thread, and
+NCCL >= 2.19 launches through the driver (``cuLaunchKernelEx``, category ``cuda_driver``), not the runtime.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ddptrain.comm.accounting import union
 
 COMM = re.compile(r"gloo:|nccl|c10d::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|broadcast", re.I)
 STEP = re.compile(r"ProfilerStep#(\d+)")
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # the categories of a kernel launch on the host
 PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#DD8452", "other": "#8C8C8C"}
 COMM_COLOR, EXPOSED_COLOR = "#8172B3", "#C44E52"
 Intervals = list[tuple[float, float]]
@@ -88,14 +91,17 @@ def read_step(trace: dict[str, Any], step: int | None = None) -> StepTimeline:
     marker = steps[step]
     ops = outermost([e for e in events if e.lane == marker.lane and e is not marker
                      and marker.start <= e.start < marker.end])
-    cpu = [e for e in ops if not COMM.search(e.name)]
-    cpu_phases = list(zip(cpu, phases(cpu), strict=True))
     kernels = launched_kernels(events, marker)
     if kernels:
-        compute = [(k.start, k.end, phase_at(cpu_phases, launch)) for k, launch in kernels if not COMM.search(k.name)]
+        # Phases across the threads that launched: forward on the training thread, backward on autograd's.
+        lanes = {marker.lane} | {launch.lane for _, launch in kernels}
+        labelled = list(zip(*_labelled_ops(events, marker, lanes), strict=True))
+        compute = [(k.start, k.end, phase_at([(o, p) for o, p in labelled if o.lane == launch.lane], launch.start))
+                   for k, launch in kernels if not COMM.search(k.name)]
         comm_events = [k for k, _ in kernels if COMM.search(k.name)]
     else:
-        compute = spans(cpu_phases)
+        cpu = [e for e in ops if not COMM.search(e.name)]
+        compute = spans(list(zip(cpu, phases(cpu), strict=True)))
         comm_events = [e for e in ops if COMM.search(e.name)] + [
             e for e in events if e.lane != marker.lane and COMM.search(e.name)
             and e.end > marker.start and e.start < marker.end
@@ -110,6 +116,14 @@ def read_step(trace: dict[str, Any], step: int | None = None) -> StepTimeline:
         step, (t1 - t0) / 1e6, [((start - t0) / 1e6, (end - t0) / 1e6, p) for start, end, p in compute],
         {label: union(ivs) for label, ivs in sorted(comm.items())},
     )
+
+
+def _labelled_ops(events: list[Event], marker: Event, lanes: set[tuple[Any, Any]]) -> tuple[list[Event], list[str]]:
+    """The top-level compute ops of each of ``lanes`` within the step, merged in time order, and their phases."""
+    ops = sorted((op for lane in lanes for op in outermost(
+        [e for e in events if e.lane == lane and e is not marker and marker.start <= e.start < marker.end]
+    ) if not COMM.search(op.name)), key=lambda e: e.start)
+    return ops, phases(ops)
 
 
 def outermost(events: list[Event]) -> list[Event]:
@@ -156,11 +170,12 @@ def spans(ops: list[tuple[Event, str]]) -> list[tuple[float, float, str]]:
     return out
 
 
-def launched_kernels(events: list[Event], marker: Event) -> list[tuple[Event, float]]:
-    """GPU kernels whose launch (a CUDA runtime call on the step's thread) lies within the step, with launch times."""
+def launched_kernels(events: list[Event], marker: Event) -> list[tuple[Event, Event]]:
+    """GPU kernels launched (by the runtime or the driver, from any thread of the step's process) within the step,
+    each with its launch event."""
     launches = {
-        e.args["correlation"]: e.start for e in events
-        if e.cat == "cuda_runtime" and e.lane == marker.lane and "correlation" in e.args
+        e.args["correlation"]: e for e in events
+        if e.cat in LAUNCHES and e.lane[0] == marker.lane[0] and "correlation" in e.args
         and marker.start <= e.start < marker.end
     }
     return [(e, launches[e.args["correlation"]]) for e in events

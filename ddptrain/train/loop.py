@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.config import Config, DataFormat
+from ddptrain.config import Config, DataFormat, computes_in_bf16
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import inject, poison_loss
@@ -53,14 +52,14 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     log.info("run dir %s | %d ranks on %s | %s", run_dir, env.world_size, device.type, plan.equation())
     seed_everything(cfg.train.seed)
 
-    data = main_first(env, lambda: build_token_data(cfg.data))
+    data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
     vocab = model_vocab_size(cfg.model, data.vocab_size)
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
     model = prepare_for_finetuning(model.to(device), cfg.model)
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
-    wrapped = wrap_model(model, cfg.parallel, device)
+    wrapped = wrap_model(model, cfg.parallel, device, cfg.train.precision)
     # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
     # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
     # save and restore each rank's stream.
@@ -70,7 +69,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
                            data.collate)
     token_weighted = cfg.data.format == DataFormat.prompt_completion
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, cfg.parallel.zero_stage)
+    checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
     autocast = autocast_context(cfg.train.precision, device)
@@ -83,10 +82,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     probe = ModelStateProbe(model)
     stop = StopRequest(cfg.launch.stop_grace_s)
 
-    def save(step: int) -> None:
-        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.batches_in_epoch *
-                           plan.micro_batch_size * plan.dp, plan.dp, plan.global_batch_size, cfg.parallel.zero_stage)
-        checkpointer.save(state, model, optimizer)
+    def save(step: int, wait: bool) -> None:
+        state = TrainState(step, scheduler.state_dict(), batches.epoch, batches.position, plan.dp,
+                           plan.global_batch_size, cfg.parallel.zero_stage)
+        checkpointer.save(state, model, optimizer, wait)
 
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
@@ -109,7 +108,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip)
                 stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
                 skipped += not apply_update(optimizer, nonfinite, cfg.train.nan_policy, step)
-            sample, ratio = wrapped.take_sync_sample(meter.timer.backward_end, env.world_size)
+            sample, ratio = wrapped.take_sync_sample(env.world_size, meter.timer.active)
             meter.end_step(sample, ratio)
             if step == start + 1:
                 log.info("%s", trainable_line(trainable, n_params, sample.payload_bytes if sample else None))
@@ -121,7 +120,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             profiler.step()
             inject("step", step, env.rank)
             if stopping or step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps):
-                save(step)
+                save(step, wait=stopping or step == cfg.train.steps)  # the last save is committed before exit
             if stopping:
                 stop.restore()
                 raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
@@ -131,7 +130,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
             if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
-                metrics["val_loss"] = evaluate(model, val, autocast)
+                metrics["val_loss"] = evaluate(model, val, autocast, device)
             sinks.log(metrics)
             history.append(metrics)
             meter.restart_window()
@@ -184,11 +183,7 @@ def resume(
         return 0
     state = checkpointer.load(path, model, optimizer)
     scheduler.load_state_dict(state.scheduler)
-    per_step = plan.micro_batch_size * plan.dp
-    if state.samples_in_epoch % per_step:
-        log.warning("data position %d is not a multiple of %d sequences per micro-step: rounding down",
-                    state.samples_in_epoch, per_step)
-    batches.load_state_dict({"epoch": state.epoch, "batches_in_epoch": state.samples_in_epoch // per_step})
+    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
     if state.world_size != plan.dp:
         log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
                     plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
@@ -230,9 +225,14 @@ def accumulate_gradients(
 def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
     """Clip to ``grad_clip`` global norm (0: no clipping); returns the norm before clipping.
 
-    With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards; its full value is returned.
+    With clipping off only the norm is computed (it is logged and checked for non-finite values), never the
+    scaling pass. With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards (on the CPU with
+    CPU offload, hence gloo next to NCCL); its full value is returned.
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
@@ -287,15 +287,16 @@ def report_model_state(
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: list[torch.Tensor | MicroBatch], autocast: AbstractContextManager
+    model: torch.nn.Module, batches: list[torch.Tensor | MicroBatch], autocast: AbstractContextManager,
+    device: torch.device,
 ) -> float:
     """Mean validation loss over every rank's fixed batches (the same batches at every evaluation).
 
     Packed blocks: the mean of sequence means (every block has as many tokens); padded prompt/completion
-    batches: the mean over their loss tokens.
+    batches: the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
+    the CPU while compute and NCCL use the GPU.
     """
     model.eval()
-    device = next(model.parameters()).device
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for batch in batches:
         if isinstance(batch, dict):
@@ -322,7 +323,7 @@ def global_mean(value: torch.Tensor) -> float:
 
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
     """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
-    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+    if not computes_in_bf16(precision, device.type):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 

@@ -1,0 +1,3 @@
+from ddptrain.checkpoint.tool import main
+
+main()

@@ -1,0 +1,146 @@
+"""Read a checkpoint on one CPU process, without torchrun: a summary, a ``save_pretrained`` export, a full check.
+
+torch.distributed.checkpoint loads without a process group here; each tensor is read whole, whatever strategy
+and world size wrote it in shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ddptrain.checkpoint.checkpointer import TrainState, find_checkpoint, model_fingerprint, read_trainer_state
+from ddptrain.errors import ConfigError
+
+CHUNK_BYTES = 256 * 2**20  # verify reads tensors in groups of about this size, so memory stays bounded
+
+
+def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any], TrainState]:
+    """The checkpoint ``path`` names (itself, or a run directory's latest), its marker metadata and trainer state."""
+    found = find_checkpoint(path, "checkpoints", "PATH")
+    meta, state = read_trainer_state(found, "PATH")
+    return found, meta, state
+
+
+def tensor_entries(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
+    """Every tensor in ``state/`` by its flat key (``model.<name>``, ``optim.state.<name>.<key>``), with its size."""
+    try:
+        metadata = FileSystemReader(str(checkpoint / "state")).read_metadata()
+    except (OSError, ValueError, RuntimeError, EOFError) as exc:
+        raise ConfigError(f"PATH: {checkpoint} has no readable state/ ({type(exc).__name__})") from exc
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def read_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The full tensors under ``keys``, gathered from every rank's shards."""
+    entries = tensor_entries(checkpoint)
+    wanted = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
+    dcp.load(wanted, checkpoint_id=str(checkpoint / "state"), no_dist=True)
+    return wanted
+
+
+def build_model(checkpoint: Path, device: str = "cpu") -> PreTrainedModel:
+    """The model the checkpoint was saved from, rebuilt from its ``hf/config.json`` (weights not loaded)."""
+    config = AutoConfig.from_pretrained(str(checkpoint / "hf"))
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def export(path: Path, out: Path) -> Path:
+    """``save_pretrained`` of the checkpoint's model (and its tokenizer) into ``out``; returns the checkpoint used."""
+    checkpoint, _, _ = open_checkpoint(path)
+    model = build_model(checkpoint)
+    names = list(model.state_dict())
+    tensors = read_tensors(checkpoint, [f"model.{k}" for k in names])
+    model.load_state_dict({k: tensors[f"model.{k}"] for k in names})
+    model.save_pretrained(str(out))
+    if (checkpoint / "hf" / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(str(checkpoint / "hf")).save_pretrained(str(out))
+    return checkpoint
+
+
+def info(path: Path, now: Any | None) -> list[str]:
+    """Step, strategy, world size, parameter count, data position, and the config's differences from ``now``."""
+    checkpoint, meta, state = open_checkpoint(path)
+    lines = [
+        f"checkpoint   {checkpoint}",
+        f"step         {meta['step']}",
+        f"strategy     {meta['strategy']} on {meta['world_size']} ranks (global batch {state.global_batch_size})",
+        f"parameters   {meta['parameters']:,}",
+        f"data         epoch {state.epoch}, {state.samples_in_epoch} samples of the epoch's global order consumed",
+    ]
+    if now is not None:
+        saved = _flat(OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml")))
+        current = _flat(OmegaConf.to_container(OmegaConf.structured(now)))
+        diff = [f"  {k}: {saved.get(k, '(absent)')!r} -> {current.get(k, '(absent)')!r}"
+                for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
+        lines.append("config diff  (checkpoint -> now)" if diff else "config diff  none")
+        lines.extend(diff)
+    return lines
+
+
+def verify(path: Path) -> tuple[Path, list[str], int]:
+    """Check every tensor: present for every model entry, shaped like the model's parameter, finite.
+
+    Returns the checkpoint, the problems found (empty when it is sound) and how many tensors were read.
+    """
+    checkpoint, meta, state = open_checkpoint(path)
+    model = build_model(checkpoint, device="meta")
+    problems = []
+    if model_fingerprint(model) != meta["fingerprint"]:
+        problems.append("hf/config.json builds a model whose parameter names or shapes differ from the marker's")
+    entries = tensor_entries(checkpoint)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, shape in shapes.items():
+        entry = entries.get(f"model.{name}")
+        if entry is None:
+            problems.append(f"model.{name}: missing")
+        elif tuple(entry.size) != shape:
+            problems.append(f"model.{name}: shape {tuple(entry.size)}, the model has {shape}")
+    for key, entry in entries.items():
+        param = _owner(key, shapes)
+        if key.startswith("optim.state.") and len(entry.size) and (param is None or tuple(entry.size) != shapes[param]):
+            problems.append(f"{key}: shape {tuple(entry.size)} does not match a parameter of the model")
+    for group in _chunks(entries):
+        for key, tensor in read_tensors(checkpoint, group).items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{key}: {int((~torch.isfinite(tensor)).sum())} non-finite values")
+    for rank in range(state.world_size):
+        if not (checkpoint / "rng" / f"rank{rank}.pt").is_file():
+            problems.append(f"rng/rank{rank}.pt: missing")
+    return checkpoint, problems, len(entries)
+
+
+def _owner(key: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The parameter an ``optim.state.<name>.<entry>`` key belongs to."""
+    name = key.removeprefix("optim.state.").rpartition(".")[0]
+    return name if name in shapes else None
+
+
+def _chunks(entries: dict[str, TensorStorageMetadata]) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, entry in entries.items():
+        nbytes = entry.size.numel() * entry.properties.dtype.itemsize
+        if groups[-1] and size + nbytes > CHUNK_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}
