@@ -12,12 +12,17 @@ from ddptrain.config import OptimConfig
 
 
 def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms, biases and other 1-D tensors are left alone (as in GPT-2/Llama recipes)."""
+    """Decay matrices only: norms, biases and other 1-D tensors are left alone (as in GPT-2/Llama recipes).
+
+    An empty group is left out (LoRA adapters are all matrices): torch's name-keyed optimizer state cannot load
+    into an optimizer with an empty group.
+    """
     decay, no_decay = [], []
     for _, p in named:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
