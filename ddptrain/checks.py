@@ -11,6 +11,7 @@ import torch
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, validate_source
 from ddptrain.errors import ConfigError
+from ddptrain.kernels import check_kernels
 from ddptrain.models.lora import validate_finetune_config
 from ddptrain.telemetry.metrics import load_baseline
 
@@ -22,5 +23,6 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
     if cfg.parallel.cpu_offload and not torch.cuda.is_available():
         raise ConfigError("parallel.cpu_offload=true needs CUDA devices: it keeps FSDP2's state on the CPU and "
                           "computes on the GPU")
+    check_kernels(cfg.parallel.kernels, "cuda" if torch.cuda.is_available() else "cpu")
     load_baseline(cfg.metrics.baseline)
     return BatchPlan.from_config(cfg, world_size)

@@ -62,6 +62,15 @@ class Schedule(StrEnum):
     constant = "constant"
 
 
+class OptimImpl(StrEnum):
+    """AdamW's kernels: one fused kernel, one multi-tensor launch per op, or a Python loop over parameters."""
+
+    auto = "auto"  # fused where torch has a fused AdamW for the device (CUDA, CPU), else foreach
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
 class WandbMode(StrEnum):
     online = "online"
     offline = "offline"
@@ -235,6 +244,14 @@ class ShardGroup(StrEnum):
     node = "node"
 
 
+class Kernels(StrEnum):
+    """Who runs the element-wise passes around gradient collectives (pack, average, norm, clip, bf16 casts)."""
+
+    auto = "auto"  # Triton on CUDA when it is importable, else torch
+    triton = "triton"  # always Triton: a start-up error where it cannot run
+    torch = "torch"  # always the torch ops
+
+
 @dataclass
 class ParallelConfig:
     """How gradients travel and where model state lives."""
@@ -254,6 +271,7 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 DDP | 1 sharded optimizer | 2 + sharded gradients | 3 + sharded parameters
     cpu_offload: bool = False  # zero_stage=3: keep parameters and optimizer state on the CPU
     shard_group: ShardGroup = ShardGroup.world  # zero_stage 2-3: node = shard within a node, replicate across
+    kernels: Kernels = Kernels.auto  # fused Triton kernels for our engines, the clip step and the bf16 hook
     wrap_single: bool = False  # world size 1: wrap anyway (to measure the wrapper's overhead); default: bare model
 
     def __post_init__(self) -> None:
@@ -296,6 +314,7 @@ class OptimConfig:
     warmup_steps: int = 10
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    impl: OptimImpl = OptimImpl.auto  # fused skips a non-finite step on the device, with no host read
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"optim.lr={self.lr}: expected a positive learning rate")
@@ -336,9 +355,11 @@ class TrainConfig:
     precision: Precision = Precision.auto
     resume: str | None = None  # auto (latest checkpoint in this run dir, if any) | a checkpoint or run dir | null
     nan_policy: NanPolicy = NanPolicy.abort  # on a non-finite loss or gradient
+    check_every: int = 10  # steps between the ranks' agreement on stop requests and non-finite steps (a sync)
+    compile: bool = False  # torch.compile each transformer block (torch DDP and the ZeRO stages)
 
     def __post_init__(self) -> None:
-        _positive("train", self, "steps", "log_every", "eval_batches")
+        _positive("train", self, "steps", "log_every", "eval_batches", "check_every")
         _require(self.eval_every >= 0, f"train.eval_every={self.eval_every}: expected >= 0 (0 disables evaluation)")
 
 
@@ -449,6 +470,9 @@ class Config:
         _require(not self.profile.enabled or window <= self.train.steps,
                  f"profile: wait {self.profile.wait} + warmup {self.profile.warmup} + active {self.profile.active} "
                  f"steps exceed train.steps={self.train.steps}")
+        _require(not self.train.compile or self.parallel.engine == Engine.torch,
+                 f"train.compile=true cannot be combined with parallel.engine={self.parallel.engine}: compiled "
+                 "blocks are supported with parallel.engine=torch (DDP and the ZeRO stages)")
 
 
 def computes_in_bf16(precision: str, device_type: str) -> bool:

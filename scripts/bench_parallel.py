@@ -9,6 +9,7 @@ Runs every variant through the real training loop inside one torchrun job, inter
 
 ``--suite telemetry`` measures what the step-breakdown timing costs: every step timed, the default sampling
 (every step on CPU, every 10th on CUDA), and none. With CUDA present each rank trains on cuda:LOCAL_RANK over NCCL.
+``--suite optim`` compares AdamW's kernels (``optim.impl``); ``--suite compile`` eager against ``train.compile``.
 ``--suite single`` (one rank) measures what a wrapper costs where there is nothing to synchronise: the bare
 model against DDP, our bucketed engine and FSDP2, each forced on with ``parallel.wrap_single``.
 Every suite's first variant is the reference of its ratios.
@@ -52,6 +53,15 @@ SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config 
         "bucketed engine": {"parallel": {"wrap_single": True, "engine": "bucketed"}},
         "FSDP2 (ZeRO-3)": {"parallel": {"wrap_single": True, "zero_stage": 3}},
     },
+    "optim": {  # AdamW's kernel; the default (auto) is fused on CPU
+        "fused (auto)": {},
+        "foreach": {"optim": {"impl": "foreach"}},
+        "for_loop": {"optim": {"impl": "for_loop"}},
+    },
+    "compile": {  # eager against compiled blocks; compilation is reported apart, out of the step time
+        "eager": {},
+        "compiled blocks": {"train": {"compile": True}},
+    },
 }
 
 
@@ -94,6 +104,8 @@ def main() -> None:
             times[name].append(summary["step_time_s"])
             state[name] = summary["model_state"]
             comm[name] = summary.get("comm_bytes", float("nan"))
+            if "compile_s" in summary and env.is_main:
+                print(f"{name}: first step {summary['compile_s']:.1f} s, compilation included", flush=True)
     if env.is_main:
         print(report(times, state, comm, args))
     dist.barrier()

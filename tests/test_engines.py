@@ -7,6 +7,7 @@ seconds, the cases milliseconds); the parametrized tests below then compare the 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -23,8 +24,10 @@ from ddptrain.engines.buckets import assign_buckets
 from ddptrain.engines.graph import reachable_leaves
 from tests.dist import run_distributed
 
-# An engine spec is a config name, optionally with ":ring" (collective=ring) and ":view" (gradient_as_bucket_view).
+# An engine spec is a config name, optionally with ":ring" (collective=ring), ":view" (gradient_as_bucket_view)
+# and ":triton" (parallel.kernels=triton, through Triton's interpreter: slow, so on 2 ranks only).
 SPECS = [*ENGINES, "bucketed:ring", "overlap_async:ring", "bucketed:view"]
+TRITON_SPECS = ["bucketed:triton", "bucketed:view:triton", "stream_bucketed:triton"]
 Trace = dict[str, Any]
 Wrap = Callable[[nn.Module], nn.Module]
 
@@ -233,8 +236,15 @@ def _wrapper(spec: str, kwargs: dict[str, Any]) -> Wrap:
     if spec == "torch":
         return lambda m: DistributedDataParallel(m, **kwargs)
     name, *flags = spec.split(":")
-    extra = {"collective": "ring" if "ring" in flags else "native", "gradient_as_bucket_view": "view" in flags}
-    return lambda m: build_engine(name, m, **kwargs, **extra)
+    extra = {"collective": "ring" if "ring" in flags else "native", "gradient_as_bucket_view": "view" in flags,
+             "kernels": "triton" if "triton" in flags else "torch"}
+
+    def wrap(module: nn.Module) -> nn.Module:
+        engine = build_engine(name, module, **kwargs, **extra)
+        assert engine.reducer.kernels.name == extra["kernels"]
+        return engine
+
+    return wrap
 
 
 def _conformance(rank: int, world: int) -> dict[tuple[str, str], Trace]:
@@ -249,6 +259,21 @@ def _conformance(rank: int, world: int) -> dict[tuple[str, str], Trace]:
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
 def traces(request: pytest.FixtureRequest) -> list[dict[tuple[str, str], Trace]]:
     return run_distributed(_conformance, request.param)
+
+
+def _conformance_triton(rank: int, world: int) -> dict[tuple[str, str], Trace]:
+    """Every case under torch DDP and the engines on Triton's kernels, run by its interpreter on the CPU."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before this process compiles any Triton kernel
+    return {
+        (case, spec): fn(rank, world, _wrapper(spec, kwargs))
+        for case, (fn, kwargs) in CASES.items()
+        for spec in ["torch", *TRITON_SPECS]
+    }
+
+
+@pytest.fixture(scope="module")
+def triton_traces() -> list[dict[tuple[str, str], Trace]]:
+    return run_distributed(_conformance_triton, 2)
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
@@ -272,6 +297,15 @@ def _assert_same(got: Trace, want: Trace, what: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_engine_matches_torch_ddp(traces: list[dict[tuple[str, str], Trace]], case: str, spec: str) -> None:
     for rank, by_run in enumerate(traces):
+        _assert_same(by_run[case, spec], by_run[case, "torch"], f"rank {rank} {case} {spec}")
+
+
+@pytest.mark.parametrize("spec", TRITON_SPECS)
+@pytest.mark.parametrize("case", CASES)
+def test_engine_on_triton_kernels_matches_torch_ddp(
+    triton_traces: list[dict[tuple[str, str], Trace]], case: str, spec: str
+) -> None:
+    for rank, by_run in enumerate(triton_traces):
         _assert_same(by_run[case, spec], by_run[case, "torch"], f"rank {rank} {case} {spec}")
 
 

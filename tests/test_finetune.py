@@ -214,7 +214,11 @@ def _base_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_frozen_base_is_bit_identical_after_training(base: Path, lora_runs: list[dict]) -> None:
-    trained = torch.load(Path(lora_runs[0]["dir"]) / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
+    from ddptrain.checkpoint.offline import read_tensors, tensor_entries
+
+    checkpoint = Path(lora_runs[0]["dir"]) / "checkpoints" / "step_000004"
+    keys = [k for k in tensor_entries(checkpoint) if k.startswith("model.")]
+    trained = {k.removeprefix("model."): v for k, v in read_tensors(checkpoint, keys).items()}
     original = load_file(base / "model.safetensors")
     after = _base_weights(trained)
     assert original.keys() <= after.keys()
@@ -255,14 +259,14 @@ def test_parameter_counts_see_through_4bit_packing(base: Path) -> None:
 @pytest.mark.slow
 def test_lora_quickstart_trains_through_the_cli_and_the_completion_loss_falls(base: Path, tmp_path: Path) -> None:
     result = run_cli(["+experiment=lora_quickstart", f"model.pretrained={base}", "data.num_samples=600",
-                      "train.steps=60", "train.log_every=10", "train.eval_every=30", "optim.lr=1e-2"],
+                      "train.steps=60", "train.log_every=1", "train.eval_every=30", "optim.lr=1e-2"],
                      cwd=tmp_path, cache=tmp_path / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = (tmp_path / "outputs").iterdir()
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    # The test's base is untrained, so adapters alone move the completion loss slowly (the quickstart's trained
-    # base falls much further; see the README); 30 steps here took it down by 0.35 nats.
-    assert losses[-1] < losses[0] - 0.3, losses
+    # The test's base is untrained (step 1 sits at chance, ln 384 = 5.95), so adapters alone move the completion
+    # loss slowly; 60 steps took the last steps' mean about 0.5 nats below the first step's.
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
     assert re.search(r"[\d.]+K of [\d.]+K trainable; [\d.]+ MB all-reduced per step", (run / "train.log").read_text())
     assert (run / "adapter" / "adapter_config.json").is_file() and (run / "model" / "config.json").is_file()
 

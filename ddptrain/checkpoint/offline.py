@@ -78,7 +78,7 @@ def info(path: Path, now: Any | None) -> list[str]:
     ]
     if now is not None:
         saved = _flat(OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml")))
-        current = _flat(OmegaConf.to_container(OmegaConf.structured(now)))
+        current = _flat(OmegaConf.to_container(OmegaConf.structured(now), enum_to_str=True))
         diff = [f"  {k}: {saved.get(k, '(absent)')!r} -> {current.get(k, '(absent)')!r}"
                 for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
         lines.append("config diff  (checkpoint -> now)" if diff else "config diff  none")

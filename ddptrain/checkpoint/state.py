@@ -68,8 +68,11 @@ def _load_zero1(checkpoint: Path, model: torch.nn.Module, optimizer: ZeroRedunda
     names = _names(model)
     owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
     flat: dict[str, Any] = {}
-    for p in owned:
-        flat.update({f"state.{names[p]}.{k}": v for k, v in _adamw_state_like(p).items()})
+    for group in optimizer.optim.param_groups:
+        # Fused and capturable AdamW keep ``step`` on the parameter's device; the others on the CPU.
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            flat.update({f"state.{names[p]}.{k}": v for k, v in _adamw_state_like(p, on_device).items()})
     for group in optimizer.param_groups:
         if group["params"]:
             first = names[group["params"][0]]
@@ -86,7 +89,8 @@ def _load_zero1(checkpoint: Path, model: torch.nn.Module, optimizer: ZeroRedunda
             group.update({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
 
 
-def _adamw_state_like(param: torch.Tensor) -> dict[str, torch.Tensor]:
+def _adamw_state_like(param: torch.Tensor, step_on_device: bool) -> dict[str, torch.Tensor]:
     """The entries AdamW keeps per parameter (build_optimizer always builds AdamW), to be filled by ``dcp.load``."""
-    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(param),
+    step_device = param.device if step_on_device else torch.device("cpu")
+    return {"step": torch.zeros((), dtype=torch.float32, device=step_device), "exp_avg": torch.zeros_like(param),
             "exp_avg_sq": torch.zeros_like(param)}

@@ -60,7 +60,7 @@ def _config_now(overrides: list[str]):
     from ddptrain.cli import compose_config
     from ddptrain.launch import typed_config
 
-    return typed_config(compose_config(overrides))[0]
+    return typed_config(compose_config(overrides)).typed
 
 
 def main() -> None:

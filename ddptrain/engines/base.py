@@ -13,6 +13,7 @@ from torch import nn
 from ddptrain.comm import broadcast_coalesced, validate_collective
 from ddptrain.engines.reducer import InlineOrdering, Ordering, Policy, Reducer
 from ddptrain.engines.stats import CommStats
+from ddptrain.kernels import select_kernels
 
 
 class DataParallelEngine(nn.Module):
@@ -21,6 +22,7 @@ class DataParallelEngine(nn.Module):
     Rank 0's parameters are copied to every rank here. With ``broadcast_buffers`` its buffers are too, and again
     before each forward that follows a synchronised one; without it buffers stay rank-local, even here, as with
     torch DDP's ``broadcast_buffers=False``. When ``loss.backward()`` returns, every ``.grad`` holds the average.
+    ``kernels`` (``parallel.kernels``) picks who packs, averages and unpacks the buckets: Triton or torch.
     """
 
     policy: ClassVar[Policy]
@@ -34,6 +36,7 @@ class DataParallelEngine(nn.Module):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         collective: str = "native",
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         validate_collective(collective)
@@ -48,7 +51,7 @@ class DataParallelEngine(nn.Module):
         device = trainable[0][1].device if trainable else torch.device("cpu")
         self.reducer = Reducer(
             trainable, self.policy, self._ordering(device), process_group, collective,
-            bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters,
+            bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters, select_kernels(kernels, device),
         )  # fmt: skip
 
     def _ordering(self, device: torch.device) -> Ordering:

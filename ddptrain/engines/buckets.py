@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ddptrain.comm import Handle
+from ddptrain.kernels import TorchKernels
 
 
 def assign_buckets(params: Sequence[nn.Parameter], cap_bytes: int | None) -> list[list[int]]:
@@ -57,33 +58,48 @@ class Bucket:
         self.handle = None
 
     def add(self, slot: int, locally_used: bool) -> None:
-        """Put one gradient where the collective will read it: its bucket view, or (unbucketed) the gradient itself.
+        """Note one gradient ready; unbucketed, it becomes the tensor the collective reduces.
 
         A parameter this rank did not use contributes zeros, or its stale gradient (as in torch DDP), never
-        modifying that gradient in place.
+        modifying that gradient in place. Flat buckets copy their gradients in ``pack``, all in one go.
         """
-        param = self.params[slot]
-        grad = param.grad
-        if self.buffer is None:
-            self.tensor = torch.zeros_like(param) if grad is None else grad if locally_used else grad.clone()
+        self.pending -= 1
+        if self.buffer is not None:
             return
-        view = self.views[slot]
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            if self.as_view:
-                param.grad = view
+        grad = self.params[slot].grad
+        self.tensor = torch.zeros_like(self.params[slot]) if grad is None else grad if locally_used else grad.clone()
 
-    def finish(self, used: Sequence[bool] | None) -> None:
-        """Hand the averaged values to ``.grad``; a parameter that no rank used keeps its gradient untouched."""
+    def pack(self, kernels: TorchKernels) -> None:
+        """Copy every gradient that is not already its bucket view into the flat buffer: one launch per bucket."""
+        if self.buffer is None:
+            return
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for param, view in zip(self.params, self.views, strict=True):
+            if param.grad is None:
+                view.zero_()
+            elif param.grad.data_ptr() != view.data_ptr():
+                dsts.append(view)
+                srcs.append(param.grad)
+        kernels.copy_(dsts, srcs)
+        if self.as_view:
+            for param, view in zip(self.params, self.views, strict=True):
+                if param.grad is not None:
+                    param.grad = view
+
+    def finish(self, used: Sequence[bool] | None, scale: float, kernels: TorchKernels) -> None:
+        """Hand the summed values times ``scale`` (1/world: the average) to ``.grad`` in one launch; a parameter
+        that no rank used keeps its gradient, averaged only if the collective summed it in place (a bucket view)."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for slot, (index, param) in enumerate(zip(self.indices, self.params, strict=True)):
-            if used is not None and not used[index]:
-                continue
             reduced = self.tensor if self.buffer is None else self.views[slot]
             assert reduced is not None
-            grad = param.grad
-            if grad is None:
-                param.grad = reduced if self.buffer is None or self.as_view else reduced.clone()
-            elif grad.data_ptr() != reduced.data_ptr():
-                grad.copy_(reduced)
+            in_place = param.grad is not None and param.grad.data_ptr() == reduced.data_ptr()
+            if used is not None and not used[index] and not in_place:
+                continue
+            if param.grad is None:
+                param.grad = reduced if self.buffer is None or self.as_view else torch.empty_like(reduced)
+            dsts.append(param.grad)  # the reduced tensor itself when the gradient is its view: scaled in place
+            srcs.append(reduced)
+        kernels.copy_(dsts, srcs, scale)

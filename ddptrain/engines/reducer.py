@@ -21,6 +21,7 @@ from ddptrain.comm.clock import CommClock, Mark
 from ddptrain.engines.buckets import Bucket, assign_buckets
 from ddptrain.engines.graph import reachable_leaves
 from ddptrain.engines.stats import CommStats
+from ddptrain.kernels import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Reducer:
         bucket_cap_mb: float,
         gradient_as_bucket_view: bool,
         find_unused_parameters: bool,
+        kernels: TorchKernels,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
@@ -76,6 +78,7 @@ class Reducer:
         self.group = group
         self.collective = collective
         self.find_unused_parameters = find_unused_parameters
+        self.kernels = kernels  # who packs buckets and averages into .grad: Triton or torch
         device = self.params[0].device if self.params else torch.device("cpu")
         self.clock = CommClock.for_collectives(device, group)  # what the collectives' times are read on
         self.stats = CommStats(self.clock)
@@ -133,15 +136,14 @@ class Reducer:
         self._ready[index] = True
         bucket, slot = self._slot[index]
         bucket.add(slot, self._used[index])
-        bucket.pending -= 1
         if bucket.pending == 0 and self.policy.overlap:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
+            bucket.pack(self.kernels)
             assert bucket.tensor is not None
-            bucket.tensor.div_(self._world)  # a sum of pre-divided gradients is the average, as in torch DDP
             bucket.handle = self._launch(bucket.tensor)
             self._next += 1
 
@@ -185,7 +187,7 @@ class Reducer:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 self._join(bucket.handle)
-            bucket.finish(used)
+            bucket.finish(used, 1.0 / self._world, self.kernels)  # the average: SUM, then scaled on the way out
         joined = self.clock.mark()  # after the joins: every gradient averaged
         # A completion callback may still be running on the collective's thread: the join bounds it from above.
         self.stats.spans += [(launch, done[0] if done else joined) for launch, done in self._in_flight]

@@ -7,8 +7,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from ddptrain.config import OptimConfig
+from ddptrain.config import OptimConfig, OptimImpl
+from ddptrain.errors import ConfigError
 
 
 def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -17,7 +19,8 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: 
     for _, p in named:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # LoRA trains matrices only: an empty group breaks DCP's loader
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 0) -> torch.optim.Optimizer:
@@ -26,12 +29,41 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 
     Build it after the model is wrapped: FSDP2 (stages 2-3) replaces parameters with sharded DTensors.
     """
     groups = param_groups(model.named_parameters(), cfg.weight_decay)
-    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    device = next(model.parameters()).device
+    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, **impl_kwargs(cfg.impl, device)}
     if zero_stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def resolve_impl(impl: OptimImpl, device: torch.device) -> OptimImpl:
+    """``auto``: fused where torch ships a fused AdamW kernel for the device (CUDA and CPU among them), else foreach.
+
+    Fused is one kernel over all parameters and skips a non-finite step on the device (``found_inf``); on CPU it
+    is also the fastest (see docs/benchmarks.md).
+    """
+    if impl != OptimImpl.auto:
+        return impl
+    return OptimImpl.fused if device.type in _get_fused_kernels_supported_devices() else OptimImpl.foreach
+
+
+def impl_kwargs(impl: OptimImpl, device: torch.device) -> dict[str, bool]:
+    """The AdamW keyword that selects ``impl``."""
+    resolved = resolve_impl(impl, device)
+    if resolved == OptimImpl.fused:
+        if device.type not in _get_fused_kernels_supported_devices():
+            raise ConfigError(f"optim.impl=fused: torch has no fused AdamW for {device.type} parameters; "
+                              "use auto, foreach or for_loop")
+        return {"fused": True}
+    return {"foreach": resolved == OptimImpl.foreach}
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the AdamW that does the work (the local one inside ZeRO-1's wrapper) runs the fused kernel."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return bool(inner.defaults.get("fused"))
 
 
 def lr_multiplier(cfg: OptimConfig, steps: int) -> Callable[[int], float]:

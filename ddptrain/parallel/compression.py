@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddptrain.comm.accounting import in_flight_seconds
 from ddptrain.comm.clock import CommClock, Span
 from ddptrain.config import ParallelConfig
+from ddptrain.kernels import TorchKernels, select_kernels
 
 
 @dataclass
@@ -104,6 +105,7 @@ class _State:
 @dataclass
 class _CastState(_State):
     dtype: torch.dtype
+    kernels: TorchKernels  # who casts: fused Triton kernels or torch
 
 
 @dataclass
@@ -127,15 +129,22 @@ def _allreduce_hook(state: _State, bucket: dist.GradBucket) -> Future[torch.Tens
 
 
 def _cast_hook(state: _CastState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-    """Average in a narrower dtype and cast back into the bucket.
+    """Average in a narrower dtype and cast back into the bucket: the division by the world size is fused into the
+    downcast (divide first: no overflow), one pass each way.
 
     Ours rather than torch's: its bf16 hook refuses CPU builds although gloo reduces bf16 fine.
     """
     buffer = bucket.buffer()
-    compressed = buffer.to(state.dtype).div_(dist.get_world_size(state.process_group))  # divide first: no overflow
+    compressed = torch.empty_like(buffer, dtype=state.dtype)
+    state.kernels.cast_(compressed, buffer, 1.0 / dist.get_world_size(state.process_group))
     state.meter.record(compressed.numel() * compressed.element_size(), buffer)
     fut = dist.all_reduce(compressed, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
+    def decompress(f: Future[list[torch.Tensor]]) -> torch.Tensor:
+        state.kernels.cast_(buffer, f.value()[0])
+        return buffer
+
+    return fut.then(decompress)
 
 
 def _topk_hook(state: _TopKState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
@@ -199,7 +208,8 @@ def register_compression(
             model.register_comm_hook(_State(process_group, meter), _timed(_allreduce_hook))
         case "fp16" | "bf16":
             dtype = torch.float16 if cfg.compression == "fp16" else torch.bfloat16
-            model.register_comm_hook(_CastState(process_group, meter, dtype), _timed(_cast_hook))
+            kernels = select_kernels(cfg.kernels, next(model.parameters()).device)
+            model.register_comm_hook(_CastState(process_group, meter, dtype, kernels), _timed(_cast_hook))
         case "powersgd":
             powersgd = PowerSGDState(
                 process_group,

@@ -92,7 +92,7 @@ def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, pre
         engine = build_engine(
             cfg.engine, model, bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=cfg.broadcast_buffers,
-            collective=cfg.collective,
+            collective=cfg.collective, kernels=cfg.kernels,
         )
         return Wrapped(engine, model, _no_sync_of(engine), None, f"engine {cfg.engine}")
     with warnings.catch_warnings():

@@ -100,8 +100,10 @@ class StepMetrics:
         return metrics
 
     def restart_window(self) -> None:
-        """Start the next window now (after logging and evaluation, which are not training time)."""
+        """Start the next window now (after logging, evaluation or compilation, which are not training time)."""
         self._start, self._steps = self._clock(), 0
+        self.samples.clear()
+        self.timer.window()  # drops the phase times of steps left out of the window
 
     def _clock(self) -> float:
         return device_clock(self.device)

@@ -1,8 +1,14 @@
-"""Decisions every rank must take alike: stop on SIGTERM/SIGINT, and what to do with a non-finite step."""
+"""Decisions every rank must take alike: stop on SIGTERM/SIGINT, and what to do with a non-finite step.
+
+A steady step reads nothing back to the host. A rank's non-finite loss poisons its gradients (``guard_loss``),
+so the gradient collective that follows carries it to every rank; each step's verdict stays on the device
+(``NonFiniteSteps``) and the ranks agree on it, and on stop requests, only at check steps (``agree``).
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -43,8 +49,48 @@ class StopRequest:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def agree(stop_requested: bool, nonfinite: bool, device: torch.device) -> tuple[bool, bool]:
-    """One small all-reduce per step: does any rank want to stop, did any rank see a non-finite value."""
-    flags = torch.tensor([float(stop_requested), float(nonfinite)], device=device)
+def guard_loss(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` itself when finite; else NaN, whose gradients are NaN too.
+
+    A non-finite loss can still have finite gradients (an infinite cross-entropy, a poisoned value); this turns
+    it into non-finite gradients, which the gradient all-reduce (or FSDP2's reduce-scatter) then spreads to
+    every rank: the flag rides on a collective that happens anyway. ``loss * 1.0`` is exact, so finite steps
+    are bit-for-bit unchanged.
+    """
+    return loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
+
+
+class NonFiniteSteps:
+    """Non-finite steps since the last check, counted on the device so that a step need not read them back.
+
+    A step's verdict is ``not isfinite(grad_norm)``: the same on every rank, since the synced gradients carry
+    every rank's non-finite loss (``guard_loss``) and FSDP2's norm is reduced over all shards.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.count = torch.zeros((), dtype=torch.float64, device=device)  # non-finite steps since the last check
+        self.first = torch.zeros((), dtype=torch.float64, device=device)  # the first of them; 0 when none
+
+    def record(self, nonfinite: torch.Tensor, step: int) -> None:
+        self.first.copy_(torch.where(nonfinite & (self.count == 0), float(step), self.first))
+        self.count += nonfinite
+
+    def reset(self) -> None:
+        self.count.zero_()
+        self.first.zero_()
+
+
+def agree(signum: int, nonfinite: NonFiniteSteps) -> tuple[int, int, int]:
+    """A check step: the signal that asks some rank to stop (0: none); the non-finite steps since the last check,
+    and the first of them.
+
+    Every rank learns the signal, also those the launcher did not signal, so all exit 128 + that signal.
+    One small all-reduce and one host read (a sync point), once per check rather than once per step.
+    """
+    stop = torch.tensor(float(signum), dtype=torch.float64, device=nonfinite.count.device)
+    flags = torch.stack([stop, nonfinite.count, nonfinite.first])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
+    stopping, count, first = flags.tolist()  # sync point: the host learns the agreed flags here
+    nonfinite.reset()
+    return int(stopping), int(count), int(first)
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from ddptrain.config import Config, DataFormat, computes_in_bf16
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import delay, inject, poison_loss
+from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import (
@@ -32,8 +34,9 @@ from ddptrain.models.lora import (
     reentrant_failure,
     trainable_line,
 )
-from ddptrain.optim import build_optimizer, build_scheduler
+from ddptrain.optim import build_optimizer, build_scheduler, is_fused
 from ddptrain.parallel import wrap_model
+from ddptrain.parallel.compile import compile_blocks
 from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan import FP32, model_state_memory, step_comm
 from ddptrain.runtime import DistEnv, main_first, seed_everything
@@ -42,9 +45,9 @@ from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics, load_baseline, steady_medians
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.telemetry.stragglers import StragglerMonitor
-from ddptrain.telemetry.timers import StepTimer
+from ddptrain.telemetry.timers import StepTimer, device_clock
 from ddptrain.topology import gather_topology
-from ddptrain.train.control import StopRequest, agree
+from ddptrain.train.control import NonFiniteSteps, StopRequest, agree, guard_loss
 from ddptrain.train.tokens import MicroBatch, accumulate_token_weighted, loss_tokens
 
 log = logging.getLogger("ddptrain")
@@ -64,6 +67,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
+    if cfg.train.compile:
+        log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
     wrapped = wrap_model(model, cfg.parallel, device, cfg.train.precision, env.local_world_size)
     # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
     # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
@@ -98,27 +103,41 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
     skipped = 0
+    nonfinite_steps = NonFiniteSteps(device)
+    compile_s: float | None = None
+    first_step_start = device_clock(device)
     with closing(sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(start + 1, cfg.train.steps + 1):
             meter.start_step(step)
             delay(step, env.rank, meter.timer.phase)
+            guard = _poisoned if poison_loss(step, env.rank) else guard_loss
             try:
                 loss = accumulate_gradients(wrapped.module, batches, plan.grad_accum, wrapped.maybe_sync, autocast,
-                                            meter.timer, token_weighted)
+                                            meter.timer, token_weighted, guard)
             except RuntimeError as exc:
                 if cfg.model.checkpoint_reentrant:
                     raise reentrant_failure(exc) from exc
                 raise
-            if poison_loss(step, env.rank):
-                loss = loss * float("nan")
             if step == start + 1:
                 probe.after_backward()
+            log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
+            save_step = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
+            stopping = 0  # the agreed signal number; 0: go on
             with meter.timer.phase("optimizer"):
-                grad_norm = clip_gradients(model, cfg.optim.grad_clip)
-                stopping, nonfinite = agree(stop.signum != 0, not _finite(loss, grad_norm), device)
-                skipped += not apply_update(optimizer, nonfinite, cfg.train.nan_policy, step)
+                grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
+                nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
+                apply_update(optimizer, nonfinite)
+                nonfinite_steps.record(nonfinite, step)
+                if log_step or save_step or step % cfg.train.check_every == 0:
+                    stopping, count, first = agree(stop.signum, nonfinite_steps)
+                    skipped += settle_nonfinite(count, first, step, cfg.train.nan_policy)
             sample, ratio = wrapped.take_sync_sample(env.world_size, meter.timer.active)
             meter.end_step(sample, ratio)
+            if cfg.train.compile and step == start + 1:
+                compile_s = device_clock(device) - first_step_start
+                log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)", compile_s)
+                if not log_step:
+                    meter.restart_window()
             if step == start + 1:
                 log.info("%s", trainable_line(trainable, n_params, sample.payload_bytes if sample else None))
                 probe.after_step(optimizer)
@@ -129,13 +148,13 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             scheduler.step()
             profiler.step()
             inject("step", step, env.rank)
-            if stopping or step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps):
-                save(step, wait=stopping or step == cfg.train.steps)  # the last save is committed before exit
+            if stopping or save_step:
+                save(step, wait=bool(stopping) or step == cfg.train.steps)  # the last save is committed before exit
             if stopping:
                 stop.restore()
-                raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step}; checkpoint saved "
-                              f"in {checkpointer.root}; continue with train.resume=auto", stop.signum)
-            if step % cfg.train.log_every and step != cfg.train.steps:
+                raise Stopped(f"stopped by {signal.Signals(stopping).name} after step {step}; checkpoint saved "
+                              f"in {checkpointer.root}; continue with train.resume=auto", stopping)
+            if not log_step:
                 continue
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
@@ -155,6 +174,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                             run_dir / "model")
     summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, wrapped.strategy, trainable,
                         meter.buckets)
+    if compile_s is not None:
+        summary["compile_s"] = compile_s
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -210,23 +231,26 @@ def accumulate_gradients(
     module: torch.nn.Module, micro_batches: Iterator[torch.Tensor], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
     timer: StepTimer | None = None, token_weighted: bool = False,
+    loss_guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
 
     Packed blocks: the loss is scaled by 1/grad_accum, so the synced ``.grad`` is the mean over the whole global
     batch. Returns this rank's mean loss over its micro batches. ``token_weighted`` (padded prompt/completion
     batches): the mean over every loss token of the global batch instead (see ``train/tokens.py``).
+    ``loss_guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank.
     """
     phase = timer.phase if timer is not None else (lambda _: nullcontext())
     if token_weighted:
-        return accumulate_token_weighted(module, micro_batches, grad_accum, maybe_sync, autocast, phase)
+        return accumulate_token_weighted(module, micro_batches, grad_accum, maybe_sync, autocast, phase,
+                                         loss_guard)
     loss_sum: torch.Tensor | None = None
     for micro in range(grad_accum):
         with phase("data"):
             ids = next(micro_batches)
         with maybe_sync(micro == grad_accum - 1):
             with phase("forward"), autocast:
-                loss = module(input_ids=ids, labels=ids).loss / grad_accum
+                loss = loss_guard(module(input_ids=ids, labels=ids).loss / grad_accum)
             with phase("backward"):
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
@@ -234,43 +258,55 @@ def accumulate_gradients(
     return loss_sum
 
 
-def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
-    """Clip to ``grad_clip`` global norm (0: no clipping); returns the norm before clipping.
+def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str = "auto") -> torch.Tensor:
+    """Clip to ``grad_clip`` global norm (0: no clipping) on ``kernels``' norm and scaling (``parallel.kernels``);
+    returns the norm before clipping.
 
     With clipping off only the norm is computed (it is logged and checked for non-finite values), never the
     scaling pass. With sharded gradients (FSDP2) the norm is a DTensor reduced over all shards (on the CPU with
     CPU offload, hence gloo next to NCCL); its full value is returned.
     """
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else None, kernels)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
-def apply_update(optimizer: torch.optim.Optimizer, nonfinite: bool, nan_policy: str, step: int) -> bool:
-    """Step the optimizer, unless some rank saw a non-finite value: then every rank skips, or all abort.
+def apply_update(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """Step the optimizer unless this step's gradients are non-finite (a verdict the same on every rank).
 
-    Returns whether the update was applied. Gradients are cleared either way.
+    Fused AdamW takes the verdict as ``found_inf`` and skips on the device (parameters, moments and step count
+    untouched), so the host waits for nothing. The other kernels cannot skip on a device flag: for them the
+    host reads the verdict. Gradients are cleared either way.
     """
-    if nonfinite and nan_policy == "abort":
-        raise NonFiniteError(f"non-finite loss or gradients at step {step} (train.nan_policy=abort); "
-                             "no checkpoint was written for it")
-    if nonfinite:
-        log.warning("non-finite loss or gradients at step %d: update skipped on every rank", step)
-    else:
+    if is_fused(optimizer):
+        getattr(optimizer, "optim", optimizer).found_inf = nonfinite.float()  # ZeRO-1: the local AdamW
+        optimizer.step()
+    elif not bool(nonfinite):  # sync point (foreach / for_loop only): the host needs the verdict to branch
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return not nonfinite
+
+
+def settle_nonfinite(count: int, first: int, step: int, nan_policy: str) -> int:
+    """At a check step: abort, or report the skipped updates (already skipped on every rank); returns the count.
+
+    Checks come before every checkpoint, so an aborted run never saves a state after its non-finite step.
+    """
+    if count and nan_policy == "abort":
+        raise NonFiniteError(f"non-finite loss or gradients at step {first} (train.nan_policy=abort); "
+                             "no checkpoint was written for it")
+    if count:
+        more = f" and {count - 1} more up to step {step}" if count > 1 else ""
+        log.warning("non-finite loss or gradients at step %d%s: update skipped on every rank", first, more)
+    return count
+
+
+def _poisoned(loss: torch.Tensor) -> torch.Tensor:
+    """The loss of a step that fault injection poisons: NaN, before backward, as a real non-finite loss is."""
+    return guard_loss(loss * math.nan)
 
 
 def _every(step: int, period: int) -> bool:
     """True every ``period`` steps; never when the period is 0 (disabled)."""
     return period > 0 and step % period == 0
-
-
-def _finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-    return bool(torch.isfinite(loss).item() and torch.isfinite(grad_norm).item())
 
 
 def report_model_state(

@@ -37,6 +37,7 @@ def accumulate_token_weighted(
     module: torch.nn.Module, micro_batches: Iterator[MicroBatch], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
     phase: Callable[[str], AbstractContextManager],
+    loss_guard: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` padded micro batches; the synced ``.grad`` is the global token mean.
 
@@ -53,7 +54,7 @@ def accumulate_token_weighted(
     for micro, batch in enumerate(batches):
         with maybe_sync(micro == grad_accum - 1):
             with phase("forward"), autocast:
-                loss = module(**batch, num_items_in_batch=per_rank_share).loss
+                loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share).loss)
             with phase("backward"):
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

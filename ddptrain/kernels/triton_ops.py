@@ -1,0 +1,282 @@
+"""Triton kernels for the element-wise passes around gradient collectives, each one launch per tensor list.
+
+A launch takes a table with one row per tensor (addresses, element count, and sizes and strides over at most
+``MAX_DIMS`` coalesced dimensions) and a chunk table that maps each program to ``BLOCK`` elements of one tensor,
+so a bucket of hundreds of gradients is one launch, not hundreds. Importing this module imports Triton: with
+``TRITON_INTERPRET=1`` set before that, the kernels run on CPU tensors through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import triton
+import triton.language as tl
+
+from ddptrain.kernels.reference import TorchKernels
+
+BLOCK = 2048  # elements per program: large enough to stream at full bandwidth, small enough for many programs
+# Triton's interpreter runs programs one after another in Python, at a cost per program rather than per element:
+# there a launch gets few programs, each as large as its largest tensor needs (up to this many elements).
+INTERPRETER_MAX_BLOCK = 1 << 16
+MAX_DIMS = 4  # dimensions a strided tensor may keep after coalescing; more falls back to torch
+COLS = 3 + 3 * MAX_DIMS  # per row: source, destination, numel, sizes, source strides, destination strides
+# The same layout as constants the kernels can read.
+_COLS, _SRC_STRIDES, _DST_STRIDES = tl.constexpr(COLS), tl.constexpr(3 + MAX_DIMS), tl.constexpr(3 + 2 * MAX_DIMS)
+# Element types the kernels handle; the others go through torch.
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+SCALE_NONE, SCALE_HOST, SCALE_DEVICE = 0, 1, 2  # no scaling | a float argument | a one-element device tensor
+
+
+@triton.jit
+def _offset(row, idx, STRIDES: tl.constexpr):
+    """Memory offsets of the flat (row-major) indices ``idx`` of the tensor in ``row``, under the strides at
+    column ``STRIDES`` (the sizes are at column 3)."""
+    s1 = tl.load(row + 4)
+    s2 = tl.load(row + 5)
+    s3 = tl.load(row + 6)
+    i3 = idx % s3
+    rest = idx // s3
+    i2 = rest % s2
+    rest = rest // s2
+    i1 = rest % s1
+    i0 = rest // s1
+    return (
+        i0 * tl.load(row + STRIDES)
+        + i1 * tl.load(row + STRIDES + 1)
+        + i2 * tl.load(row + STRIDES + 2)
+        + i3 * tl.load(row + STRIDES + 3)
+    )
+
+
+@triton.jit
+def _chunk(table, chunks, BLOCK: tl.constexpr):
+    """This program's tensor row, its element indices and their mask."""
+    c = tl.program_id(0)
+    row = table + tl.load(chunks + 2 * c) * _COLS
+    idx = tl.load(chunks + 2 * c + 1) + tl.arange(0, BLOCK).to(tl.int64)
+    return row, idx, idx < tl.load(row + 2)
+
+
+@triton.jit
+def _copy_kernel(table, chunks, scale, scale_ptr, DTYPE: tl.constexpr, SCALE: tl.constexpr,
+                 STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[i] = src[i] (times a scale, computed in fp32) for every tensor pair in the table."""
+    row, idx, mask = _chunk(table, chunks, BLOCK)
+    src = tl.load(row).to(tl.pointer_type(DTYPE))
+    dst = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+    if STRIDED:
+        src_off = _offset(row, idx, _SRC_STRIDES)
+        dst_off = _offset(row, idx, _DST_STRIDES)
+    else:
+        src_off = idx
+        dst_off = idx
+    x = tl.load(src + src_off, mask=mask, other=0.0)
+    if SCALE == 1:
+        x = (x.to(tl.float32) * scale).to(DTYPE)
+    elif SCALE == 2:
+        x = (x.to(tl.float32) * tl.load(scale_ptr)).to(DTYPE)
+    tl.store(dst + dst_off, x, mask=mask)
+
+
+@triton.jit
+def _square_sum_kernel(table, chunks, partials, DTYPE: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+    """partials[chunk] = the fp32 sum of squares of this program's elements."""
+    row, idx, mask = _chunk(table, chunks, BLOCK)
+    src = tl.load(row).to(tl.pointer_type(DTYPE))
+    off = _offset(row, idx, _SRC_STRIDES) if STRIDED else idx
+    x = tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(partials + tl.program_id(0), tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _sum_kernel(partials, n, out, BLOCK: tl.constexpr):
+    """out = the sum of ``n`` partials, by one program in a fixed order: the same bits on every run."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        acc += tl.load(partials + idx, mask=idx < n, other=0.0)
+    tl.store(out, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _to_bf16_kernel(src, dst, n, scale, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+    """dst = bf16(src * scale): round to nearest even on the fp32 bits (as torch does), or stochastically.
+
+    Adding 0x7FFF plus the lowest kept bit, then dropping 16 bits, is round-to-nearest-even; adding 16 random
+    bits instead rounds up with probability equal to the dropped fraction (unbiased). NaN stays a quiet NaN.
+    """
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = idx < n
+    x = tl.load(src + idx, mask=mask, other=0.0) * scale
+    bits = x.to(tl.uint32, bitcast=True)
+    if STOCHASTIC:  # noqa: SIM108 - a compile-time branch: each variant compiles only its own side
+        bias = tl.randint(seed, idx.to(tl.uint32)) & 0xFFFF
+    else:
+        bias = 0x7FFF + ((bits >> 16) & 1)
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, (bits + bias) >> 16)
+    tl.store(dst + idx, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _from_bf16_kernel(src, dst, n, scale, BLOCK: tl.constexpr):
+    """dst = fp32(src) * scale; widening bf16 is exact (its bits are the high half of the fp32's)."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = idx < n
+    bits = tl.load(src + idx, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    tl.store(dst + idx, bits.to(tl.float32, bitcast=True) * scale, mask=mask)
+
+
+def _layout(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """(size, stride per tensor) over ``MAX_DIMS`` dimensions, merging those contiguous in every tensor; None
+    when more remain."""
+    merged: list[tuple[int, ...]] = []
+    for dim, size in enumerate(shape):
+        if size == 1:
+            continue
+        inner = tuple(s[dim] for s in strides)
+        if merged and all(outer == s * size for outer, s in zip(merged[-1][1:], inner, strict=True)):
+            merged[-1] = (merged[-1][0] * size, *inner)
+        else:
+            merged.append((size, *inner))
+    if len(merged) > MAX_DIMS:
+        return None
+    return [(1, *(0 for _ in strides))] * (MAX_DIMS - len(merged)) + merged
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+@contextmanager
+def _launching() -> Iterator[None]:
+    """Around every launch. Triton's interpreter swaps parts of ``triton.language`` while it runs a kernel, so
+    two threads (a collective's completion callback and the main thread) must not interpret at once; compiled
+    launches need no lock."""
+    if not triton.knobs.runtime.interpret:
+        yield
+        return
+    with _INTERPRETER_LOCK:
+        yield
+
+
+def _block(numels: Sequence[int]) -> int:
+    """Elements per program for tensors of these sizes: ``BLOCK`` compiled, larger under the interpreter."""
+    if not triton.knobs.runtime.interpret:
+        return BLOCK
+    return min(INTERPRETER_MAX_BLOCK, triton.next_power_of_2(max(max(numels), 16)))
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_table(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
+    """(row, first element) of every ``block``-sized chunk; it depends on sizes only, so it is built once per
+    layout."""
+    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first_chunk = torch.cumsum(counts, 0) - counts
+    starts = (torch.arange(len(rows)) - first_chunk[rows]) * block
+    return torch.stack([rows, starts], dim=1).contiguous().to(device)
+
+
+def _table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The per-tensor table of (source, destination) pairs, and whether any needs strided addressing.
+
+    The caller has checked that every pair has a layout (``_layout`` is not None)."""
+    values: list[int] = []
+    strided = False
+    for src, dst in pairs:
+        plain = src.is_contiguous() and dst.is_contiguous()
+        strided |= not plain
+        dims = [(1, 0, 0)] * (MAX_DIMS - 1) + [(src.numel(), 1, 1)] if plain else _layout(
+            src.shape, src.stride(), dst.stride()
+        )
+        assert dims is not None
+        values += [src.data_ptr(), dst.data_ptr(), src.numel()]
+        values += [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims]
+    return torch.tensor(values, dtype=torch.int64).to(device), strided
+
+
+def _groups(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, list]:
+    """Non-empty pairs the kernels take, by dtype, and the pairs left to torch (other dtypes, or too many
+    non-mergeable dimensions)."""
+    groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    rest: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for src, dst in pairs:
+        if src.numel() == 0:
+            continue
+        ok = src.dtype in TL_DTYPES and dst.dtype == src.dtype and src.device == dst.device
+        if ok and ((src.is_contiguous() and dst.is_contiguous()) or _layout(src.shape, src.stride(), dst.stride())):
+            groups.setdefault(src.dtype, []).append((src, dst))
+        else:
+            rest.append((src, dst))
+    return groups, rest
+
+
+class TritonKernels(TorchKernels):
+    """The fused kernels; dtypes and layouts they do not handle go through the torch reference it extends."""
+
+    name = "triton"
+
+    def copy_(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+        groups, rest = _groups(list(zip(srcs, dsts, strict=True)))
+        for dtype, pairs in groups.items():
+            self._copy(pairs, dtype, SCALE_NONE if scale == 1.0 else SCALE_HOST, scale, None)
+        if rest:
+            super().copy_([d for _, d in rest], [s for s, _ in rest], scale)
+
+    def scale_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+        groups, rest = _groups([(t, t) for t in tensors])
+        for dtype, pairs in groups.items():
+            self._copy(pairs, dtype, SCALE_DEVICE, 1.0, coef.to(torch.float32))
+        if rest:
+            super().scale_([t for t, _ in rest], coef)
+
+    def _copy(self, pairs: list, dtype: torch.dtype, mode: int, scale: float, coef: torch.Tensor | None) -> None:
+        device = pairs[0][0].device
+        table, strided = _table(pairs, device)
+        numels = tuple(s.numel() for s, _ in pairs)
+        block = _block(numels)
+        chunks = _chunk_table(numels, block, device)
+        with _launching():
+            _copy_kernel[(len(chunks),)](table, chunks, scale, table if coef is None else coef,
+                                         DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=strided, BLOCK=block)
+
+    def squared_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        groups, rest = _groups([(t, t) for t in tensors])
+        if not groups:
+            return super().squared_norm([t for t, _ in rest])
+        device = next(iter(groups.values()))[0][0].device
+        launches = []
+        for dtype, pairs in groups.items():
+            table, strided = _table(pairs, device)
+            numels = tuple(s.numel() for s, _ in pairs)
+            block = _block(numels)
+            launches.append((dtype, table, strided, block, _chunk_table(numels, block, device)))
+        partials = torch.empty(sum(len(c) for *_, c in launches), dtype=torch.float32, device=device)
+        start = 0
+        total = torch.empty((), dtype=torch.float32, device=device)
+        with _launching():
+            for dtype, table, strided, block, chunks in launches:
+                _square_sum_kernel[(len(chunks),)](table, chunks, partials[start:], DTYPE=TL_DTYPES[dtype],
+                                                   STRIDED=strided, BLOCK=block)
+                start += len(chunks)
+            _sum_kernel[(1,)](partials, len(partials), total, BLOCK=1024)
+        return total + super().squared_norm([t for t, _ in rest]) if rest else total
+
+    def cast_(self, dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, stochastic: bool = False,
+              seed: int = 0) -> None:
+        n = src.numel()
+        fused = src.is_contiguous() and dst.is_contiguous() and n > 0
+        block = _block([n])
+        grid = (triton.cdiv(n, block),)
+        if fused and src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
+            with _launching():
+                _to_bf16_kernel[grid](src, dst, n, scale, seed, STOCHASTIC=stochastic, BLOCK=block)
+        elif fused and src.dtype == torch.bfloat16 and dst.dtype == torch.float32 and not stochastic:
+            with _launching():
+                _from_bf16_kernel[grid](src, dst, n, scale, BLOCK=block)
+        else:
+            super().cast_(dst, src, scale, stochastic, seed)

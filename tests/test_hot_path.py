@@ -1,0 +1,270 @@
+"""The steady step is stall-free: gradient collectives only, no host read; non-finite steps still decided alike."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddptrain.config import OptimImpl, build_config
+from ddptrain.errors import ConfigError
+from ddptrain.optim import impl_kwargs, resolve_impl
+from ddptrain.train.control import NonFiniteSteps, guard_loss
+from ddptrain.train.loop import apply_update
+from tests.dist import run_distributed
+from tests.runs import Overrides, train_each
+
+TINY: Overrides = {
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "vocab_size": 256},
+    "data": {"source": "synthetic", "num_samples": 256, "vocab_size": 256, "seq_len": 32, "global_batch_size": 8,
+             "micro_batch_size": 2},
+    "train": {"eval_every": 0, "seed": 3},
+    "optim": {"warmup_steps": 1},
+}
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_gather_object", "broadcast_object_list", "barrier", "_broadcast_coalesced", "all_to_all_single")
+HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+
+def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, variant: Overrides) -> dict[str, Any]:
+    """Train once, logging every collective and host read against the step it happened in."""
+    from ddptrain.telemetry.metrics import StepMetrics
+
+    events: list[tuple[Any, ...]] = []
+    step = [0]
+
+    def wrap(owner: Any, name: str, kind: str, size: Callable[..., int]) -> None:
+        original = getattr(owner, name)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            events.append((step[0], kind, name, size(*args)))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, recorded)
+
+    def numel(*args: Any) -> int:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return sum(t.numel() for t in tensors) if tensors else -1
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            wrap(dist, name, "collective", numel)
+    for name in HOST_READS:
+        wrap(torch.Tensor, name, "host_read", lambda *a: 0)
+    start_step = StepMetrics.start_step
+
+    def mark(self: StepMetrics, n: int) -> None:
+        step[0] = n
+        start_step(self, n)
+
+    StepMetrics.start_step = mark  # type: ignore[method-assign]
+    (result,) = train_each(rank, world_size, tmp, base, [variant])
+    n_params = result["summary"]["parameters"]
+    return {"events": events, "n_params": n_params, "metrics": result["metrics"]}
+
+
+def _by_step(events: list[tuple[Any, ...]], step: int, kind: str) -> list[tuple[str, int]]:
+    return [(name, size) for s, k, name, size in events if s == step and k == kind]
+
+
+@pytest.mark.parametrize("step", [2, 5, 7])
+def test_a_steady_step_issues_only_gradient_all_reduces_and_reads_nothing_back(
+    runs: list[dict[str, Any]], step: int
+) -> None:
+    for rank in (r["counted"] for r in runs):
+        collectives = _by_step(rank["events"], step, "collective")
+        assert {name for name, _ in collectives} == {"all_reduce"}, collectives
+        assert sum(size for _, size in collectives) == rank["n_params"], "the buckets hold every gradient once"
+        assert _by_step(rank["events"], step, "host_read") == []
+
+
+@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1])], ids=["check-3", "check-6", "log-4"])
+def test_check_and_logging_steps_add_only_their_documented_reductions(
+    runs: list[dict[str, Any]], step: int, extra: list[int]
+) -> None:
+    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean."""
+    for rank in (r["counted"] for r in runs):
+        collectives = _by_step(rank["events"], step, "collective")
+        gradients = [size for name, size in collectives if name == "all_reduce" and size > 3]
+        assert sum(gradients) == rank["n_params"]
+        assert [size for _, size in collectives if size <= 3] == extra, collectives
+        # The agreed flags; a logging step also reads the loss mean and the gradient norm.
+        expected = ["tolist"] + (["__float__", "__float__"] if step == 4 else [])
+        assert sorted(name for name, _ in _by_step(rank["events"], step, "host_read")) == sorted(expected)
+
+
+def _capture_models(models: list[torch.nn.Module]) -> None:
+    """Keep every model the loop builds, to compare the ranks' parameters after training."""
+    import ddptrain.train.loop as loop
+
+    build = loop.build_model
+
+    def keep(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        models.append(build(*args, **kwargs))
+        return models[-1]
+
+    loop.build_model = keep
+
+
+def _nonfinite_run(rank: int, world_size: int, tmp: str, policy: str, impl: str) -> dict[str, Any]:
+    """Rank 1's loss of step 2 is NaN; steps 2-3 are not check steps, step 4 is."""
+    os.environ["DDPTRAIN_FAULT"] = "nan@step:2:1"
+    models: list[torch.nn.Module] = []
+    _capture_models(models)
+    variant: Overrides = {"train": {"steps": 5, "log_every": 5, "check_every": 4, "nan_policy": policy},
+                          "optim": {"impl": impl}}
+    run_dir = os.path.join(tmp, f"{policy}-{impl}")
+    try:
+        (result,) = train_each(rank, world_size, run_dir, TINY, [variant])
+    except Exception as exc:  # noqa: BLE001 - the abort is the expected outcome; the parent checks its text
+        return {"error": f"{type(exc).__name__}: {exc}",
+                "checkpoints": [str(p) for p in Path(run_dir).glob("*/checkpoints/step_*")]}
+    finally:
+        del os.environ["DDPTRAIN_FAULT"]
+    params = torch.cat([p.detach().flatten() for p in models[-1].parameters()])
+    return {"metrics": result["metrics"], "params": params}
+
+
+def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Rank 0 gets SIGTERM after step 4; checks fall every 3 steps, so every rank stops after step 6."""
+    import signal
+
+    import ddptrain.train.loop as loop
+
+    inject = loop.inject
+
+    def terminate(point: str, step: int, rank: int) -> None:
+        if (point, step, rank) == ("step", 4, 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+        inject(point, step, rank)
+
+    loop.inject = terminate
+    run_dir = os.path.join(tmp, "sigterm")
+    # A long grace: the SIGTERM watchdog must not end this worker, which goes on to other runs.
+    variant: Overrides = {"train": {"steps": 20, "log_every": 20, "check_every": 3}, "launch": {"stop_grace_s": 900}}
+    try:
+        train_each(rank, world_size, run_dir, TINY, [variant])
+    except loop.Stopped as exc:
+        return {"exit_code": exc.exit_code, "message": str(exc),
+                "checkpoints": sorted(p.name for p in Path(run_dir).glob("*/checkpoints/step_*"))}
+    finally:
+        loop.inject = inject
+    return {"exit_code": 0}
+
+
+def _every_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """All the distributed runs of this module in one process group (spawning one costs tens of seconds)."""
+    out = {f"{policy}-{impl}": _nonfinite_run(rank, world_size, tmp, policy, impl)
+           for policy, impl in (("skip", "fused"), ("skip", "foreach"), ("abort", "fused"))}
+    out["sigterm"] = _sigterm_run(rank, world_size, tmp)
+    # Last: it instruments torch.distributed and torch.Tensor for good in this process.
+    variant: Overrides = {"train": {"steps": 8, "log_every": 4, "check_every": 3},
+                          "parallel": {"broadcast_buffers": False}}  # else DDP broadcasts llama's RoPE buffer
+    out["counted"] = _instrumented_run(rank, world_size, os.path.join(tmp, "counted"), TINY, variant)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    """Counted: 8 steps, logging at 4 and 8, checks every 3 steps. Non-finite: rank 1's NaN at step 2."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_distributed(_every_run, 2, tmp, timeout=600)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_one_ranks_nan_between_checks_is_skipped_on_every_rank(runs: list[dict[str, Any]], impl: str) -> None:
+    ranks = [r[f"skip-{impl}"] for r in runs]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "both ranks skipped the same update"
+    assert torch.isfinite(ranks[0]["params"]).all()
+    assert ranks[0]["metrics"][-1]["skipped_steps"] == 1
+
+
+def test_one_ranks_nan_between_checks_aborts_every_rank_naming_the_step(runs: list[dict[str, Any]]) -> None:
+    for rank in (r["abort-fused"] for r in runs):
+        assert rank["error"].startswith("NonFiniteError: non-finite loss or gradients at step 2 "), rank
+        assert rank["checkpoints"] == [], "no checkpoint after the non-finite step"
+
+
+def test_sigterm_between_checks_stops_every_rank_at_the_next_check_with_a_checkpoint(
+    runs: list[dict[str, Any]],
+) -> None:
+    import signal
+
+    for rank in (r["sigterm"] for r in runs):
+        assert rank["exit_code"] == 128 + signal.SIGTERM, rank
+        assert "after step 6" in rank["message"]
+        assert rank["checkpoints"] == ["step_000006"]
+
+
+def test_guard_keeps_a_finite_loss_exactly_and_poisons_the_gradients_of_a_non_finite_one() -> None:
+    w = torch.tensor([1.5, -2.0], requires_grad=True)
+    loss = (w * torch.tensor([0.3, 0.7])).sum()
+    guarded = guard_loss(loss)
+    guarded.backward()
+    assert guarded.item() == loss.item() and torch.equal(w.grad, torch.tensor([0.3, 0.7]))
+    w.grad = None
+    infinite = (w * torch.tensor([0.3, 0.7])).sum() + torch.tensor(math.inf)  # gradients alone would be finite
+    guard_loss(infinite).backward()
+    assert torch.isnan(w.grad).all()
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for_loop"])
+def test_a_non_finite_step_leaves_parameters_and_optimizer_state_untouched(impl: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **impl_kwargs(OptimImpl(impl), torch.device("cpu")))
+    model(torch.randn(2, 4)).sum().backward()
+    apply_update(optimizer, torch.tensor(False))
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+    model(torch.full((2, 4), math.nan)).sum().backward()
+    apply_update(optimizer, torch.tensor(True))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    assert all(torch.equal(v, s[k]) for s, new in zip(state, optimizer.state.values(), strict=True)
+               for k, v in new.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_finite_steps_are_counted_on_the_device_with_the_first_one() -> None:
+    steps = NonFiniteSteps(torch.device("cpu"))
+    for step, bad in [(1, False), (2, True), (3, False), (4, True)]:
+        steps.record(torch.tensor(bad), step)
+    assert (steps.count.item(), steps.first.item()) == (2, 2)
+
+
+def test_auto_picks_the_fused_kernel_where_torch_has_one() -> None:
+    assert resolve_impl(OptimImpl.auto, torch.device("cpu")) == OptimImpl.fused
+    assert resolve_impl(OptimImpl.auto, torch.device("meta")) == OptimImpl.foreach
+    assert impl_kwargs(OptimImpl.for_loop, torch.device("cpu")) == {"foreach": False}
+    with pytest.raises(ConfigError, match=r"optim\.impl=fused"):
+        impl_kwargs(OptimImpl.fused, torch.device("meta"))
+
+
+def test_bad_check_every_impl_or_compile_with_an_own_engine_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"train\.check_every=0"):
+        build_config({"train": {"check_every": 0}})
+    with pytest.raises(ConfigError, match="impl"):
+        build_config({"optim": {"impl": "fast"}})
+    with pytest.raises(ConfigError, match=r"train\.compile=true .* parallel\.engine=bucketed"):
+        build_config({"train": {"compile": True}, "parallel": {"engine": "bucketed"}})
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_ddp_match_eager_and_report_compile_time() -> None:
+    """Regional compilation on 2 ranks with CPU inductor: the same losses as eager over 5 steps."""
+    base: Overrides = {**TINY, "train": {**TINY["train"], "steps": 5, "log_every": 1}}
+    with tempfile.TemporaryDirectory() as tmp:
+        eager, compiled = run_distributed(train_each, 2, tmp, base, [{}, {"train": {"compile": True}}],
+                                          timeout=600)[0]
+    losses = [[m["loss"] for m in run["metrics"]] for run in (eager, compiled)]
+    assert len(losses[0]) == 5
+    for a, b in zip(*losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), losses
+    assert compiled["summary"]["compile_s"] > 0 and "compile_s" not in eager["summary"]

@@ -1,0 +1,260 @@
+"""The fused kernels equal their torch references, run through Triton's interpreter on the CPU.
+
+``TRITON_INTERPRET=1`` must be set before Triton compiles anything, hence at the very top of this module:
+ddptrain imports Triton only when its kernels are chosen.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddptrain.cli import run_cli as ddptrain_main
+from ddptrain.config import Kernels, build_config
+from ddptrain.errors import ConfigError
+from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
+from ddptrain.kernels import triton_ops as ops
+from ddptrain.kernels.clip import clip_grad_norm
+from tests.dist import run_distributed
+from tests.runs import train_each
+
+TRITON = select_kernels("triton", torch.device("cpu"))
+SIZES = [1, 7, 1023, 1025, 10**6 + 3]
+
+
+def _sources() -> list[torch.Tensor]:
+    """Odd sizes, an empty tensor, and non-contiguous views (transposed, sliced with steps, expanded)."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        *(torch.randn(n, generator=g) for n in SIZES),
+        torch.empty(0),
+        torch.randn(24, 40, generator=g).t(),
+        torch.randn(5, 9, 7, generator=g)[1:, ::2, 2:],
+        torch.randn(3, 1, 5, generator=g).expand(3, 4, 5),
+        torch.randn(2, 3, 4, 5, 6, generator=g).transpose(0, 4)[:, ::2],  # 5 dimensions that do not coalesce
+    ]
+
+
+def _bucket(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    flat = torch.full((sum(t.numel() for t in tensors),), float("nan"))
+    return flat, [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+
+class _Launches:
+    """Counts launches of a kernel (a jit function indexed by its grid)."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[torch.Tensor]:
+    return _sources()
+
+
+def test_pack_and_unpack_are_bitwise_copies_in_one_launch(sources: list[torch.Tensor],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    launches = _Launches(ops._copy_kernel)
+    monkeypatch.setattr(ops, "_copy_kernel", launches)
+    flat, views = _bucket(sources)
+    TRITON.copy_(views, sources)
+    assert launches.count == 1
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]))
+    back = [torch.empty_like(t) for t in sources]
+    back[6] = torch.empty(24, 40).t()  # a strided destination too
+    TRITON.copy_(back, views)
+    assert launches.count == 2
+    for got, want in zip(back, sources, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_five_hundred_tensors_pack_in_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(int(n), generator=g) for n in torch.randint(0, 300, (500,), generator=g)]
+    launches = _Launches(ops._copy_kernel)
+    monkeypatch.setattr(ops, "_copy_kernel", launches)
+    flat, views = _bucket(tensors)
+    TRITON.copy_(views, tensors)
+    assert launches.count == 1
+    assert torch.equal(flat, torch.cat(tensors))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_average_fused_with_unpack_matches_torch_within_one_ulp(sources: list[torch.Tensor],
+                                                                dtype: torch.dtype) -> None:
+    summed = [t.to(dtype) for t in sources[1:]]  # up to 1025 elements: the large size runs in fp32 below
+    if dtype == torch.float32:
+        summed = [t.to(dtype) for t in sources]
+    got, want = [torch.empty_like(t) for t in summed], [torch.empty_like(t) for t in summed]
+    TRITON.copy_(got, summed, 1 / 3)
+    TORCH_KERNELS.copy_(want, summed, 1 / 3)
+    for g, w in zip(got, want, strict=True):
+        ulp = torch.finfo(dtype).eps
+        torch.testing.assert_close(g, w, rtol=ulp, atol=torch.finfo(dtype).tiny)
+
+
+def test_average_in_place_when_the_gradient_is_the_bucket_view(sources: list[torch.Tensor]) -> None:
+    flat, views = _bucket(sources)
+    TRITON.copy_(views, sources)
+    TRITON.copy_(views, views, 0.5)  # destination == source: each element read, then written, by one program
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]) * 0.5)
+
+
+def test_squared_norm_is_deterministic_and_within_1e6_of_torch(sources: list[torch.Tensor]) -> None:
+    g = torch.Generator().manual_seed(2)
+    many = [torch.randn(int(n), generator=g) for n in torch.randint(0, 300, (500,), generator=g)]
+    half = [torch.randn(1025, generator=g).to(torch.bfloat16), torch.randn(7, generator=g).half()]
+    for tensors in (sources, many, [*many[:5], *half], [torch.empty(0)], [torch.ones(1)]):
+        got = TRITON.squared_norm(tensors)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, TORCH_KERNELS.squared_norm(tensors), rtol=1e-6, atol=0)
+        assert torch.equal(got, TRITON.squared_norm(tensors)), "the same inputs give the same bits"
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm: float) -> None:
+    def params() -> list[torch.nn.Parameter]:
+        made = [torch.nn.Parameter(torch.zeros(t.shape)) for t in sources[:4]] + [torch.nn.Parameter(torch.zeros(3))]
+        for p, t in zip(made[:4], sources[:4], strict=True):
+            p.grad = t.clone()  # the last parameter has no gradient
+        return made
+
+    ours, theirs = params(), params()
+    norm = clip_grad_norm(ours, max_norm, "triton")
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(theirs, max_norm), rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-12)
+    assert torch.equal(clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0, "triton"), torch.tensor(0.0))
+
+
+def test_norm_only_leaves_gradients_untouched(sources: list[torch.Tensor]) -> None:
+    params = [torch.nn.Parameter(torch.zeros(t.shape)) for t in sources[:4]]
+    for p, t in zip(params, sources[:4], strict=True):
+        p.grad = t.clone()
+    norm = clip_grad_norm(params, None, "triton")
+    torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(sources[:4]), rtol=1e-6, atol=0)
+    assert all(torch.equal(p.grad, t) for p, t in zip(params, sources[:4], strict=True))
+
+
+def _special_values() -> torch.Tensor:
+    """Ties at every rounding boundary, infinities, the largest finite values, subnormals, signed zeros."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0xFF7F_FFFF, 0x0000_8000,
+                         0x0001_8000, 0x8000_0000, 0x7F7F_7FFF], dtype=torch.int64)
+    special = (bits - (bits >= 2**31).long() * 2**32).to(torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    return torch.cat([special, torch.tensor([0.0, math.inf, -math.inf]), torch.randn(10**6 + 3, generator=g) * 1e3])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float) -> None:
+    x = _special_values()
+    got, want = torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.bfloat16)
+    TRITON.cast_(got, x, scale)
+    TORCH_KERNELS.cast_(want, x, scale)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    back, back_want = torch.empty_like(x), torch.empty_like(x)
+    TRITON.cast_(back, got, 0.5)
+    TORCH_KERNELS.cast_(back_want, got, 0.5)
+    assert torch.equal(back, back_want)
+    nan = torch.tensor([math.nan])
+    out = torch.empty(1, dtype=torch.bfloat16)
+    TRITON.cast_(out, nan)
+    assert out.isnan().all()  # NaN stays NaN (its payload bits differ between torch's own CPU and CUDA paths)
+
+
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased() -> None:
+    x = torch.full((200_000,), 1.0 + 2**-9 + 2**-11)  # between the bf16 neighbours 1 and 1 + 2^-7, 5/16 up
+    x[:7] = torch.tensor([0.0, -1.5, math.inf, -math.inf, 3.0, 2**-130, 7.25])
+    out, again, other = (torch.empty_like(x, dtype=torch.bfloat16) for _ in range(3))
+    TRITON.cast_(out, x, stochastic=True, seed=11)
+    TRITON.cast_(again, x, stochastic=True, seed=11)
+    TRITON.cast_(other, x, stochastic=True, seed=12)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+    assert not torch.equal(out.view(torch.int16), other.view(torch.int16))
+    body = out[7:].float()
+    assert set(body.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(body.mean().item() - x[7].item()) < 1e-4  # unbiased: the mean lands on x (std of mean ~1e-5)
+    assert torch.equal(out[:7].float()[[0, 1, 2, 3, 4]], x[:5])  # representable values stay exact
+    reference = torch.empty_like(out)
+    TORCH_KERNELS.cast_(reference, x, stochastic=True, seed=11)
+    assert abs(reference[7:].float().mean().item() - x[7].item()) < 1e-4
+
+
+def test_auto_runs_triton_on_cuda_only_and_triton_where_it_cannot_run_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert select_kernels("auto", torch.device("cpu")) is TORCH_KERNELS
+    assert select_kernels("torch", torch.device("cpu")) is TORCH_KERNELS
+    with pytest.raises(ConfigError, match="interpreter cannot run on CUDA tensors"):
+        check_kernels("triton", "cuda")
+    assert select_kernels("auto", torch.device("cuda")) is TORCH_KERNELS  # the interpreter is on: not for CUDA
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert select_kernels("auto", torch.device("cuda")).name == "triton"
+    with pytest.raises(ConfigError, match=r"parallel.kernels=triton cannot run here: Triton compiles for CUDA"):
+        check_kernels("triton", "cpu")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="Triton is not installed"):
+        check_kernels("triton", "cuda")
+    assert select_kernels("auto", torch.device("cuda")) is TORCH_KERNELS
+
+
+def test_kernels_key_is_typed_with_its_choices() -> None:
+    assert build_config({"parallel": {"kernels": "triton"}}).parallel.kernels == Kernels.triton
+    assert build_config().parallel.kernels == "auto"
+    with pytest.raises(Exception, match=r"auto, triton, torch"):
+        build_config({"parallel": {"kernels": "cuda"}})
+
+
+def test_triton_kernels_on_a_cpu_without_the_interpreter_is_a_one_line_startup_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    start = time.monotonic()
+    code = ddptrain_main(["parallel.kernels=triton", "data.max_documents=20"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert err[-1].startswith("ddptrain: error: parallel.kernels=triton cannot run here: Triton compiles for CUDA")
+    assert time.monotonic() - start < 30
+
+
+LOOP = {
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 16, "global_batch_size": 4,
+             "micro_batch_size": 2},
+    "train": {"steps": 2, "log_every": 1, "eval_every": 0},
+    "optim": {"grad_clip": 0.5},
+}
+
+
+def test_training_loop_on_triton_kernels_tracks_torch(tmp_path: Path) -> None:
+    """Two ranks through the real loop: our bucketed engine, the clip step and the bf16 hook on Triton's kernels
+    (interpreted) give the losses and gradient norms of the torch path."""
+    variants = [
+        {"parallel": {"engine": engine, "compression": compression, "kernels": kernels}}
+        for engine, compression in (("bucketed", "none"), ("torch", "bf16"))
+        for kernels in ("torch", "triton")
+    ]
+    runs = run_distributed(train_each, 2, str(tmp_path), LOOP, variants)[0]
+    for torch_run, triton_run in (runs[0:2], runs[2:4]):
+        for want, got in zip(torch_run["metrics"], triton_run["metrics"], strict=True):
+            assert got["grad_norm"] > 0.5  # clipping was active
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
