@@ -36,7 +36,9 @@ def _fakes(tmp_path: Path) -> dict[str, str]:
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[ "$*" = "show hostnames gpu[07-08]" ] && {hosts}\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPTRAIN_", "GPUS_PER_NODE"))}
+    # MASTER_PORT may be left over from an in-process run earlier in the session: the scripts' default is tested
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "DDPTRAIN_", "GPUS_PER_NODE", "MASTER_PORT"))}
     return {**env, "PATH": f"{bin_dir}:{env['PATH']}"}
 
 

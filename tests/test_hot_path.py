@@ -85,19 +85,25 @@ def test_a_steady_step_issues_only_gradient_all_reduces_and_reads_nothing_back(
         assert _by_step(rank["events"], step, "host_read") == []
 
 
-@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1])], ids=["check-3", "check-6", "log-4"])
+# A logging step also gathers every rank's phase times for the straggler report (all_gather_object, size -1).
+@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1, -1])], ids=["check-3", "check-6", "log-4"])
 def test_check_and_logging_steps_add_only_their_documented_reductions(
     runs: list[dict[str, Any]], step: int, extra: list[int]
 ) -> None:
-    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean."""
+    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean
+    and the gather of per-rank timings for the straggler report."""
     for rank in (r["counted"] for r in runs):
         collectives = _by_step(rank["events"], step, "collective")
         gradients = [size for name, size in collectives if name == "all_reduce" and size > 3]
         assert sum(gradients) == rank["n_params"]
         assert [size for _, size in collectives if size <= 3] == extra, collectives
-        # The agreed flags; a logging step also reads the loss mean and the gradient norm.
-        expected = ["tolist"] + (["__float__", "__float__"] if step == 4 else [])
-        assert sorted(name for name, _ in _by_step(rank["events"], step, "host_read")) == sorted(expected)
+        # The agreed flags; a logging step also reads the loss mean and the gradient norm, and torch's
+        # all_gather_object (the straggler report) reads its own object sizes: logging steps sync by design.
+        reads = sorted(name for name, _ in _by_step(rank["events"], step, "host_read"))
+        if step == 4:
+            assert {"tolist", "__float__"} <= set(reads) and reads.count("__float__") >= 2, reads
+        else:
+            assert reads == ["tolist"], reads
 
 
 def _capture_models(models: list[torch.nn.Module]) -> None:
