@@ -414,6 +414,17 @@ class PlanConfig:
     nodes: int = 1  # nodes the plan.world_size ranks are spread over (equal ranks per node)
     inter_node: Interconnect = Interconnect.infiniband_ndr  # the link between nodes; plan.interconnect: within one
     hierarchical: bool = True  # multi-node all-reduce: within nodes, then across (false: one flat ring)
+    # Host terms of the what-if predictor, measured by scripts/bench_collectives.py; the defaults are a GPU per
+    # rank with NCCL on its own stream. Compute x contention when ranks share a host; compute speed lost and
+    # collective time stretched while both run at once; wait for the slowest rank per unit of compute.
+    contention: float = 1.0
+    comm_steal: float = 0.0
+    comm_stretch: float = 1.0
+    skew: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.contention >= 1 and 0 <= self.comm_steal < 1 and self.comm_stretch >= 1 and self.skew >= 0,
+                 "plan.contention >= 1, 0 <= plan.comm_steal < 1, plan.comm_stretch >= 1 and plan.skew >= 0 expected")
 
 
 @dataclass

@@ -1,29 +1,41 @@
-"""Fit the α–β model of this process group's all-reduce, for the what-if predictor:
+"""Measure this process group for the what-if predictor: the α–β fit of its all-reduce and the host terms.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 scripts/bench_collectives.py
 
-prints α and the bus bandwidth B, and the overrides that feed them to ``launch.dry_run=true plan.from_run=...``.
+prints α, the bus bandwidth B, the per-call cost of a DDP-style bucket sync, how much the ranks slow each other's
+compute (contention), what an in-flight collective takes from compute and compute from it (steal, stretch), and
+the wait for the slowest rank (skew), then the ``plan.*`` overrides that feed them to
+``launch.dry_run=true plan.from_run=...``. ``--json PATH`` also writes them as one record.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+from pathlib import Path
 
 import torch.distributed as dist
 
+from ddptrain.comm.hostfit import measure_host
 from ddptrain.comm.linkfit import measure_link
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None, help="also write the fit here (rank 0)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     link = measure_link(repeats=args.repeats)
+    host = measure_host()
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks ({dist.get_backend()}): α {link.latency_us:.1f} µs per hop, "
-              f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s")
-        print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f}")
+              f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s; contention x{host.contention:.2f}, "
+              f"comm steal {host.comm_steal:.0%}, comm stretch x{host.comm_stretch:.2f}, skew {host.skew:.1%}")
+        print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f} {host.overrides()}")
+        if args.json:
+            args.json.write_text(json.dumps({"link": dataclasses.asdict(link), "host": dataclasses.asdict(host)}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddptrain.plan import Link
 
-SIZES = tuple(4 * 4**k for k in range(3, 11))  # 256 B .. 4 MiB
+SIZES = tuple(4 * 4**k for k in range(3, 12))  # 256 B .. 16 MiB: up to the largest DDP bucket (25 MB)
 
 
 def fit_link(sizes: list[int], seconds: list[float], world_size: int) -> Link:

@@ -1,0 +1,50 @@
+"""What the what-if predictor takes from a measured run's ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddptrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One rank's measured step: compute per micro-batch, optimizer, and the gradient buckets of a timed step."""
+
+    world_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum: int
+    seq_len: int
+    micro_step_s: float  # data + forward + backward compute of one micro-batch on one rank
+    optimizer_s: float
+    buckets: list[tuple[float, int]]  # (seconds before backward compute ended that it was ready, bytes)
+    buckets_measured: bool  # False: one bucket of all fp32 gradients, ready when backward ends (no overlap)
+    # Per-bucket cost of the sync's own work beside the collective (DDP's hook: the division by the world size,
+    # the future and its callback), timed where the collective itself is free: a 1-rank run. 0 otherwise.
+    hook_s: float = 0.0
+
+    @classmethod
+    def from_summary(cls, s: dict[str, Any]) -> Calibration:
+        """From a summary's figures; KeyError/TypeError/ValueError when a figure is missing or malformed."""
+        micro = (s["time_data_s"] + s.get("time_forward_sync_s", 0.0) + s["time_forward_s"]
+                 + s["time_backward_s"]) / s["grad_accum"]
+        buckets = [(float(lead), int(n)) for lead, n in s.get("buckets") or []]
+        measured = bool(buckets)
+        buckets = buckets or [(0.0, 4 * int(s["parameters"]))]
+        alone = s["world_size"] == 1 and measured and s.get("comm_time_s") is not None
+        return cls(s["world_size"], s["global_batch_size"], s["micro_batch_size"], s["grad_accum"], s["seq_len"],
+                   micro, s["time_optimizer_s"], buckets, measured,
+                   s["comm_time_s"] / len(buckets) if alone else 0.0)
+
+    @classmethod
+    def from_run(cls, run_dir: str) -> Calibration:
+        path = Path(run_dir) / "summary.json"
+        try:
+            return cls.from_summary(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"plan.from_run={run_dir}: expected a finished run directory with a summary.json "
+                              f"holding the step breakdown ({type(exc).__name__}: {exc})") from exc

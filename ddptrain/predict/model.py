@@ -1,0 +1,62 @@
+"""What-if predictor: a measured run's step time, carried to other world sizes and node layouts.
+
+Calibration comes from a run's ``summary.json`` (compute per phase, the batch, and each gradient bucket's
+readiness and size). Links are α–β models: the planner's presets, or a fit of the real process group; the host
+terms (``HostFit``) are measured by ``scripts/bench_collectives.py`` on the same group. For N ranks:
+
+- weak scaling: every rank keeps the calibration run's work per step (micro batch x grad_accum), so the global
+  batch grows with N; compute per rank is as measured, times ``contention`` (ranks sharing a host's cores);
+- each bucket's all-reduce (α–β plus the per-bucket hook cost) starts when the bucket is ready and the previous
+  all-reduce has finished, so it can only hide behind the backward compute that follows it; collectives and
+  compute slow each other by ``comm_steal`` and ``comm_stretch`` where they share cores;
+- a rank waits at the sync for the slowest rank: ``skew`` x the step's compute, exposed.
+
+On GPUs (a device per rank, NCCL on its own stream) the host terms are ~(1, 0, 1, small): the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddptrain.comm.hostfit import HostFit
+from ddptrain.data.batch import BatchPlan
+from ddptrain.predict.calibration import Calibration
+from ddptrain.predict.layout import Layout, allreduce_seconds
+from ddptrain.predict.overlap import sync_timeline
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    batch: BatchPlan
+    compute_s: float  # measured compute x contention, plus what in-flight collectives took from backward
+    exposed_s: float  # the sync past the end of backward's compute: waiting for the slowest rank + the tail
+    comm_s: float  # time with an all-reduce in flight
+    terms: dict[str, float]  # seconds per step each modelled effect adds, for the record
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch.tokens_per_step / self.step_s
+
+
+def predict(cal: Calibration, layout: Layout, host: HostFit | None = None) -> Prediction:
+    """The step of ``cal``'s run on ``layout``, each rank doing the work per step that it did (weak scaling)."""
+    per_rank = cal.micro_batch_size * cal.grad_accum
+    batch = BatchPlan.derive(per_rank * layout.world_size, cal.micro_batch_size, cal.grad_accum, layout.world_size,
+                             cal.seq_len)
+    measured = cal.micro_step_s * batch.grad_accum + cal.optimizer_s
+    if layout.world_size == 1:
+        return Prediction(layout, batch, measured, 0.0, 0.0, {})
+    host = host or HostFit()
+    compute = measured * host.contention
+    buckets = [(lead * host.contention, n) for lead, n in cal.buckets]
+    sync = sync_timeline(buckets, lambda n: allreduce_seconds(n, layout) + cal.hook_s, host.comm_steal,
+                         host.comm_stretch)
+    wait = host.skew * compute
+    terms = {"contention_s": compute - measured, "steal_s": sync.stolen_s, "skew_s": wait,
+             "hook_s": cal.hook_s * len(buckets), "tail_s": sync.exposed_s}
+    return Prediction(layout, batch, compute + sync.stolen_s, wait + sync.exposed_s, sync.comm_s, terms)

@@ -1,0 +1,55 @@
+"""One gradient sync on a timeline: buckets all-reduce one at a time, each from when backward makes it ready.
+
+Time 0 is when the first bucket becomes ready; backward's remaining compute then runs to its end while the
+buckets' all-reduces queue behind each other. Where ranks share cores with their collectives (gloo on CPU),
+compute runs at ``1 - steal`` of its speed while a collective is in flight, and a collective takes ``stretch``
+times as long while compute runs; with NCCL on its own stream and a GPU per rank both are neutral (0 and 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SyncTimeline:
+    exposed_s: float  # how far the last all-reduce runs past the end of backward's compute
+    comm_s: float  # time with an all-reduce in flight
+    stolen_s: float  # how much longer backward's compute took because collectives ran beside it
+
+
+def sync_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], float], steal: float = 0.0,
+                  stretch: float = 1.0) -> SyncTimeline:
+    """Simulate the sync of ``buckets`` ((seconds before backward's compute ended that it was ready, bytes), in
+    launch order), each all-reduce taking ``seconds(bytes)`` on an idle host."""
+    if not buckets:
+        return SyncTimeline(0.0, 0.0, 0.0)
+    length = max(lead for lead, _ in buckets)  # backward compute left when the first bucket is ready
+    ready = [length - lead for lead, _ in buckets]  # in compute-seconds done since then
+    left = [seconds(n) for _, n in buckets]  # idle-host seconds of all-reduce still to do, per bucket
+    now = done = comm = 0.0
+    compute_end = 0.0 if length <= 0 else None
+    i = 0
+    while i < len(buckets):
+        computing = compute_end is None
+        active = not computing or done >= ready[i]  # bucket i is ready (queued buckets start in order)
+        compute_rate = (1.0 - steal) if active else 1.0
+        comm_rate = 1.0 / stretch if computing else 1.0
+        target = length if active else ready[i]  # compute runs to the next bucket's readiness or backward's end
+        to_target = (target - done) / compute_rate if computing else float("inf")
+        to_finish = left[i] / comm_rate if active else float("inf")
+        dt = min(to_target, to_finish)
+        now += dt
+        if active:
+            comm += dt
+            left[i] -= dt * comm_rate
+        if computing:
+            done = target if to_target <= to_finish else done + dt * compute_rate
+            if done >= length:
+                compute_end = now
+        if active and to_finish <= to_target:
+            i += 1
+    if compute_end is None:  # every all-reduce finished before backward did
+        compute_end = now + (length - done)
+    return SyncTimeline(max(0.0, now - compute_end), comm, compute_end - length)
