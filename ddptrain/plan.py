@@ -76,10 +76,12 @@ class Link:
         return comm.hops * self.latency_us * 1e-6 + comm.nbytes / (self.bandwidth_gbps * GB)
 
 
+# B is bus bandwidth, the rate each rank sends at in a ring (nccl-tests' busbw), so one direction of a link.
 # α: assumed per-hop latencies, of the order NCCL's own cost model (src/graph/tuning.cc) uses for ring collectives.
 INTERCONNECTS: dict[str, Link] = {
-    "nvlink": Link("nvlink", 900.0, 3.0, "H100 NVLink 4 datasheet, both directions; measured bus bandwidth is lower"),
-    "infiniband_ndr": Link("infiniband_ndr", 50.0, 10.0, "one 400 Gb/s NDR port per GPU"),
+    "nvlink": Link("nvlink", 450.0, 3.0, "H100 NVLink 4: 900 GB/s is both directions; nccl-tests all-reduce busbw "
+                   "on 8 H100 SXM reaches ~450-480 GB/s"),
+    "infiniband_ndr": Link("infiniband_ndr", 50.0, 10.0, "one 400 Gb/s NDR port per GPU, line rate (an upper bound)"),
     "pcie_gen5": Link("pcie_gen5", 28.0, 5.0, "assumed effective ring bandwidth; the x16 line rate is 64 GB/s"),
 }
 

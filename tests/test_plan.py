@@ -32,7 +32,7 @@ def config(**overrides: object) -> DictConfig:
     return cfg
 
 
-@pytest.mark.parametrize(("world_size", "seconds"), [(2, 0.31), (4, 0.47), (8, 0.54), (64, 0.61)])
+@pytest.mark.parametrize(("world_size", "seconds"), [(2, 0.62), (4, 0.93), (8, 1.09), (64, 1.23)])
 def test_allreduce_of_70b_fp32_gradients_over_nvlink(world_size: int, seconds: float) -> None:
     assert round(allreduce_seconds(70e9 * 4, world_size, INTERCONNECTS["nvlink"]), 2) == seconds
 

@@ -1,20 +1,28 @@
-"""The what-if predictor: α–β all-reduce over node layouts, per-bucket overlap, the link fit, calibration, CLI."""
+"""The what-if predictor: α–β all-reduce over node layouts, per-bucket overlap, the host terms, the link and host
+fits, calibration, every run's self-prediction, the dry run and the H100 anchor script."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ddptrain.comm.hostfit import HostFit, measure_host
 from ddptrain.comm.linkfit import fit_link
+from ddptrain.config import PlanConfig
 from ddptrain.errors import ConfigError
 from ddptrain.plan import Link
-from ddptrain.predict import Calibration, Layout, allreduce_seconds, exposed_comm, predict
+from ddptrain.predict import Calibration, Layout, allreduce_seconds, predict, sync_timeline
+from ddptrain.predict.own_run import GLOO_LOOPBACK, predict_own_step
 from tests.cli import run_cli
 from tests.dist import run_distributed
 from tests.runs import train_each
 
+ROOT = Path(__file__).resolve().parents[1]
 NVLINK = Link("nvlink", 100.0, 2.0, "test")
 IB = Link("ib", 10.0, 10.0, "test")
 MB = 10**6
@@ -36,10 +44,61 @@ def test_hierarchical_all_reduce_beats_a_flat_ring_when_the_network_is_slower() 
 
 def test_a_bucket_hides_only_behind_the_backward_compute_after_it() -> None:
     one_ms = lambda nbytes: 1e-3  # noqa: E731 - every all-reduce takes 1 ms
-    assert exposed_comm([(0.0, 1)], one_ms) == pytest.approx((1e-3, 1e-3))  # ready at the end: all exposed
-    assert exposed_comm([(5e-3, 1), (3e-3, 1)], one_ms)[0] == 0.0  # both finish before backward ends
+    assert sync_timeline([(0.0, 1)], one_ms).exposed_s == pytest.approx(1e-3)  # ready at the end: all exposed
+    assert sync_timeline([(5e-3, 1), (3e-3, 1)], one_ms).exposed_s == 0.0  # both finish before backward ends
     # three buckets ready 1.5 ms before the end queue behind each other: 3 ms of work, 1.5 ms exposed
-    assert exposed_comm([(1.5e-3, 1)] * 3, one_ms) == pytest.approx((1.5e-3, 3e-3))
+    three = sync_timeline([(1.5e-3, 1)] * 3, one_ms)
+    assert (three.exposed_s, three.comm_s, three.stolen_s) == pytest.approx((1.5e-3, 3e-3, 0.0))
+
+
+def test_collectives_beside_compute_steal_from_it_and_stretch() -> None:
+    one_ms = lambda nbytes: 1e-3  # noqa: E731
+    # one 1 ms all-reduce ready 10 ms before the end; compute at half speed while it runs, it at half speed too:
+    # it takes 2 ms, during which backward does 1 ms of work: backward ends 1 ms late, nothing exposed
+    hidden = sync_timeline([(10e-3, 1)], one_ms, steal=0.5, stretch=2.0)
+    assert (hidden.exposed_s, hidden.comm_s, hidden.stolen_s) == pytest.approx((0.0, 2e-3, 1e-3))
+    # three ready 1.5 ms before the end: backward's last 1.5 ms take 3 ms, in which 1.5 ms of the 3 ms of
+    # all-reduce get done; the other 1.5 ms run after backward at full speed
+    tail = sync_timeline([(1.5e-3, 1)] * 3, one_ms, steal=0.5, stretch=2.0)
+    assert (tail.exposed_s, tail.comm_s, tail.stolen_s) == pytest.approx((1.5e-3, 4.5e-3, 1.5e-3))
+
+
+CAL = Calibration(1, 8, 4, 2, 64, micro_step_s=0.1, optimizer_s=0.01, buckets=[(0.05, 10**6), (0.0, 10**6)],
+                  buckets_measured=True)
+SLOW = Link("slow", 0.1, 100.0, "test")  # 10 ms per MB
+
+
+def test_contention_scales_compute_and_the_buckets_readiness() -> None:
+    idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
+    shared = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(contention=1.5))
+    assert idle.compute_s == pytest.approx(0.21) and shared.compute_s == pytest.approx(1.5 * 0.21)
+    assert shared.terms["contention_s"] == pytest.approx(0.5 * 0.21)
+    assert shared.exposed_s == pytest.approx(idle.exposed_s)  # buckets still ready early enough; last one exposed
+
+
+def test_skew_waits_for_the_slowest_rank_in_the_exposed_sync() -> None:
+    idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
+    skewed = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(skew=0.1))
+    assert skewed.exposed_s - idle.exposed_s == pytest.approx(0.1 * 0.21) == skewed.terms["skew_s"]
+    assert skewed.compute_s == idle.compute_s
+
+
+def test_steal_and_stretch_change_the_step_as_modelled() -> None:
+    idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
+    busy = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(comm_steal=0.5, comm_stretch=2.0))
+    first = allreduce_seconds(10**6, Layout(2, 1, SLOW, SLOW))
+    assert busy.terms["steal_s"] == pytest.approx(first) and busy.compute_s == pytest.approx(0.21 + first)
+    assert busy.step_s > idle.step_s
+
+
+def test_the_hook_cost_of_a_one_rank_run_is_charged_per_bucket() -> None:
+    summary = {"world_size": 1, "global_batch_size": 8, "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
+               "time_data_s": 0.0, "time_forward_s": 0.1, "time_backward_s": 0.1, "time_optimizer_s": 0.01,
+               "comm_time_s": 0.004, "buckets": [[0.05, 10**6], [0.0, 10**6]], "parameters": 500_000}
+    cal = Calibration.from_summary(summary)
+    assert cal.hook_s == pytest.approx(0.002)
+    without = predict(Calibration.from_summary({**summary, "world_size": 2}), Layout(2, 1, SLOW, SLOW))
+    assert predict(cal, Layout(2, 1, SLOW, SLOW)).exposed_s == pytest.approx(without.exposed_s + 0.002)
 
 
 def test_the_link_fit_recovers_alpha_and_bandwidth() -> None:
@@ -94,3 +153,51 @@ def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"plan\.nodes=3: expected a positive divisor of plan\.world_size=16"):
         what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=3), 1)
+
+
+def _measure_host(rank: int, world_size: int) -> HostFit:
+    return measure_host(calls=2, repeats=2, comm_bytes=2**20)
+
+
+def test_the_host_fit_of_a_real_group_is_in_range() -> None:
+    fits = run_distributed(_measure_host, 2, timeout=120)
+    for fit in fits:  # every rank returns the same kind of figures; rank 0's feed the predictor
+        assert fit.contention >= 1.0 and 0.0 <= fit.comm_steal < 1.0 and fit.comm_stretch >= 1.0
+        assert 0.0 <= fit.skew < 1.0
+    overrides = fits[0].overrides()
+    assert overrides.startswith("plan.contention=") and "plan.skew=" in overrides
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    ranks = run_distributed(train_each, 2, str(tmp_path_factory.mktemp("two")), BASE, [{}], timeout=600)
+    return ranks[0][0]["summary"]
+
+
+def test_every_run_logs_its_predicted_step_next_to_the_measured_one(two_rank_run: dict) -> None:
+    predicted = two_rank_run["predicted"]
+    assert predicted["link"]["name"] == GLOO_LOOPBACK.name and "gloo" in predicted["link"]["source"]
+    assert predicted["step_s"] > 0 and predicted["exposed_comm_s"] > 0
+    assert predicted["step_error_pct"] == pytest.approx(
+        100 * (predicted["step_s"] - two_rank_run["time_step_s"]) / two_rank_run["time_step_s"])
+    assert predicted["exposed_comm_error_pct"] is not None
+    # the prediction never reads the measured communication: change it and the prediction stays
+    tampered = {**two_rank_run, "time_exposed_comm_s": 9.0, "comm_time_s": 9.0, "time_step_s": 99.0}
+    again = predict_own_step(tampered, PlanConfig(), "cpu", 1)
+    assert again["step_s"] == pytest.approx(predicted["step_s"]) and again["step_error_pct"] < -50
+    measured = predict_own_step(two_rank_run, PlanConfig(bandwidth_gbps=100.0, latency_us=1.0), "cpu", 1)
+    assert measured["link"]["source"].startswith("measured")
+    assert measured["exposed_comm_s"] < predicted["exposed_comm_s"]
+
+
+def test_a_one_rank_run_says_there_is_nothing_to_predict(calibration_run: Path) -> None:
+    summary = json.loads((calibration_run / "summary.json").read_text())
+    assert "nothing to predict" in summary["predicted"]["step_note"]
+
+
+def test_the_anchor_script_predicts_8_and_64_h100s_beside_the_published_figures() -> None:
+    result = subprocess.run([sys.executable, "scripts/predict_anchors.py"], capture_output=True, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for text in ("Llama 3.1 8B", "torchtitan", "| 8 |", "| 64 |", "| 128 |", "5,762", "5,605", "MFU"):
+        assert text in result.stdout, result.stdout

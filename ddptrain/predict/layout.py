@@ -41,12 +41,18 @@ def _ring(nbytes: float, ranks: int, link: Link, passes: int) -> float:
     return hops * link.latency_us * 1e-6 + hops / ranks * nbytes / (link.bandwidth_gbps * 1e9)
 
 
-def allreduce_seconds(nbytes: float, layout: Layout) -> float:
-    """One all-reduce of ``nbytes`` over the layout (α–β, ring)."""
+def collective_seconds(nbytes: float, layout: Layout, passes: int) -> float:
+    """A ring collective of ``nbytes`` over the layout (α–β): ``passes`` 2 is an all-reduce, 1 a reduce-scatter
+    or all-gather (``nbytes`` the full, unsharded buffer)."""
     g, m = layout.ranks_per_node, layout.nodes
     if m == 1:
-        return _ring(nbytes, g, layout.intra, 2)
+        return _ring(nbytes, g, layout.intra, passes)
     if not layout.hierarchical:  # every hop of one big ring waits for the slowest link
         slow = layout.inter if layout.inter.bandwidth_gbps < layout.intra.bandwidth_gbps else layout.intra
-        return _ring(nbytes, g * m, slow, 2)
-    return 2 * _ring(nbytes, g, layout.intra, 1) + _ring(nbytes / g, m, layout.inter, 2)
+        return _ring(nbytes, g * m, slow, passes)
+    return passes * _ring(nbytes, g, layout.intra, 1) + _ring(nbytes / g, m, layout.inter, passes)
+
+
+def allreduce_seconds(nbytes: float, layout: Layout) -> float:
+    """One all-reduce of ``nbytes`` over the layout (α–β, ring)."""
+    return collective_seconds(nbytes, layout, 2)

@@ -39,6 +39,7 @@ from ddptrain.parallel import wrap_model
 from ddptrain.parallel.compile import compile_blocks
 from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan import FP32, model_state_memory, step_comm
+from ddptrain.predict.own_run import predict_own_step
 from ddptrain.runtime import DistEnv, main_first, seed_everything
 from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.memory import ModelStateProbe
@@ -174,6 +175,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                             run_dir / "model")
     summary = summarise(history, plan, n_params, fpt, meter.peak, cfg, model_state, wrapped.strategy, trainable,
                         meter.buckets)
+    summary["predicted"].update(predict_own_step(summary, cfg.plan, device.type, topology.num_nodes))
     if compile_s is not None:
         summary["compile_s"] = compile_s
     if env.is_main:

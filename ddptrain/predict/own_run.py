@@ -1,0 +1,67 @@
+"""Every run checks the predictor on itself: its step predicted from its own compute and buckets, beside the
+measured one, in ``summary.json``'s ``predicted`` record.
+
+The prediction reads the run's compute phases and bucket profile, never its measured communication times; the
+link is the measured one when ``plan.bandwidth_gbps`` (and ``plan.latency_us``) are set, otherwise the preset of
+``plan.interconnect`` on GPUs or, for gloo on CPU, ``GLOO_LOOPBACK``. The compute was measured with the run's
+own ranks beside each other, so contention and steal are already in it; ``plan.comm_stretch`` and ``plan.skew``
+apply as configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ddptrain.comm.hostfit import HostFit
+from ddptrain.config import PlanConfig
+from ddptrain.plan import Link, chosen_link, preset_link
+from ddptrain.predict.calibration import Calibration
+from ddptrain.predict.layout import Layout
+from ddptrain.predict.model import predict
+
+# gloo over loopback TCP between processes of one host: what scripts/bench_collectives.py fitted on this
+# project's 2-core CI-class machine (medians of the validation's fits). A measured link beats it: pass
+# plan.bandwidth_gbps/plan.latency_us from the benchmark of your own group.
+GLOO_LOOPBACK = Link("gloo_loopback", 1.0, 600.0, "gloo over loopback TCP on one 2-core host, fitted by "
+                     "scripts/bench_collectives.py")
+
+
+def own_link(plan: PlanConfig, device_type: str) -> tuple[Link, str]:
+    """The link a run's self-prediction uses, and where it came from."""
+    if plan.bandwidth_gbps:
+        return chosen_link(plan), "measured: plan.bandwidth_gbps/plan.latency_us"
+    if device_type == "cpu":
+        alpha = GLOO_LOOPBACK.latency_us if plan.latency_us is None else plan.latency_us
+        return replace(GLOO_LOOPBACK, latency_us=alpha), "gloo loopback default (no plan.bandwidth_gbps)"
+    return chosen_link(plan), f"preset plan.interconnect={plan.interconnect}"
+
+
+def _error_pct(predicted: float, measured: float | None) -> float | None:
+    return None if not measured else 100.0 * (predicted - measured) / measured
+
+
+def predict_own_step(summary: dict[str, Any], plan: PlanConfig, device_type: str, nodes: int) -> dict[str, Any]:
+    """The ``predicted`` fields of a finished run: step and exposed communication, predicted vs measured."""
+    if summary["world_size"] == 1:
+        return {"step_note": "1 rank: no gradient sync, nothing to predict"}
+    if summary["zero_stage"] != 0 or summary["compression"] != "none":
+        return {"step_note": "the predictor models DDP's uncompressed all-reduce (parallel.zero_stage=0)"}
+    try:
+        cal = Calibration.from_summary(summary)
+    except (KeyError, TypeError, ValueError):
+        return {"step_note": "no step breakdown was timed: nothing to predict from"}
+    link, source = own_link(plan, device_type)
+    layout = Layout(summary["world_size"], nodes, link, preset_link("plan.inter_node", plan.inter_node),
+                    plan.hierarchical)
+    p = predict(cal, layout, HostFit(1.0, 0.0, plan.comm_stretch, plan.skew))
+    measured_exposed = summary.get("time_exposed_comm_s")
+    return {
+        "step_s": p.step_s,
+        "exposed_comm_s": p.exposed_s,
+        "link": {"name": link.name, "bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
+                 "source": source},
+        "layout": layout.describe(),
+        "step_error_pct": _error_pct(p.step_s, summary.get("time_step_s")),
+        "exposed_comm_error_pct": _error_pct(p.exposed_s, measured_exposed),
+    }
