@@ -2,7 +2,7 @@
 
 Weak scaling, as the predictor models it: the 2-rank runs keep each rank's work (global batch doubled).
 
-    flock -x /work/cpu.lock python scripts/validate_predictor.py --repeats 3   # the lock: a quiet machine
+    PYTHONPATH=. flock -x /work/cpu.lock python scripts/validate_predictor.py --repeats 3   # lock: quiet machine
 
 Each repeat measures the process group first (``scripts/bench_collectives.py`` on 2 gloo ranks: the α–β link
 and the host terms), then runs every configuration on 1 rank and on 2 ranks; each 2-rank run is predicted from
@@ -100,6 +100,11 @@ def main() -> None:
     for name, row in rows.items():
         terms = ", ".join(f"{k[:-2]} {_ms([p.terms[k] for p in row['pred']])}" for k in row["pred"][0].terms)
         print(f"\n{name}: terms added (ms, medians): {terms}")
+        own = [m["predicted"] for m in row["twos"]]
+        print(f"  2-rank runs' own prediction (gloo default link): step error "
+              f"{statistics.median(o['step_error_pct'] for o in own):+.0f}%, exposed error "
+              f"{statistics.median(o['exposed_comm_error_pct'] for o in own):+.0f}%; rank skew "
+              f"{statistics.median(m.get('rank_skew_pct', 0.0) for m in row['twos']):.1f}%")
         for n, runs in (("1 rank ", row["ones"]), ("2 ranks", row["twos"])):
             print(f"  {n}: " + ", ".join(f"{k[5:-2]} {_ms([m.get(k, 0.0) for m in runs])}" for k in PHASES))
 
