@@ -415,16 +415,19 @@ class PlanConfig:
     inter_node: Interconnect = Interconnect.infiniband_ndr  # the link between nodes; plan.interconnect: within one
     hierarchical: bool = True  # multi-node all-reduce: within nodes, then across (false: one flat ring)
     # Host terms of the what-if predictor, measured by scripts/bench_collectives.py; the defaults are a GPU per
-    # rank with NCCL on its own stream. Compute x contention when ranks share a host; compute speed lost and
-    # collective time stretched while both run at once; wait for the slowest rank per unit of compute.
+    # rank with NCCL on its own stream. Compute x contention when ranks share a host; compute speed lost while a
+    # collective is in flight; wait for the slowest rank per unit of compute; the all-reduce link beside compute.
     contention: float = 1.0
     comm_steal: float = 0.0
-    comm_stretch: float = 1.0
     skew: float = 0.0
+    busy_latency_us: float | None = None  # None: as idle
+    busy_bandwidth_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        _require(self.contention >= 1 and 0 <= self.comm_steal < 1 and self.comm_stretch >= 1 and self.skew >= 0,
-                 "plan.contention >= 1, 0 <= plan.comm_steal < 1, plan.comm_stretch >= 1 and plan.skew >= 0 expected")
+        _require(self.contention >= 1 and 0 <= self.comm_steal < 1 and self.skew >= 0
+                 and (self.busy_bandwidth_gbps is None or self.busy_bandwidth_gbps > 0),
+                 "expected plan.contention >= 1, 0 <= plan.comm_steal < 1, plan.skew >= 0 and "
+                 "plan.busy_bandwidth_gbps > 0")
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 scripts/bench_collectives.py
 
-prints α, the bus bandwidth B, the per-call cost of a DDP-style bucket sync, how much the ranks slow each other's
-compute (contention), what an in-flight collective takes from compute and compute from it (steal, stretch), and
-the wait for the slowest rank (skew), then the ``plan.*`` overrides that feed them to
+prints α and the bus bandwidth B, how much the ranks slow each other's compute (contention), what an in-flight
+collective takes from compute (steal), the wait for the slowest rank (skew) and α, B of all-reduces that run
+beside compute (the busy link), then the ``plan.*`` overrides that feed them to
 ``launch.dry_run=true plan.from_run=...``. ``--json PATH`` also writes them as one record.
 """
 
@@ -32,7 +32,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks ({dist.get_backend()}): α {link.latency_us:.1f} µs per hop, "
               f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s; contention x{host.contention:.2f}, "
-              f"comm steal {host.comm_steal:.0%}, comm stretch x{host.comm_stretch:.2f}, skew {host.skew:.1%}")
+              f"comm steal {host.comm_steal:.0%}, skew {host.skew:.1%}; beside compute: α "
+              f"{host.busy_latency_us:.1f} µs, {host.busy_bandwidth_gbps:.3f} GB/s")
         print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f} {host.overrides()}")
         if args.json:
             args.json.write_text(json.dumps({"link": dataclasses.asdict(link), "host": dataclasses.asdict(host)}))

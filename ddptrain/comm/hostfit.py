@@ -8,10 +8,14 @@ and backward, the matmul-plus-elementwise mix of a transformer block):
   sharing CPU cores, memory bandwidth or a hypervisor's siblings slow each other; with one GPU per rank it is ~1.
 - ``comm_steal``: the fraction of compute speed a rank loses while one of its collectives is in flight. On CPU
   gloo's threads reduce and copy on the same cores as the model; NCCL runs on its own stream: ~0 on GPUs.
-- ``comm_stretch``: how much longer a collective takes while the rank computes than while it waits (the same
-  shared cores, seen from the other side); ~1 on GPUs.
+- ``busy_latency_us``/``busy_bandwidth_gbps``: the α–β fit of all-reduces that run while the rank computes, as
+  DDP's buckets do during backward (gloo's threads must wake up on cores busy with compute); None on GPUs,
+  where a collective sees the same link whether or not the device computes.
 - ``skew``: how long a rank waits at a collective for the slowest rank, as a fraction of the compute since the
   last sync. Equal work finishes at different times when ranks are jostled; dedicated GPUs keep it small.
+
+Means, not medians, for the times that a step pays in full however they are spread (waits, busy all-reduces,
+whose times on a busy CPU are mostly short and sometimes a scheduler slice long).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddptrain.comm.linkfit import fit_link
+
 
 @dataclass(frozen=True)
 class HostFit:
@@ -30,13 +36,16 @@ class HostFit:
 
     contention: float = 1.0  # compute time, every rank computing at once / one rank alone
     comm_steal: float = 0.0  # fraction of compute speed lost while a collective is in flight
-    comm_stretch: float = 1.0  # a collective's time while the rank computes / while it waits
+    busy_latency_us: float | None = None  # α of all-reduces while the rank computes; None: the link's own
+    busy_bandwidth_gbps: float | None = None  # B of all-reduces while the rank computes; None: the link's own
     skew: float = 0.0  # wait for the slowest rank at a sync / compute since the previous sync
 
     def overrides(self) -> str:
         """The ``plan.*`` overrides that carry the fit to ``launch.dry_run=true plan.from_run=...``."""
+        busy = "" if self.busy_bandwidth_gbps is None else (
+            f" plan.busy_latency_us={self.busy_latency_us:.1f} plan.busy_bandwidth_gbps={self.busy_bandwidth_gbps:.4f}")
         return (f"plan.contention={self.contention:.3f} plan.comm_steal={self.comm_steal:.3f} "
-                f"plan.comm_stretch={self.comm_stretch:.3f} plan.skew={self.skew:.4f}")
+                f"plan.skew={self.skew:.4f}{busy}")
 
 
 class _Kernel:
@@ -60,18 +69,20 @@ class _Kernel:
         return time.perf_counter() - start
 
 
-def measure_host(calls: int = 8, repeats: int = 7, comm_bytes: int = 16 * 2**20) -> HostFit:
-    """Median of ``repeats`` rounds of each measurement on the default group (a collective: every rank calls it).
+def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 * 2**10, 4 * 2**20)) -> HostFit:
+    """``repeats`` rounds of each measurement on the default group (a collective: every rank calls it).
 
-    ``calls`` kernel calls make one unit of compute (tens of ms on a CPU core); ``comm_bytes`` is the all-reduce
-    kept in flight while the kernel runs, to see what it takes from compute.
+    ``calls`` kernel calls make one unit of compute (tens of ms on a CPU core); all-reduces of ``sizes`` bytes
+    (a small DDP bucket and a large one) run while the kernel runs, for the busy link and the steal.
     """
     kernel, rank = _Kernel(), dist.get_rank()
     kernel.timed(2)  # warm-up: allocations, thread pools
-    flag, buf = torch.zeros(1), torch.zeros(comm_bytes // 4)
-    dist.all_reduce(buf)
+    flag, bufs = torch.zeros(1), [torch.zeros(n // 4) for n in sizes]
+    for buf in bufs:
+        dist.all_reduce(buf)
     tiny = _tiny_collective_s(flag)
-    alone, together, steal, skew, comm_alone, comm_busy = [], [], [], [], [], []
+    alone, together, steal, skew = [], [], [], []
+    busy: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for r in range(dist.get_world_size()):  # each rank alone in turn, the others parked in a collective
             dist.barrier()
@@ -86,25 +97,37 @@ def measure_host(calls: int = 8, repeats: int = 7, comm_bytes: int = 16 * 2**20)
         wait = time.perf_counter() - start
         together.append(seconds)
         skew.append(max(0.0, wait - tiny) / seconds)
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(buf)
-        comm_alone.append(time.perf_counter() - start)
-        dist.barrier()
-        work, start, done = dist.all_reduce(buf, async_op=True), time.perf_counter(), 0
-        while not work.is_completed():  # compute as much as the collective's flight allows
-            kernel()
-            done += 1
-        in_flight = time.perf_counter() - start
-        work.wait()
-        comm_busy.append(in_flight)
-        steal.append(max(0.0, 1.0 - done * (seconds / calls) / in_flight))
-    # skew: the mean wait over rounds and ranks (a step pays the mean; waits are mostly short, sometimes long)
-    mean_skew = torch.tensor([statistics.fmean(skew)])
-    dist.all_reduce(mean_skew)
-    median = statistics.median
-    return HostFit(max(1.0, median(together) / median(alone)), median(steal),
-                   max(1.0, median(comm_busy) / median(comm_alone)), float(mean_skew) / dist.get_world_size())
+        for buf, times in zip(bufs, busy, strict=True):
+            dist.barrier()
+            in_flight, done = _overlapped(buf, kernel)
+            times.append(in_flight)
+        steal.append(max(0.0, 1.0 - done * (seconds / calls) / in_flight))  # from the large one: long enough
+    fit = fit_link(list(sizes), [_mean_over_ranks(t) for t in busy], dist.get_world_size())
+    return HostFit(max(1.0, statistics.median(together) / statistics.median(alone)), statistics.median(steal),
+                   fit.latency_us, fit.bandwidth_gbps, _mean_over_ranks(skew))
+
+
+def _overlapped(buf: torch.Tensor, kernel: _Kernel) -> tuple[float, int]:
+    """(seconds from launch to completion, kernel calls done meanwhile) of an all-reduce launched beside compute."""
+    finished: list[float] = []
+    start = time.perf_counter()
+    work = dist.all_reduce(buf, async_op=True)
+    work.get_future().then(lambda _: finished.append(time.perf_counter()))  # completion, not the next poll
+    done = 0
+    while not work.is_completed():
+        kernel()
+        done += 1
+    work.wait()
+    while not finished:  # the callback runs on gloo's thread right after completion
+        time.sleep(1e-4)
+    return finished[0] - start, done
+
+
+def _mean_over_ranks(values: list[float]) -> float:
+    """The mean of ``values`` over rounds and ranks: what every rank then predicts with."""
+    total = torch.tensor([statistics.fmean(values)], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
 
 
 def _tiny_collective_s(flag: torch.Tensor, repeats: int = 20) -> float:

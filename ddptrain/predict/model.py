@@ -7,19 +7,23 @@ terms (``HostFit``) are measured by ``scripts/bench_collectives.py`` on the same
 - weak scaling: every rank keeps the calibration run's work per step (micro batch x grad_accum), so the global
   batch grows with N; compute per rank is as measured, times ``contention`` (ranks sharing a host's cores);
 - each bucket's all-reduce (α–β plus the per-bucket hook cost) starts when the bucket is ready and the previous
-  all-reduce has finished, so it can only hide behind the backward compute that follows it; collectives and
-  compute slow each other by ``comm_steal`` and ``comm_stretch`` where they share cores;
-- a rank waits at the sync for the slowest rank: ``skew`` x the step's compute, exposed.
+  all-reduce has finished, so it can only hide behind the backward compute that follows it; where collectives
+  share cores with compute, compute loses ``comm_steal`` of its speed while one is in flight, and they run on
+  the busy link (``busy_latency_us``/``busy_bandwidth_gbps``) until backward's compute ends;
+- a rank waits at the gradient sync for the slowest rank: ``skew`` x the compute since the previous sync point,
+  DDP's buffer broadcast at the start of the last micro-batch's forward; exposed.
 
-On GPUs (a device per rank, NCCL on its own stream) the host terms are ~(1, 0, 1, small): the defaults.
+On GPUs (a device per rank, NCCL on its own stream) the host terms are ~(1, 0, no busy link, small): the
+defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddptrain.comm.hostfit import HostFit
 from ddptrain.data.batch import BatchPlan
+from ddptrain.plan import Link
 from ddptrain.predict.calibration import Calibration
 from ddptrain.predict.layout import Layout, allreduce_seconds
 from ddptrain.predict.overlap import sync_timeline
@@ -54,9 +58,13 @@ def predict(cal: Calibration, layout: Layout, host: HostFit | None = None) -> Pr
     host = host or HostFit()
     compute = measured * host.contention
     buckets = [(lead * host.contention, n) for lead, n in cal.buckets]
-    sync = sync_timeline(buckets, lambda n: allreduce_seconds(n, layout) + cal.hook_s, host.comm_steal,
-                         host.comm_stretch)
-    wait = host.skew * compute
+    busy = None
+    if host.busy_bandwidth_gbps:
+        link = Link("busy", host.busy_bandwidth_gbps, host.busy_latency_us or 0.0, "all-reduce beside compute")
+        busy_layout = replace(layout, intra=link, inter=link if layout.nodes == 1 else layout.inter)
+        busy = lambda n: allreduce_seconds(n, busy_layout) + cal.hook_s  # noqa: E731
+    sync = sync_timeline(buckets, lambda n: allreduce_seconds(n, layout) + cal.hook_s, host.comm_steal, busy)
+    wait = host.skew * cal.micro_step_s * host.contention  # since the last micro-batch's forward broadcast
     terms = {"contention_s": compute - measured, "steal_s": sync.stolen_s, "skew_s": wait,
              "hook_s": cal.hook_s * len(buckets), "tail_s": sync.exposed_s}
     return Prediction(layout, batch, compute + sync.stolen_s, wait + sync.exposed_s, sync.comm_s, terms)

@@ -2,8 +2,9 @@
 
 Time 0 is when the first bucket becomes ready; backward's remaining compute then runs to its end while the
 buckets' all-reduces queue behind each other. Where ranks share cores with their collectives (gloo on CPU),
-compute runs at ``1 - steal`` of its speed while a collective is in flight, and a collective takes ``stretch``
-times as long while compute runs; with NCCL on its own stream and a GPU per rank both are neutral (0 and 1).
+compute runs at ``1 - steal`` of its speed while a collective is in flight, and a collective takes
+``busy_seconds`` instead of ``seconds`` while compute runs; with NCCL on its own stream and a GPU per rank
+neither changes anything (steal 0, the same time busy or not).
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ class SyncTimeline:
 
 
 def sync_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], float], steal: float = 0.0,
-                  stretch: float = 1.0) -> SyncTimeline:
+                  busy_seconds: Callable[[float], float] | None = None) -> SyncTimeline:
     """Simulate the sync of ``buckets`` ((seconds before backward's compute ended that it was ready, bytes), in
-    launch order), each all-reduce taking ``seconds(bytes)`` on an idle host."""
+    launch order), each all-reduce taking ``seconds(bytes)`` on an idle host, ``busy_seconds(bytes)`` beside
+    compute (default: the same)."""
     if not buckets:
         return SyncTimeline(0.0, 0.0, 0.0)
     length = max(lead for lead, _ in buckets)  # backward compute left when the first bucket is ready
     ready = [length - lead for lead, _ in buckets]  # in compute-seconds done since then
-    left = [seconds(n) for _, n in buckets]  # idle-host seconds of all-reduce still to do, per bucket
+    left_total = [seconds(n) for _, n in buckets]
+    left = list(left_total)  # idle-host seconds of all-reduce still to do, per bucket
+    busy = left_total if busy_seconds is None else [busy_seconds(n) for _, n in buckets]
     now = done = comm = 0.0
     compute_end = 0.0 if length <= 0 else None
     i = 0
@@ -35,7 +39,7 @@ def sync_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], f
         computing = compute_end is None
         active = not computing or done >= ready[i]  # bucket i is ready (queued buckets start in order)
         compute_rate = (1.0 - steal) if active else 1.0
-        comm_rate = 1.0 / stretch if computing else 1.0
+        comm_rate = (left_total[i] / busy[i] if busy[i] > 0 else 1.0) if computing else 1.0
         target = length if active else ready[i]  # compute runs to the next bucket's readiness or backward's end
         to_target = (target - done) / compute_rate if computing else float("inf")
         to_finish = left[i] / comm_rate if active else float("inf")

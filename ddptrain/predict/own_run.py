@@ -4,8 +4,8 @@ measured one, in ``summary.json``'s ``predicted`` record.
 The prediction reads the run's compute phases and bucket profile, never its measured communication times; the
 link is the measured one when ``plan.bandwidth_gbps`` (and ``plan.latency_us``) are set, otherwise the preset of
 ``plan.interconnect`` on GPUs or, for gloo on CPU, ``GLOO_LOOPBACK``. The compute was measured with the run's
-own ranks beside each other, so contention and steal are already in it; ``plan.comm_stretch`` and ``plan.skew``
-apply as configured.
+own ranks beside each other, so contention and steal are already in it; ``plan.skew`` and the busy link
+(``plan.busy_latency_us``/``plan.busy_bandwidth_gbps``) apply as configured.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def predict_own_step(summary: dict[str, Any], plan: PlanConfig, device_type: str
     link, source = own_link(plan, device_type)
     layout = Layout(summary["world_size"], nodes, link, preset_link("plan.inter_node", plan.inter_node),
                     plan.hierarchical)
-    p = predict(cal, layout, HostFit(1.0, 0.0, plan.comm_stretch, plan.skew))
+    p = predict(cal, layout, HostFit(1.0, 0.0, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew))
     measured_exposed = summary.get("time_exposed_comm_s")
     return {
         "step_s": p.step_s,

@@ -25,8 +25,10 @@ def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout], hos
     out.print(f"Calibrated from {run_dir} ({cal.world_size} rank(s)): {cal.micro_step_s * 1e3:.1f} ms compute per "
               f"micro-batch, optimizer {cal.optimizer_s * 1e3:.1f} ms, {len(cal.buckets)} gradient bucket(s) "
               f"of {sum(n for _, n in cal.buckets) / 1e6:.2f} MB ({where}), hook {cal.hook_s * 1e3:.2f} ms per bucket")
-    out.print(f"Host terms: contention x{host.contention:g}, comm steal {host.comm_steal:g}, comm stretch "
-              f"x{host.comm_stretch:g}, skew {host.skew:g} (plan.contention/comm_steal/comm_stretch/skew)")
+    busy = "the link's own" if host.busy_bandwidth_gbps is None else (
+        f"{host.busy_bandwidth_gbps:g} GB/s, α {host.busy_latency_us:g} µs")
+    out.print(f"Host terms: contention x{host.contention:g}, comm steal {host.comm_steal:g}, skew {host.skew:g}, "
+              f"all-reduce beside compute {busy} (plan.contention/comm_steal/skew/busy_*)")
     table = Table(title=f"Predicted with {cal.micro_batch_size} x {cal.grad_accum} sequences per rank per step "
                         "(weak scaling)")
     for column in ("layout", "global batch", "step", "compute", "comm", "exposed", "tokens/s", "efficiency"):
@@ -57,5 +59,5 @@ def what_if(cfg: PlanConfig, launch_world_size: int) -> str:
     layouts += [Layout(per_node * m, m, intra, inter, cfg.hierarchical) for m in nodes]
     if cfg.nodes > 1:
         layouts.append(Layout(world_size, cfg.nodes, intra, inter, not cfg.hierarchical))
-    host = HostFit(cfg.contention, cfg.comm_steal, cfg.comm_stretch, cfg.skew)
+    host = HostFit(cfg.contention, cfg.comm_steal, cfg.busy_latency_us, cfg.busy_bandwidth_gbps, cfg.skew)
     return render_prediction(cal, cfg.from_run, layouts, host)
