@@ -20,9 +20,9 @@ from ddptrain.predict.calibration import Calibration
 from ddptrain.predict.layout import Layout
 from ddptrain.predict.model import predict
 
-# gloo over loopback TCP between processes of one host: what scripts/bench_collectives.py fitted on this
-# project's 2-core CI-class machine (medians of the validation's fits). A measured link beats it: pass
-# plan.bandwidth_gbps/plan.latency_us from the benchmark of your own group.
+# gloo over loopback TCP between processes of one host, a round figure between what scripts/bench_collectives.py
+# fitted on a 2-core machine quiet (0.75-0.8 GB/s, α 0.2-0.3 ms) and loaded (0.55-1.7 GB/s, α up to 0.7 ms).
+# A measured link beats it: pass plan.bandwidth_gbps/plan.latency_us from the benchmark of your own group.
 GLOO_LOOPBACK = Link("gloo_loopback", 1.0, 600.0, "gloo over loopback TCP on one 2-core host, fitted by "
                      "scripts/bench_collectives.py")
 
