@@ -103,6 +103,15 @@ def test_the_hook_cost_of_a_one_rank_run_is_charged_per_bucket() -> None:
     assert predict(cal, Layout(2, 1, SLOW, SLOW)).exposed_s == pytest.approx(without.exposed_s + 0.002)
 
 
+def test_the_busy_link_stays_a_link_when_wake_up_noise_inverts_the_sizes() -> None:
+    from ddptrain.comm.hostfit import _busy_link
+
+    alpha, bandwidth = _busy_link((2**16, 2**22), [1e-3, 5e-3], 2)  # ordered: a line through both points
+    assert alpha == pytest.approx((1e-3 - 2**16 * (4e-3 / (2**22 - 2**16))) / 2 * 1e6)
+    alpha, bandwidth = _busy_link((2**16, 2**22), [6e-3, 5e-3], 2)  # the small one slower: no negative slope
+    assert alpha == pytest.approx(3000.0) and bandwidth == pytest.approx(2**22 / 5e-3 / 1e9)
+
+
 def test_the_link_fit_recovers_alpha_and_bandwidth() -> None:
     truth = Link("t", 2.5, 40.0, "")
     sizes = [4**k for k in range(4, 12)]

@@ -99,16 +99,29 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
         skew.append(max(0.0, wait - tiny) / seconds)
         for buf, times in zip(bufs, busy, strict=True):
             dist.barrier()
-            in_flight, done = _overlapped(buf, kernel)
+            in_flight, done, computing = _overlapped(buf, kernel)
             times.append(in_flight)
-        steal.append(max(0.0, 1.0 - done * (seconds / calls) / in_flight))  # from the large one: long enough
-    fit = fit_link(list(sizes), [_mean_over_ranks(t) for t in busy], dist.get_world_size())
-    return HostFit(max(1.0, statistics.median(together) / statistics.median(alone)), statistics.median(steal),
-                   fit.latency_us, fit.bandwidth_gbps, _mean_over_ranks(skew))
+        if done:  # from the large one; no kernel call started before it finished: no reading
+            steal.append(max(0.0, 1.0 - done * (seconds / calls) / computing))
+    alpha, bandwidth = _busy_link(sizes, [_mean_over_ranks(t) for t in busy], dist.get_world_size())
+    return HostFit(max(1.0, statistics.median(together) / statistics.median(alone)),
+                   statistics.median(steal) if steal else 0.0, alpha, bandwidth, _mean_over_ranks(skew))
 
 
-def _overlapped(buf: torch.Tensor, kernel: _Kernel) -> tuple[float, int]:
-    """(seconds from launch to completion, kernel calls done meanwhile) of an all-reduce launched beside compute."""
+def _busy_link(sizes: tuple[int, int], seconds: list[float], world_size: int) -> tuple[float, float]:
+    """(α µs, B GB/s) through the small and the large all-reduce's times. When wake-up noise makes the small one
+    the slower, the bytes' share cannot be told apart: α from the small one, B from the large one's whole time."""
+    (small, large), (t_small, t_large) = sizes, seconds
+    if t_large > t_small:
+        fit = fit_link([small, large], [t_small, t_large], world_size)
+        return fit.latency_us, fit.bandwidth_gbps
+    hops = 2 * (world_size - 1)
+    return t_small / hops * 1e6, hops / world_size * large / t_large / 1e9
+
+
+def _overlapped(buf: torch.Tensor, kernel: _Kernel) -> tuple[float, int, float]:
+    """An all-reduce launched beside compute: (seconds from launch to its completion, kernel calls run until it
+    completed, seconds those calls took)."""
     finished: list[float] = []
     start = time.perf_counter()
     work = dist.all_reduce(buf, async_op=True)
@@ -117,10 +130,11 @@ def _overlapped(buf: torch.Tensor, kernel: _Kernel) -> tuple[float, int]:
     while not work.is_completed():
         kernel()
         done += 1
+    computing = time.perf_counter() - start
     work.wait()
     while not finished:  # the callback runs on gloo's thread right after completion
         time.sleep(1e-4)
-    return finished[0] - start, done
+    return finished[0] - start, done, computing
 
 
 def _mean_over_ranks(values: list[float]) -> float:
