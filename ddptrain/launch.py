@@ -11,7 +11,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.checks import validate_config
-from ddptrain.config import Config, build_config, job_config
+from ddptrain.compose import build_config, job_config
+from ddptrain.config import Config
 from ddptrain.errors import ConfigError, one_line
 from ddptrain.runtime import DistEnv, distributed, shared_run_dir
 from ddptrain.telemetry import setup_logging

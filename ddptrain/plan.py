@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from ddptrain.choices import ZERO_STAGES
 from ddptrain.config import Config, PlanConfig
 from ddptrain.data.batch import BatchPlan
 from ddptrain.errors import ConfigError
@@ -23,7 +24,6 @@ from ddptrain.telemetry.peak import peak_tflops
 
 GB = 1e9
 GiB = 1024**3
-ZERO_STAGES = (0, 1, 2, 3)
 ASSUMED_MFU = 0.4  # a well-tuned dense LLM run reaches 35–50% of the bf16 peak
 
 

@@ -125,7 +125,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     from omegaconf import OmegaConf
 
     from ddptrain import launch
-    from ddptrain.config import build_config
+    from ddptrain.compose import build_config
 
     class Joined(Exception):
         pass

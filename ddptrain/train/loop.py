@@ -19,7 +19,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.config import Config, DataFormat, computes_in_bf16
+from ddptrain.choices import DataFormat, computes_in_bf16
+from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.errors import RunEnded
 from ddptrain.faults import delay, inject, poison_loss
