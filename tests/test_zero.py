@@ -15,7 +15,7 @@ from ddptrain.config import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
-from ddptrain.train.loop import accumulate_gradients
+from ddptrain.train.step import accumulate_gradients
 from tests.dist import run_distributed
 from tests.runs import train_each
 
