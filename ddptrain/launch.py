@@ -54,7 +54,8 @@ def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
     import torch
 
-    from ddptrain.plan import build_plan, render_plan
+    from ddptrain.plan import build_plan
+    from ddptrain.plan_render import render_plan
 
     typed = run.typed
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))

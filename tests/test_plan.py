@@ -17,9 +17,9 @@ from ddptrain.plan import (
     backward_seconds,
     build_plan,
     model_state_memory,
-    render_plan,
     step_comm,
 )
+from ddptrain.plan_render import render_plan
 from ddptrain.telemetry.peak import mfu, peak_tflops
 
 H100 = "NVIDIA H100 80GB HBM3"
