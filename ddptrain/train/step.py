@@ -1,7 +1,7 @@
 """What one training step computes (accumulate with the gradient sync, clip, update) and the evaluation pass.
 
-Each function says where the host waits for the device or for other ranks (a sync point): a steady step
-waits nowhere but in the gradient collective itself.
+Each function says where the host waits for the device or for other ranks (a sync point): with fused AdamW a
+steady step waits nowhere but in the gradient collective itself.
 """
 
 from __future__ import annotations
