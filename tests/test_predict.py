@@ -62,6 +62,33 @@ def test_collectives_beside_compute_steal_from_it_and_run_on_the_busy_link() -> 
     assert (tail.exposed_s, tail.comm_s, tail.stolen_s) == pytest.approx((1.5e-3, 4.5e-3, 1.5e-3))
 
 
+
+def test_only_a_collective_that_starts_on_an_idle_queue_pays_the_wake_up() -> None:
+    one_ms, three_ms, two_ms = (lambda nbytes: 1e-3), (lambda nbytes: 3e-3), (lambda nbytes: 2e-3)
+    # three buckets ready 10 ms before the end, beside compute: the first wakes the thread (3 ms), the two queued
+    # behind it find it awake (2 ms each): 7 ms in flight, all hidden, instead of 9 ms for three lone ones
+    queued = sync_timeline([(10e-3, 1)] * 3, one_ms, busy_seconds=three_ms, queued_seconds=two_ms)
+    assert (queued.exposed_s, queued.comm_s) == pytest.approx((0.0, 7e-3))
+    assert sync_timeline([(10e-3, 1)] * 3, one_ms, busy_seconds=three_ms).comm_s == pytest.approx(9e-3)
+    # the second is ready 5 ms after the first, which finished at 3 ms: the queue was idle, it wakes it again
+    apart = sync_timeline([(10e-3, 1), (5e-3, 1)], one_ms, busy_seconds=three_ms, queued_seconds=two_ms)
+    assert apart.comm_s == pytest.approx(6e-3)
+
+
+def test_the_predictor_charges_queued_buckets_the_idle_latency_on_the_busy_bandwidth() -> None:
+    cal = Calibration(1, 8, 4, 2, 64, micro_step_s=0.1, optimizer_s=0.01, buckets=[(0.03, 10**5)] * 4,
+                      buckets_measured=True)
+    host = HostFit(busy_latency_us=5000.0, busy_bandwidth_gbps=0.05)  # beside compute: α 5 ms, 0.05 GB/s
+    got = predict(cal, Layout(2, 1, SLOW, SLOW), host)  # idle: α 100 µs, 0.1 GB/s
+    # the first: 2 hops of the busy α + 100 kB at 0.05 GB/s = 12 ms; each queued one: 2 hops of the idle α + the
+    # same bytes = 2.2 ms; 18.6 ms in all, hidden behind the 30 ms of backward left
+    assert (got.exposed_s, got.comm_s) == pytest.approx((0.0, 18.6e-3))
+    # four lone ones (12 ms each) would leave half of the third's bytes and all of the fourth's after backward,
+    # at the idle 1.2 ms each: 1.8 ms exposed, which queueing saves
+    assert got.terms["queued_s"] == pytest.approx(-1.8e-3)
+
+
+
 CAL = Calibration(1, 8, 4, 2, 64, micro_step_s=0.1, optimizer_s=0.01, buckets=[(0.05, 10**6), (0.0, 10**6)],
                   buckets_measured=True)
 SLOW = Link("slow", 0.1, 100.0, "test")  # 10 ms per MB

@@ -9,7 +9,9 @@ terms (``HostFit``) are measured by ``scripts/bench_collectives.py`` on the same
 - each bucket's all-reduce (α–β plus the per-bucket hook cost) starts when the bucket is ready and the previous
   all-reduce has finished, so it can only hide behind the backward compute that follows it; where collectives
   share cores with compute, compute loses ``comm_steal`` of its speed while one is in flight, and they run on
-  the busy link (``busy_latency_us``/``busy_bandwidth_gbps``) until backward's compute ends;
+  the busy link (``busy_latency_us``/``busy_bandwidth_gbps``) until backward's compute ends; the busy α (waking
+  the collective's thread on a busy core) only for one that starts on an idle queue: one queued while the
+  previous is in flight pays the idle link's α and the busy link's bandwidth;
 - a rank waits at the gradient sync for the slowest rank: ``skew`` x the compute since the previous sync point,
   DDP's buffer broadcast at the start of the last micro-batch's forward; exposed.
 
@@ -19,6 +21,7 @@ defaults.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ddptrain.comm.hostfit import HostFit
@@ -58,13 +61,23 @@ def predict(cal: Calibration, layout: Layout, host: HostFit | None = None) -> Pr
     host = host or HostFit()
     compute = measured * host.contention
     buckets = [(lead * host.contention, n) for lead, n in cal.buckets]
-    busy = None
+    busy = queued = None
     if host.busy_bandwidth_gbps:
-        link = Link("busy", host.busy_bandwidth_gbps, host.busy_latency_us or 0.0, "all-reduce beside compute")
-        busy_layout = replace(layout, intra=link, inter=link if layout.nodes == 1 else layout.inter)
-        busy = lambda n: allreduce_seconds(n, busy_layout) + cal.hook_s  # noqa: E731
-    sync = sync_timeline(buckets, lambda n: allreduce_seconds(n, layout) + cal.hook_s, host.comm_steal, busy)
+        busy = _beside_compute(layout, host.busy_bandwidth_gbps, host.busy_latency_us or 0.0, cal.hook_s)
+        queued = _beside_compute(layout, host.busy_bandwidth_gbps, layout.intra.latency_us, cal.hook_s)
+    idle = lambda n: allreduce_seconds(n, layout) + cal.hook_s  # noqa: E731
+    sync = sync_timeline(buckets, idle, host.comm_steal, busy, queued)
+    lone = sync_timeline(buckets, idle, host.comm_steal, busy)  # every one paying the wake-up, for the record
     wait = host.skew * cal.micro_step_s * host.contention  # since the last micro-batch's forward broadcast
     terms = {"contention_s": compute - measured, "steal_s": sync.stolen_s, "skew_s": wait,
-             "hook_s": cal.hook_s * len(buckets), "tail_s": sync.exposed_s}
+             "hook_s": cal.hook_s * len(buckets), "tail_s": sync.exposed_s,
+             "queued_s": sync.exposed_s - lone.exposed_s}
     return Prediction(layout, batch, compute + sync.stolen_s, wait + sync.exposed_s, sync.comm_s, terms)
+
+
+def _beside_compute(layout: Layout, bandwidth_gbps: float, latency_us: float, hook: float) -> Callable[[float], float]:
+    """One bucket's all-reduce beside compute: the node's link replaced by one of ``bandwidth_gbps`` and
+    ``latency_us`` (between nodes the network's own), plus the hook."""
+    link = Link("beside compute", bandwidth_gbps, latency_us, "all-reduce beside compute")
+    shared = replace(layout, intra=link, inter=link if layout.nodes == 1 else layout.inter)
+    return lambda n: allreduce_seconds(n, shared) + hook

@@ -5,6 +5,10 @@ buckets' all-reduces queue behind each other. Where ranks share cores with their
 compute runs at ``1 - steal`` of its speed while a collective is in flight, and a collective takes
 ``busy_seconds`` instead of ``seconds`` while compute runs; with NCCL on its own stream and a GPU per rank
 neither changes anything (steal 0, the same time busy or not).
+
+The busy time is a lone collective's: its latency includes waking the collective's thread on a core busy with
+compute. A collective queued while the previous one is still in flight finds that thread awake, so it takes
+``queued_seconds`` instead (on CPU: the idle link's latency with the busy link's bandwidth).
 """
 
 from __future__ import annotations
@@ -21,17 +25,21 @@ class SyncTimeline:
 
 
 def sync_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], float], steal: float = 0.0,
-                  busy_seconds: Callable[[float], float] | None = None) -> SyncTimeline:
+                  busy_seconds: Callable[[float], float] | None = None,
+                  queued_seconds: Callable[[float], float] | None = None) -> SyncTimeline:
     """Simulate the sync of ``buckets`` ((seconds before backward's compute ended that it was ready, bytes), in
     launch order), each all-reduce taking ``seconds(bytes)`` on an idle host, ``busy_seconds(bytes)`` beside
-    compute (default: the same)."""
+    compute when it starts on an idle queue and ``queued_seconds(bytes)`` beside compute when it was ready
+    before the previous one finished (defaults: the idle time, then the busy time)."""
     if not buckets:
         return SyncTimeline(0.0, 0.0, 0.0)
     length = max(lead for lead, _ in buckets)  # backward compute left when the first bucket is ready
     ready = [length - lead for lead, _ in buckets]  # in compute-seconds done since then
     left_total = [seconds(n) for _, n in buckets]
     left = list(left_total)  # idle-host seconds of all-reduce still to do, per bucket
-    busy = left_total if busy_seconds is None else [busy_seconds(n) for _, n in buckets]
+    lone = left_total if busy_seconds is None else [busy_seconds(n) for _, n in buckets]
+    queued = lone if queued_seconds is None else [queued_seconds(n) for _, n in buckets]
+    busy = list(lone)  # beside compute, per bucket: lone until it is known to have queued
     now = done = comm = 0.0
     compute_end = 0.0 if length <= 0 else None
     i = 0
@@ -54,6 +62,8 @@ def sync_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], f
                 compute_end = now
         if active and to_finish <= to_target:
             i += 1
+            if i < len(buckets) and done >= ready[i]:  # ready while bucket i-1 was in flight: its thread is awake
+                busy[i] = queued[i]
     if compute_end is None:  # every all-reduce finished before backward did
         compute_end = now + (length - done)
     return SyncTimeline(max(0.0, now - compute_end), comm, compute_end - length)
