@@ -313,12 +313,14 @@ class PlanConfig:
     skew: float = 0.0
     busy_latency_us: float | None = None  # None: as idle
     busy_bandwidth_gbps: float | None = None
+    queued_latency_us: float | None = None  # an all-reduce queued behind one in flight beside compute; None: as idle
 
     def __post_init__(self) -> None:
         _require(self.contention >= 1 and 0 <= self.comm_steal < 1 and self.skew >= 0
-                 and (self.busy_bandwidth_gbps is None or self.busy_bandwidth_gbps > 0),
-                 "expected plan.contention >= 1, 0 <= plan.comm_steal < 1, plan.skew >= 0 and "
-                 "plan.busy_bandwidth_gbps > 0")
+                 and (self.busy_bandwidth_gbps is None or self.busy_bandwidth_gbps > 0)
+                 and (self.queued_latency_us is None or self.queued_latency_us >= 0),
+                 "expected plan.contention >= 1, 0 <= plan.comm_steal < 1, plan.skew >= 0, "
+                 "plan.busy_bandwidth_gbps > 0 and plan.queued_latency_us >= 0")
 
 
 @dataclass

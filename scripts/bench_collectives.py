@@ -24,16 +24,18 @@ from ddptrain.comm.linkfit import measure_link
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--host-repeats", type=int, default=7, help="rounds of the host terms' measurement")
     parser.add_argument("--json", type=Path, default=None, help="also write the fit here (rank 0)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     link = measure_link(repeats=args.repeats)
-    host = measure_host()
+    host = measure_host(repeats=args.host_repeats)
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks ({dist.get_backend()}): α {link.latency_us:.1f} µs per hop, "
               f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s; contention x{host.contention:.2f}, "
               f"comm steal {host.comm_steal:.0%}, skew {host.skew:.1%}; beside compute: α "
-              f"{host.busy_latency_us:.1f} µs, {host.busy_bandwidth_gbps:.3f} GB/s")
+              f"{host.busy_latency_us:.1f} µs, {host.busy_bandwidth_gbps:.3f} GB/s, queued behind one in flight α "
+              f"{host.queued_latency_us:.1f} µs")
         print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f} {host.overrides()}")
         if args.json:
             args.json.write_text(json.dumps({"link": dataclasses.asdict(link), "host": dataclasses.asdict(host)}))

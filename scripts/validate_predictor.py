@@ -27,8 +27,10 @@ from ddptrain.plan import Link
 from ddptrain.predict import Calibration, Layout, predict
 
 ROOT = Path(__file__).resolve().parents[1]
+# 36 steps logged every 4: summary.json's figures are medians over the 8 windows after the first (warm-up),
+# where 12 steps gave 2, too few to pin the exposed communication of a step (tens of ms, jittered by ms)
 COMMON = ["data=synthetic", "parallel.wrap_single=true",  # one rank: DDP anyway, so its buckets are recorded
-          "train.steps=12", "train.log_every=4", "train.eval_every=0", "logger.progress=false",
+          "train.steps=36", "train.log_every=4", "train.eval_every=0", "logger.progress=false",
           "checkpoint.export=false", "checkpoint.every_n_steps=0"]
 CONFIGS = {  # name -> overrides
     "compute-bound (llama 128x4, seq 128, one 7.4 MB bucket)": [
@@ -58,8 +60,8 @@ def _run(args: list[str], nproc: int, run_dir: Path) -> dict:
 def _measure(out: Path) -> tuple[Link, HostFit]:
     """The α–β link and host terms of 2 gloo ranks, as ``scripts/bench_collectives.py`` measures them."""
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(ROOT / "scripts" / "bench_collectives.py"), "--json", str(out)], env=ENV,
-                   capture_output=True, text=True, check=True)
+                    str(ROOT / "scripts" / "bench_collectives.py"), "--host-repeats", "21", "--json", str(out)],
+                   env=ENV, capture_output=True, text=True, check=True)
     fit = json.loads(out.read_text())
     return Link(**fit["link"]), HostFit(**fit["host"])
 
@@ -86,7 +88,8 @@ def main() -> None:
     for link, host in fits:
         print(f"<!-- fit: α {link.latency_us:.0f} µs, B {link.bandwidth_gbps:.3f} GB/s, contention "
               f"x{host.contention:.2f}, steal {host.comm_steal:.2f}, skew {host.skew:.3f}, beside compute α "
-              f"{host.busy_latency_us:.0f} µs, B {host.busy_bandwidth_gbps:.3f} GB/s -->")
+              f"{host.busy_latency_us:.0f} µs, B {host.busy_bandwidth_gbps:.3f} GB/s, queued α "
+              f"{host.queued_latency_us:.0f} µs -->")
     print("\n| configuration | predicted step (ms) | measured step (ms) | error | predicted exposed (ms) | "
           "measured exposed (ms) | error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -105,6 +108,10 @@ def main() -> None:
               f"{statistics.median(o['step_error_pct'] for o in own):+.0f}%, exposed error "
               f"{statistics.median(o['exposed_comm_error_pct'] for o in own):+.0f}%; rank skew "
               f"{statistics.median(m.get('rank_skew_pct', 0.0) for m in row['twos']):.1f}%")
+        print(f"  in flight per step (ms): predicted {_ms([p.comm_s for p in row['pred']])}, measured "
+              f"{_ms([m['comm_time_s'] for m in row['twos']])}")
+        print("  measured exposed per repeat (ms): " + ", ".join(f"{m['time_exposed_comm_s'] * 1e3:.1f}"
+                                                               for m in row["twos"]))
         for n, runs in (("1 rank ", row["ones"]), ("2 ranks", row["twos"])):
             print(f"  {n}: " + ", ".join(f"{k[5:-2]} {_ms([m.get(k, 0.0) for m in runs])}" for k in PHASES))
 

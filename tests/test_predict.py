@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,9 @@ def test_the_predictor_charges_queued_buckets_the_idle_latency_on_the_busy_bandw
     # four lone ones (12 ms each) would leave half of the third's bytes and all of the fourth's after backward,
     # at the idle 1.2 ms each: 1.8 ms exposed, which queueing saves
     assert got.terms["queued_s"] == pytest.approx(-1.8e-3)
+    # a measured queued α as long as the busy one: queueing saves nothing
+    same = predict(cal, Layout(2, 1, SLOW, SLOW), replace(host, queued_latency_us=5000.0))
+    assert same.terms["queued_s"] == 0.0 and same.exposed_s == pytest.approx(1.8e-3)
 
 
 
@@ -213,6 +217,7 @@ def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dic
         assert fit.contention >= 1.0 and 0.0 <= fit.comm_steal < 1.0
         assert fit.busy_bandwidth_gbps is not None and fit.busy_bandwidth_gbps > 0
         assert 0.0 <= fit.skew < 1.0
+        assert fit.queued_latency_us is not None and fit.queued_latency_us >= 0.0
     overrides = two_ranks[0][1].overrides()
     assert overrides.startswith("plan.contention=") and "plan.busy_bandwidth_gbps=" in overrides
 

@@ -11,6 +11,9 @@ and backward, the matmul-plus-elementwise mix of a transformer block):
 - ``busy_latency_us``/``busy_bandwidth_gbps``: the α–β fit of all-reduces that run while the rank computes, as
   DDP's buckets do during backward (gloo's threads must wake up on cores busy with compute); None on GPUs,
   where a collective sees the same link whether or not the device computes.
+- ``queued_latency_us``: α of an all-reduce launched while the previous one is still in flight beside compute,
+  as DDP's consecutive buckets are: gloo's thread is already awake, so it may pay less than the busy α; from
+  a train of small all-reduces launched back to back beside compute (their bytes on the busy bandwidth).
 - ``skew``: how long a rank waits at a collective for the slowest rank, as a fraction of the compute since the
   last sync. Equal work finishes at different times when ranks are jostled; dedicated GPUs keep it small.
 
@@ -39,11 +42,14 @@ class HostFit:
     busy_latency_us: float | None = None  # α of all-reduces while the rank computes; None: the link's own
     busy_bandwidth_gbps: float | None = None  # B of all-reduces while the rank computes; None: the link's own
     skew: float = 0.0  # wait for the slowest rank at a sync / compute since the previous sync
+    queued_latency_us: float | None = None  # α of an all-reduce queued behind one in flight; None: the idle link's
 
     def overrides(self) -> str:
         """The ``plan.*`` overrides that carry the fit to ``launch.dry_run=true plan.from_run=...``."""
         busy = "" if self.busy_bandwidth_gbps is None else (
             f" plan.busy_latency_us={self.busy_latency_us:.1f} plan.busy_bandwidth_gbps={self.busy_bandwidth_gbps:.4f}")
+        if self.queued_latency_us is not None:
+            busy += f" plan.queued_latency_us={self.queued_latency_us:.1f}"
         return (f"plan.contention={self.contention:.3f} plan.comm_steal={self.comm_steal:.3f} "
                 f"plan.skew={self.skew:.4f}{busy}")
 
@@ -83,6 +89,7 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
     tiny = _tiny_collective_s(flag)
     alone, together, steal, skew = [], [], [], []
     busy: list[list[float]] = [[] for _ in sizes]
+    queued: list[float] = []
     for _ in range(repeats):
         for r in range(dist.get_world_size()):  # each rank alone in turn, the others parked in a collective
             dist.barrier()
@@ -101,11 +108,17 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
             dist.barrier()
             in_flight, done, computing = _overlapped(buf, kernel)
             times.append(in_flight)
+        dist.barrier()
+        queued.append(_queued(bufs[0], kernel))
         if done:  # from the large one; no kernel call started before it finished: no reading
             steal.append(max(0.0, 1.0 - done * (seconds / calls) / computing))
-    alpha, bandwidth = _busy_link(sizes, [_mean_over_ranks(t) for t in busy], dist.get_world_size())
+    world = dist.get_world_size()
+    alpha, bandwidth = _busy_link(sizes, [_mean_over_ranks(t) for t in busy], world)
+    hops = 2 * (world - 1)  # a ring all-reduce: its bytes' share on the busy bandwidth, the rest is α per hop
+    bytes_s = hops / world * sizes[0] / (bandwidth * 1e9)
+    queued_alpha = max(0.0, _mean_over_ranks(queued) - bytes_s) / hops * 1e6
     return HostFit(max(1.0, statistics.median(together) / statistics.median(alone)),
-                   statistics.median(steal) if steal else 0.0, alpha, bandwidth, _mean_over_ranks(skew))
+                   statistics.median(steal) if steal else 0.0, alpha, bandwidth, _mean_over_ranks(skew), queued_alpha)
 
 
 def _busy_link(sizes: tuple[int, int], seconds: list[float], world_size: int) -> tuple[float, float]:
@@ -135,6 +148,23 @@ def _overlapped(buf: torch.Tensor, kernel: _Kernel) -> tuple[float, int, float]:
     while not finished:  # the callback runs on gloo's thread right after completion
         time.sleep(1e-4)
     return finished[0] - start, done, computing
+
+
+def _queued(buf: torch.Tensor, kernel: _Kernel, count: int = 8) -> float:
+    """``count`` all-reduces of ``buf`` launched back to back beside compute, as DDP launches its buckets: the
+    mean time between completions, i.e. what each one after the first adds once the queue is awake."""
+    bufs = [buf.clone() for _ in range(count)]
+    finished: list[float] = []
+    works = [dist.all_reduce(b, async_op=True) for b in bufs]
+    for work in works:
+        work.get_future().then(lambda _: finished.append(time.perf_counter()))
+    while not all(work.is_completed() for work in works):
+        kernel()
+    for work in works:
+        work.wait()
+    while len(finished) < count:  # the callbacks run on gloo's thread right after completion
+        time.sleep(1e-4)
+    return (max(finished) - min(finished)) / (count - 1)
 
 
 def _mean_over_ranks(values: list[float]) -> float:

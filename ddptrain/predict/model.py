@@ -11,7 +11,7 @@ terms (``HostFit``) are measured by ``scripts/bench_collectives.py`` on the same
   share cores with compute, compute loses ``comm_steal`` of its speed while one is in flight, and they run on
   the busy link (``busy_latency_us``/``busy_bandwidth_gbps``) until backward's compute ends; the busy α (waking
   the collective's thread on a busy core) only for one that starts on an idle queue: one queued while the
-  previous is in flight pays the idle link's α and the busy link's bandwidth;
+  previous is in flight pays ``queued_latency_us`` (measured; None: the idle link's α) on the busy bandwidth;
 - a rank waits at the gradient sync for the slowest rank: ``skew`` x the compute since the previous sync point,
   DDP's buffer broadcast at the start of the last micro-batch's forward; exposed.
 
@@ -64,7 +64,8 @@ def predict(cal: Calibration, layout: Layout, host: HostFit | None = None) -> Pr
     busy = queued = None
     if host.busy_bandwidth_gbps:
         busy = _beside_compute(layout, host.busy_bandwidth_gbps, host.busy_latency_us or 0.0, cal.hook_s)
-        queued = _beside_compute(layout, host.busy_bandwidth_gbps, layout.intra.latency_us, cal.hook_s)
+        queued_alpha = layout.intra.latency_us if host.queued_latency_us is None else host.queued_latency_us
+        queued = _beside_compute(layout, host.busy_bandwidth_gbps, queued_alpha, cal.hook_s)
     idle = lambda n: allreduce_seconds(n, layout) + cal.hook_s  # noqa: E731
     sync = sync_timeline(buckets, idle, host.comm_steal, busy, queued)
     lone = sync_timeline(buckets, idle, host.comm_steal, busy)  # every one paying the wake-up, for the record
