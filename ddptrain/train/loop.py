@@ -38,10 +38,10 @@ from ddptrain.optim import build_optimizer, build_scheduler, is_fused
 from ddptrain.parallel import wrap_model
 from ddptrain.parallel.compile import compile_blocks
 from ddptrain.parallel.zero import shard_group_size
-from ddptrain.plan import FP32, model_state_memory, step_comm
+from ddptrain.plan import FP32, MIXED_BF16, step_comm
 from ddptrain.runtime import DistEnv, main_first, seed_everything
 from ddptrain.telemetry import Sinks
-from ddptrain.telemetry.memory import ModelStateProbe
+from ddptrain.telemetry.memory import ModelStateProbe, report_model_state
 from ddptrain.telemetry.metrics import StepMetrics, load_baseline, steady_medians
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.telemetry.stragglers import StragglerMonitor
@@ -141,9 +141,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             if step == start + 1:
                 log.info("%s", trainable_line(trainable, n_params, sample.payload_bytes if sample else None))
                 probe.after_step(optimizer)
-                model_state = report_model_state(probe.bytes, n_params, env.world_size, cfg.parallel.zero_stage,
-                                                 shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
-                                                 trainable)
+                model_state = report_model_state(
+                    probe, n_params, env.world_size, cfg.parallel.zero_stage,
+                    shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
+                    MIXED_BF16 if computes_in_bf16(cfg.train.precision, device.type) else FP32, trainable)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             profiler.step()
@@ -307,32 +308,6 @@ def _poisoned(loss: torch.Tensor) -> torch.Tensor:
 def _every(step: int, period: int) -> bool:
     """True every ``period`` steps; never when the period is 0 (disabled)."""
     return period > 0 and step % period == 0
-
-
-def report_model_state(
-    held: dict[str, int], n_params: int, world_size: int, stage: int, shard_size: int, trainable: int | None = None
-) -> dict[str, Any]:
-    """Measured model-state bytes of every rank next to the ZeRO formula for fp32 parameters + AdamW.
-
-    ``shard_size``: the ranks that share one copy of the state (the world, or a node's ranks under HSDP).
-    Gradients and optimizer state exist for the ``trainable`` parameters only (all of them unless fine-tuning
-    adapters on a frozen base).
-    """
-    per_rank: list[dict[str, int]] = [{}] * world_size
-    dist.all_gather_object(per_rank, held)
-    formula = model_state_memory(n_params, shard_size, stage, FP32)
-    adapted = model_state_memory(n_params if trainable is None else trainable, shard_size, stage, FP32)
-    expected = {"parameters": formula.params, "gradients": adapted.grads, "optimizer": adapted.optimizer}
-    mine = per_rank[dist.get_rank()]
-    log.info(
-        "model state per rank (ZeRO-%d, sharded over %d of %d ranks): %s",
-        stage, shard_size, world_size,
-        ", ".join(f"{k} {mine[k] / 2**20:.2f} MiB (formula {expected[k] / 2**20:.2f})" for k in expected),
-    )
-    return {"zero_stage": stage, "shard_group_size": shard_size, "formula_bytes": expected,
-            "measured_bytes_per_rank": per_rank,
-            "formula": f"{FP32.param_bytes}Ψ params + {FP32.grad_bytes}Ψ grads + {FP32.optim_bytes}Ψ AdamW, "
-                       f"sharded per stage {stage}"}
 
 
 @torch.no_grad()
