@@ -446,6 +446,33 @@ class ProfileConfig:
                  "profile.wait and profile.warmup must be >= 0 and profile.active >= 1")
 
 
+class SweepLauncher(StrEnum):
+    """Where ``ddptrain -m`` runs its jobs."""
+
+    local = "local"  # one after another on this machine
+    submitit = "submitit"  # all submitted at once through submitit: SLURM jobs, or local processes
+
+
+@dataclass
+class SweepConfig:
+    """``ddptrain -m`` with ``sweep.launcher=submitit``: one single-node job per sweep job (submitit's executor)."""
+
+    launcher: SweepLauncher = SweepLauncher.local
+    cluster: str | None = None  # slurm | local; None: SLURM where srun is on PATH, else local processes
+    partition: str | None = None  # SLURM partition; None: the cluster's default
+    gpus_per_node: int = 0  # GPUs each job asks for: one per launch.nproc_per_node worker
+    cpus_per_task: int | None = None
+    mem_gb: int | None = None
+    timeout_min: int = 60
+    slurm_additional: dict[str, str] = field(default_factory=dict)  # more #SBATCH options, e.g. {account: x}
+
+    def __post_init__(self) -> None:
+        _require(self.cluster in (None, "slurm", "local"),
+                 f"sweep.cluster={self.cluster!r}: expected slurm, local or null (auto)")
+        _require(self.gpus_per_node >= 0 and self.timeout_min >= 1,
+                 "sweep.gpus_per_node must be >= 0 and sweep.timeout_min >= 1")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -460,6 +487,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def __post_init__(self) -> None:
         """Rules across sections (each section checked itself first)."""

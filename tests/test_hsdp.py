@@ -2,7 +2,7 @@
 
 Same losses as plain ZeRO-3 over all 4 ranks; each rank holds the model state of a shard group of 2. A run resumed
 from an HSDP checkpoint continues bitwise as the uninterrupted one, and the same checkpoint (DCP, keyed by
-parameter name, whatever the mesh) resumes under plain ZeRO-3 and DDP on 2 ranks.
+parameter name, whatever the mesh) resumes under plain ZeRO-3 and DDP, on the same 4 ranks and on 2.
 """
 
 from __future__ import annotations
@@ -36,14 +36,18 @@ def _checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def _train_as_two_nodes(rank: int, world_size: int, tmp: str) -> dict[str, dict]:
-    """ZeRO-3 over all ranks; HSDP saving checkpoints; HSDP resumed from the latter's step-2 checkpoint."""
+    """ZeRO-3 over all ranks; HSDP saving checkpoints; then from the latter's step-2 checkpoint: HSDP, ZeRO-3 over
+    all ranks (a 1-D mesh instead of 2 x 2) and DDP."""
     from ddptrain.train import train
 
     env = DistEnv(rank=rank, local_rank=rank % 2, world_size=world_size, local_world_size=2, node_rank=rank // 2)
+    resume = {"train": {"resume": str(_checkpoint(Path(tmp) / "node", SAVED_AT))}}
     runs: dict[str, Overrides] = {
         "world": {"parallel": {"zero_stage": 3, "shard_group": "world"}},
         "node": HSDP,
-        "node_resumed": {**HSDP, "train": {"resume": str(_checkpoint(Path(tmp) / "node", SAVED_AT))}},
+        "node_resumed": {**HSDP, **resume},
+        "zero3_resumed": {"parallel": {"zero_stage": 3}, **resume},
+        "ddp_resumed": resume,
     }
     out = {}
     for name, overrides in runs.items():
@@ -84,6 +88,19 @@ def test_hsdp_resume_is_bitwise_the_uninterrupted_run(runs: dict[str, dict[str, 
     assert [k for k in keys if not torch.equal(straight[k], again[k])] == []
 
 
+def _assert_step_3_as_uninterrupted(loss: float, uninterrupted: list[float], case: str) -> None:
+    # Step 3's loss (before its update) from step 2's weights on the same global batch; only the reduction order
+    # differs (other shards, other micro-batches per rank): float32 noise, the checkpoint tests' tolerance.
+    assert loss == pytest.approx(uninterrupted[SAVED_AT], rel=1e-5), case
+
+
+def test_an_hsdp_checkpoint_resumes_under_zero3_and_ddp(runs: dict[str, dict[str, Any]]) -> None:
+    for name in ("zero3_resumed", "ddp_resumed"):
+        (loss,) = runs[name]["losses"]
+        _assert_step_3_as_uninterrupted(loss, runs["node"]["losses"], name)
+
+
+@pytest.mark.slow  # two more processes to spawn (~40 s here); the 4-rank test above covers the change of mesh
 def test_an_hsdp_checkpoint_resumes_under_zero3_and_ddp_on_two_ranks(
     runs: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -93,9 +110,7 @@ def test_an_hsdp_checkpoint_resumes_under_zero3_and_ddp_on_two_ranks(
     for variant, result in zip(variants, run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0],
                                strict=True):
         (loss,) = [m["loss"] for m in result["metrics"]]
-        # Step 3's loss (before its update) from step 2's weights on the same global batch; only the reduction
-        # order over 2 ranks x 4 micro-batches instead of 4 x 2 differs: float32 noise.
-        assert loss == pytest.approx(runs["node"]["losses"][SAVED_AT], rel=1e-5), variant
+        _assert_step_3_as_uninterrupted(loss, runs["node"]["losses"], str(variant))
 
 
 def test_shard_group_node_needs_a_sharding_stage() -> None:
