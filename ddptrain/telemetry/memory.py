@@ -74,6 +74,7 @@ class ModelStateProbe:
                        if isinstance(m, FSDPModule)]
         self._hooks.append(model.register_forward_hook(self._after_forward))
 
+    @torch.compiler.disable  # a hook of a compiled block (train.compile): run eagerly, never traced
     def _read_parameters(self, *_: Any) -> None:
         held = held_bytes([*self._params, *self.model.parameters()])
         if sum(held.values()) > sum(self.bytes.get("parameters", {}).values()):
@@ -126,7 +127,8 @@ def report_model_state(
 
 
 def _mib(held: dict[str, float]) -> str:
-    """``{"float32": 4096.0}`` as ``0.00 MiB [float32 0.00]``: the total, and each dtype when there are several."""
+    """Bytes by dtype as ``0.13 MiB [bfloat16 0.07, float32 0.07]``: the total, then each dtype when there are
+    several."""
     total = f"{sum(held.values()) / 2**20:.2f} MiB"
     if len(held) < 2:
         return total
