@@ -453,22 +453,29 @@ class SweepLauncher(StrEnum):
     submitit = "submitit"  # all submitted at once through submitit: SLURM jobs, or local processes
 
 
+class SubmititCluster(StrEnum):
+    """submitit's executor for ``sweep.launcher=submitit``."""
+
+    auto = "auto"  # SLURM where srun is on PATH, else local processes
+    slurm = "slurm"
+    local = "local"
+
+
 @dataclass
 class SweepConfig:
     """``ddptrain -m`` with ``sweep.launcher=submitit``: one single-node job per sweep job (submitit's executor)."""
 
     launcher: SweepLauncher = SweepLauncher.local
-    cluster: str | None = None  # slurm | local; None: SLURM where srun is on PATH, else local processes
+    cluster: SubmititCluster = SubmititCluster.auto
     partition: str | None = None  # SLURM partition; None: the cluster's default
     gpus_per_node: int = 0  # GPUs each job asks for: one per launch.nproc_per_node worker
     cpus_per_task: int | None = None
     mem_gb: int | None = None
     timeout_min: int = 60
-    slurm_additional: dict[str, str] = field(default_factory=dict)  # more #SBATCH options, e.g. {account: x}
+    # more #SBATCH options, added key by key: +sweep.slurm_additional.account=x
+    slurm_additional: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require(self.cluster in (None, "slurm", "local"),
-                 f"sweep.cluster={self.cluster!r}: expected slurm, local or null (auto)")
         _require(self.gpus_per_node >= 0 and self.timeout_min >= 1,
                  "sweep.gpus_per_node must be >= 0 and sweep.timeout_min >= 1")
 

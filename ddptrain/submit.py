@@ -34,7 +34,7 @@ def submit(commands: list[list[str]], cfg: SweepConfig, folder: Path, env: dict[
         raise ConfigError("sweep.launcher=submitit needs the submitit package: pip install 'ddptrain[submitit]'") \
             from exc
     try:
-        executor = submitit.AutoExecutor(folder=folder, cluster=cfg.cluster)
+        executor = submitit.AutoExecutor(folder=folder, cluster=None if cfg.cluster == "auto" else str(cfg.cluster))
     except RuntimeError as exc:  # e.g. cluster=slurm where srun is missing
         raise ConfigError(f"sweep.cluster={cfg.cluster}: {exc}") from exc
     executor.update_parameters(**executor_parameters(cfg, f"ddptrain-{folder.parent.name}"))

@@ -56,7 +56,7 @@ def test_slurm_without_srun_is_a_one_line_config_error(tmp_path: Path, monkeypat
 
 
 def test_an_unknown_cluster_fails_at_composition() -> None:
-    with pytest.raises(ConfigError, match=r"sweep\.cluster='pbs': expected slurm, local or null"):
+    with pytest.raises(ConfigError, match=r"sweep\.cluster='pbs': expected one of auto, slurm, local"):
         build_config({"sweep": {"cluster": "pbs"}})
 
 
