@@ -21,10 +21,11 @@ from ddptrain.plan import FP32, MIXED_BF16, model_state_by_dtype
 from ddptrain.telemetry.memory import ModelStateProbe, largest_gather
 
 WORLD, VOCAB = 2, 256
+CPU = torch.device("cpu")
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fake_group() -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -33,14 +34,16 @@ def fake_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _first_step(stage: int, precision: str) -> tuple[dict[str, dict[str, int]], int]:
+def _first_step(
+    stage: int, precision: str, device: torch.device = CPU
+) -> tuple[dict[str, dict[str, int]], int]:
     """One step of ZeRO-``stage`` under train.precision ``precision``: what the probe read, and the gathered count."""
     torch.manual_seed(0)
-    model = build_model(TINY, VOCAB, eos_id=0)
-    shard_model(model, ParallelConfig(zero_stage=stage), torch.device("cpu"), precision)
+    model = build_model(TINY, VOCAB, eos_id=0).to(device)
+    shard_model(model, ParallelConfig(zero_stage=stage), device, precision)
     optimizer = torch.optim.AdamW(model.parameters())
     probe = ModelStateProbe(model)
-    ids = torch.randint(0, VOCAB, (2, 16))
+    ids = torch.randint(0, VOCAB, (2, 16), device=device)
     model(input_ids=ids, labels=ids).loss.backward()
     probe.after_backward()
     optimizer.step()
@@ -75,6 +78,24 @@ def test_without_a_policy_the_gathered_copy_is_fp32_too(fake_group: None, stage:
     held, gathered = _first_step(stage, "fp32")
     formula = model_state_by_dtype(N_PARAMS, WORLD, stage, FP32, gathered)
     assert held["parameters"].keys() == {"float32"}
+    for component, by_dtype in formula.items():
+        assert held[component] == pytest.approx(by_dtype, rel=0.05), component
+
+
+@pytest.fixture
+def nccl_group() -> Iterator[None]:
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.usefixtures("nccl_group")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_auto_precision_holds_fp32_shards_and_the_gathered_bf16_copy(stage: int) -> None:
+    held, largest = _first_step(stage, "auto", torch.device("cuda", 0))  # auto: the bf16 policy on CUDA
+    formula = model_state_by_dtype(N_PARAMS, 1, stage, MIXED_BF16, largest)
     for component, by_dtype in formula.items():
         assert held[component] == pytest.approx(by_dtype, rel=0.05), component
 
