@@ -2,9 +2,10 @@
 
 Jobs run one after another (they would compete for the same devices otherwise), each as its own
 ``python -m ddptrain ...`` in ``<sweep dir>/<job number>`` (Hydra's multirun layout), so a job that fails,
-even at composition, is reported and the sweep goes on (``--fail-fast`` stops it). At the end the sweep dir
-holds ``sweep.csv``, ``sweep.md`` and ``sweep.png``: one row per job with its overrides and the steady-state
-figures of its ``summary.json``.
+even at composition, is reported and the sweep goes on (``--fail-fast`` stops it). With
+``sweep.launcher=submitit`` the same commands are submitted all at once as cluster jobs (``ddptrain.submit``).
+At the end the sweep dir holds ``sweep.csv``, ``sweep.md`` and ``sweep.png``: one row per job with its
+overrides and the steady-state figures of its ``summary.json``.
 """
 
 from __future__ import annotations
