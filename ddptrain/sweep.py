@@ -26,8 +26,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
+from ddptrain.choices import SweepLauncher
 from ddptrain.cli import Source, say
-from ddptrain.config import SweepConfig, SweepLauncher
+from ddptrain.config import SweepConfig
 from ddptrain.errors import ConfigError, flat, one_line
 
 # summary.json keys in the report, with their headers; a column appears when some job reports it

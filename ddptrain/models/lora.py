@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ddptrain.config import BaseDtype, ModelConfig, ParallelConfig, Quantize
+from ddptrain.choices import BaseDtype, Quantize
+from ddptrain.config import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError, flat
 
 log = logging.getLogger(__name__)
