@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.config import SweepConfig, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import SweepConfig
 from ddptrain.errors import ConfigError
 from ddptrain.submit import executor_parameters, submit
 from tests.cli import run_cli
