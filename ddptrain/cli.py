@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.config import job_config, register_schema
+from ddptrain.compose import job_config, register_schema
 from ddptrain.errors import ConfigError, RunEnded, one_line
 
 ERROR_GRACE_S = 3.0

@@ -1,112 +1,38 @@
-"""Typed schema of every ddptrain config key: the single source of truth for names, types, defaults and choices.
+"""Typed schema of every ddptrain config key: the single source of truth for names, types and defaults.
 
 Hydra composes the YAML groups in ``configs/`` on top of these dataclasses, so an unknown key, a value of the
-wrong type or a choice that does not exist fails at composition with a message that names the key (and the
-allowed values). Checks that need only the config run in ``__post_init__``, once each; checks that need the
-world size, devices or data live where those are known (``ddptrain/checks.py`` and the packages).
+wrong type or a choice that does not exist (choice fields are typed with the StrEnums of ``ddptrain/choices.py``)
+fails at composition with a message that names the key (and the allowed values). Checks that need only the
+config run in ``__post_init__``, once each; checks that need the world size, devices or data live where those
+are known (``ddptrain/checks.py`` and the packages). ``ddptrain/compose.py`` builds a ``Config`` from YAML layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from ddptrain.errors import ConfigError, one_line
-
-
-class Arch(StrEnum):
-    llama = "llama"
-    gpt2 = "gpt2"
-
-
-class DataSource(StrEnum):
-    stdlib_code = "stdlib_code"
-    synthetic = "synthetic"
-    files = "files"
-    hub = "hub"
-    instructions = "instructions"  # prompt/completion pairs generated locally (data.format=prompt_completion)
-
-
-class Engine(StrEnum):
-    """torch DDP, or one of our from-scratch engines (``ddptrain/engines/``)."""
-
-    torch = "torch"
-    naive = "naive"
-    overlap_sync = "overlap_sync"
-    overlap_async = "overlap_async"
-    bucketed = "bucketed"
-    stream_bucketed = "stream_bucketed"
-
-
-class Collective(StrEnum):
-    native = "native"
-    ring = "ring"
-
-
-class Compression(StrEnum):
-    none = "none"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    powersgd = "powersgd"
-    topk = "topk"
-
-
-class Schedule(StrEnum):
-    cosine = "cosine"
-    wsd = "wsd"
-    constant = "constant"
-
-
-class OptimImpl(StrEnum):
-    """AdamW's kernels: one fused kernel, one multi-tensor launch per op, or a Python loop over parameters."""
-
-    auto = "auto"  # fused where torch has a fused AdamW for the device (CUDA, CPU), else foreach
-    fused = "fused"
-    foreach = "foreach"
-    for_loop = "for_loop"
-
-
-class WandbMode(StrEnum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
-
-
-class Precision(StrEnum):
-    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class NanPolicy(StrEnum):
-    skip = "skip"  # skip the update on every rank alike
-    abort = "abort"  # stop the run (no checkpoint is written for the bad step)
-
-
-class Backend(StrEnum):
-    auto = "auto"  # nccl on CUDA, else gloo
-    nccl = "nccl"
-    gloo = "gloo"
-
-
-class DebugLevel(StrEnum):
-    off = "off"
-    info = "info"
-    detail = "detail"
-
-
-class Interconnect(StrEnum):
-    nvlink = "nvlink"
-    infiniband_ndr = "infiniband_ndr"
-    pcie_gen5 = "pcie_gen5"
-
-
-ZERO_STAGES = (0, 1, 2, 3)
+from ddptrain.choices import (
+    ZERO_STAGES,
+    Arch,
+    Backend,
+    BaseDtype,
+    Collective,
+    Compression,
+    DataFormat,
+    DataSource,
+    DebugLevel,
+    Engine,
+    Interconnect,
+    Kernels,
+    NanPolicy,
+    OptimImpl,
+    Precision,
+    Quantize,
+    Schedule,
+    ShardGroup,
+    WandbMode,
+)
+from ddptrain.errors import ConfigError
 
 
 def _require(ok: bool, message: str) -> None:
@@ -117,26 +43,6 @@ def _require(ok: bool, message: str) -> None:
 def _positive(section: str, obj: object, *keys: str) -> None:
     for key in keys:
         _require(getattr(obj, key) >= 1, f"{section}.{key}={getattr(obj, key)}: expected a positive integer")
-
-class BaseDtype(StrEnum):
-    """Dtype of the frozen base weights when fine-tuning (adapters always train in fp32)."""
-
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class Quantize(StrEnum):
-    """Quantization of the frozen base weights at load time (QLoRA: bitsandbytes NF4 under LoRA)."""
-
-    none = "none"
-    nf4 = "nf4"
-
-
-class DataFormat(StrEnum):
-    """How records become training sequences."""
-
-    packed = "packed"  # documents concatenated into full seq_len blocks; loss on every token
-    prompt_completion = "prompt_completion"  # one padded sequence per record; loss on completion tokens only
 
 
 @dataclass
@@ -235,21 +141,6 @@ class DataConfig:
                  "data.name: expected a hub data set name for data.source=hub")
         _require(self.prepare_timeout_s > 0,
                  f"data.prepare_timeout_s={self.prepare_timeout_s}: expected a positive number of seconds")
-
-
-class ShardGroup(StrEnum):
-    """Over which ranks ZeRO-2/3 shard model state: all of them, or each node's (HSDP: replicate across nodes)."""
-
-    world = "world"
-    node = "node"
-
-
-class Kernels(StrEnum):
-    """Who runs the element-wise passes around gradient collectives (pack, average, norm, clip, bf16 casts)."""
-
-    auto = "auto"  # Triton on CUDA when it is importable, else torch
-    triton = "triton"  # always Triton: a start-up error where it cannot run
-    torch = "torch"  # always the torch ops
 
 
 @dataclass
@@ -473,31 +364,3 @@ class Config:
         _require(not self.train.compile or self.parallel.engine == Engine.torch,
                  f"train.compile=true cannot be combined with parallel.engine={self.parallel.engine}: compiled "
                  "blocks are supported with parallel.engine=torch (DDP and the ZeRO stages)")
-
-
-def computes_in_bf16(precision: str, device_type: str) -> bool:
-    """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
-    return precision == Precision.bf16 or (precision == Precision.auto and device_type == "cuda")
-
-
-def job_config(cfg: DictConfig) -> DictConfig:
-    """A composed config without Hydra's own ``hydra`` node: what the run itself is configured with."""
-    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
-    assert isinstance(job, DictConfig)
-    return job
-
-
-def build_config(*layers: DictConfig | dict[str, Any]) -> Config:
-    """The schema's defaults with each layer merged on top, checked against the schema and typed (one-line
-    ConfigError otherwise)."""
-    try:
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
-    except OmegaConfBaseException as exc:  # unknown key, wrong type, unknown choice
-        raise ConfigError(one_line(exc)) from exc
-    assert isinstance(typed, Config)
-    return typed
-
-
-def register_schema() -> None:
-    """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there."""
-    ConfigStore.instance().store(name="ddptrain_schema", node=Config)

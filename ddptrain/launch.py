@@ -11,7 +11,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.checks import validate_config
-from ddptrain.config import Config, build_config, job_config
+from ddptrain.compose import build_config, job_config
+from ddptrain.config import Config
 from ddptrain.errors import ConfigError, one_line
 from ddptrain.runtime import DistEnv, distributed, shared_run_dir
 from ddptrain.telemetry import setup_logging
@@ -53,7 +54,8 @@ def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
     import torch
 
-    from ddptrain.plan import build_plan, render_plan
+    from ddptrain.plan import build_plan
+    from ddptrain.plan_render import render_plan
 
     typed = run.typed
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))

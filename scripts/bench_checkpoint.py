@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.config import build_config
+from ddptrain.compose import build_config
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.optim import build_optimizer
 from ddptrain.parallel import wrap_model

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from ddptrain.config import Config, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import Config
 from ddptrain.data import build_token_data
 from ddptrain.data.instruct import PadCollate, generated_instructions
 from ddptrain.data.tokenizer import train_bpe

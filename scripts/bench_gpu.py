@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ddptrain.config import build_config
+from ddptrain.compose import build_config
 from ddptrain.runtime import DistEnv
 from ddptrain.telemetry.metrics import StepMetrics
 from ddptrain.train import train

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import Config, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import Config
 from ddptrain.runtime import DistEnv
 from ddptrain.train import train
 

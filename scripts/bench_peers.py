@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddptrain.config import Config, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import Config
 from ddptrain.data import build_token_data
 from ddptrain.models import build_model
 from ddptrain.optim import impl_kwargs

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ddptrain.config import Config, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import Config
 
 Overrides = dict[str, dict[str, Any]]  # config section -> key -> value
 

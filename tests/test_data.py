@@ -11,7 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from ddptrain.config import DataConfig, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import DataConfig
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, validate_source
 from ddptrain.data.dataset import pack_batch, split_documents
 from ddptrain.errors import ConfigError

@@ -12,7 +12,7 @@ import torch
 from ddptrain.config import Config, ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
-from ddptrain.train.loop import accumulate_gradients
+from ddptrain.train.step import accumulate_gradients
 from tests.dist import run_distributed
 
 VOCAB, SEQ, B = 256, 16, 4  # B sequences per rank

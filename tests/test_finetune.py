@@ -20,8 +20,9 @@ from ddptrain.models import build_model
 from ddptrain.models.flops import lora_param_count
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning
 from ddptrain.parallel import wrap_model
-from ddptrain.plan import Plan, build_plan, render_plan
-from ddptrain.train.loop import accumulate_gradients
+from ddptrain.plan import Plan, build_plan
+from ddptrain.plan_render import render_plan
+from ddptrain.train.step import accumulate_gradients
 from tests.cli import run_cli
 from tests.dist import run_distributed
 from tests.runs import make_config, train_each

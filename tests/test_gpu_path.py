@@ -125,7 +125,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     from omegaconf import OmegaConf
 
     from ddptrain import launch
-    from ddptrain.config import build_config
+    from ddptrain.compose import build_config
 
     class Joined(Exception):
         pass
@@ -160,7 +160,7 @@ class _Offloaded(nn.Module):
 def test_evaluation_reduces_on_the_runs_device_not_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     from contextlib import nullcontext
 
-    from ddptrain.train.loop import evaluate
+    from ddptrain.train.step import evaluate
 
     reduced: list[torch.device] = []
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *_, **__: reduced.append(tensor.device))
@@ -169,7 +169,7 @@ def test_evaluation_reduces_on_the_runs_device_not_the_parameters(monkeypatch: p
 
 
 def test_clipping_off_computes_the_norm_without_a_clipping_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddptrain.train.loop import clip_gradients
+    from ddptrain.train.step import clip_gradients
 
     model = nn.Linear(3, 1)
     model(torch.ones(2, 3)).sum().backward()

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import OptimImpl, build_config
+from ddptrain.choices import OptimImpl
+from ddptrain.compose import build_config
 from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, resolve_impl
 from ddptrain.train.control import NonFiniteSteps, guard_loss
-from ddptrain.train.loop import apply_update
+from ddptrain.train.step import apply_update
 from tests.dist import run_distributed
 from tests.runs import Overrides, train_each
 
@@ -108,15 +109,15 @@ def test_check_and_logging_steps_add_only_their_documented_reductions(
 
 def _capture_models(models: list[torch.nn.Module]) -> None:
     """Keep every model the loop builds, to compare the ranks' parameters after training."""
-    import ddptrain.train.loop as loop
+    import ddptrain.train.components as components
 
-    build = loop.build_model
+    build = components.build_model
 
     def keep(*args: Any, **kwargs: Any) -> torch.nn.Module:
         models.append(build(*args, **kwargs))
         return models[-1]
 
-    loop.build_model = keep
+    components.build_model = keep
 
 
 def _nonfinite_run(rank: int, world_size: int, tmp: str, policy: str, impl: str) -> dict[str, Any]:

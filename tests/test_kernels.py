@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from ddptrain.choices import Kernels
 from ddptrain.cli import run_cli as ddptrain_main
-from ddptrain.config import Kernels, build_config
+from ddptrain.compose import build_config
 from ddptrain.errors import ConfigError
 from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
 from ddptrain.kernels import triton_ops as ops

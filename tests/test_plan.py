@@ -5,20 +5,21 @@ from __future__ import annotations
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.config import Config, build_config
+from ddptrain.choices import ZERO_STAGES
+from ddptrain.compose import build_config
+from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan import (
     FP32,
     INTERCONNECTS,
     MIXED_BF16,
-    ZERO_STAGES,
     allreduce_seconds,
     backward_seconds,
     build_plan,
     model_state_memory,
-    render_plan,
     step_comm,
 )
+from ddptrain.plan_render import render_plan
 from ddptrain.telemetry.peak import mfu, peak_tflops
 
 H100 = "NVIDIA H100 80GB HBM3"

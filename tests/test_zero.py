@@ -10,11 +10,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ddptrain.checks import validate_config
-from ddptrain.config import ModelConfig, ParallelConfig, build_config
+from ddptrain.compose import build_config
+from ddptrain.config import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
-from ddptrain.train.loop import accumulate_gradients
+from ddptrain.train.step import accumulate_gradients
 from tests.dist import run_distributed
 from tests.runs import train_each
 

@@ -8,7 +8,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptrain.config import DataConfig, DataFormat
+from ddptrain.choices import DataFormat
+from ddptrain.config import DataConfig
 from ddptrain.errors import ConfigError, flat
 
 READS = {  # the sources each data.format can read; instructions: prompt/completion pairs generated locally

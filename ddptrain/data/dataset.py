@@ -14,7 +14,8 @@ import numpy as np
 from datasets import Dataset, disable_progress_bars, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain.config import DataConfig, DataFormat
+from ddptrain.choices import DataFormat
+from ddptrain.config import DataConfig
 from ddptrain.data.corpus import load_corpus
 from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_fingerprint
 from ddptrain.errors import ConfigError

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddptrain.config import BaseDtype, ModelConfig, ParallelConfig, Quantize
+from ddptrain.choices import BaseDtype, Quantize
+from ddptrain.config import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError, flat
 
 if TYPE_CHECKING:

@@ -9,7 +9,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from ddptrain.config import OptimConfig, OptimImpl
+from ddptrain.choices import OptimImpl
+from ddptrain.config import OptimConfig
 from ddptrain.errors import ConfigError
 
 

@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddptrain.config import ParallelConfig, ShardGroup, computes_in_bf16
-
-ZERO_STAGES = (0, 1, 2, 3)
+from ddptrain.choices import ShardGroup, computes_in_bf16
+from ddptrain.config import ParallelConfig
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,5 +1,6 @@
-"""The training loop."""
+"""The training loop (``loop.py``), what it builds once (``components.py``), what each step computes (``step.py``)."""
 
-from ddptrain.train.loop import NonFiniteError, Stopped, train
+from ddptrain.train.control import NonFiniteError, Stopped
+from ddptrain.train.loop import train
 
 __all__ = ["NonFiniteError", "Stopped", "train"]

@@ -17,7 +17,23 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from ddptrain.errors import RunEnded
+
 log = logging.getLogger(__name__)
+
+
+class Stopped(RunEnded):
+    """A requested stop (SIGTERM/SIGINT) completed: the checkpoint is safe, the process exits 128 + signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message, 128 + signum)
+
+
+class NonFiniteError(RunEnded):
+    """train.nan_policy=abort met a non-finite loss or gradient (decided alike on every rank)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 3)
 
 
 class StopRequest:
@@ -60,6 +76,11 @@ def guard_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
 
 
+def poisoned(loss: torch.Tensor) -> torch.Tensor:
+    """The loss of a step that fault injection poisons: NaN, before backward, as a real non-finite loss is."""
+    return guard_loss(loss * math.nan)
+
+
 class NonFiniteSteps:
     """Non-finite steps since the last check, counted on the device so that a step need not read them back.
 
@@ -93,4 +114,5 @@ def agree(signum: int, nonfinite: NonFiniteSteps) -> tuple[int, int, int]:
     stopping, count, first = flags.tolist()  # sync point: the host learns the agreed flags here
     nonfinite.reset()
     return int(stopping), int(count), int(first)
+
 

@@ -1,0 +1,139 @@
+"""The allowed values of every choice key (``enum.StrEnum``), so a wrong choice fails at composition naming them.
+
+The schema (``ddptrain/config.py``) types its choice fields with these classes; Hydra then refuses any other
+value with the list of allowed ones. ``computes_in_bf16`` resolves ``train.precision=auto`` for a device.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+ZERO_STAGES = (0, 1, 2, 3)  # parallel.zero_stage: DDP, then ZeRO-1, -2, -3
+
+
+class Arch(StrEnum):
+    llama = "llama"
+    gpt2 = "gpt2"
+
+
+class BaseDtype(StrEnum):
+    """Dtype of the frozen base weights when fine-tuning (adapters always train in fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Quantize(StrEnum):
+    """Quantization of the frozen base weights at load time (QLoRA: bitsandbytes NF4 under LoRA)."""
+
+    none = "none"
+    nf4 = "nf4"
+
+
+class DataSource(StrEnum):
+    stdlib_code = "stdlib_code"
+    synthetic = "synthetic"
+    files = "files"
+    hub = "hub"
+    instructions = "instructions"  # prompt/completion pairs generated locally (data.format=prompt_completion)
+
+
+class DataFormat(StrEnum):
+    """How records become training sequences."""
+
+    packed = "packed"  # documents concatenated into full seq_len blocks; loss on every token
+    prompt_completion = "prompt_completion"  # one padded sequence per record; loss on completion tokens only
+
+
+class Engine(StrEnum):
+    """torch DDP, or one of our from-scratch engines (``ddptrain/engines/``)."""
+
+    torch = "torch"
+    naive = "naive"
+    overlap_sync = "overlap_sync"
+    overlap_async = "overlap_async"
+    bucketed = "bucketed"
+    stream_bucketed = "stream_bucketed"
+
+
+class Collective(StrEnum):
+    native = "native"
+    ring = "ring"
+
+
+class Compression(StrEnum):
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    powersgd = "powersgd"
+    topk = "topk"
+
+
+class ShardGroup(StrEnum):
+    """Over which ranks ZeRO-2/3 shard model state: all of them, or each node's (HSDP: replicate across nodes)."""
+
+    world = "world"
+    node = "node"
+
+
+class Kernels(StrEnum):
+    """Who runs the element-wise passes around gradient collectives (pack, average, norm, clip, bf16 casts)."""
+
+    auto = "auto"  # Triton on CUDA when it is importable, else torch
+    triton = "triton"  # always Triton: a start-up error where it cannot run
+    torch = "torch"  # always the torch ops
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class OptimImpl(StrEnum):
+    """AdamW's kernels: one fused kernel, one multi-tensor launch per op, or a Python loop over parameters."""
+
+    auto = "auto"  # fused where torch has a fused AdamW for the device (CUDA, CPU), else foreach
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
+class WandbMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class Precision(StrEnum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class NanPolicy(StrEnum):
+    skip = "skip"  # skip the update on every rank alike
+    abort = "abort"  # stop the run (no checkpoint is written for the bad step)
+
+
+class Backend(StrEnum):
+    auto = "auto"  # nccl on CUDA, else gloo
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class DebugLevel(StrEnum):
+    off = "off"
+    info = "info"
+    detail = "detail"
+
+
+class Interconnect(StrEnum):
+    nvlink = "nvlink"
+    infiniband_ndr = "infiniband_ndr"
+    pcie_gen5 = "pcie_gen5"
+
+
+def computes_in_bf16(precision: str, device_type: str) -> bool:
+    """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
+    return precision == Precision.bf16 or (precision == Precision.auto and device_type == "cuda")

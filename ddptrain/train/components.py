@@ -1,0 +1,163 @@
+"""The build step of ``train()``: everything a run builds once before its loop, resumed from a checkpoint if asked.
+
+``build_components`` builds data, model, wrapper, optimizer, schedule, batches, checkpointer and telemetry in
+one fixed order (seeds and collectives depend on it). ``Components`` maps its stateful parts to and from a
+checkpoint: the scheduler and the batches give and take their own ``state_dict``, so the loop only says
+``save(step)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from ddptrain.checkpoint import Checkpointer, TrainState
+from ddptrain.choices import DataFormat, computes_in_bf16
+from ddptrain.config import Config
+from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
+from ddptrain.models import build_model, model_vocab_size
+from ddptrain.models.flops import flops_per_token
+from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
+from ddptrain.optim import build_optimizer, build_scheduler
+from ddptrain.parallel import Wrapped, wrap_model
+from ddptrain.parallel.compile import compile_blocks
+from ddptrain.runtime import DistEnv, main_first, seed_everything
+from ddptrain.telemetry import Sinks
+from ddptrain.telemetry.memory import ModelStateProbe
+from ddptrain.telemetry.metrics import StepMetrics, load_baseline
+from ddptrain.telemetry.stragglers import StragglerMonitor
+from ddptrain.topology import gather_topology
+from ddptrain.train.control import StopRequest
+from ddptrain.train.tokens import MicroBatch
+
+log = logging.getLogger("ddptrain")
+
+
+@dataclass
+class Components:
+    """What the loop works with; built once by ``build_components``."""
+
+    plan: BatchPlan  # the batch arithmetic, derived once: gbs = mbs x grad_accum x dp
+    model: torch.nn.Module  # the (adapted) model itself: parameters, clipping, evaluation, export
+    wrapped: Wrapped  # the model as trained: torch DDP, FSDP2, one of our engines, or the bare model
+    tokenizer: Any  # saved with checkpoints and the exported model; None for synthetic data
+    n_params: int
+    trainable: int  # parameters that train: all of them, or the adapters' when fine-tuning a frozen base
+    flops_per_token: float
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    batches: MicroBatches  # this rank's endless stream of training micro batches
+    token_weighted: bool  # padded prompt/completion batches: the loss is the mean over loss tokens
+    val: list[torch.Tensor | MicroBatch]  # this rank's fixed validation batches
+    autocast: AbstractContextManager
+    checkpointer: Checkpointer
+    start: int  # the step the run continues after: the resumed checkpoint's, else 0
+    meter: StepMetrics
+    sinks: Sinks
+    probe: ModelStateProbe  # measures the model state every rank holds, once, on the first step
+    stragglers: StragglerMonitor
+    stop: StopRequest
+    zero_stage: int
+
+    def save(self, step: int, wait: bool) -> None:
+        """Checkpoint the model, the optimizer and each stateful part's own state after ``step``."""
+        position = self.batches.state_dict()
+        state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.plan.dp,
+                           self.plan.global_batch_size, self.zero_stage)
+        self.checkpointer.save(state, self.model, self.optimizer, wait)
+
+
+def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
+                     resolved: dict[str, Any]) -> Components:
+    """Build every part of the run on this rank, in the order that keeps runs reproducible and resumable."""
+    plan = BatchPlan.from_config(cfg, env.world_size)
+    topology = gather_topology(env)
+    log.info("run dir %s | %d ranks on %s | %s | %s", run_dir, env.world_size, device.type, topology.describe(),
+             plan.equation())
+    seed_everything(cfg.train.seed)
+
+    data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
+    vocab = model_vocab_size(cfg.model, data.vocab_size)
+    model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
+    model = prepare_for_finetuning(model.to(device), cfg.model)
+    trainable, n_params = parameter_counts(model)
+    log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
+             trainable_line(trainable, n_params, None), len(data.train), len(data.val))
+    if cfg.train.compile:
+        log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
+    wrapped = wrap_model(model, cfg.parallel, device, cfg.train.precision, env.local_world_size)
+    # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
+    # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
+    # save and restore each rank's stream.
+    seed_everything(cfg.train.seed + env.rank)
+    optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
+                           data.collate)
+    checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
+    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
+    val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
+    # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
+    fpt = (flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None
+           else 4.0 * n_params + 2.0 * trainable)
+    meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
+                        cfg.metrics.sample_every)
+    sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
+    probe = ModelStateProbe(model)
+    if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
+        model.register_forward_pre_hook(lambda *_: meter.timer.inner_forward_started())
+    return Components(
+        plan=plan, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
+        flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
+        token_weighted=cfg.data.format == DataFormat.prompt_completion, val=val,
+        autocast=autocast_context(cfg.train.precision, device), checkpointer=checkpointer, start=start,
+        meter=meter, sinks=sinks, probe=probe,
+        stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
+        stop=StopRequest(cfg.launch.stop_grace_s), zero_stage=cfg.parallel.zero_stage,
+    )
+
+
+def resume_target(configured: str | None) -> str | None:
+    """``train.resume``, except that a worker restarted by the elastic agent always continues (auto)."""
+    if configured is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        log.warning("restarted by the elastic agent: resuming from the latest checkpoint (train.resume=auto)")
+        return "auto"
+    return configured
+
+
+def resume(
+    checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR, batches: MicroBatches, plan: BatchPlan,
+) -> int:
+    """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
+    checkpointer.remove_partial()
+    path = checkpointer.resolve(resume_from)
+    if path is None:
+        if resume_from == "auto":
+            log.info("train.resume=auto: no checkpoint in %s, starting from step 0", checkpointer.root)
+        return 0
+    state = checkpointer.load(path, model, optimizer)
+    scheduler.load_state_dict(state.scheduler)
+    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
+    if state.world_size != plan.dp:
+        log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
+                    plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
+    if state.global_batch_size != plan.global_batch_size:
+        log.warning("the checkpoint trained with a global batch of %d; continuing with %d",
+                    state.global_batch_size, plan.global_batch_size)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state.step
+
+
+def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
+    """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
+    if not computes_in_bf16(precision, device.type):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
