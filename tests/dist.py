@@ -3,7 +3,9 @@
 Ranks start from a fork server that has imported torch, transformers, datasets and the training loop once per
 test session: a spawned rank pays that import (several seconds of CPU) on every call, a forked one does not. The
 server only imports: it builds no process group and computes nothing (so no OpenMP pool exists that a fork
-could break), and each rank starts from a fresh copy of that state, as a spawned one would.
+could break), and each rank starts from a fresh copy of that state, as a spawned one would. One difference: a
+rank prints where the server prints (the output captured for the test that started it), not into the calling
+test's captured output; a failing rank's traceback still comes back with the call and fails it.
 """
 
 from __future__ import annotations
