@@ -100,7 +100,6 @@ def test_an_hsdp_checkpoint_resumes_under_zero3_and_ddp(runs: dict[str, dict[str
         _assert_step_3_as_uninterrupted(loss, runs["node"]["losses"], name)
 
 
-@pytest.mark.slow  # two more processes to spawn (~40 s here); the 4-rank test above covers the change of mesh
 def test_an_hsdp_checkpoint_resumes_under_zero3_and_ddp_on_two_ranks(
     runs: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
