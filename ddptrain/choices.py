@@ -134,6 +134,21 @@ class Interconnect(StrEnum):
     pcie_gen5 = "pcie_gen5"
 
 
+class SweepLauncher(StrEnum):
+    """Where ``ddptrain -m`` runs its jobs."""
+
+    local = "local"  # one after another on this machine
+    submitit = "submitit"  # all submitted at once through submitit: SLURM jobs, or local processes
+
+
+class SubmititCluster(StrEnum):
+    """submitit's executor for ``sweep.launcher=submitit``."""
+
+    auto = "auto"  # SLURM where srun is on PATH, else local processes
+    slurm = "slurm"
+    local = "local"
+
+
 def computes_in_bf16(precision: str, device_type: str) -> bool:
     """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
     return precision == Precision.bf16 or (precision == Precision.auto and device_type == "cuda")

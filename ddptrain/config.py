@@ -30,6 +30,8 @@ from ddptrain.choices import (
     Quantize,
     Schedule,
     ShardGroup,
+    SubmititCluster,
+    SweepLauncher,
     WandbMode,
 )
 from ddptrain.errors import ConfigError
@@ -354,6 +356,25 @@ class ProfileConfig:
 
 
 @dataclass
+class SweepConfig:
+    """``ddptrain -m`` with ``sweep.launcher=submitit``: one single-node job per sweep job (submitit's executor)."""
+
+    launcher: SweepLauncher = SweepLauncher.local
+    cluster: SubmititCluster = SubmititCluster.auto
+    partition: str | None = None  # SLURM partition; None: the cluster's default
+    gpus_per_node: int = 0  # GPUs each job asks for: one per launch.nproc_per_node worker
+    cpus_per_task: int | None = None
+    mem_gb: int | None = None
+    timeout_min: int = 60
+    # more #SBATCH options, added key by key: +sweep.slurm_additional.account=x
+    slurm_additional: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.gpus_per_node >= 0 and self.timeout_min >= 1,
+                 "sweep.gpus_per_node must be >= 0 and sweep.timeout_min >= 1")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -367,6 +388,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def __post_init__(self) -> None:
         """Rules across sections (each section checked itself first)."""

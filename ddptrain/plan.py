@@ -1,6 +1,7 @@
 """Dry-run planner: batch split, per-rank memory, communication and overlap of a data-parallel run, no GPU needed.
 
-Memory follows the ZeRO paper's model-state accounting (Rajbhandari et al. 2020, §3 and §5); communication
+Memory follows the ZeRO paper's model-state accounting (Rajbhandari et al. 2020, §3 and §5) for the state that
+ddptrain's wrappers keep (fp32 parameters, gradients and AdamW state; FSDP2's gathered working copy); communication
 follows ring collectives in the α–β model, in which each rank sends (N−1)/N of the buffer per pass.
 Activations are not modelled: the numbers are model state and gradient traffic only.
 ``ddptrain/plan_render.py`` turns a ``Plan`` into the text the dry run prints.
@@ -26,16 +27,24 @@ ASSUMED_MFU = 0.4  # a well-tuned dense LLM run reaches 35–50% of the bf16 pea
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter held for the parameters, their gradients and the optimizer state."""
+    """Bytes per parameter of the state a ddptrain run keeps: the parameters the optimizer updates, their gradients
+    and the AdamW state; plus the working copy that FSDP2 (ZeRO-2/3) gathers for compute, in its own dtype.
+
+    bf16 compute never changes the first three: DDP and ZeRO-1 run bf16 under autocast on fp32 parameters, and
+    FSDP2's mixed-precision policy gathers bf16 from fp32 shards and reduce-scatters gradients in fp32.
+    """
 
     name: str
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
+    gathered_bytes: int
+    gathered_dtype: str
 
 
-MIXED_BF16 = Precision("bf16 mixed, fp32 master + AdamW", 2, 2, 12)
-FP32 = Precision("fp32, AdamW", 4, 4, 8)
+MIXED_BF16 = Precision("bf16 compute: fp32 parameters, gradients and AdamW; FSDP2 gathers bf16", 4, 4, 8, 2,
+                       "bfloat16")
+FP32 = Precision("fp32, AdamW", 4, 4, 8, 4, "float32")
 
 
 @dataclass(frozen=True)
@@ -83,15 +92,38 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 
-def model_state_memory(params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16) -> Memory:
-    """Per-rank model state under ZeRO ``stage``: 1 shards the optimizer state, 2 also gradients, 3 also parameters."""
+def model_state_by_dtype(
+    params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16, gathered: float = 0.0
+) -> dict[str, dict[str, float]]:
+    """Per-rank model state under ZeRO ``stage`` by component and dtype: 1 shards the optimizer state, 2 also
+    gradients, 3 also parameters.
+
+    Under FSDP2 (stages 2-3) each rank keeps its fp32 shard of every parameter (the copy AdamW updates) and, while
+    a unit is gathered, the unit's unsharded working copy in the policy's dtype: every parameter from forward to
+    the end of backward at stage 2; at stage 3 only ``gathered`` parameters at the peak (in forward: the root's,
+    gathered for the whole forward, plus the largest block).
+    """
     if stage not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage must be 0–3, got {stage}")
-    return Memory(
-        params=precision.param_bytes * params / (world_size if stage >= 3 else 1),
-        grads=precision.grad_bytes * params / (world_size if stage >= 2 else 1),
-        optimizer=precision.optim_bytes * params / (world_size if stage >= 1 else 1),
-    )
+    sharded = params / world_size
+    master = precision.param_bytes * (sharded if stage >= 2 else params)
+    working = precision.gathered_bytes * (params if stage == 2 else gathered if stage == 3 else 0.0)
+    parameters = {"float32": master}
+    parameters[precision.gathered_dtype] = parameters.get(precision.gathered_dtype, 0.0) + working
+    return {
+        "parameters": {dtype: n for dtype, n in parameters.items() if n},
+        "gradients": {"float32": precision.grad_bytes * (sharded if stage >= 2 else params)},
+        "optimizer": {"float32": precision.optim_bytes * (sharded if stage >= 1 else params)},
+    }
+
+
+def model_state_memory(
+    params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16, gathered: float = 0.0
+) -> Memory:
+    """Per-rank model state under ZeRO ``stage``, by component (``model_state_by_dtype`` summed over dtypes)."""
+    by_dtype = model_state_by_dtype(params, world_size, stage, precision, gathered)
+    params_b, grads_b, optim_b = (sum(by_dtype[c].values()) for c in ("parameters", "gradients", "optimizer"))
+    return Memory(params=params_b, grads=grads_b, optimizer=optim_b)
 
 
 # Bytes per frozen base weight. NF4: 4 bits + double-quantized block scales (8-bit absmax per 64 weights, one fp32
@@ -119,9 +151,11 @@ def step_comm(params: float, world_size: int, stage: int, precision: Precision =
     share = (world_size - 1) / world_size * params
     if stage == 0:
         return Comm(2 * share * precision.grad_bytes, 2 * (world_size - 1))
+    # ZeroRedundancyOptimizer sends the updated fp32 parameters; FSDP2 gathers them in its policy's dtype
+    gather = precision.param_bytes if stage == 1 else precision.gathered_bytes
     if stage < 3:
-        return Comm(share * (precision.grad_bytes + precision.param_bytes), 2 * (world_size - 1))
-    return Comm(share * (2 * precision.param_bytes + precision.grad_bytes), 3 * (world_size - 1))
+        return Comm(share * (precision.grad_bytes + gather), 2 * (world_size - 1))
+    return Comm(share * (2 * gather + precision.grad_bytes), 3 * (world_size - 1))
 
 
 def preset_link(key: str, name: str) -> Link:
@@ -200,12 +234,15 @@ def build_plan(
             raise ConfigError("plan.trainable_params: expected the adapter parameter count with plan.params and "
                               "model.lora.enabled=true")
         adapters, embedding = float(cfg.plan.trainable_params or 0), 0.0
+        gathered = 0.0  # no shape: ZeRO-3's gathered working copy is not modelled
     else:
         vocab = model_vocab_size(cfg.model, cfg.data.vocab_size)
         counts = count_params(cfg.model, vocab)
         params, source = float(counts.total), f"model {cfg.model.name}"
         flops, rule = flops_per_token(cfg.model, vocab, batch.seq_len), "6·matmul params + 12·L·H·Q·T"
         adapters, embedding = float(lora_param_count(cfg.model)), float(counts.embedding)
+        # ZeRO-3 gathers the root's parameters (embeddings, head, final norm) and one block at a time in forward
+        gathered = counts.embedding + counts.non_embedding / cfg.model.num_layers
     on_gpu = device_name is not None
     precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
     trainable, note, base_bytes = params, "", float(precision.param_bytes)
@@ -229,7 +266,7 @@ def build_plan(
         zero_stage=cfg.parallel.zero_stage,
         precision=precision,
         memory={s: finetune_memory(params, trainable, base_bytes, n, s) if lora
-                else model_state_memory(params, n, s, precision) for s in ZERO_STAGES},
+                else model_state_memory(params, n, s, precision, gathered) for s in ZERO_STAGES},
         comm={s: step_comm(trainable, n, s, precision) for s in ZERO_STAGES},
         links=list(links.values()),
         link=link,

@@ -64,7 +64,8 @@ def render_plan(plan: Plan) -> str:
                   "gradients are all-reduced")
     out.print(f"Batch: {plan.batch.equation()}")
     p = plan.precision
-    out.print(f"Precision: {p.name} ({p.param_bytes} + {p.grad_bytes} + {p.optim_bytes} bytes per parameter)")
+    out.print(f"Precision: {p.name} ({p.param_bytes} + {p.grad_bytes} + {p.optim_bytes} bytes per parameter, "
+              f"+ {p.gathered_bytes} per parameter FSDP2 holds gathered)")
     chosen = Table(title=f"Model state per rank: {_STAGE_NAMES[stage]} on {plan.batch.dp} ranks")
     for column in ("component", "bytes per model parameter", "per rank"):
         chosen.add_column(column, justify="left" if column == "component" else "right")

@@ -2,9 +2,10 @@
 
 Jobs run one after another (they would compete for the same devices otherwise), each as its own
 ``python -m ddptrain ...`` in ``<sweep dir>/<job number>`` (Hydra's multirun layout), so a job that fails,
-even at composition, is reported and the sweep goes on (``--fail-fast`` stops it). At the end the sweep dir
-holds ``sweep.csv``, ``sweep.md`` and ``sweep.png``: one row per job with its overrides and the steady-state
-figures of its ``summary.json``.
+even at composition, is reported and the sweep goes on (``--fail-fast`` stops it). With
+``sweep.launcher=submitit`` the same commands are submitted all at once as cluster jobs (``ddptrain.submit``).
+At the end the sweep dir holds ``sweep.csv``, ``sweep.md`` and ``sweep.png``: one row per job with its
+overrides and the steady-state figures of its ``summary.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
+from ddptrain.choices import SweepLauncher
 from ddptrain.cli import Source, say
+from ddptrain.config import SweepConfig
 from ddptrain.errors import ConfigError, flat, one_line
 
 # summary.json keys in the report, with their headers; a column appears when some job reports it
@@ -68,20 +71,30 @@ def expand(overrides: list[str], params: dict[str, str] | None) -> list[list[str
     return [[o for o in job if not o.startswith("hydra.sweep.")] for job in jobs]  # the sweep's, not the job's
 
 
+def job_command(argv: list[str], overrides: list[str], run_dir: Path) -> list[str]:
+    """The ``python -m ddptrain`` command of one job: it starts its own workers and writes to ``run_dir``."""
+    return [sys.executable, "-m", "ddptrain", *argv, *overrides, f"hydra.run.dir={run_dir}"]
+
+
 def run_job(num: int, argv: list[str], overrides: list[str], run_dir: Path, env: dict[str, str]) -> JobResult:
     """One ``python -m ddptrain`` with its own workers; output passes through, its last error line is kept."""
-    command = [sys.executable, "-m", "ddptrain", *argv, *overrides, f"hydra.run.dir={run_dir}"]
     tail: collections.deque[str] = collections.deque(maxlen=20)
-    with subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(job_command(argv, overrides, run_dir), env=env, stdin=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stderr is not None
         for line in proc.stderr:
             sys.stderr.write(line)
             tail.append(line.rstrip())
+    return job_result(num, overrides, run_dir, proc.returncode, list(tail))
+
+
+def job_result(num: int, overrides: list[str], run_dir: Path, exit_code: int, tail: list[str]) -> JobResult:
+    """A finished job: its ``summary.json`` when it succeeded, else its last ``ddptrain:`` error line."""
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if proc.returncode == 0 and summary_path.is_file() else {}
-    errors = [line for line in tail if line.startswith("ddptrain:")] or list(tail)[-1:]
-    error = "" if summary else flat(errors[-1] if errors else f"exit code {proc.returncode}", 240)
-    return JobResult(num, overrides, run_dir, proc.returncode, summary, error)
+    summary = json.loads(summary_path.read_text()) if exit_code == 0 and summary_path.is_file() else {}
+    errors = [line for line in tail if line.startswith("ddptrain:")] or tail[-1:]
+    error = "" if summary else flat(errors[-1] if errors else f"exit code {exit_code}", 240)
+    return JobResult(num, overrides, run_dir, exit_code, summary, error)
 
 
 def job_env() -> dict[str, str]:
@@ -106,25 +119,63 @@ def run_sweep(source: Source, cfg: DictConfig, fail_fast: bool = False) -> int:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     group = f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
     argv = Source(source.user_dir, source.name).argv()
-    results: list[JobResult] = []
-    for num, overrides in enumerate(jobs):
-        run_dir = sweep_dir / str(num)
-        say(f"ddptrain: sweep job {num + 1}/{len(jobs)}: {shlex.join(overrides)} -> {run_dir}")
-        named = any(o.split("=")[0].lstrip("+~") == "logger.wandb.group" for o in overrides)
-        extra = [] if named else [f"logger.wandb.group={group}"]
-        result = run_job(num, argv, [*overrides, *extra], run_dir, job_env())
-        result.overrides = overrides
-        results.append(result)
-        if not result.ok:
-            say(f"ddptrain: sweep job {num} failed: {result.error}")
-            if fail_fast:
-                break
+    # each job's overrides, plus the sweep's W&B group unless the job names one
+    given = [job if any(o.split("=")[0].lstrip("+~") == "logger.wandb.group" for o in job)
+             else [*job, f"logger.wandb.group={group}"] for job in jobs]
+    if cfg.sweep.launcher == SweepLauncher.submitit:
+        if fail_fast:
+            raise ConfigError("--fail-fast stops a sweep whose jobs run one after another: it cannot be combined "
+                              "with sweep.launcher=submitit, which submits them all at once")
+        results = _submit_all(jobs, given, argv, sweep_dir, cfg)
+    else:
+        results = _run_each(jobs, given, argv, sweep_dir, fail_fast)
     command = shlex.join(["ddptrain", "--multirun", *argv, *source.overrides])
     write_report(results, sweep_dir, command, len(jobs))
     failed = [r.num for r in results if not r.ok]
     say(f"ddptrain: sweep of {len(jobs)} jobs in {sweep_dir}: {len(results) - len(failed)} succeeded"
         + (f", failed: {', '.join(map(str, failed))}" if failed else "") + "; see sweep.md, sweep.csv, sweep.png")
     return 1 if failed else 0
+
+
+def _run_each(
+    jobs: list[list[str]], given: list[list[str]], argv: list[str], sweep_dir: Path, fail_fast: bool
+) -> list[JobResult]:
+    """Every job on this machine, one after another (they would compete for the same devices otherwise)."""
+    results = []
+    for num, overrides in enumerate(jobs):
+        run_dir = sweep_dir / str(num)
+        say(f"ddptrain: sweep job {num + 1}/{len(jobs)}: {shlex.join(overrides)} -> {run_dir}")
+        result = run_job(num, argv, given[num], run_dir, job_env())
+        result.overrides = overrides
+        results.append(result)
+        if not result.ok:
+            say(f"ddptrain: sweep job {num} failed: {result.error}")
+            if fail_fast:
+                break
+    return results
+
+
+def _submit_all(
+    jobs: list[list[str]], given: list[list[str]], argv: list[str], sweep_dir: Path, cfg: DictConfig
+) -> list[JobResult]:
+    """Every job submitted at once through submitit; their results once all have finished."""
+    from ddptrain.submit import outcome, submit
+
+    settings = OmegaConf.to_object(cfg.sweep)
+    assert isinstance(settings, SweepConfig)
+    commands = [job_command(argv, overrides, sweep_dir / str(num)) for num, overrides in enumerate(given)]
+    submitted = submit(commands, settings, sweep_dir / "submitit", job_env())
+    for num, (overrides, job) in enumerate(zip(jobs, submitted, strict=True)):
+        say(f"ddptrain: sweep job {num + 1}/{len(jobs)} submitted as job {job.job_id}: {shlex.join(overrides)} "
+            f"-> {sweep_dir / str(num)}")
+    say(f"ddptrain: waiting for {len(jobs)} jobs; their logs are in {sweep_dir / 'submitit'}")
+    results = []
+    for num, (overrides, job) in enumerate(zip(jobs, submitted, strict=True)):
+        result = job_result(num, overrides, sweep_dir / str(num), *outcome(job))
+        if not result.ok:
+            say(f"ddptrain: sweep job {num} failed: {result.error}")
+        results.append(result)
+    return results
 
 
 def varying(results: list[JobResult]) -> list[str]:

@@ -1,4 +1,12 @@
-"""Run a function in N gloo processes and collect what each rank returns (for multi-process tests)."""
+"""Run a function in N gloo processes and collect what each rank returns (for multi-process tests).
+
+Ranks start from a fork server that has imported torch, transformers, datasets and the training loop once per
+test session: a spawned rank pays that import (several seconds of CPU) on every call, a forked one does not. The
+server only imports: it builds no process group and computes nothing (so no OpenMP pool exists that a fork
+could break), and each rank starts from a fresh copy of that state, as a spawned one would. One difference: a
+rank prints where the server prints (the output captured for the test that started it), not into the calling
+test's captured output; a failing rank's traceback still comes back with the call and fails it.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# What the ranks of almost every test import; a module missing here is imported by each rank that needs it.
+PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train", "tests.runs"]
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(PRELOAD)
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, results: Any, args: tuple) -> None:
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, results: Any, args: tuple,
+            environ: dict[str, str]) -> None:
+    # The server's environment is the one it started with: each rank takes the caller's, as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -38,15 +55,15 @@ def _to_bytes(value: Any) -> bytes:
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on every rank of a fresh gloo group; return results by rank.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes) and its result picklable.
+    ``fn`` must be a module-level function (it is pickled into the ranks) and its result picklable.
     A rank that raises fails the call with that rank's traceback; a rank that hangs fails it after ``timeout``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = _CTX.Queue()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store, results, args), daemon=True)
+            _CTX.Process(target=_worker, args=(fn, r, world_size, store, results, args, environ), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

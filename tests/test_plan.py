@@ -16,6 +16,7 @@ from ddptrain.plan import (
     allreduce_seconds,
     backward_seconds,
     build_plan,
+    model_state_by_dtype,
     model_state_memory,
     step_comm,
 )
@@ -38,9 +39,19 @@ def test_allreduce_of_70b_fp32_gradients_over_nvlink(world_size: int, seconds: f
     assert round(allreduce_seconds(70e9 * 4, world_size, INTERCONNECTS["nvlink"]), 2) == seconds
 
 
-@pytest.mark.parametrize(("stage", "bytes_per_param"), [(0, 16), (1, 4.1875), (2, 2.21875), (3, 0.25)])
+# bf16 compute keeps fp32 parameters, gradients and AdamW state; FSDP2 (stages 2-3) adds the bf16 gathered copy:
+# all of it at stage 2, none at stage 3 when nothing is gathered.
+@pytest.mark.parametrize(("stage", "bytes_per_param"), [(0, 16), (1, 8.125), (2, 2.25), (3, 0.25)])
 def test_model_state_per_rank_at_64_ranks(stage: int, bytes_per_param: float) -> None:
     assert model_state_memory(1.0, 64, stage, MIXED_BF16).total == pytest.approx(bytes_per_param)
+
+
+def test_fsdp2_mixed_precision_holds_fp32_shards_beside_the_bf16_gathered_copy() -> None:
+    assert model_state_by_dtype(8.0, 2, 2, MIXED_BF16)["parameters"] == {"float32": 16.0, "bfloat16": 16.0}
+    stage3 = model_state_by_dtype(8.0, 2, 3, MIXED_BF16, gathered=3.0)
+    assert stage3 == {"parameters": {"float32": 16.0, "bfloat16": 6.0}, "gradients": {"float32": 16.0},
+                      "optimizer": {"float32": 32.0}}
+    assert model_state_by_dtype(8.0, 2, 3, FP32, gathered=3.0)["parameters"] == {"float32": 28.0}
 
 
 def test_fp32_keeps_16_bytes_per_parameter_split_4_4_8() -> None:
@@ -63,9 +74,10 @@ def test_one_rank_does_not_communicate_and_ddp_memory_does_not_shrink_with_ranks
     assert model_state_memory(7e9, 64, 0) == model_state_memory(7e9, 1, 0)
 
 
-def test_zero3_sends_one_and_a_half_times_ddp() -> None:
-    assert step_comm(7e9, 8, 3).nbytes == pytest.approx(1.5 * step_comm(7e9, 8, 0).nbytes)
-    assert step_comm(7e9, 8, 1) == step_comm(7e9, 8, 2) == step_comm(7e9, 8, 0)
+def test_zero3_sends_one_and_a_half_times_ddp_in_fp32_and_as_much_with_bf16_gathers() -> None:
+    assert step_comm(7e9, 8, 3, FP32).nbytes == pytest.approx(1.5 * step_comm(7e9, 8, 0, FP32).nbytes)
+    assert step_comm(7e9, 8, 1, FP32) == step_comm(7e9, 8, 2, FP32) == step_comm(7e9, 8, 0, FP32)
+    assert step_comm(7e9, 8, 3, MIXED_BF16).nbytes == pytest.approx(step_comm(7e9, 8, 0, MIXED_BF16).nbytes)
 
 
 def test_allreduce_latency_term_grows_with_ranks() -> None:
@@ -113,7 +125,7 @@ def test_70b_on_8_gpus_planned_by_params_alone_renders() -> None:
         "global batch 64 = micro batch 2 x grad accum 4 x dp 8",
         "ZeRO-3 ←",
         "130.39 GiB",
-        "Communication per rank per step: 367.50 GB",
+        "Communication per rank per step: 490.00 GB",
         "nvlink",
         "infiniband_ndr",
         "pcie_gen5",

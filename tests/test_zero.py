@@ -65,7 +65,8 @@ BASE = {
 
 def test_each_stage_tracks_stage_zero_and_memory_follows_the_formula_at_two_ranks(tmp_path: Path) -> None:
     variants = [{"parallel": {"zero_stage": s}} for s in (0, 1, 2, 3)]
-    results = run_distributed(train_each, 2, str(tmp_path), BASE, variants)[0]
+    bf16 = {"parallel": {"zero_stage": 3}, "train": {"precision": "bf16"}}  # FSDP2's bf16 policy, on CPU too
+    *results, mixed = run_distributed(train_each, 2, str(tmp_path), BASE, [*variants, bf16])[0]
     base = [m["loss"] for m in results[0]["metrics"]]
     assert base[-1] < base[0]
     for stage, result in enumerate(results):
@@ -73,10 +74,16 @@ def test_each_stage_tracks_stage_zero_and_memory_follows_the_formula_at_two_rank
         # Same data, same init, same math; only the reduction order differs: agree to float32 noise.
         assert losses == pytest.approx(base, rel=1e-4), f"stage {stage}"
         _assert_memory_matches_formula(result["summary"]["model_state"], stage)
+    state = mixed["summary"]["model_state"]
+    _assert_memory_matches_formula(state, 3)
+    for held in state["measured_bytes_by_dtype_per_rank"]:  # the fp32 shards and the gathered bf16 copy
+        assert held["parameters"].keys() == {"float32", "bfloat16"}
+        assert held["parameters"] == pytest.approx(state["formula_bytes_by_dtype"]["parameters"], rel=0.05)
 
 
 def test_memory_follows_the_formula_at_four_ranks(tmp_path: Path) -> None:
-    variants = [{"parallel": {"zero_stage": s}} for s in (0, 1, 2, 3)]
+    # The loop measures the model state once, after the first step: one step per stage is enough here.
+    variants = [{"parallel": {"zero_stage": s}, "train": {"steps": 1}} for s in (0, 1, 2, 3)]
     for stage, result in enumerate(run_distributed(train_each, 4, str(tmp_path), BASE, variants)[0]):
         _assert_memory_matches_formula(result["summary"]["model_state"], stage)
 

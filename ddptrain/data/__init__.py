@@ -1,8 +1,22 @@
-"""Corpus -> tokenizer -> packed data set -> per-rank micro batches; the batch arithmetic."""
+"""Corpus -> tokenizer -> packed data set -> per-rank micro batches; the batch arithmetic.
+
+The batch arithmetic and the source check need no data library, so they import none: the launcher process
+checks a config without loading ``datasets`` and ``transformers`` (seconds per process). The data set and the
+loader are imported on first use.
+"""
+
+from importlib import import_module
+from typing import Any
 
 from ddptrain.data.batch import BatchPlan
 from ddptrain.data.corpus import validate_source
-from ddptrain.data.dataset import TokenData, build_token_data
-from ddptrain.data.loader import MicroBatches, eval_batches
+
+_LAZY = {"TokenData": "dataset", "build_token_data": "dataset", "MicroBatches": "loader", "eval_batches": "loader"}
 
 __all__ = ["BatchPlan", "MicroBatches", "TokenData", "build_token_data", "eval_batches", "validate_source"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"ddptrain.data.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ddptrain.choices import BaseDtype, Quantize
 from ddptrain.config import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError, flat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 DTYPES = {BaseDtype.fp32: torch.float32, BaseDtype.bf16: torch.bfloat16}
@@ -140,6 +142,7 @@ def export_adapter_and_merged(model: torch.nn.Module, cfg: ModelConfig, tokenize
     ``model.pretrained`` and the adapter merged into it: merging into NF4 would quantize the update away.
     """
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     adapter = run_dir / "adapter"
     model.save_pretrained(str(adapter))

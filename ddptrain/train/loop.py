@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from ddptrain.choices import computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.faults import delay, inject, poison_loss
 from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure, trainable_line
 from ddptrain.parallel.zero import shard_group_size
+from ddptrain.plan import FP32, MIXED_BF16
 from ddptrain.predict.own_run import predict_own_step
 from ddptrain.runtime import DistEnv
 from ddptrain.telemetry.profile import StepProfiler
@@ -83,9 +85,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 log.info("%s", trainable_line(c.trainable, c.n_params, sample.payload_bytes if sample else None))
                 c.probe.after_step(c.optimizer)
                 # sync point: every rank's measured model state is gathered, once
-                model_state = report_model_state(c.probe.bytes, c.n_params, env.world_size, cfg.parallel.zero_stage,
-                                                 shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
-                                                 c.trainable)
+                model_state = report_model_state(
+                    c.probe, c.n_params, env.world_size, cfg.parallel.zero_stage,
+                    shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
+                    MIXED_BF16 if computes_in_bf16(cfg.train.precision, device.type) else FP32, c.trainable)
             lr = c.scheduler.get_last_lr()[0]
             c.scheduler.step()
             profiler.step()
