@@ -33,7 +33,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks ({dist.get_backend()}): α {link.latency_us:.1f} µs per hop, "
               f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s; contention x{host.contention:.2f}, "
-              f"comm steal {host.comm_steal:.0%}, skew {host.skew:.1%}; beside compute: α "
+              f"steal {host.steal_us_per_mb:.0f} µs/MB, wait {host.skew_us:.0f} µs + {host.skew:.1%} of compute; "
+              f"beside compute: α "
               f"{host.busy_latency_us:.1f} µs, {host.busy_bandwidth_gbps:.3f} GB/s, queued behind one in flight α "
               f"{host.queued_latency_us:.1f} µs")
         print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f} {host.overrides()}")

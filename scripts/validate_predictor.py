@@ -87,7 +87,8 @@ def main() -> None:
                 rows[name]["twos"].append(_run(overrides, 2, Path(tmp) / f"{c}-2-{r}"))
     for link, host in fits:
         print(f"<!-- fit: α {link.latency_us:.0f} µs, B {link.bandwidth_gbps:.3f} GB/s, contention "
-              f"x{host.contention:.2f}, steal {host.comm_steal:.2f}, skew {host.skew:.3f}, beside compute α "
+              f"x{host.contention:.2f}, steal {host.steal_us_per_mb:.0f} µs/MB, wait {host.skew_us:.0f} µs + skew "
+              f"{host.skew:.3f}, beside compute α "
               f"{host.busy_latency_us:.0f} µs, B {host.busy_bandwidth_gbps:.3f} GB/s, queued α "
               f"{host.queued_latency_us:.0f} µs -->")
     print("\n| configuration | predicted step (ms) | measured step (ms) | error | predicted exposed (ms) | "

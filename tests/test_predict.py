@@ -53,13 +53,13 @@ def test_a_bucket_hides_only_behind_the_backward_compute_after_it() -> None:
 
 def test_collectives_beside_compute_steal_from_it_and_run_on_the_busy_link() -> None:
     one_ms, two_ms = (lambda nbytes: 1e-3), (lambda nbytes: 2e-3)
-    # one 1 ms all-reduce ready 10 ms before the end; compute at half speed while it runs, and it takes 2 ms
+    # one 1 ms all-reduce of 1 byte, 1 ms of compute per byte, ready 10 ms before the end; it takes 2 ms
     # beside compute: backward does 1 ms of work meanwhile, so it ends 1 ms late; nothing exposed
-    hidden = sync_timeline([(10e-3, 1)], one_ms, steal=0.5, busy_seconds=two_ms)
+    hidden = sync_timeline([(10e-3, 1)], one_ms, steal_s_per_byte=1e-3, busy_seconds=two_ms)
     assert (hidden.exposed_s, hidden.comm_s, hidden.stolen_s) == pytest.approx((0.0, 2e-3, 1e-3))
     # three ready 1.5 ms before the end: backward's last 1.5 ms take 3 ms, in which 1.5 ms of the 3 ms of
     # all-reduce get done; the other 1.5 ms run after backward at full speed
-    tail = sync_timeline([(1.5e-3, 1)] * 3, one_ms, steal=0.5, busy_seconds=two_ms)
+    tail = sync_timeline([(1.5e-3, 1)] * 3, one_ms, steal_s_per_byte=1e-3, busy_seconds=two_ms)
     assert (tail.exposed_s, tail.comm_s, tail.stolen_s) == pytest.approx((1.5e-3, 4.5e-3, 1.5e-3))
 
 
@@ -109,19 +109,40 @@ def test_contention_scales_compute_and_the_buckets_readiness() -> None:
 def test_skew_waits_for_the_slowest_rank_in_the_exposed_sync() -> None:
     idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
     skewed = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(skew=0.1))
-    # the wait is for the compute since the last sync point: the last micro-batch (DDP broadcasts buffers first)
+    # the wait is for the compute since the last sync point: the last micro-batch (DDP broadcasts buffers first);
+    # the last bucket is ready at the end on an idle queue, so the mean wait over ranks adds to the tail
     assert skewed.exposed_s - idle.exposed_s == pytest.approx(0.1 * CAL.micro_step_s) == skewed.terms["skew_s"]
     assert skewed.compute_s == idle.compute_s
+    # the part that does not grow with the compute: the same 4 ms for a 10x longer micro-batch
+    for micro in (0.1, 1.0):
+        fixed = predict(replace(CAL, micro_step_s=micro), Layout(2, 1, SLOW, SLOW), HostFit(skew_us=4000.0))
+        assert fixed.terms["skew_s"] == pytest.approx(4e-3)
 
 
-def test_steal_and_the_busy_link_change_the_step_as_modelled() -> None:
+def test_the_steal_follows_the_bytes_reduced_not_the_time_in_flight() -> None:
     idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
-    # beside compute the link is half as fast, α twice as long: an all-reduce takes twice as long while backward runs
-    busy = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(comm_steal=0.5, busy_latency_us=200.0,
-                                                          busy_bandwidth_gbps=0.05))
-    first = allreduce_seconds(10**6, Layout(2, 1, SLOW, SLOW))
-    assert busy.terms["steal_s"] == pytest.approx(first) and busy.compute_s == pytest.approx(0.21 + first)
-    assert busy.step_s > idle.step_s
+    # 2 ms of compute per MB: the first 1 MB bucket runs beside backward, the last one after it; on a busy link
+    # with a 200 µs or a 20 ms α (in flight 10.4 or 50 ms, both hidden) it takes the same 2 ms from backward
+    for alpha in (200.0, 20_000.0):
+        busy = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(steal_us_per_mb=2000.0, busy_latency_us=alpha,
+                                                              busy_bandwidth_gbps=0.1))
+        assert busy.terms["steal_s"] == pytest.approx(2e-3) and busy.compute_s == pytest.approx(0.21 + 2e-3)
+        assert busy.step_s > idle.step_s
+    # 50 kB buckets, long in flight (latency-bound): a twentieth of the compute a 1 MB one takes
+    small = replace(CAL, buckets=[(0.05, 50_000), (0.0, 50_000)])
+    got = predict(small, Layout(2, 1, SLOW, SLOW), HostFit(steal_us_per_mb=2000.0, busy_latency_us=20_000.0,
+                                                           busy_bandwidth_gbps=0.1))
+    assert got.terms["steal_s"] == pytest.approx(0.1e-3)
+
+
+def test_a_late_peer_shifts_the_all_reduces_start_rather_than_adding_to_the_tail() -> None:
+    one_ms, four_ms = (lambda nbytes: 1e-3), (lambda nbytes: 4e-3)
+    # a lone bucket ready at the end: the peer's 1 ms lag adds to its tail
+    assert sync_timeline([(0.0, 1)], one_ms, wait=1e-3).exposed_s == pytest.approx(2e-3)
+    # ready 2 ms before the end, 4x slower beside compute: a quarter of it done by the end, 0.5 ms exposed; a
+    # 1 ms lag leaves 1 ms beside compute, the rest runs after backward at idle speed: 0.75 ms, not 0.5 + 1
+    assert sync_timeline([(2e-3, 1)], one_ms, busy_seconds=four_ms).exposed_s == pytest.approx(0.5e-3)
+    assert sync_timeline([(2e-3, 1)], one_ms, busy_seconds=four_ms, wait=1e-3).exposed_s == pytest.approx(0.75e-3)
 
 
 def test_the_hook_cost_of_a_one_rank_run_is_charged_per_bucket() -> None:
@@ -214,7 +235,7 @@ def two_rank_run(two_ranks: list[tuple[list[dict], HostFit]]) -> dict:
 
 def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit]]) -> None:
     for _, fit in two_ranks:  # every rank returns the same kind of figures; rank 0's feed the predictor
-        assert fit.contention >= 1.0 and 0.0 <= fit.comm_steal < 1.0
+        assert fit.contention >= 1.0 and fit.steal_us_per_mb >= 0.0 and fit.skew_us >= 0.0
         assert fit.busy_bandwidth_gbps is not None and fit.busy_bandwidth_gbps > 0
         assert 0.0 <= fit.skew < 1.0
         assert fit.queued_latency_us is not None and fit.queued_latency_us >= 0.0

@@ -6,16 +6,19 @@ and backward, the matmul-plus-elementwise mix of a transformer block):
 
 - ``contention``: the kernel's time with every rank computing at once over its time on one rank alone. Ranks
   sharing CPU cores, memory bandwidth or a hypervisor's siblings slow each other; with one GPU per rank it is ~1.
-- ``comm_steal``: the fraction of compute speed a rank loses while one of its collectives is in flight. On CPU
-  gloo's threads reduce and copy on the same cores as the model; NCCL runs on its own stream: ~0 on GPUs.
+- ``steal_us_per_mb``: the compute a rank loses per MB that its collectives reduce beside it. On CPU gloo's
+  threads reduce and copy on the same cores as the model, work in proportion to the bytes (a latency-bound
+  small all-reduce, long in flight, takes little); NCCL runs on its own stream: ~0 on GPUs.
 - ``busy_latency_us``/``busy_bandwidth_gbps``: the α–β fit of all-reduces that run while the rank computes, as
   DDP's buckets do during backward (gloo's threads must wake up on cores busy with compute); None on GPUs,
   where a collective sees the same link whether or not the device computes.
 - ``queued_latency_us``: α of an all-reduce launched while the previous one is still in flight beside compute,
   as DDP's consecutive buckets are: gloo's thread is already awake, so it may pay less than the busy α; from
   a train of small all-reduces launched back to back beside compute (their bytes on the busy bandwidth).
-- ``skew``: how long a rank waits at a collective for the slowest rank, as a fraction of the compute since the
-  last sync. Equal work finishes at different times when ranks are jostled; dedicated GPUs keep it small.
+- ``skew_us``/``skew``: how long a rank waits at a collective for the slowest rank, ``skew_us`` plus ``skew`` x
+  the compute since the last sync: a line through the waits after units of compute of two lengths (jitter
+  does not grow in proportion to the compute). Equal work finishes at different times when ranks are jostled;
+  dedicated GPUs keep it small.
 
 Means, not medians, for the times that a step pays in full however they are spread (waits, busy all-reduces,
 whose times on a busy CPU are mostly short and sometimes a scheduler slice long).
@@ -38,11 +41,12 @@ class HostFit:
     """Measured host-side terms of N ranks; the defaults (a rank per dedicated device) change nothing."""
 
     contention: float = 1.0  # compute time, every rank computing at once / one rank alone
-    comm_steal: float = 0.0  # fraction of compute speed lost while a collective is in flight
+    steal_us_per_mb: float = 0.0  # compute lost per MB all-reduced beside it
     busy_latency_us: float | None = None  # α of all-reduces while the rank computes; None: the link's own
     busy_bandwidth_gbps: float | None = None  # B of all-reduces while the rank computes; None: the link's own
-    skew: float = 0.0  # wait for the slowest rank at a sync / compute since the previous sync
+    skew: float = 0.0  # wait for the slowest rank at a sync per second of compute since the previous sync
     queued_latency_us: float | None = None  # α of an all-reduce queued behind one in flight; None: the idle link's
+    skew_us: float = 0.0  # that wait's part that does not grow with the compute
 
     def overrides(self) -> str:
         """The ``plan.*`` overrides that carry the fit to ``launch.dry_run=true plan.from_run=...``."""
@@ -50,8 +54,8 @@ class HostFit:
             f" plan.busy_latency_us={self.busy_latency_us:.1f} plan.busy_bandwidth_gbps={self.busy_bandwidth_gbps:.4f}")
         if self.queued_latency_us is not None:
             busy += f" plan.queued_latency_us={self.queued_latency_us:.1f}"
-        return (f"plan.contention={self.contention:.3f} plan.comm_steal={self.comm_steal:.3f} "
-                f"plan.skew={self.skew:.4f}{busy}")
+        return (f"plan.contention={self.contention:.3f} plan.steal_us_per_mb={self.steal_us_per_mb:.1f} "
+                f"plan.skew={self.skew:.4f} plan.skew_us={self.skew_us:.1f}{busy}")
 
 
 class _Kernel:
@@ -78,8 +82,9 @@ class _Kernel:
 def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 * 2**10, 4 * 2**20)) -> HostFit:
     """``repeats`` rounds of each measurement on the default group (a collective: every rank calls it).
 
-    ``calls`` kernel calls make one unit of compute (tens of ms on a CPU core); all-reduces of ``sizes`` bytes
-    (a small DDP bucket and a large one) run while the kernel runs, for the busy link and the steal.
+    ``calls`` kernel calls make one unit of compute (tens of ms on a CPU core), and the skew is also read after
+    ``4 x calls``; all-reduces of ``sizes`` bytes (a small DDP bucket and a large one) run while the kernel
+    runs, for the busy link and the steal (from the large one: the most bytes per reading).
     """
     kernel, rank = _Kernel(), dist.get_rank()
     kernel.timed(2)  # warm-up: allocations, thread pools
@@ -87,7 +92,7 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
     for buf in bufs:
         dist.all_reduce(buf)
     tiny = _tiny_collective_s(flag)
-    alone, together, steal, skew = [], [], [], []
+    alone, together, steal, long_units, waits, long_waits = [], [], [], [], [], []
     busy: list[list[float]] = [[] for _ in sizes]
     queued: list[float] = []
     for _ in range(repeats):
@@ -99,11 +104,11 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
                 alone.append(seconds)
         dist.barrier()
         seconds = kernel.timed(calls)
-        start = time.perf_counter()
-        dist.all_reduce(flag)  # its time is the wait for the slowest rank (plus one tiny collective's latency)
-        wait = time.perf_counter() - start
+        waits.append(max(0.0, _waited(flag) - tiny))
         together.append(seconds)
-        skew.append(max(0.0, wait - tiny) / seconds)
+        dist.barrier()
+        long_units.append(kernel.timed(4 * calls))
+        long_waits.append(max(0.0, _waited(flag) - tiny))
         for buf, times in zip(bufs, busy, strict=True):
             dist.barrier()
             in_flight, done, computing = _overlapped(buf, kernel)
@@ -111,14 +116,17 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
         dist.barrier()
         queued.append(_queued(bufs[0], kernel))
         if done:  # from the large one; no kernel call started before it finished: no reading
-            steal.append(max(0.0, 1.0 - done * (seconds / calls) / computing))
+            steal.append(max(0.0, computing - done * (seconds / calls)) / sizes[-1])
     world = dist.get_world_size()
     alpha, bandwidth = _busy_link(sizes, [_mean_over_ranks(t) for t in busy], world)
     hops = 2 * (world - 1)  # a ring all-reduce: its bytes' share on the busy bandwidth, the rest is α per hop
     bytes_s = hops / world * sizes[0] / (bandwidth * 1e9)
     queued_alpha = max(0.0, _mean_over_ranks(queued) - bytes_s) / hops * 1e6
-    return HostFit(max(1.0, statistics.median(together) / statistics.median(alone)),
-                   statistics.median(steal) if steal else 0.0, alpha, bandwidth, _mean_over_ranks(skew), queued_alpha)
+    short, long = statistics.median(together), statistics.median(long_units)
+    wait_short, wait_long = _mean_over_ranks(waits), _mean_over_ranks(long_waits)
+    skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short else 0.0
+    return HostFit(max(1.0, short / statistics.median(alone)), statistics.median(steal) * 1e12 if steal else 0.0,
+                   alpha, bandwidth, skew, queued_alpha, max(0.0, wait_short - skew * short) * 1e6)
 
 
 def _busy_link(sizes: tuple[int, int], seconds: list[float], world_size: int) -> tuple[float, float]:
@@ -165,6 +173,13 @@ def _queued(buf: torch.Tensor, kernel: _Kernel, count: int = 8) -> float:
     while len(finished) < count:  # the callbacks run on gloo's thread right after completion
         time.sleep(1e-4)
     return (max(finished) - min(finished)) / (count - 1)
+
+
+def _waited(flag: torch.Tensor) -> float:
+    """Seconds in a one-element all-reduce: the wait for the slowest rank plus one tiny collective's latency."""
+    start = time.perf_counter()
+    dist.all_reduce(flag)
+    return time.perf_counter() - start
 
 
 def _mean_over_ranks(values: list[float]) -> float:

@@ -6,14 +6,18 @@ terms (``HostFit``) are measured by ``scripts/bench_collectives.py`` on the same
 
 - weak scaling: every rank keeps the calibration run's work per step (micro batch x grad_accum), so the global
   batch grows with N; compute per rank is as measured, times ``contention`` (ranks sharing a host's cores);
-- each bucket's all-reduce (α–β plus the per-bucket hook cost) starts when the bucket is ready and the previous
-  all-reduce has finished, so it can only hide behind the backward compute that follows it; where collectives
-  share cores with compute, compute loses ``comm_steal`` of its speed while one is in flight, and they run on
-  the busy link (``busy_latency_us``/``busy_bandwidth_gbps``) until backward's compute ends; the busy α (waking
-  the collective's thread on a busy core) only for one that starts on an idle queue: one queued while the
-  previous is in flight pays ``queued_latency_us`` (measured; None: the idle link's α) on the busy bandwidth;
-- a rank waits at the gradient sync for the slowest rank: ``skew`` x the compute since the previous sync point,
-  DDP's buffer broadcast at the start of the last micro-batch's forward; exposed.
+- each bucket's all-reduce (α–β plus the per-bucket hook cost) starts when the bucket is ready on every rank
+  and the previous all-reduce has finished, so it can only hide behind the backward compute that follows it;
+  where collectives share cores with compute, each takes ``steal_us_per_mb`` of compute per MB it reduces
+  while backward runs, and they run on the busy link (``busy_latency_us``/``busy_bandwidth_gbps``) until
+  backward's compute ends; the busy α (waking the collective's thread on a busy core) only for one that starts
+  on an idle queue: one queued while the previous is in flight pays ``queued_latency_us`` (measured; None: the
+  idle link's α) on the busy bandwidth;
+- ranks drift apart over the compute since the previous sync point (DDP's buffer broadcast at the start of the
+  last micro-batch's forward): the mean wait for the slowest rank is ``skew_us + skew x`` that compute, fitted
+  at two unit lengths of compute. With one late rank, each of the others sees every all-reduce start that much
+  later (N/(N-1) x the mean wait), shifting the start, not adding to the tail: the exposed time and the steal
+  are the mean over the waiting ranks and the late one.
 
 On GPUs (a device per rank, NCCL on its own stream) the host terms are ~(1, 0, no busy link, small): the
 defaults.
@@ -67,13 +71,18 @@ def predict(cal: Calibration, layout: Layout, host: HostFit | None = None) -> Pr
         queued_alpha = layout.intra.latency_us if host.queued_latency_us is None else host.queued_latency_us
         queued = _beside_compute(layout, host.busy_bandwidth_gbps, queued_alpha, cal.hook_s)
     idle = lambda n: allreduce_seconds(n, layout) + cal.hook_s  # noqa: E731
-    sync = sync_timeline(buckets, idle, host.comm_steal, busy, queued)
-    lone = sync_timeline(buckets, idle, host.comm_steal, busy)  # every one paying the wake-up, for the record
-    wait = host.skew * cal.micro_step_s * host.contention  # since the last micro-batch's forward broadcast
-    terms = {"contention_s": compute - measured, "steal_s": sync.stolen_s, "skew_s": wait,
-             "hook_s": cal.hook_s * len(buckets), "tail_s": sync.exposed_s,
-             "queued_s": sync.exposed_s - lone.exposed_s}
-    return Prediction(layout, batch, compute + sync.stolen_s, wait + sync.exposed_s, sync.comm_s, terms)
+    steal = host.steal_us_per_mb * 1e-12
+    wait = max(0.0, host.skew_us * 1e-6 + host.skew * cal.micro_step_s * host.contention)  # mean over ranks
+    peer_lag = wait * layout.world_size / (layout.world_size - 1)  # one late rank; the others wait for it
+    late = sync_timeline(buckets, idle, steal, busy, queued)
+    waiting = sync_timeline(buckets, idle, steal, busy, queued, wait=peer_lag)
+    mean = lambda f: (f(late) + (layout.world_size - 1) * f(waiting)) / layout.world_size  # noqa: E731
+    exposed, stolen = mean(lambda t: t.exposed_s), mean(lambda t: t.stolen_s)
+    lone = sync_timeline(buckets, idle, steal, busy)  # every one paying the wake-up, for the record
+    terms = {"contention_s": compute - measured, "steal_s": stolen, "skew_s": exposed - late.exposed_s,
+             "hook_s": cal.hook_s * len(buckets), "tail_s": late.exposed_s,
+             "queued_s": late.exposed_s - lone.exposed_s}
+    return Prediction(layout, batch, compute + stolen, exposed, late.comm_s, terms)
 
 
 def _beside_compute(layout: Layout, bandwidth_gbps: float, latency_us: float, hook: float) -> Callable[[float], float]:

@@ -4,7 +4,7 @@ measured one, in ``summary.json``'s ``predicted`` record.
 The prediction reads the run's compute phases and bucket profile, never its measured communication times; the
 link is the measured one when ``plan.bandwidth_gbps`` (and ``plan.latency_us``) are set, otherwise the preset of
 ``plan.interconnect`` on GPUs or, for gloo on CPU, ``GLOO_LOOPBACK``. The compute was measured with the run's
-own ranks beside each other, so contention and steal are already in it; ``plan.skew`` and the busy link
+own ranks beside each other, so contention and steal are already in it; ``plan.skew``/``plan.skew_us`` and the busy link
 (``plan.busy_latency_us``/``plan.busy_bandwidth_gbps``) apply as configured.
 """
 
@@ -55,7 +55,7 @@ def predict_own_step(summary: dict[str, Any], plan: PlanConfig, device_type: str
     layout = Layout(summary["world_size"], nodes, link, preset_link("plan.inter_node", plan.inter_node),
                     plan.hierarchical)
     p = predict(cal, layout, HostFit(1.0, 0.0, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew,
-                                    plan.queued_latency_us))
+                                    plan.queued_latency_us, plan.skew_us))
     measured_exposed = summary.get("time_exposed_comm_s")
     return {
         "step_s": p.step_s,

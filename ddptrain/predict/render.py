@@ -28,8 +28,9 @@ def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout], hos
     busy = "the link's own" if host.busy_bandwidth_gbps is None else (
         f"{host.busy_bandwidth_gbps:g} GB/s, α {host.busy_latency_us:g} µs, queued α "
         f"{'as idle' if host.queued_latency_us is None else f'{host.queued_latency_us:g} µs'}")
-    out.print(f"Host terms: contention x{host.contention:g}, comm steal {host.comm_steal:g}, skew {host.skew:g}, "
-              f"all-reduce beside compute {busy} (plan.contention/comm_steal/skew/busy_*)")
+    out.print(f"Host terms: contention x{host.contention:g}, steal {host.steal_us_per_mb:g} µs/MB, wait "
+              f"{host.skew_us:g} µs + {host.skew:g} x compute, all-reduce beside compute {busy} "
+              "(plan.contention/steal_us_per_mb/skew/skew_us/busy_*)")
     table = Table(title=f"Predicted with {cal.micro_batch_size} x {cal.grad_accum} sequences per rank per step "
                         "(weak scaling)")
     for column in ("layout", "global batch", "step", "compute", "comm", "exposed", "tokens/s", "efficiency"):
@@ -60,6 +61,6 @@ def what_if(cfg: PlanConfig, launch_world_size: int) -> str:
     layouts += [Layout(per_node * m, m, intra, inter, cfg.hierarchical) for m in nodes]
     if cfg.nodes > 1:
         layouts.append(Layout(world_size, cfg.nodes, intra, inter, not cfg.hierarchical))
-    host = HostFit(cfg.contention, cfg.comm_steal, cfg.busy_latency_us, cfg.busy_bandwidth_gbps, cfg.skew,
-                   cfg.queued_latency_us)
+    host = HostFit(cfg.contention, cfg.steal_us_per_mb, cfg.busy_latency_us, cfg.busy_bandwidth_gbps, cfg.skew,
+                   cfg.queued_latency_us, cfg.skew_us)
     return render_prediction(cal, cfg.from_run, layouts, host)
