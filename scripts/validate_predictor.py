@@ -2,7 +2,7 @@
 
 Weak scaling, as the predictor models it: the 2-rank runs keep each rank's work (global batch doubled).
 
-    PYTHONPATH=. flock -x /work/cpu.lock python scripts/validate_predictor.py --repeats 3   # lock: quiet machine
+    PYTHONPATH=. python scripts/validate_predictor.py --repeats 3   # on a machine with nothing else running
 
 Each repeat measures the process group first (``scripts/bench_collectives.py`` on 2 gloo ranks: the α–β link
 and the host terms), then runs every configuration on 1 rank and on 2 ranks; each 2-rank run is predicted from
