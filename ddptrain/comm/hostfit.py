@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddptrain.comm.linkfit import fit_link
+from ddptrain.comm.linkfit import allreduce_median_s, fit_link
 
 
 @dataclass(frozen=True)
@@ -191,10 +191,4 @@ def _mean_over_ranks(values: list[float]) -> float:
 
 def _tiny_collective_s(flag: torch.Tensor, repeats: int = 20) -> float:
     """The latency of a one-element all-reduce when every rank arrives together: what is not skew."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(flag)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return allreduce_median_s(flag, repeats)

@@ -36,11 +36,16 @@ def measure_link(sizes: tuple[int, ...] = SIZES, repeats: int = 20) -> Link:
         buf = torch.zeros(nbytes // 4)
         for _ in range(3):  # warm-up: connections, allocations
             dist.all_reduce(buf)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
+        medians.append(allreduce_median_s(buf, repeats))
     return fit_link(list(sizes), medians, dist.get_world_size())
+
+
+def allreduce_median_s(buf: torch.Tensor, repeats: int) -> float:
+    """Median time of an all-reduce of ``buf`` that every rank starts together (a barrier before each)."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
