@@ -29,11 +29,15 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ddptrain.comm.linkfit import allreduce_median_s, fit_link
+
+if TYPE_CHECKING:
+    from ddptrain.config import PlanConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,16 @@ class HostFit:
     skew: float = 0.0  # wait for the slowest rank at a sync per second of compute since the previous sync
     queued_latency_us: float | None = None  # α of an all-reduce queued behind one in flight; None: the idle link's
     skew_us: float = 0.0  # that wait's part that does not grow with the compute
+
+    @classmethod
+    def from_plan(cls, plan: PlanConfig, *, compute_measured_together: bool = False) -> HostFit:
+        """The host terms a config carries (``plan.*``). ``compute_measured_together``: the compute was timed with
+        every rank running beside the others (a run predicting itself), so contention and steal are already in it."""
+        if compute_measured_together:
+            return cls(1.0, 0.0, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew, plan.queued_latency_us,
+                       plan.skew_us)
+        return cls(plan.contention, plan.steal_us_per_mb, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew,
+                   plan.queued_latency_us, plan.skew_us)
 
     def overrides(self) -> str:
         """The ``plan.*`` overrides that carry the fit to ``launch.dry_run=true plan.from_run=...``."""

@@ -54,8 +54,7 @@ def predict_own_step(summary: dict[str, Any], plan: PlanConfig, device_type: str
     link, source = own_link(plan, device_type)
     layout = Layout(summary["world_size"], nodes, link, preset_link("plan.inter_node", plan.inter_node),
                     plan.hierarchical)
-    p = predict(cal, layout, HostFit(1.0, 0.0, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew,
-                                    plan.queued_latency_us, plan.skew_us))
+    p = predict(cal, layout, HostFit.from_plan(plan, compute_measured_together=True))
     measured_exposed = summary.get("time_exposed_comm_s")
     return {
         "step_s": p.step_s,

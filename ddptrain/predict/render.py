@@ -61,6 +61,4 @@ def what_if(cfg: PlanConfig, launch_world_size: int) -> str:
     layouts += [Layout(per_node * m, m, intra, inter, cfg.hierarchical) for m in nodes]
     if cfg.nodes > 1:
         layouts.append(Layout(world_size, cfg.nodes, intra, inter, not cfg.hierarchical))
-    host = HostFit(cfg.contention, cfg.steal_us_per_mb, cfg.busy_latency_us, cfg.busy_bandwidth_gbps, cfg.skew,
-                   cfg.queued_latency_us, cfg.skew_us)
-    return render_prediction(cal, cfg.from_run, layouts, host)
+    return render_prediction(cal, cfg.from_run, layouts, HostFit.from_plan(cfg))
