@@ -3,7 +3,8 @@
 Packing gradients into a bucket and unpacking it (with the average after a SUM all-reduce fused in), the
 multi-tensor squared norm and clip scaling, and the fp32/bf16 casts of compression: each is one memory-bound
 pass per byte. ``auto`` runs the Triton kernels on CUDA when Triton is importable and the torch reference
-otherwise; ``triton`` where Triton cannot run is a start-up error. Triton is imported only when chosen.
+otherwise, and falls back to the reference, with one warning, when Triton's first launch fails (no C compiler);
+``triton`` where Triton cannot run is a start-up error. Triton is imported only when chosen.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import torch
 
 from ddptrain.errors import ConfigError
+from ddptrain.kernels.fallback import FallbackKernels
 from ddptrain.kernels.reference import TorchKernels
 
 TORCH_KERNELS = TorchKernels()
@@ -44,11 +46,12 @@ def check_kernels(mode: str, device_type: str) -> None:
 
 
 def select_kernels(mode: str, device: torch.device) -> TorchKernels:
-    """The kernels ``mode`` picks for tensors on ``device``: Triton's (checked) or the torch reference."""
+    """The kernels ``mode`` picks for tensors on ``device``: Triton's (checked; under ``auto``, with the fallback
+    to torch's if their first launch fails) or the torch reference."""
     check_kernels(mode, device.type)
     if mode == "torch" or (mode == "auto" and (device.type != "cuda" or triton_unavailable("cuda"))):
         return TORCH_KERNELS
-    return _triton_kernels()
+    return _auto_kernels() if mode == "auto" else _triton_kernels()
 
 
 @functools.cache
@@ -56,6 +59,12 @@ def _triton_kernels() -> TorchKernels:
     from ddptrain.kernels.triton_ops import TritonKernels
 
     return TritonKernels()
+
+
+@functools.cache
+def _auto_kernels() -> FallbackKernels:
+    """One per process, so the first failed launch switches the engines, the clip and the hook together."""
+    return FallbackKernels(_triton_kernels(), TORCH_KERNELS)
 
 
 __all__ = ["TORCH_KERNELS", "TorchKernels", "check_kernels", "select_kernels", "triton_unavailable"]

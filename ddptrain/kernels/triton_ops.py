@@ -11,12 +11,15 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ddptrain.errors import flat
+from ddptrain.kernels.fallback import FirstLaunchError
 from ddptrain.kernels.reference import TorchKernels
 
 BLOCK = 2048  # elements per program: large enough to stream at full bandwidth, small enough for many programs
@@ -54,21 +57,36 @@ def _offset(row, idx, STRIDES: tl.constexpr):
 
 
 @triton.jit
-def _chunk(table, chunks, BLOCK: tl.constexpr):
-    """This program's tensor row, its element indices and their mask."""
+def _chunk(table, chunks, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """This program's tensor row, its element indices and their mask.
+
+    A chunk starts at a multiple of ``BLOCK`` within its tensor; with ``VEC`` > 1 every tensor's element count is
+    a multiple of ``VEC``, so the mask is constant over each run of ``VEC`` elements and accesses can be vectors.
+    """
     c = tl.program_id(0)
     row = table + tl.load(chunks + 2 * c) * _COLS
-    idx = tl.load(chunks + 2 * c + 1) + tl.arange(0, BLOCK).to(tl.int64)
-    return row, idx, idx < tl.load(row + 2)
+    start = tl.multiple_of(tl.load(chunks + 2 * c + 1), BLOCK)
+    idx = start + tl.arange(0, BLOCK).to(tl.int64)
+    return row, idx, idx < tl.multiple_of(tl.load(row + 2), VEC)
+
+
+@triton.jit
+def _address(row, column, DTYPE: tl.constexpr, VEC: tl.constexpr):
+    """The tensor address at ``column`` of ``row``; with ``VEC`` > 1 the table's addresses are 16-byte aligned,
+    which the compiler cannot see in a value read from memory, so it is told."""
+    ptr = tl.load(row + column).to(tl.pointer_type(DTYPE))
+    if VEC > 1:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
 def _copy_kernel(table, chunks, scale, scale_ptr, DTYPE: tl.constexpr, SCALE: tl.constexpr,
-                 STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+                 STRIDED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
     """dst[i] = src[i] (times a scale, computed in fp32) for every tensor pair in the table."""
-    row, idx, mask = _chunk(table, chunks, BLOCK)
-    src = tl.load(row).to(tl.pointer_type(DTYPE))
-    dst = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+    row, idx, mask = _chunk(table, chunks, BLOCK, VEC)
+    src = _address(row, 0, DTYPE, VEC)
+    dst = _address(row, 1, DTYPE, VEC)
     if STRIDED:
         src_off = _offset(row, idx, _SRC_STRIDES)
         dst_off = _offset(row, idx, _DST_STRIDES)
@@ -84,10 +102,11 @@ def _copy_kernel(table, chunks, scale, scale_ptr, DTYPE: tl.constexpr, SCALE: tl
 
 
 @triton.jit
-def _square_sum_kernel(table, chunks, partials, DTYPE: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+def _square_sum_kernel(table, chunks, partials, DTYPE: tl.constexpr, STRIDED: tl.constexpr, VEC: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """partials[chunk] = the fp32 sum of squares of this program's elements."""
-    row, idx, mask = _chunk(table, chunks, BLOCK)
-    src = tl.load(row).to(tl.pointer_type(DTYPE))
+    row, idx, mask = _chunk(table, chunks, BLOCK, VEC)
+    src = _address(row, 0, DTYPE, VEC)
     off = _offset(row, idx, _SRC_STRIDES) if STRIDED else idx
     x = tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(partials + tl.program_id(0), tl.sum(x * x, axis=0))
@@ -110,7 +129,7 @@ def _to_bf16_kernel(src, dst, n, scale, seed, STOCHASTIC: tl.constexpr, BLOCK: t
     Adding 0x7FFF plus the lowest kept bit, then dropping 16 bits, is round-to-nearest-even; adding 16 random
     bits instead rounds up with probability equal to the dropped fraction (unbiased). NaN stays a quiet NaN.
     """
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: a bucket may pass 2^31 elements
     mask = idx < n
     x = tl.load(src + idx, mask=mask, other=0.0) * scale
     bits = x.to(tl.uint32, bitcast=True)
@@ -125,7 +144,7 @@ def _to_bf16_kernel(src, dst, n, scale, seed, STOCHASTIC: tl.constexpr, BLOCK: t
 @triton.jit
 def _from_bf16_kernel(src, dst, n, scale, BLOCK: tl.constexpr):
     """dst = fp32(src) * scale; widening bf16 is exact (its bits are the high half of the fp32's)."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: a bucket may pass 2^31 elements
     mask = idx < n
     bits = tl.load(src + idx, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
     tl.store(dst + idx, bits.to(tl.float32, bitcast=True) * scale, mask=mask)
@@ -151,18 +170,6 @@ def _layout(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ..
 _INTERPRETER_LOCK = threading.Lock()
 
 
-@contextmanager
-def _launching() -> Iterator[None]:
-    """Around every launch. Triton's interpreter swaps parts of ``triton.language`` while it runs a kernel, so
-    two threads (a collective's completion callback and the main thread) must not interpret at once; compiled
-    launches need no lock."""
-    if not triton.knobs.runtime.interpret:
-        yield
-        return
-    with _INTERPRETER_LOCK:
-        yield
-
-
 def _block(numels: Sequence[int]) -> int:
     """Elements per program for tensors of these sizes: ``BLOCK`` compiled, larger under the interpreter."""
     if not triton.knobs.runtime.interpret:
@@ -173,7 +180,8 @@ def _block(numels: Sequence[int]) -> int:
 @functools.lru_cache(maxsize=256)
 def _chunk_table(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
     """(row, first element) of every ``block``-sized chunk; it depends on sizes only, so it is built once per
-    layout."""
+    layout. That once, the copy is from pageable memory: complete when it returns (a host sync), so the cached
+    table is safe to read from any stream afterwards."""
     counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
     first_chunk = torch.cumsum(counts, 0) - counts
@@ -181,22 +189,47 @@ def _chunk_table(numels: tuple[int, ...], block: int, device: torch.device) -> t
     return torch.stack([rows, starts], dim=1).contiguous().to(device)
 
 
-def _table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The per-tensor table of (source, destination) pairs, and whether any needs strided addressing.
+class Table(NamedTuple):
+    """A launch's per-tensor table on the device, and the kernel variant its rows allow."""
+
+    rows: torch.Tensor
+    strided: bool  # some pair needs strided addressing
+    vec: int  # elements per 16 bytes when every address and size is a multiple of 16 bytes (vector accesses), else 1
+
+
+def _table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> Table:
+    """The per-tensor table of (source, destination) pairs, copied to ``device`` without a host sync.
 
     The caller has checked that every pair has a layout (``_layout`` is not None)."""
     values: list[int] = []
     strided = False
+    itemsize = pairs[0][0].element_size()
+    aligned = True
     for src, dst in pairs:
         plain = src.is_contiguous() and dst.is_contiguous()
         strided |= not plain
+        aligned &= src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0 and src.numel() * itemsize % 16 == 0
         dims = [(1, 0, 0)] * (MAX_DIMS - 1) + [(src.numel(), 1, 1)] if plain else _layout(
             src.shape, src.stride(), dst.stride()
         )
         assert dims is not None
         values += [src.data_ptr(), dst.data_ptr(), src.numel()]
         values += [d[0] for d in dims] + [d[1] for d in dims] + [d[2] for d in dims]
-    return torch.tensor(values, dtype=torch.int64).to(device), strided
+    vec = 16 // itemsize if aligned and not strided else 1
+    return Table(to_device(values, device), strided, vec)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, without stalling the host.
+
+    A copy from pageable memory makes the host wait for the stream (``cudaMemcpyAsync`` then
+    ``cudaStreamSynchronize``); a copy from pinned memory with ``non_blocking`` does not. The tensors are
+    rebuilt per launch (gradients' addresses may change between steps), and torch's caching host allocator keeps
+    a pinned block from reuse until the copy that reads it has run, so the host tensor may be dropped at once."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _groups(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, list]:
@@ -220,6 +253,26 @@ class TritonKernels(TorchKernels):
 
     name = "triton"
 
+    def __init__(self) -> None:
+        self.launched = False  # whether a launch has succeeded in this process
+
+    @contextmanager
+    def _launching(self) -> Iterator[None]:
+        """Around every launch. A failure before any launch has succeeded (Triton compiles a C launcher with the
+        host's compiler at the first launch) is a ``FirstLaunchError``: nothing ran, so the call can be redone on
+        torch. Triton's interpreter swaps parts of ``triton.language`` while it runs a kernel, so two threads (a
+        collective's completion callback and the main thread) must not interpret at once; compiled launches need
+        no lock."""
+        with _INTERPRETER_LOCK if triton.knobs.runtime.interpret else nullcontext():
+            try:
+                yield
+            except Exception as exc:
+                if self.launched:
+                    raise
+                raise FirstLaunchError(f"Triton's first kernel launch failed ({type(exc).__name__}: "
+                                       f"{flat(str(exc), 300)})") from exc
+        self.launched = True
+
     def copy_(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
         groups, rest = _groups(list(zip(srcs, dsts, strict=True)))
         for dtype, pairs in groups.items():
@@ -236,13 +289,14 @@ class TritonKernels(TorchKernels):
 
     def _copy(self, pairs: list, dtype: torch.dtype, mode: int, scale: float, coef: torch.Tensor | None) -> None:
         device = pairs[0][0].device
-        table, strided = _table(pairs, device)
+        table = _table(pairs, device)
         numels = tuple(s.numel() for s, _ in pairs)
         block = _block(numels)
         chunks = _chunk_table(numels, block, device)
-        with _launching():
-            _copy_kernel[(len(chunks),)](table, chunks, scale, table if coef is None else coef,
-                                         DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=strided, BLOCK=block)
+        with self._launching():
+            _copy_kernel[(len(chunks),)](table.rows, chunks, scale, table.rows if coef is None else coef,
+                                         DTYPE=TL_DTYPES[dtype], SCALE=mode, STRIDED=table.strided, VEC=table.vec,
+                                         BLOCK=block)
 
     def squared_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         groups, rest = _groups([(t, t) for t in tensors])
@@ -251,17 +305,16 @@ class TritonKernels(TorchKernels):
         device = next(iter(groups.values()))[0][0].device
         launches = []
         for dtype, pairs in groups.items():
-            table, strided = _table(pairs, device)
             numels = tuple(s.numel() for s, _ in pairs)
             block = _block(numels)
-            launches.append((dtype, table, strided, block, _chunk_table(numels, block, device)))
+            launches.append((dtype, _table(pairs, device), block, _chunk_table(numels, block, device)))
         partials = torch.empty(sum(len(c) for *_, c in launches), dtype=torch.float32, device=device)
         start = 0
         total = torch.empty((), dtype=torch.float32, device=device)
-        with _launching():
-            for dtype, table, strided, block, chunks in launches:
-                _square_sum_kernel[(len(chunks),)](table, chunks, partials[start:], DTYPE=TL_DTYPES[dtype],
-                                                   STRIDED=strided, BLOCK=block)
+        with self._launching():
+            for dtype, table, block, chunks in launches:
+                _square_sum_kernel[(len(chunks),)](table.rows, chunks, partials[start:], DTYPE=TL_DTYPES[dtype],
+                                                   STRIDED=table.strided, VEC=table.vec, BLOCK=block)
                 start += len(chunks)
             _sum_kernel[(1,)](partials, len(partials), total, BLOCK=1024)
         return total + super().squared_norm([t for t, _ in rest]) if rest else total
@@ -273,10 +326,10 @@ class TritonKernels(TorchKernels):
         block = _block([n])
         grid = (triton.cdiv(n, block),)
         if fused and src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
-            with _launching():
+            with self._launching():
                 _to_bf16_kernel[grid](src, dst, n, scale, seed, STOCHASTIC=stochastic, BLOCK=block)
         elif fused and src.dtype == torch.bfloat16 and dst.dtype == torch.float32 and not stochastic:
-            with _launching():
+            with self._launching():
                 _from_bf16_kernel[grid](src, dst, n, scale, BLOCK=block)
         else:
             super().cast_(dst, src, scale, stochastic, seed)
