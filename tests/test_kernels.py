@@ -10,6 +10,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
 from ddptrain.kernels import triton_ops as ops
 from ddptrain.kernels.clip import clip_grad_norm
+from ddptrain.kernels.fallback import FallbackKernels, FirstLaunchError
 from tests.dist import run_distributed
 from tests.runs import train_each
 
@@ -52,14 +54,36 @@ def _bucket(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tenso
 
 
 class _Launches:
-    """Counts launches of a kernel (a jit function indexed by its grid)."""
+    """Counts launches of a kernel (a jit function indexed by its grid) and keeps their grids and arguments."""
 
     def __init__(self, kernel: Any) -> None:
-        self.kernel, self.count = kernel, 0
+        self.kernel, self.count, self.grids, self.constants = kernel, 0, [], []
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         self.count += 1
-        return self.kernel[grid]
+        self.grids.append(grid)
+
+        def launch(*args: Any, **constants: Any) -> Any:
+            self.constants.append(constants)
+            return self.kernel[grid](*args, **constants)
+
+        return launch
+
+
+KERNELS = ["_copy_kernel", "_square_sum_kernel", "_sum_kernel", "_to_bf16_kernel", "_from_bf16_kernel"]
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> dict[str, _Launches]:
+    """Every Triton kernel, counted: a comparison with torch proves something only if Triton's kernels ran."""
+    counted = {name: _Launches(getattr(ops, name)) for name in KERNELS}
+    for name, counter in counted.items():
+        monkeypatch.setattr(ops, name, counter)
+    return counted
+
+
+def _launched(launches: dict[str, _Launches]) -> dict[str, int]:
+    return {name: c.count for name, c in launches.items() if c.count}
 
 
 @pytest.fixture(scope="module")
@@ -67,67 +91,79 @@ def sources() -> list[torch.Tensor]:
     return _sources()
 
 
+def test_the_triton_kernels_under_test_are_tritons() -> None:
+    assert TRITON.name == "triton" and type(TRITON).__module__ == ops.__name__
+
+
 def test_pack_and_unpack_are_bitwise_copies_in_one_launch(sources: list[torch.Tensor],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    launches = _Launches(ops._copy_kernel)
-    monkeypatch.setattr(ops, "_copy_kernel", launches)
+                                                          launches: dict[str, _Launches]) -> None:
     flat, views = _bucket(sources)
     TRITON.copy_(views, sources)
-    assert launches.count == 1
+    assert _launched(launches) == {"_copy_kernel": 1}
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]))
     back = [torch.empty_like(t) for t in sources]
     back[6] = torch.empty(24, 40).t()  # a strided destination too
     TRITON.copy_(back, views)
-    assert launches.count == 2
+    assert _launched(launches) == {"_copy_kernel": 2}
     for got, want in zip(back, sources, strict=True):
         assert torch.equal(got, want)
 
 
-def test_five_hundred_tensors_pack_in_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_five_hundred_tensors_pack_in_one_launch(launches: dict[str, _Launches]) -> None:
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn(int(n), generator=g) for n in torch.randint(0, 300, (500,), generator=g)]
-    launches = _Launches(ops._copy_kernel)
-    monkeypatch.setattr(ops, "_copy_kernel", launches)
     flat, views = _bucket(tensors)
     TRITON.copy_(views, tensors)
-    assert launches.count == 1
+    assert _launched(launches) == {"_copy_kernel": 1}
     assert torch.equal(flat, torch.cat(tensors))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_average_fused_with_unpack_matches_torch_within_one_ulp(sources: list[torch.Tensor],
-                                                                dtype: torch.dtype) -> None:
+def test_average_fused_with_unpack_matches_torch_within_one_ulp(sources: list[torch.Tensor], dtype: torch.dtype,
+                                                                launches: dict[str, _Launches]) -> None:
     summed = [t.to(dtype) for t in sources[1:]]  # up to 1025 elements: the large size runs in fp32 below
     if dtype == torch.float32:
         summed = [t.to(dtype) for t in sources]
     got, want = [torch.empty_like(t) for t in summed], [torch.empty_like(t) for t in summed]
     TRITON.copy_(got, summed, 1 / 3)
+    assert _launched(launches) == {"_copy_kernel": 1}
     TORCH_KERNELS.copy_(want, summed, 1 / 3)
     for g, w in zip(got, want, strict=True):
         ulp = torch.finfo(dtype).eps
         torch.testing.assert_close(g, w, rtol=ulp, atol=torch.finfo(dtype).tiny)
 
 
-def test_average_in_place_when_the_gradient_is_the_bucket_view(sources: list[torch.Tensor]) -> None:
+def test_average_in_place_when_the_gradient_is_the_bucket_view(sources: list[torch.Tensor],
+                                                               launches: dict[str, _Launches]) -> None:
     flat, views = _bucket(sources)
     TRITON.copy_(views, sources)
     TRITON.copy_(views, views, 0.5)  # destination == source: each element read, then written, by one program
+    assert _launched(launches) == {"_copy_kernel": 2}
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]) * 0.5)
 
 
-def test_squared_norm_is_deterministic_and_within_1e6_of_torch(sources: list[torch.Tensor]) -> None:
+def test_squared_norm_is_within_1e6_of_torch_and_summed_by_one_program(sources: list[torch.Tensor],
+                                                                       launches: dict[str, _Launches]) -> None:
+    """Its determinism on a GPU is by construction: one partial per program, summed by a single program in a
+    loop (checked here) and no atomics (checked in the emitted PTX, tests/test_kernels_ptx.py). Rerunning it
+    here would show nothing: the interpreter runs programs one after another."""
     g = torch.Generator().manual_seed(2)
     many = [torch.randn(int(n), generator=g) for n in torch.randint(0, 300, (500,), generator=g)]
     half = [torch.randn(1025, generator=g).to(torch.bfloat16), torch.randn(7, generator=g).half()]
-    for tensors in (sources, many, [*many[:5], *half], [torch.empty(0)], [torch.ones(1)]):
+    for tensors in (sources, many, [*many[:5], *half], [torch.ones(1)]):
+        before = launches["_square_sum_kernel"].count
         got = TRITON.squared_norm(tensors)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, TORCH_KERNELS.squared_norm(tensors), rtol=1e-6, atol=0)
-        assert torch.equal(got, TRITON.squared_norm(tensors)), "the same inputs give the same bits"
+        dtypes = {t.dtype for t in tensors if t.numel() and t.dtype in ops.TL_DTYPES}
+        assert launches["_square_sum_kernel"].count - before == len(dtypes)  # one launch per dtype
+        assert launches["_sum_kernel"].grids[-1] == (1,)
+    assert torch.equal(TRITON.squared_norm([torch.empty(0)]), torch.tensor(0.0))
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
-def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm: float) -> None:
+def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm: float,
+                                          launches: dict[str, _Launches]) -> None:
     def params() -> list[torch.nn.Parameter]:
         made = [torch.nn.Parameter(torch.zeros(t.shape)) for t in sources[:4]] + [torch.nn.Parameter(torch.zeros(3))]
         for p, t in zip(made[:4], sources[:4], strict=True):
@@ -136,6 +172,8 @@ def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm:
 
     ours, theirs = params(), params()
     norm = clip_grad_norm(ours, max_norm, "triton")
+    assert _launched(launches) == {"_square_sum_kernel": 1, "_sum_kernel": 1, "_copy_kernel": 1}
+    assert launches["_copy_kernel"].constants[0]["SCALE"] == ops.SCALE_DEVICE  # the clip's scaling pass
     torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(theirs, max_norm), rtol=1e-6, atol=0)
     for a, b in zip(ours, theirs, strict=True):
         assert (a.grad is None) == (b.grad is None)
@@ -144,11 +182,12 @@ def test_clip_equals_torch_clip_grad_norm(sources: list[torch.Tensor], max_norm:
     assert torch.equal(clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0, "triton"), torch.tensor(0.0))
 
 
-def test_norm_only_leaves_gradients_untouched(sources: list[torch.Tensor]) -> None:
+def test_norm_only_leaves_gradients_untouched(sources: list[torch.Tensor], launches: dict[str, _Launches]) -> None:
     params = [torch.nn.Parameter(torch.zeros(t.shape)) for t in sources[:4]]
     for p, t in zip(params, sources[:4], strict=True):
         p.grad = t.clone()
     norm = clip_grad_norm(params, None, "triton")
+    assert _launched(launches) == {"_square_sum_kernel": 1, "_sum_kernel": 1}  # no scaling pass
     torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(sources[:4]), rtol=1e-6, atol=0)
     assert all(torch.equal(p.grad, t) for p, t in zip(params, sources[:4], strict=True))
 
@@ -163,7 +202,7 @@ def _special_values() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
-def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float) -> None:
+def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float, launches: dict[str, _Launches]) -> None:
     x = _special_values()
     got, want = torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.bfloat16)
     TRITON.cast_(got, x, scale)
@@ -171,6 +210,7 @@ def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     back, back_want = torch.empty_like(x), torch.empty_like(x)
     TRITON.cast_(back, got, 0.5)
+    assert _launched(launches) == {"_to_bf16_kernel": 1, "_from_bf16_kernel": 1}
     TORCH_KERNELS.cast_(back_want, got, 0.5)
     assert torch.equal(back, back_want)
     nan = torch.tensor([math.nan])
@@ -179,13 +219,15 @@ def test_fp32_to_bf16_rounds_to_nearest_even_bitwise(scale: float) -> None:
     assert out.isnan().all()  # NaN stays NaN (its payload bits differ between torch's own CPU and CUDA paths)
 
 
-def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased() -> None:
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(launches: dict[str, _Launches]) -> None:
     x = torch.full((200_000,), 1.0 + 2**-9 + 2**-11)  # between the bf16 neighbours 1 and 1 + 2^-7, 5/16 up
     x[:7] = torch.tensor([0.0, -1.5, math.inf, -math.inf, 3.0, 2**-130, 7.25])
     out, again, other = (torch.empty_like(x, dtype=torch.bfloat16) for _ in range(3))
     TRITON.cast_(out, x, stochastic=True, seed=11)
     TRITON.cast_(again, x, stochastic=True, seed=11)
     TRITON.cast_(other, x, stochastic=True, seed=12)
+    assert _launched(launches) == {"_to_bf16_kernel": 3}
+    assert all(c["STOCHASTIC"] for c in launches["_to_bf16_kernel"].constants)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
     assert not torch.equal(out.view(torch.int16), other.view(torch.int16))
     body = out[7:].float()
@@ -213,6 +255,114 @@ def test_auto_runs_triton_on_cuda_only_and_triton_where_it_cannot_run_is_refused
     with pytest.raises(ConfigError, match="Triton is not installed"):
         check_kernels("triton", "cuda")
     assert select_kernels("auto", torch.device("cuda")) is TORCH_KERNELS
+
+
+def test_rows_aligned_to_16_bytes_take_the_vector_variant_and_give_the_same_bits(
+    launches: dict[str, _Launches],
+) -> None:
+    """The variant the compiler vectorizes (tests/test_kernels_ptx.py) is chosen only when every address and
+    size is a multiple of 16 bytes; one odd row keeps the whole launch on the scalar variant."""
+    g = torch.Generator().manual_seed(4)
+    aligned = [torch.randn(n, generator=g) for n in (8, 64, 4096 + 8)]  # multiples of 16 bytes in fp32 and bf16
+    for dtype, vec in ((torch.float32, 4), (torch.bfloat16, 8)):
+        srcs = [t.to(dtype) for t in aligned]
+        flat = torch.empty(sum(t.numel() for t in srcs), dtype=dtype)
+        views = [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in srcs]), srcs, strict=True)]
+        TRITON.copy_(views, srcs)
+        assert torch.equal(flat, torch.cat(srcs))
+        assert launches["_copy_kernel"].constants[-1]["VEC"] == vec
+        TRITON.squared_norm(views)
+        assert launches["_square_sum_kernel"].constants[-1]["VEC"] == vec
+    TRITON.copy_([torch.empty(3), torch.empty(8)], [torch.ones(3), torch.ones(8)])  # 12 bytes: not aligned
+    assert launches["_copy_kernel"].constants[-1]["VEC"] == 1
+
+
+def test_address_tables_reach_the_gpu_from_pinned_memory_without_a_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy from pageable memory waits for the stream (a host sync per launch); a non-blocking one from pinned
+    memory does not. CPU-only torch can pin nothing, so pinning and the copy are recorded instead of done."""
+    pinned: set[int] = set()
+    copies: list[tuple[bool, str, bool]] = []
+
+    def pin_memory(self: torch.Tensor) -> torch.Tensor:
+        out = self.clone()
+        pinned.add(id(out))
+        return out
+
+    def to(self: torch.Tensor, device: Any, non_blocking: bool = False) -> torch.Tensor:
+        copies.append((id(self) in pinned, str(device), non_blocking))
+        return self
+
+    pairs = [(torch.ones(5), torch.empty(5)), (torch.ones(3, 4).t(), torch.empty(4, 3))]
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    table = ops._table(pairs, torch.device("cuda", 0))
+    monkeypatch.undo()
+    assert copies == [(True, "cuda:0", True)]
+    assert table.rows.tolist()[:3] == [pairs[0][0].data_ptr(), pairs[0][1].data_ptr(), 5] and table.strided
+
+
+class _NoCompiler:
+    """A kernel whose launch fails as Triton's first launch does in an image without a C compiler."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        def launch(*args: Any, **constants: Any) -> None:
+            self.attempts += 1
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+        return launch
+
+
+def test_auto_goes_on_with_torchs_kernels_after_one_warning_when_tritons_first_launch_fails(
+    sources: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    failing = {name: _NoCompiler() for name in KERNELS}
+    for name, kernel in failing.items():
+        monkeypatch.setattr(ops, name, kernel)
+    kernels = FallbackKernels(ops.TritonKernels(), TORCH_KERNELS)  # a fresh process: no launch has succeeded
+    assert kernels.name == "triton"
+    got, want = [torch.empty_like(t) for t in sources], [torch.empty_like(t) for t in sources]
+    with caplog.at_level(logging.WARNING):
+        kernels.copy_(got, sources, 0.5)
+        assert kernels.active is TORCH_KERNELS and kernels.name == "torch"
+        kernels.scale_(got, torch.tensor(0.25))
+        norm = kernels.squared_norm(got)
+        half = torch.empty(1025, dtype=torch.bfloat16)
+        kernels.cast_(half, sources[3])
+    TORCH_KERNELS.copy_(want, sources, 0.5)
+    TORCH_KERNELS.scale_(want, torch.tensor(0.25))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(norm, TORCH_KERNELS.squared_norm(want))
+    assert torch.equal(half, sources[3].to(torch.bfloat16))
+    assert sum(k.attempts for k in failing.values()) == 1, "Triton was tried again after its first launch failed"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "parallel.kernels=auto: Triton's first kernel launch failed" in warnings[0]
+    assert "Failed to find C compiler" in warnings[0] and "torch's kernels" in warnings[0]
+
+
+def test_a_failed_launch_is_an_error_under_triton_or_after_a_launch_has_succeeded(
+    sources: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fresh = ops.TritonKernels()
+    proven = FallbackKernels(ops.TritonKernels(), TORCH_KERNELS)
+    proven.copy_([torch.empty(3)], [torch.ones(3)])  # a launch succeeds: the launcher builds
+    monkeypatch.setattr(ops, "_copy_kernel", _NoCompiler())
+    with pytest.raises(FirstLaunchError, match="Triton's first kernel launch failed .*C compiler"):
+        fresh.copy_([torch.empty(3)], [torch.ones(3)])  # parallel.kernels=triton: no fallback
+    with pytest.raises(RuntimeError, match="C compiler") as raised:
+        proven.copy_([torch.empty(3)], [torch.ones(3)])
+    assert not isinstance(raised.value, FirstLaunchError) and proven.name == "triton"
+
+
+def test_auto_on_cuda_is_one_fallback_shared_by_every_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines, the clip and the bf16 hook select their kernels apart: one fallback switches them all."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    auto = select_kernels("auto", torch.device("cuda"))
+    assert isinstance(auto, FallbackKernels) and auto is select_kernels("auto", torch.device("cuda"))
+    assert not isinstance(select_kernels("triton", torch.device("cuda")), FallbackKernels)
 
 
 def test_kernels_key_is_typed_with_its_choices() -> None:
