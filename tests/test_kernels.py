@@ -395,15 +395,45 @@ LOOP = {
 }
 
 
+def train_counting_launches(rank: int, world_size: int, tmp: str, base: dict, variants: list[dict]) -> list[dict]:
+    """For ``run_distributed``: ``train_each``, one variant at a time, with this rank's launches of every Triton
+    kernel counted per variant (by kernel, and the copy kernel's by scaling mode)."""
+    original = {name: getattr(ops, name) for name in KERNELS}
+    results = []
+    for i, variant in enumerate(variants):
+        counters = {name: _Launches(kernel) for name, kernel in original.items()}
+        for name, counter in counters.items():
+            setattr(ops, name, counter)
+        [result] = train_each(rank, world_size, str(Path(tmp) / f"variant{i}"), base, [variant])
+        result["launches"] = {name: c.count for name, c in counters.items()}
+        result["copy_scales"] = sorted({c["SCALE"] for c in counters["_copy_kernel"].constants})
+        results.append(result)
+    for name, kernel in original.items():
+        setattr(ops, name, kernel)
+    return results
+
+
 def test_training_loop_on_triton_kernels_tracks_torch(tmp_path: Path) -> None:
     """Two ranks through the real loop: our bucketed engine, the clip step and the bf16 hook on Triton's kernels
-    (interpreted) give the losses and gradient norms of the torch path."""
+    (interpreted) give the losses and gradient norms of the torch path, and Triton's kernels did the work on
+    every rank (``parallel.kernels=torch`` launches none)."""
     variants = [
         {"parallel": {"engine": engine, "compression": compression, "kernels": kernels}}
         for engine, compression in (("bucketed", "none"), ("torch", "bf16"))
         for kernels in ("torch", "triton")
     ]
-    runs = run_distributed(train_each, 2, str(tmp_path), LOOP, variants)[0]
+    by_rank = run_distributed(train_counting_launches, 2, str(tmp_path), LOOP, variants)
+    steps = LOOP["train"]["steps"]
+    for runs in by_rank:
+        assert all(count == 0 for run in (runs[0], runs[2]) for count in run["launches"].values())
+        bucketed, hooked = runs[1]["launches"], runs[3]["launches"]
+        # the engine packs (no scale) and unpacks with the average (a host scale) every step; the clip scales
+        assert bucketed["_copy_kernel"] >= 3 * steps and runs[1]["copy_scales"] == [0, 1, 2]
+        assert hooked["_to_bf16_kernel"] >= steps and hooked["_from_bf16_kernel"] >= steps  # the bf16 hook
+        assert runs[3]["copy_scales"] == [2]  # torch's DDP buckets; only the clip's scaling is ours
+        for launches in (bucketed, hooked):
+            assert launches["_square_sum_kernel"] == steps and launches["_sum_kernel"] == steps  # the clip's norm
+    runs = by_rank[0]
     for torch_run, triton_run in (runs[0:2], runs[2:4]):
         for want, got in zip(torch_run["metrics"], triton_run["metrics"], strict=True):
             assert got["grad_norm"] > 0.5  # clipping was active
