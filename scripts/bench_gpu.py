@@ -33,14 +33,29 @@ MODELS = {  # model preset -> (sequence length, micro batch): one H100 80GB, no 
 MARK_BEGIN, MARK_END = "<!-- bench_gpu:begin -->", "<!-- bench_gpu:end -->"
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's text in sync debug mode "warn"
+
+
 class SyncCounter:
-    """Synchronizing CUDA calls per training step, from the warnings of ``torch.cuda.set_sync_debug_mode``."""
+    """Synchronizing CUDA calls per training step, from the warnings of ``torch.cuda.set_sync_debug_mode``.
+
+    Only torch's synchronizing-operation warning counts; any other warning is shown as usual once the run ends.
+    ``StepMetrics.start_step`` is wrapped while the counter is entered, and restored on exit, so a second run
+    counts its own steps and nothing of the first one's.
+    """
 
     def __init__(self) -> None:
         self.per_step: dict[int, int] = {}
         self._caught: list[warnings.WarningMessage] = []
         self._step, self._seen = 0, 0
-        start_step = StepMetrics.start_step
+
+    def _close(self) -> None:
+        syncs = [w for w in self._caught[self._seen:] if str(w.message) == SYNC_WARNING]
+        self.per_step[self._step] = len(syncs)
+        self._seen = len(self._caught)
+
+    def __enter__(self) -> SyncCounter:
+        start_step = self._start_step = StepMetrics.start_step
 
         def mark(meter: StepMetrics, step: int) -> None:
             self._close()
@@ -48,15 +63,9 @@ class SyncCounter:
             start_step(meter, step)
 
         StepMetrics.start_step = mark  # type: ignore[method-assign]
-
-    def _close(self) -> None:
-        self.per_step[self._step] = len(self._caught) - self._seen
-        self._seen = len(self._caught)
-
-    def __enter__(self) -> SyncCounter:
         self._context = warnings.catch_warnings(record=True)
         self._caught = self._context.__enter__()
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", message=SYNC_WARNING)  # every one, not once per call site
         torch.cuda.set_sync_debug_mode("warn")
         return self
 
@@ -64,6 +73,10 @@ class SyncCounter:
         self._close()
         torch.cuda.set_sync_debug_mode("default")
         self._context.__exit__(*exc)
+        StepMetrics.start_step = self._start_step  # type: ignore[method-assign]
+        for w in self._caught:
+            if str(w.message) != SYNC_WARNING:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def run(name: str, compiled: bool, args: argparse.Namespace, env: DistEnv, out: Path) -> dict[str, Any]:

@@ -28,15 +28,34 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def test_sync_warnings_are_counted_against_the_step_they_happen_in(bench: ModuleType) -> None:
+def _steps(syncs_per_step: list[tuple[int, int]], other_warnings: int = 0) -> None:
+    """Start each step through the metrics class, as the loop does, and raise its synchronizing warnings."""
     meter = SimpleNamespace(timer=SimpleNamespace(start_step=lambda step: None))
-    with bench.SyncCounter() as syncs:
-        for step, n in [(1, 2), (2, 0), (3, 1)]:
-            StepMetrics.start_step(meter, step)  # type: ignore[arg-type]
-            for _ in range(n):
-                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+    for step, n in syncs_per_step:
+        StepMetrics.start_step(meter, step)  # type: ignore[arg-type]
+        for _ in range(n):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        for i in range(other_warnings):
+            warnings.warn(f"some library's deprecation {i}", FutureWarning, stacklevel=1)
+
+
+def test_only_synchronizing_operations_count_against_the_step_they_happen_in(bench: ModuleType) -> None:
+    with pytest.warns(FutureWarning, match="some library's deprecation"), bench.SyncCounter() as syncs:
+        _steps([(1, 2), (2, 0), (3, 1)], other_warnings=2)
     assert syncs.per_step == {0: 0, 1: 2, 2: 0, 3: 1}
     assert bench.modes == ["warn", "default"]
+
+
+def test_each_run_counts_its_own_steps_and_restores_the_metrics_class(bench: ModuleType) -> None:
+    original = StepMetrics.start_step
+    with bench.SyncCounter() as first:
+        _steps([(1, 1), (2, 3)])
+    assert StepMetrics.start_step is original
+    with bench.SyncCounter() as second:
+        _steps([(1, 4)])
+    assert StepMetrics.start_step is original
+    assert first.per_step == {0: 0, 1: 1, 2: 3}, "the first run's counter went on counting the second run"
+    assert second.per_step == {0: 0, 1: 4}
 
 
 def test_the_table_replaces_only_the_marked_block(bench: ModuleType, tmp_path: Path) -> None:

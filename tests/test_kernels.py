@@ -350,7 +350,7 @@ def test_a_failed_launch_is_an_error_under_triton_or_after_a_launch_has_succeede
     proven = FallbackKernels(ops.TritonKernels(), TORCH_KERNELS)
     proven.copy_([torch.empty(3)], [torch.ones(3)])  # a launch succeeds: the launcher builds
     monkeypatch.setattr(ops, "_copy_kernel", _NoCompiler())
-    with pytest.raises(FirstLaunchError, match="Triton's first kernel launch failed .*C compiler"):
+    with pytest.raises(FirstLaunchError, match=r"Triton's first kernel launch failed .*C compiler"):
         fresh.copy_([torch.empty(3)], [torch.ones(3)])  # parallel.kernels=triton: no fallback
     with pytest.raises(RuntimeError, match="C compiler") as raised:
         proven.copy_([torch.empty(3)], [torch.ones(3)])
