@@ -287,10 +287,13 @@ class CheckpointConfig:
     dir: str = "checkpoints"  # relative to the run directory
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
     async_save: bool = False  # copy state to host memory and write it in the background (at most one in flight)
+    export_timeout_s: float = 3600.0  # how long other ranks wait for rank 0 to export (merge, save) the model
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0 and self.keep_last >= 1,
                  "checkpoint.every_n_steps must be >= 0 and checkpoint.keep_last >= 1")
+        _require(self.export_timeout_s > 0,
+                 f"checkpoint.export_timeout_s={self.export_timeout_s}: expected a positive number of seconds")
 
 
 @dataclass

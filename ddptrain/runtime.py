@@ -143,32 +143,14 @@ def main_first(env: DistEnv, fn: Callable[[], T], timeout_s: float) -> T:
     if env.world_size == 1:
         return fn()
     store = dist.distributed_c10d._get_default_store()
-    # A restarted job may find the keys of its previous attempt in the same store.
-    key = f"ddptrain/main_first/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_main_first_calls)}"
+    key = _store_key("main_first")
     if env.is_main:
-        try:
-            result = fn()
-        except ConfigError as exc:
-            store.set(key, f"{_CONFIG_ERROR}{exc}")
-            raise
-        except Exception as exc:
-            store.set(key, f"rank 0 failed while preparing: {type(exc).__name__}: {exc}")
-            raise
-        store.set(key, _DONE)
+        result = _publish(store, key, fn, "preparing")
         store.set(f"{key}/node{env.node_rank}", _DONE)  # rank 0 is its own node's first wave
         return result
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as exc:  # the store's timeout
-        raise ConfigError(
-            f"data.prepare_timeout_s={timeout_s:g}: rank {env.rank} waited that long for rank 0 to prepare the data "
-            "(tokenizing into data.cache_dir); raise it, or prepare the cache with a one-process run first"
-        ) from exc
-    status = store.get(key).decode()
-    if status.startswith(_CONFIG_ERROR):
-        raise ConfigError(status.removeprefix(_CONFIG_ERROR))
-    if status != _DONE:
-        raise RuntimeError(status)
+    _await_main(store, key, timeout_s, (
+        f"data.prepare_timeout_s={timeout_s:g}: rank {env.rank} waited that long for rank 0 to prepare the data "
+        "(tokenizing into data.cache_dir); raise it, or prepare the cache with a one-process run first"))
     if env.num_nodes == 1:
         return fn()
     node_key = f"{key}/node{env.node_rank}"
@@ -180,7 +162,60 @@ def main_first(env: DistEnv, fn: Callable[[], T], timeout_s: float) -> T:
     return fn()
 
 
-_main_first_calls = itertools.count()  # one store key per call, the same sequence on every rank
+def main_only(fn: Callable[[], None], timeout_s: float, timeout_key: str, doing: str) -> None:
+    """Run ``fn`` on rank 0 alone while the other ranks wait on the job's key-value store, not in a collective.
+
+    For long work of rank 0's at the end of a run (reloading, merging and saving a model of billions of
+    parameters): a collective would end it at ``dist.timeout_s`` (an NCCL watchdog abort); the store waits
+    ``timeout_s`` (the key ``timeout_key``), then says so in one line. An error on rank 0 is re-raised on every
+    rank. ``doing`` names the work in those messages ("exporting the model").
+    """
+    if dist.get_world_size() == 1:
+        fn()
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = _store_key("main_only")
+    if dist.get_rank() == 0:
+        _publish(store, key, fn, doing)
+        return
+    _await_main(store, key, timeout_s, f"{timeout_key}={timeout_s:g}: rank {dist.get_rank()} waited that long "
+                                       f"for rank 0, {doing}; raise it")
+
+
+def _store_key(what: str) -> str:
+    """A fresh store key, the same on every rank (each rank makes the same calls in the same order). A restarted
+    job may find the keys of its previous attempt in the same store, so the attempt is part of the key."""
+    return f"ddptrain/{what}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_store_calls)}"
+
+
+def _publish(store: dist.Store, key: str, fn: Callable[[], T], doing: str) -> T:
+    """Rank 0: run ``fn`` and set ``key`` to done, or to the error that stopped it (then re-raised here)."""
+    try:
+        result = fn()
+    except ConfigError as exc:
+        store.set(key, f"{_CONFIG_ERROR}{exc}")
+        raise
+    except Exception as exc:
+        store.set(key, f"rank 0 failed while {doing}: {type(exc).__name__}: {exc}")
+        raise
+    store.set(key, _DONE)
+    return result
+
+
+def _await_main(store: dist.Store, key: str, timeout_s: float, timed_out: str) -> None:
+    """The other ranks: wait up to ``timeout_s`` for rank 0's ``key``; raise its error, or ``timed_out``."""
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:  # the store's timeout
+        raise ConfigError(timed_out) from exc
+    status = store.get(key).decode()
+    if status.startswith(_CONFIG_ERROR):
+        raise ConfigError(status.removeprefix(_CONFIG_ERROR))
+    if status != _DONE:
+        raise RuntimeError(status)
+
+
+_store_calls = itertools.count()  # one store key per call, the same sequence on every rank
 _DONE, _CONFIG_ERROR = "done", "config error: "
 
 

@@ -32,6 +32,7 @@ from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError, flat
 from ddptrain.faults import inject
+from ddptrain.runtime import main_only
 
 log = logging.getLogger(__name__)
 MARKER = "COMMITTED"
@@ -236,17 +237,20 @@ class Checkpointer:
     def export(self, model: torch.nn.Module, new_model: Callable[[], Any], tokenizer: Any, out: Path) -> None:
         """``save_pretrained`` of the full model (gathered from shards) and tokenizer, loadable by transformers.
 
-        Every rank takes part in gathering; only rank 0 builds the unsharded copy it saves (``new_model()``).
+        Every rank takes part in gathering; only rank 0 builds the unsharded copy it saves (``new_model()``),
+        while the others wait on the store (``checkpoint.export_timeout_s``), not in a collective.
         """
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
+
+        def save() -> None:
             fresh = new_model()
             fresh.load_state_dict(full)
             fresh.save_pretrained(str(out))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(out))
             log.info("model exported with save_pretrained: %s", out)
-        dist.barrier()
+
+        main_only(save, self.cfg.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from ddptrain.choices import computes_in_bf16
@@ -26,7 +25,7 @@ from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentran
 from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan import FP32, MIXED_BF16
 from ddptrain.predict.own_run import predict_own_step
-from ddptrain.runtime import DistEnv
+from ddptrain.runtime import DistEnv, main_only
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.telemetry.timers import device_clock
 from ddptrain.train.components import Components, build_components
@@ -112,7 +111,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             meter.restart_window()
     c.stop.restore()
     if cfg.checkpoint.export:
-        export_model(c, cfg, env.is_main, run_dir)
+        export_model(c, cfg, run_dir)
     summary = summarise(history, plan, c.n_params, c.flops_per_token, meter.peak, cfg, model_state,
                         c.wrapped.strategy, c.trainable, meter.buckets)
     summary["predicted"].update(predict_own_step(summary, cfg.plan, device.type, env.num_nodes))
@@ -137,12 +136,13 @@ def settle_nonfinite(count: int, first: int, step: int, nan_policy: str) -> int:
     return count
 
 
-def export_model(c: Components, cfg: Config, is_main: bool, run_dir: Path) -> None:
+def export_model(c: Components, cfg: Config, run_dir: Path) -> None:
     """The trained model for transformers: adapters and the merged model (LoRA), else ``<run dir>/model``."""
     if is_adapted(c.model):
-        if is_main:
-            export_adapter_and_merged(c.model, cfg.model, c.tokenizer, run_dir)
-        dist.barrier()
+        # rank 0 alone reloads, merges and saves (minutes for billions of parameters): the others wait on the
+        # store, which no collective timeout ends
+        main_only(lambda: export_adapter_and_merged(c.model, cfg.model, c.tokenizer, run_dir),
+                  cfg.checkpoint.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
     else:
         c.checkpointer.export(c.model, lambda: AutoModelForCausalLM.from_config(c.model.config), c.tokenizer,
                               run_dir / "model")
