@@ -16,9 +16,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH
 
 # Ubuntu's own python3.12 (its stdlib sources are the default corpus); versions follow the pinned base image.
+# A C compiler, the C library's headers and Python's: Triton builds a small C launcher against Python.h at its
+# first kernel launch, and Inductor (train.compile) compiles C++ the same way; without them both fail at step 1.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-venv \
+    && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3.12 -m venv /opt/venv \
@@ -28,9 +30,12 @@ WORKDIR /opt/ddptrain
 COPY pyproject.toml README.md ./
 COPY ddptrain ./ddptrain
 COPY configs ./configs
-# Fail the build, not the first GPU run, if the torch that ends up installed is a CPU build.
+# Fail the build, not the first GPU run, if the torch that ends up installed is a CPU build, or if C against
+# Python.h does not compile (what Triton's first launch does).
 RUN pip install . \
-    && python -c "import torch; assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'"
+    && python -c "import torch; assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'" \
+    && python -c "import subprocess, sysconfig; subprocess.run(['gcc', '-fsyntax-only', '-x', 'c', '-I', \
+sysconfig.get_paths()['include'], '-'], input=b'#include <Python.h>\n', check=True)"
 
 # A non-root user with a writable home: the data cache (~/.cache/ddptrain) and Hugging Face's cache live there.
 RUN groupadd --gid 10001 ddptrain \

@@ -42,3 +42,17 @@ def test_the_image_is_checked_for_a_cuda_torch_and_runs_unprivileged() -> None:
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the image runs as root"
     assert re.search(r"useradd --create-home .*--uid " + users[-1].split(":")[0], text), "the user has no home"
     assert "HOME=/home/" in text[text.index("USER "):], "HOME does not point at the user's home"
+
+
+def test_the_image_can_compile_what_triton_and_inductor_compile_at_run_time() -> None:
+    """Triton builds a C launcher against Python.h at its first kernel launch, Inductor compiles C++: the image
+    installs a C and C++ compiler, the C library's headers and the headers of the Python the venv is made from,
+    and the build compiles against Python.h once, so a missing header fails the build, not step 1 on a GPU."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    packages = {word for line in re.findall(r"apt-get install ([^&\n]*)", text) for word in line.split()}
+    venv = re.search(r"\b(python3\.\d+) -m venv\b", text)
+    assert venv, "no venv made from a versioned Python"
+    missing = {"gcc", "g++", "libc6-dev", f"{venv.group(1)}-dev"} - packages
+    assert not missing, f"the image lacks {sorted(missing)}"
+    probe = text[text.index("pip install ."):]
+    assert "#include <Python.h>" in probe and "'gcc'" in probe and "sysconfig.get_paths()['include']" in probe
