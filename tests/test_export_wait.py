@@ -67,7 +67,8 @@ def test_other_ranks_wait_out_a_slow_export_on_the_store_not_in_a_collective(tmp
     assert [r["exported"] for r in ranks] == ["ok", "ok"], "a collective timed out during the export"
     assert ranks[1]["saved"] and ranks[1]["waited"] >= SLOW_SAVE_S > 2 * COLLECTIVE_TIMEOUT_S
     assert ranks[0]["failed"] == "OSError: No space left on device"
-    assert ranks[1]["failed"] == "RuntimeError: rank 0 failed while exporting the model: OSError: No space left on device"
+    assert ranks[1]["failed"] == ("RuntimeError: rank 0 failed while exporting the model: "
+                                  "OSError: No space left on device")
     assert ranks[0]["late"] == "ok"
     assert ranks[1]["late"] == ("ConfigError: checkpoint.export_timeout_s=0.5: rank 1 waited that long for rank 0, "
                                 "exporting the model; raise it")
