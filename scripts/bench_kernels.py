@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddptrain.kernels import select_kernels
+from ddptrain.kernels import TorchKernels, select_kernels
 
 WORLD = 8  # the world size the averaging divides by
 MB = 1 << 20
@@ -38,22 +38,37 @@ class Case:
     bytes_moved: int
 
 
-def _sizes(total_bytes: int, count: int) -> list[int]:
-    """``count`` uneven tensor sizes (weights next to biases and norms) summing to ``total_bytes`` of fp32."""
+def _sizes(total_bytes: int, count: int, align: int = 1) -> list[int]:
+    """``count`` uneven tensor sizes (weights next to biases and norms) summing to ``total_bytes`` of fp32, each a
+    multiple of ``align`` elements (4: every row 16-byte aligned, the table kernels' vectorized variant)."""
     weights = [1 + (i % 7) * 97 for i in range(count)]
     elements = total_bytes // 4
-    sizes = [elements * w // sum(weights) for w in weights]
+    sizes = [elements * w // sum(weights) // align * align for w in weights]
     sizes[0] += elements - sum(sizes)
     return sizes
 
 
 def cases(total_bytes: int, count: int, device: torch.device) -> list[Case]:
-    """Every fused path in ddptrain next to the torch ops it replaces, on ``total_bytes`` of gradients."""
+    """Every fused path in ddptrain next to the torch ops it replaces, on ``total_bytes`` of gradients; the
+    table kernels twice: on uneven sizes (scalar accesses) and on sizes that keep every row 16-byte aligned."""
     fused = select_kernels("triton", device)
     grads = [torch.randn(n, device=device) for n in _sizes(total_bytes, count)]
     flat = torch.empty(sum(g.numel() for g in grads), device=device)
-    views = list(flat.split([g.numel() for g in grads]))
     compressed = torch.empty_like(flat, dtype=torch.bfloat16)
+    d = flat.numel()
+    aligned = [torch.randn(n, device=device) for n in _sizes(total_bytes, count, align=4)]
+    return [
+        *_table_cases(fused, grads, flat, ""),
+        *_table_cases(fused, aligned, torch.empty_like(flat), ", aligned rows"),
+        Case("fp32 -> bf16, / world", lambda: flat.to(torch.bfloat16).div_(WORLD),  # the bf16 hook before
+             lambda: fused.cast_(compressed, flat, 1 / WORLD), 6 * d),
+        Case("bf16 -> fp32", lambda: flat.copy_(compressed), lambda: fused.cast_(flat, compressed), 6 * d),
+    ]
+
+
+def _table_cases(fused: TorchKernels, grads: list[torch.Tensor], flat: torch.Tensor, label: str) -> list[Case]:
+    """Pack, unpack + average and the clip on ``grads`` (bucket ``flat``), the kernels that read address tables."""
+    views = list(flat.split([g.numel() for g in grads]))
     d = flat.numel()
 
     def pack_torch() -> None:  # the engines before: one copy per gradient as it becomes ready
@@ -78,12 +93,9 @@ def cases(total_bytes: int, count: int, device: torch.device) -> list[Case]:
         param.grad = grad
         params.append(param)
     return [
-        Case("pack (copy into bucket)", pack_torch, lambda: fused.copy_(views, grads), 2 * 4 * d),
-        Case("unpack + average", unpack_torch, lambda: fused.copy_(grads, views, 1 / WORLD), 2 * 4 * d),
-        Case("norm + clip", clip_torch, clip_fused, 3 * 4 * d),
-        Case("fp32 -> bf16, / world", lambda: flat.to(torch.bfloat16).div_(WORLD),  # the bf16 hook before
-             lambda: fused.cast_(compressed, flat, 1 / WORLD), 6 * d),
-        Case("bf16 -> fp32", lambda: flat.copy_(compressed), lambda: fused.cast_(flat, compressed), 6 * d),
+        Case(f"pack (copy into bucket){label}", pack_torch, lambda: fused.copy_(views, grads), 2 * 4 * d),
+        Case(f"unpack + average{label}", unpack_torch, lambda: fused.copy_(grads, views, 1 / WORLD), 2 * 4 * d),
+        Case(f"norm + clip{label}", clip_torch, clip_fused, 3 * 4 * d),
     ]
 
 
