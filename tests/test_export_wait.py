@@ -18,8 +18,8 @@ from ddptrain.runtime import main_only
 from tests.dist import run_distributed
 from tests.runs import make_config
 
-COLLECTIVE_TIMEOUT_S = 1.0
-SLOW_SAVE_S = 3.0  # rank 0's save: three collective timeouts long
+COLLECTIVE_TIMEOUT_S = 2.0
+SLOW_SAVE_S = 5.0  # rank 0's save: longer than two collective timeouts
 
 
 class SlowToSave(torch.nn.Linear):
@@ -39,8 +39,16 @@ def _outcome(fn: object) -> str:
     return "ok"
 
 
+def _meet(store: dist.Store, name: str, world_size: int) -> None:
+    """Every rank here, through the store alone: no collective left in flight when a group is destroyed."""
+    store.add(name, 1)
+    while store.add(name, 0) < world_size:
+        time.sleep(0.01)
+
+
 def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str) -> dict[str, object]:
     """For ``run_distributed``: a fresh gloo group whose collectives time out after ``COLLECTIVE_TIMEOUT_S``."""
+    _meet(dist.distributed_c10d._get_default_store(), "ddptrain-test/initialized", world_size)
     dist.destroy_process_group()
     store = dist.FileStore(str(Path(tmp) / "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -51,6 +59,7 @@ def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str)
     exported = _outcome(lambda: checkpointer.export(model, lambda: SlowToSave(4, 3), None, Path(tmp) / "model"))
     waited = time.monotonic() - start
     saved = (Path(tmp) / "model" / "weights.pt").is_file()
+    works = _outcome(dist.barrier)  # the group outlived the export
 
     def fail() -> None:
         raise OSError("No space left on device")
@@ -58,13 +67,14 @@ def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str)
     failed = _outcome(lambda: main_only(fail, 60, "checkpoint.export_timeout_s", "exporting the model"))
     late = _outcome(lambda: main_only(lambda: time.sleep(2.0), 0.5, "checkpoint.export_timeout_s",
                                       "exporting the model"))
-    dist.barrier()  # the group still works
-    return {"exported": exported, "waited": waited, "saved": saved, "failed": failed, "late": late}
+    _meet(store, "finished", world_size)
+    return {"exported": exported, "waited": waited, "saved": saved, "works": works, "failed": failed, "late": late}
 
 
 def test_other_ranks_wait_out_a_slow_export_on_the_store_not_in_a_collective(tmp_path: Path) -> None:
     ranks = run_distributed(export_with_a_short_collective_timeout, 2, str(tmp_path))
     assert [r["exported"] for r in ranks] == ["ok", "ok"], "a collective timed out during the export"
+    assert [r["works"] for r in ranks] == ["ok", "ok"]
     assert ranks[1]["saved"] and ranks[1]["waited"] >= SLOW_SAVE_S > 2 * COLLECTIVE_TIMEOUT_S
     assert ranks[0]["failed"] == "OSError: No space left on device"
     assert ranks[1]["failed"] == ("RuntimeError: rank 0 failed while exporting the model: "
