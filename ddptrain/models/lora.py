@@ -78,7 +78,18 @@ def load_kwargs(cfg: ModelConfig, device: torch.device | None) -> dict[str, Any]
 
 
 def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
-    """Gradient checkpointing, k-bit preparation and LoRA adapters, as ``model.*`` asks; the model otherwise."""
+    """Gradient checkpointing, k-bit preparation and LoRA adapters, as ``model.*`` asks; in training mode.
+
+    ``from_pretrained`` returns a model in eval mode, and peft keeps it so: its blocks would then skip gradient
+    checkpointing (transformers checkpoints a block only while ``self.training``) and its dropout until the first
+    evaluation. So the model is switched to training mode here, where it is made ready to train.
+    """
+    prepared = _adapt(model, cfg)
+    prepared.train()
+    return prepared
+
+
+def _adapt(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
     ckpt_kwargs = {"use_reentrant": cfg.checkpoint_reentrant}
     if cfg.quantize == Quantize.nf4:
         from peft import prepare_model_for_kbit_training
