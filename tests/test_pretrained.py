@@ -228,3 +228,21 @@ def test_a_4bit_base_whose_widths_the_cpu_kernels_cannot_pack_is_refused_naming_
                                           r"to 344 features; bitsandbytes' CPU 4-bit kernels need inputs in multiples "
                                           r"of 64 and outputs in multiples of 32"):
         build_model(cfg, 384)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[1] / "configs/model").glob("*.yaml")))
+def test_every_model_preset_has_widths_the_cpu_4bit_kernels_accept(preset: str) -> None:
+    """So that a model a preset trains (the quickstart's) fine-tunes under QLoRA on CPU: every quantizable layer
+    takes inputs in multiples of 64 and gives outputs in multiples of 32."""
+    from ddptrain.cli import compose_config
+    from ddptrain.compose import build_config, job_config
+
+    cfg = build_config(job_config(compose_config([f"model={preset}"]))).model
+    with torch.device("meta"):
+        model = build_model(cfg, cfg.vocab_size or 8192)
+    widths = {name: tuple(m.weight.shape) for name, m in model.named_modules()
+              if type(m).__name__ in ("Linear", "Conv1D") and name != "lm_head"}
+    assert widths
+    for name, shape in widths.items():
+        n_out, n_in = shape if type(model.get_submodule(name)).__name__ == "Linear" else shape[::-1]
+        assert n_in % 64 == 0 and n_out % 32 == 0, (preset, name, n_in, n_out)
