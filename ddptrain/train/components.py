@@ -85,7 +85,9 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     seed_everything(cfg.train.seed)
 
     data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
-    vocab = model_vocab_size(cfg.model, data.vocab_size)
+    # A pretrained model brings its own embeddings (model.* shape keys then feed the planner only): they are
+    # checked against the data's vocabulary as it loads.
+    vocab = data.vocab_size if cfg.model.pretrained else model_vocab_size(cfg.model, data.vocab_size)
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
     if cfg.data.format == DataFormat.packed:
         use_causal_attention(model)  # one causal sequence per row: no mask to build, no host read per forward
