@@ -399,6 +399,10 @@ class Config:
         _require(self.data.seq_len <= self.model.max_position_embeddings or self.model.pretrained is not None,
                  f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
                  f"{self.model.max_position_embeddings}")
+        own_vocab = self.data.tokenizer is None and self.model.pretrained is None  # a BPE trained here, or synthetic
+        _require(not own_vocab or self.model.vocab_size is None or self.data.vocab_size <= self.model.vocab_size,
+                 f"data.vocab_size={self.data.vocab_size} exceeds model.vocab_size={self.model.vocab_size}: the "
+                 "model could not embed the data's token ids; make them equal (or unset model.vocab_size)")
         window = self.profile.wait + self.profile.warmup + self.profile.active
         _require(not self.profile.enabled or window <= self.train.steps,
                  f"profile: wait {self.profile.wait} + warmup {self.profile.warmup} + active {self.profile.active} "

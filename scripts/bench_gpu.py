@@ -96,6 +96,9 @@ def run(name: str, compiled: bool, args: argparse.Namespace, env: DistEnv, out: 
     run_dir = out / f"{name}-{'compiled' if compiled else 'eager'}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
+    # transformers' blocks of every model share one forward function: without a reset a later run would reuse
+    # (or be refused, past the recompile limit) what an earlier run compiled, and its compile time would lie.
+    torch.compiler.reset()
     with SyncCounter() as syncs:
         summary = train(cfg, env, torch.device("cuda", env.local_rank), run_dir, {})
     special = {1, args.steps} | {s for s in range(1, args.steps + 1) if s % args.window == 0}

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from ddptrain.config import LoraSettings, ModelConfig, ParallelConfig
-from ddptrain.data.instruct import IGNORE, PadCollate, encode, generated_instructions
-from ddptrain.data.tokenizer import train_bpe
+from ddptrain.data.instruct import IGNORE, PadCollate, encode
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.flops import lora_param_count
@@ -25,6 +24,7 @@ from ddptrain.plan_render import render_plan
 from ddptrain.train.step import accumulate_gradients
 from tests.cli import run_cli
 from tests.dist import run_distributed
+from tests.pretrained import count_checkpoint_calls, train_each_watched
 from tests.runs import make_config, train_each
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
@@ -34,20 +34,9 @@ B, ACCUM, WIDTH = 2, 2, 28
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny "pretrained" Llama and its tokenizer, saved with save_pretrained (what a user brings).
-
-    Width 64: bitsandbytes packs 4-bit weights for the CPU in blocks of 64 input features.
-    """
-    out = tmp_path_factory.mktemp("base")
-    tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(400)], 320)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+def base(pretrained_base: Path) -> Path:
+    """The session's tiny pretrained Llama and tokenizer (``tests/conftest.py``)."""
+    return pretrained_base
 
 
 def _global_batch() -> dict[str, torch.Tensor]:
@@ -88,12 +77,16 @@ def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dic
     out = {}
     checkpointed = {"gradient_checkpointing": True}
     reentrant = {**checkpointed, "checkpoint_reentrant": True}
+    ran = {}
     for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant)):
         model = _lora_model(base, **kwargs)
+        calls = count_checkpoint_calls(model)
         wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
         accumulate_gradients(wrapped.module, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
                              token_weighted=True)
         out[variant] = _adapter_grads(model)
+        ran[variant] = {"checkpoint_calls": calls[0], "training": all(m.training for m in model.modules())}
+    out["ran"] = ran
     model = _lora_model(base)
     wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
     for i, micro in enumerate(_micro_batches(rank)):  # the classic bug: each micro batch's own token mean
@@ -115,6 +108,11 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
             for name, grad in grads[variant].items():
                 torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5,
                                            msg=f"rank {rank} {variant} {name}")
+        # The checkpointed variants really checkpointed: each of the 2 blocks once per micro batch, all in training
+        # mode (a loaded model starts in eval mode, where transformers skips checkpointing).
+        ran = grads["ran"]
+        assert ran["exact"] == {"checkpoint_calls": 0, "training": True}
+        assert ran["checkpointed"] == ran["reentrant"] == {"checkpoint_calls": 2 * ACCUM, "training": True}
         naive = grads["mean_of_means"]
         worst = max((naive[n] - g).abs().max() / g.abs().max() for n, g in expected.items())
         assert worst > 0.05, f"mean of means should be visibly wrong here, off by {worst:.3g} at most"
@@ -193,7 +191,7 @@ def lora_runs(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict
         {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
         {"parallel": {"compression": "fp16"}},
     ]
-    return run_distributed(train_each, 2, str(tmp), _finetune_base(base), variants, timeout=400)[0]
+    return run_distributed(train_each_watched, 2, str(tmp), _finetune_base(base), variants, timeout=400)[0]
 
 
 @pytest.mark.parametrize(("run", "what", "width"),
@@ -206,6 +204,10 @@ def test_only_adapter_gradients_cross_the_wire(lora_runs: list[dict], run: int, 
     assert [m["comm_bytes"] for m in metrics] == [width * trainable] * 4, what  # adapter gradients, exactly
     assert all(m["loss"] == m["loss"] for m in metrics) and metrics[-1]["loss"] < metrics[0]["loss"], what
     assert "val_loss" in metrics[-1]
+    # Every module trained in training mode at every step, also after the evaluation, and no forward built a cache.
+    assert lora_runs[run]["training"] == [True] * 4 and lora_runs[run]["kv_caches"] == 0, what
+    # QLoRA is the only variant with gradient checkpointing: 2 blocks x 2 micro batches per rank x 4 steps.
+    assert lora_runs[run]["checkpoint_calls"] == (2 * 2 * 4 if what == "QLoRA" else 0), what
 
 
 def _base_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -153,7 +153,7 @@ class _Offloaded(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(1, device="meta"))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> object:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, use_cache: bool) -> object:
         return type("Output", (), {"loss": input_ids.float().mean()})()
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel
 
+from ddptrain.choices import Quantize
 from ddptrain.config import ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models.flops import llama_intermediate_size
-from ddptrain.models.lora import load_kwargs
+from ddptrain.models.lora import check_cpu_4bit_widths, load_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ def _load_pretrained(cfg: ModelConfig, data_vocab: int, device: torch.device | N
         model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, **load_kwargs(cfg, device))
     except Exception as exc:
         raise ConfigError(f"model.pretrained={name}: cannot load a causal LM ({type(exc).__name__})") from exc
+    if cfg.quantize == Quantize.nf4 and (device is None or device.type == "cpu"):
+        check_cpu_4bit_widths(model)
     if model.get_input_embeddings().num_embeddings < data_vocab:
         raise ConfigError(
             f"model.pretrained={name}: {model.get_input_embeddings().num_embeddings} embedding rows but the data "

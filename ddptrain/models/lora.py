@@ -7,6 +7,10 @@ only) all-reduce adapter gradients alone: the frozen base never crosses the wire
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +74,7 @@ def load_kwargs(cfg: ModelConfig, device: torch.device | None) -> dict[str, Any]
     if cfg.quantize == Quantize.nf4:
         from transformers import BitsAndBytesConfig
 
+        _quiet_bitsandbytes()
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16,
@@ -77,8 +82,76 @@ def load_kwargs(cfg: ModelConfig, device: torch.device | None) -> dict[str, Any]
     return kwargs
 
 
+def _quiet_bitsandbytes() -> None:
+    """Drop bitsandbytes' import-time warning that an optional CPU kernel package is missing (each rank prints it;
+    the run is correct without it)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_missing_cpu_kernel)
+
+
+def _not_missing_cpu_kernel(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+
+@contextmanager
+def _bitsandbytes_hidden(cfg: ModelConfig) -> Iterator[None]:
+    """Use peft without importing bitsandbytes, unless ``model.quantize=nf4``.
+
+    peft imports bitsandbytes whenever it is installed, on import and again when it adds adapters (and
+    bitsandbytes warns on import on CPU); a full-precision base needs none of it. A ``None`` entry in
+    ``sys.modules`` makes ``import bitsandbytes`` raise ImportError, which peft catches. peft caches whether
+    bitsandbytes is available, so the cache is cleared afterwards: a 4-bit model later in this process (tests
+    train several) gets bitsandbytes' layers again.
+    """
+    if cfg.quantize == Quantize.nf4 or "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+        checks = sys.modules.get("peft.import_utils")  # None: peft was not needed (no adapters)
+        if checks is not None:
+            checks.is_bnb_available.cache_clear()
+            checks.is_bnb_4bit_available.cache_clear()
+
+
+@contextmanager
+def _peft_deprecations_hidden() -> Iterator[None]:
+    """peft reads ``model.is_gradient_checkpointing``, which transformers 5 deprecates with a FutureWarning on every
+    rank: not the user's to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def check_cpu_4bit_widths(model: torch.nn.Module) -> None:
+    """bitsandbytes' CPU 4-bit kernels repack each weight in blocks of 64 inputs x 32 outputs (at evaluation, on
+    CPUs with AVX512-BF16) and fail with a traceback on any other width: refuse such a model at start-up."""
+    import bitsandbytes as bnb
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, bnb.nn.Linear4bit) and (layer.in_features % 64 or layer.out_features % 32):
+            raise ConfigError(
+                f"model.quantize=nf4 on CPU: {name} maps {layer.in_features} to {layer.out_features} features; "
+                "bitsandbytes' CPU 4-bit kernels need inputs in multiples of 64 and outputs in multiples of 32 "
+                "(use a base model with such widths, or quantize on a GPU)")
+
+
 def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
-    """Gradient checkpointing, k-bit preparation and LoRA adapters, as ``model.*`` asks; the model otherwise."""
+    """Gradient checkpointing, k-bit preparation and LoRA adapters, as ``model.*`` asks; in training mode.
+
+    ``from_pretrained`` returns a model in eval mode, and peft keeps it so: its blocks would then skip gradient
+    checkpointing (transformers checkpoints a block only while ``self.training``) and its dropout until the first
+    evaluation. So the model is switched to training mode here, where it is made ready to train.
+    """
+    with _bitsandbytes_hidden(cfg):
+        prepared = _adapt(model, cfg)
+    prepared.train()
+    return prepared
+
+
+def _adapt(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
     ckpt_kwargs = {"use_reentrant": cfg.checkpoint_reentrant}
     if cfg.quantize == Quantize.nf4:
         from peft import prepare_model_for_kbit_training
@@ -100,7 +173,8 @@ def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn
         target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
     )
     try:
-        return get_peft_model(model, lora)  # adapters in fp32 whatever the base dtype (peft's default)
+        with _peft_deprecations_hidden():
+            return get_peft_model(model, lora)  # adapters in fp32 whatever the base dtype (peft's default)
     except ValueError as exc:
         raise ConfigError(f"model.lora.target_modules={list(targets)}: {flat(str(exc), 200)}") from exc
 
@@ -130,9 +204,9 @@ def _count(n: float) -> str:
 
 
 def is_adapted(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
+    """Whether peft added adapters; a run that never imported peft has none (and does not import it now)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def export_adapter_and_merged(model: torch.nn.Module, cfg: ModelConfig, tokenizer: Any, run_dir: Path) -> None:
@@ -148,7 +222,8 @@ def export_adapter_and_merged(model: torch.nn.Module, cfg: ModelConfig, tokenize
     model.save_pretrained(str(adapter))
     if cfg.quantize == Quantize.nf4:
         base = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=DTYPES[cfg.dtype], device_map={"": "cpu"})
-        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+        with _peft_deprecations_hidden():
+            merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     else:
         merged = model.merge_and_unload()  # type: ignore[operator]
     merged.save_pretrained(str(run_dir / "model"))

@@ -23,6 +23,7 @@ from ddptrain.choices import DataFormat, computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.models import build_model, model_vocab_size
+from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -84,8 +85,12 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     seed_everything(cfg.train.seed)
 
     data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
-    vocab = model_vocab_size(cfg.model, data.vocab_size)
+    # A pretrained model brings its own embeddings (model.* shape keys then feed the planner only): they are
+    # checked against the data's vocabulary as it loads.
+    vocab = data.vocab_size if cfg.model.pretrained else model_vocab_size(cfg.model, data.vocab_size)
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
+    if cfg.data.format == DataFormat.packed:
+        use_causal_attention(model)  # one causal sequence per row: no mask to build, no host read per forward
     model = prepare_for_finetuning(model.to(device), cfg.model)
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,

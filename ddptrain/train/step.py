@@ -43,7 +43,7 @@ def accumulate_gradients(
             ids = next(micro_batches)
         with maybe_sync(micro == grad_accum - 1):  # the last micro batch's backward launches the gradient sync
             with phase("forward"), autocast:
-                loss = loss_guard(module(input_ids=ids, labels=ids).loss / grad_accum)
+                loss = loss_guard(module(input_ids=ids, labels=ids, use_cache=False).loss / grad_accum)
             with phase("backward"):
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
@@ -96,19 +96,20 @@ def evaluate(
     batches: the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
     the CPU while compute and NCCL use the GPU.
     """
+    was_training = model.training
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for batch in batches:
         if isinstance(batch, dict):
             batch = {k: v.to(device) for k, v in batch.items()}
             with autocast:  # num_items_in_batch=1: the model returns the summed token loss
-                total[0] += model(**batch, num_items_in_batch=1).loss.double()
+                total[0] += model(**batch, num_items_in_batch=1, use_cache=False).loss.double()
             total[1] += loss_tokens(batch["labels"])
             continue
         ids = batch.to(device)
         with autocast:
-            total[0] += model(input_ids=ids, labels=ids).loss.double() * len(ids)
+            total[0] += model(input_ids=ids, labels=ids, use_cache=False).loss.double() * len(ids)
         total[1] += len(ids)
-    model.train()
+    model.train(was_training)  # back to training mode: checkpointing and dropout run again
     dist.all_reduce(total)
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")  # sync point: once per evaluation

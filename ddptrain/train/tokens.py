@@ -54,7 +54,7 @@ def accumulate_token_weighted(
     for micro, batch in enumerate(batches):
         with maybe_sync(micro == grad_accum - 1):
             with phase("forward"), autocast:
-                loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share).loss)
+                loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share, use_cache=False).loss)
             with phase("backward"):
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
