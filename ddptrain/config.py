@@ -112,6 +112,9 @@ class DataConfig:
     prompt_field: str = "prompt"  # format=prompt_completion: the record fields holding the two parts
     completion_field: str = "completion"
     chat_template: bool = True  # format=prompt_completion: wrap the prompt in the tokenizer's chat template if any
+    # format=prompt_completion: pack each micro batch's examples into rows of <= seq_len tokens (position_ids
+    # restarting per example, no padding between them); false: pad each example to the micro batch's longest
+    packing: bool = True
     name: str | None = None  # source=hub: a data set name
     subset: str | None = None
     split: str = "train"

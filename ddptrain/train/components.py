@@ -25,6 +25,7 @@ from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batche
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
+from ddptrain.models.packed_attention import check_packed_attention
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import Wrapped, wrap_model
 from ddptrain.parallel.compile import compile_blocks
@@ -87,6 +88,8 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     vocab = model_vocab_size(cfg.model, data.vocab_size)
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
     model = prepare_for_finetuning(model.to(device), cfg.model)
+    if cfg.data.format == DataFormat.prompt_completion and cfg.data.packing:
+        check_packed_attention(model, data.vocab_size)  # before compiling and wrapping: a bare forward
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
@@ -107,8 +110,11 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
     fpt = (flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None
            else 4.0 * n_params + 2.0 * trainable)
+    token_weighted = cfg.data.format == DataFormat.prompt_completion
+    # Fixed blocks hold seq_len real tokens each, so the tokens before a resumed step are known; variable-length
+    # examples are counted from this run's start only.
     meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
-                        cfg.metrics.sample_every)
+                        cfg.metrics.sample_every, batches.tokens, 0 if token_weighted else plan.tokens_per_step * start)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
@@ -116,7 +122,7 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     return Components(
         plan=plan, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
-        token_weighted=cfg.data.format == DataFormat.prompt_completion, val=val,
+        token_weighted=token_weighted, val=val,
         autocast=autocast_context(cfg.train.precision, device), checkpointer=checkpointer, start=start,
         meter=meter, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),

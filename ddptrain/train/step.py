@@ -92,8 +92,8 @@ def evaluate(
 ) -> float:
     """Mean validation loss over every rank's fixed batches (the same batches at every evaluation).
 
-    Packed blocks: the mean of sequence means (every block has as many tokens); padded prompt/completion
-    batches: the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
+    Packed blocks: the mean of sequence means (every block has as many tokens); prompt/completion batches
+    (padded or packed): the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
     the CPU while compute and NCCL use the GPU.
     """
     model.eval()
@@ -101,8 +101,8 @@ def evaluate(
     for batch in batches:
         if isinstance(batch, dict):
             batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast:  # num_items_in_batch=1: the model returns the summed token loss
-                total[0] += model(**batch, num_items_in_batch=1).loss.double()
+            with autocast:  # num_items_in_batch=1: the model returns the summed token loss; no cache (packing)
+                total[0] += model(**batch, num_items_in_batch=1, use_cache=False).loss.double()
             total[1] += loss_tokens(batch["labels"])
             continue
         ids = batch.to(device)

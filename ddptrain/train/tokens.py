@@ -39,7 +39,8 @@ def accumulate_token_weighted(
     phase: Callable[[str], AbstractContextManager],
     loss_guard: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
-    """Forward/backward over ``grad_accum`` padded micro batches; the synced ``.grad`` is the global token mean.
+    """Forward/backward over ``grad_accum`` padded or packed micro batches; the synced ``.grad`` is the global
+    token mean.
 
     Returns this rank's summed token loss x world_size / total, so that the loop's mean of it over ranks is
     the global batch's token-mean loss: the same quantity whose gradient the optimizer steps on.
@@ -49,12 +50,13 @@ def accumulate_token_weighted(
         total = global_loss_tokens(batches)
     world = dist.get_world_size() if dist.is_initialized() else 1
     # The model's own loss divides its summed token loss by num_items_in_batch; DDP then averages over ranks.
+    # use_cache=False: a KV cache would turn off the detection of packed examples (they would attend to each other).
     per_rank_share = total.clamp(min=1).to(torch.float32) / world
     loss_sum: torch.Tensor | None = None
     for micro, batch in enumerate(batches):
         with maybe_sync(micro == grad_accum - 1):
             with phase("forward"), autocast:
-                loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share).loss)
+                loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share, use_cache=False).loss)
             with phase("backward"):
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
