@@ -14,6 +14,7 @@ ZERO_STAGES = (0, 1, 2, 3)  # parallel.zero_stage: DDP, then ZeRO-1, -2, -3
 class Arch(StrEnum):
     llama = "llama"
     gpt2 = "gpt2"
+    qwen3 = "qwen3"  # Llama's layout plus RMSNorm on queries and keys (QK-norm), head_dim of its own
 
 
 class BaseDtype(StrEnum):
