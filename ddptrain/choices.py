@@ -110,6 +110,7 @@ class Precision(StrEnum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
     fp32 = "fp32"
     bf16 = "bf16"
+    fp16 = "fp16"  # fp16 autocast with a loss scaler: GPUs without bf16 (T4, V100)
 
 
 class NanPolicy(StrEnum):

@@ -25,6 +25,7 @@ def accumulate_gradients(
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
     timer: StepTimer | None = None, token_weighted: bool = False,
     loss_guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
 
@@ -32,11 +33,12 @@ def accumulate_gradients(
     batch. Returns this rank's mean loss over its micro batches. ``token_weighted`` (padded prompt/completion
     batches): the mean over every loss token of the global batch instead (see ``train/tokens.py``).
     ``loss_guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank.
+    ``scale_loss``: fp16's loss scaling before each backward (the returned loss is unscaled).
     """
     phase = timer.phase if timer is not None else (lambda _: nullcontext())
     if token_weighted:
         return accumulate_token_weighted(module, micro_batches, grad_accum, maybe_sync, autocast, phase,
-                                         loss_guard)
+                                         loss_guard, scale_loss)
     loss_sum: torch.Tensor | None = None
     for micro in range(grad_accum):
         with phase("data"):
@@ -45,7 +47,7 @@ def accumulate_gradients(
             with phase("forward"), autocast:
                 loss = loss_guard(module(input_ids=ids, labels=ids).loss / grad_accum)
             with phase("backward"):
-                loss.backward()
+                scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     assert loss_sum is not None
     return loss_sum

@@ -38,6 +38,7 @@ def accumulate_token_weighted(
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
     phase: Callable[[str], AbstractContextManager],
     loss_guard: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` padded or packed micro batches; the synced ``.grad`` is the global
     token mean.
@@ -58,7 +59,7 @@ def accumulate_token_weighted(
             with phase("forward"), autocast:
                 loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share, use_cache=False).loss)
             with phase("backward"):
-                loss.backward()
+                scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     assert loss_sum is not None
     return loss_sum
