@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from ddptrain.config import LoraSettings, ModelConfig, ParallelConfig
 from ddptrain.data.instruct import IGNORE, PadCollate, encode, generated_instructions
@@ -35,15 +35,16 @@ B, ACCUM, WIDTH = 2, 2, 28
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny "pretrained" Llama and its tokenizer, saved with save_pretrained (what a user brings).
+    """A tiny "pretrained" Qwen3 (the seeds' architecture: QK-norm, grouped-query attention) and its tokenizer,
+    saved with save_pretrained (what a user brings).
 
-    Width 64: bitsandbytes packs 4-bit weights for the CPU in blocks of 64 input features.
+    Widths 64 and 128: bitsandbytes packs 4-bit weights for the CPU in blocks of 64 input features.
     """
     out = tmp_path_factory.mktemp("base")
     tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(400)], 320)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+    config = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok.save_pretrained(out)
@@ -272,9 +273,11 @@ def test_lora_quickstart_trains_through_the_cli_and_the_completion_loss_falls(ba
     assert (run / "adapter" / "adapter_config.json").is_file() and (run / "model" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_planner_counts_the_adapters_peft_builds(arch: str) -> None:
-    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, lora=LORA)
+    kv_heads, head_dim = (1, 64) if arch == "qwen3" else (2, None)
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=kv_heads, head_dim=head_dim,
+                      lora=LORA)
     trainable, _ = parameter_counts(prepare_for_finetuning(build_model(cfg, 384), cfg))
     assert lora_param_count(cfg) == trainable
     only_q = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, lora=LoraSettings(True, 4, 8.0, 0.0, ["q_proj"]))
