@@ -34,13 +34,14 @@ def test_fp16_autocast_computes_matmuls_in_half_precision() -> None:
 @pytest.fixture(scope="module")
 def fp16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict]], Path]:
     """Two ranks, rank 1's loss poisoned at step 1 (an overflow): DDP straight, DDP resumed from step 2, ZeRO-2,
-    and fp32 skipping the same step (train.nan_policy=skip) for reference."""
+    fp32 skipping the same step (train.nan_policy=skip) for reference, and ZeRO-1."""
     tmp = tmp_path_factory.mktemp("fp16")
     variants = [
         {},
         {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
         {"parallel": {"zero_stage": 2}},
         {"train": {"precision": "fp32", "nan_policy": "skip"}},
+        {"parallel": {"zero_stage": 1}},
     ]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DDPTRAIN_FAULT", "nan@step:1:1")
@@ -49,7 +50,7 @@ def fp16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict]
 
 def test_fp16_skips_an_injected_overflow_on_both_ranks_as_a_scaler_back_off(fp16_runs: tuple) -> None:
     ranks, _ = fp16_runs
-    for run in (0, 2):  # torch DDP (GradScaler) and ZeRO-2 (ShardedGradScaler)
+    for run in (0, 2, 4):  # torch DDP and ZeRO-1 (GradScaler), ZeRO-2 (ShardedGradScaler)
         metrics = ranks[0][run]["metrics"]
         # nan_policy=abort did not fire: the overflow is the scaler's back-off, 65536 -> 32768, then steps go on
         assert [m["loss_scale"] for m in metrics] == [32768.0] * 4, run
