@@ -14,6 +14,7 @@ ZERO_STAGES = (0, 1, 2, 3)  # parallel.zero_stage: DDP, then ZeRO-1, -2, -3
 class Arch(StrEnum):
     llama = "llama"
     gpt2 = "gpt2"
+    qwen3 = "qwen3"  # Llama's layout plus RMSNorm on queries and keys (QK-norm), head_dim of its own
 
 
 class BaseDtype(StrEnum):
@@ -109,6 +110,7 @@ class Precision(StrEnum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
     fp32 = "fp32"
     bf16 = "bf16"
+    fp16 = "fp16"  # fp16 autocast with a loss scaler: GPUs without bf16 (T4, V100)
 
 
 class NanPolicy(StrEnum):

@@ -74,6 +74,7 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: as many as num_heads (no GQA)
+    head_dim: int | None = None  # llama/qwen3: width of one attention head; None: hidden_size / num_heads
     intermediate_size: int | None = None  # None: 4*hidden for gpt2, SwiGLU-sized for llama
     max_position_embeddings: int = 512
     vocab_size: int | None = None  # None: the tokenizer's vocabulary, rounded up to a multiple of 64
@@ -99,6 +100,8 @@ class ModelConfig:
                  f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={kv}")
         _require(self.arch != Arch.gpt2 or kv == self.num_heads,
                  f"model.num_kv_heads={kv}: gpt2 has no grouped-query attention; use {self.num_heads}")
+        _require(self.head_dim is None or (self.head_dim >= 1 and self.arch != Arch.gpt2),
+                 f"model.head_dim={self.head_dim}: expected a positive width for llama or qwen3 (gpt2: null)")
 
 
 @dataclass
@@ -112,6 +115,9 @@ class DataConfig:
     prompt_field: str = "prompt"  # format=prompt_completion: the record fields holding the two parts
     completion_field: str = "completion"
     chat_template: bool = True  # format=prompt_completion: wrap the prompt in the tokenizer's chat template if any
+    # format=prompt_completion: pack each micro batch's examples into rows of <= seq_len tokens (position_ids
+    # restarting per example, no padding between them); false: pad each example to the micro batch's longest
+    packing: bool = True
     name: str | None = None  # source=hub: a data set name
     subset: str | None = None
     split: str = "train"

@@ -45,7 +45,7 @@ IN_PROCESS = [
                            "lora_quickstart, qlora_4b, quickstart"),
     (["data=nope"], "Could not find 'data/nope'; available: files, hub, instruct, stdlib_code, synthetic"),
     (["optim.lr=-1"], "optim.lr=-1.0: expected a positive learning rate"),
-    (["train.precision=fp8"], "train.precision='fp8': expected one of auto, fp32, bf16"),
+    (["train.precision=fp8"], "train.precision='fp8': expected one of auto, fp32, bf16, fp16"),
     (["train.nan_policy=ignore"], "train.nan_policy='ignore': expected one of skip, abort"),
     (["data.tokenizer=/no/such/tokenizer"], "data.tokenizer=/no/such/tokenizer: expected a local tokenizer directory"),
     (["model.num_heads=5"], "model.hidden_size=128 is not divisible by model.num_heads=5"),

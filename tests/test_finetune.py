@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from ddptrain.config import LoraSettings, ModelConfig, ParallelConfig
-from ddptrain.data.instruct import IGNORE, PadCollate, encode
+from ddptrain.data.instruct import IGNORE, PadCollate, encode, generated_instructions
+from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.flops import lora_param_count
@@ -34,9 +35,21 @@ B, ACCUM, WIDTH = 2, 2, 28
 
 
 @pytest.fixture(scope="module")
-def base(pretrained_base: Path) -> Path:
-    """The session's tiny pretrained Llama and tokenizer (``tests/conftest.py``)."""
-    return pretrained_base
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny "pretrained" Qwen3 (the seeds' architecture: QK-norm, grouped-query attention) and its tokenizer,
+    saved with save_pretrained (what a user brings).
+
+    Widths 64 and 128: bitsandbytes packs 4-bit weights for the CPU in blocks of 64 input features.
+    """
+    out = tmp_path_factory.mktemp("base")
+    tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(400)], 320)
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
 
 
 def _global_batch() -> dict[str, torch.Tensor]:
@@ -274,9 +287,11 @@ def test_lora_quickstart_trains_through_the_cli_and_the_completion_loss_falls(ba
     assert (run / "adapter" / "adapter_config.json").is_file() and (run / "model" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_planner_counts_the_adapters_peft_builds(arch: str) -> None:
-    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, lora=LORA)
+    kv_heads, head_dim = (1, 64) if arch == "qwen3" else (2, None)
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=kv_heads, head_dim=head_dim,
+                      lora=LORA)
     trainable, _ = parameter_counts(prepare_for_finetuning(build_model(cfg, 384), cfg))
     assert lora_param_count(cfg) == trainable
     only_q = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, lora=LoraSettings(True, 4, 8.0, 0.0, ["q_proj"]))

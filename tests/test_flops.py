@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from ddptrain.compose import build_config
 from ddptrain.config import ModelConfig
 from ddptrain.models.build import hf_config
 from ddptrain.models.flops import count_params, flops_per_token, llama_intermediate_size
@@ -24,13 +28,16 @@ SHAPES = [
     ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4),
     ModelConfig(arch="llama", hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=2, tie_embeddings=False),
     ModelConfig(arch="llama", hidden_size=96, num_layers=1, num_heads=6, num_kv_heads=3, intermediate_size=200),
+    ModelConfig(arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2),
+    ModelConfig(arch="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                intermediate_size=128, tie_embeddings=False),
     ModelConfig(arch="gpt2", hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=32),
     ModelConfig(arch="gpt2", hidden_size=48, num_layers=3, num_heads=3, intermediate_size=100, tie_embeddings=False),
 ]
 
 
 def shape_id(cfg: ModelConfig) -> str:
-    return f"{cfg.arch}-h{cfg.hidden_size}-kv{cfg.num_kv_heads}-tied{cfg.tie_embeddings}"
+    return f"{cfg.arch}-h{cfg.hidden_size}-kv{cfg.num_kv_heads}-d{cfg.head_dim}-tied{cfg.tie_embeddings}"
 
 
 @pytest.mark.parametrize("cfg", SHAPES, ids=shape_id)
@@ -43,6 +50,16 @@ def test_count_params_matches_the_built_model(cfg: ModelConfig) -> None:
 def test_gpt2_small_has_124_439_808_parameters() -> None:
     cfg = ModelConfig(arch="gpt2", hidden_size=768, num_layers=12, num_heads=12, max_position_embeddings=1024)
     assert count_params(cfg, 50257).total == 124_439_808 == built_params(cfg, 50257)
+
+
+def test_qlora_4b_experiment_is_shaped_like_qwen3_4b() -> None:
+    """Qwen3-4B: 4,022,468,096 parameters (embeddings tied), the figure its model card rounds to 4.0B."""
+    experiment = OmegaConf.load(Path(__file__).parents[1] / "configs" / "experiment" / "qlora_4b.yaml")
+    model = OmegaConf.to_container(experiment.model)
+    shape = {k: v for k, v in model.items() if k not in ("lora", "pretrained")}  # type: ignore[union-attr]
+    cfg = build_config({"model": shape}).model
+    assert cfg.arch == "qwen3" and cfg.head_dim == 128
+    assert count_params(cfg, cfg.vocab_size).total == 4_022_468_096 == built_params(cfg, cfg.vocab_size)
 
 
 def test_untied_head_counts_as_embedding() -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from ddptrain.config import ParallelConfig
 from ddptrain.data import BatchPlan
+from ddptrain.data.loader import TokenCount
 from ddptrain.parallel import wrap_model
 from ddptrain.telemetry.metrics import StepMetrics
 
@@ -37,7 +38,7 @@ def _one_sampled_step(parallel: ParallelConfig, world_size: int) -> dict:
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
     wrapped = wrap_model(model, parallel, torch.device("cpu"))
     plan = BatchPlan.derive(2 * world_size, 2, None, world_size, 4)
-    meter = StepMetrics(plan, torch.device("cpu"), 1.0, None, None, 1)
+    meter = StepMetrics(plan, torch.device("cpu"), 1.0, None, None, 1, TokenCount())
     meter.start_step(1)
     with meter.timer.phase("backward"):
         wrapped.module(torch.randn(4, 16)).sum().backward()

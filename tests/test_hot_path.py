@@ -86,13 +86,15 @@ def test_a_steady_step_issues_only_gradient_all_reduces_and_reads_nothing_back(
         assert _by_step(rank["events"], step, "host_read") == []
 
 
-# A logging step also gathers every rank's phase times for the straggler report (all_gather_object, size -1).
-@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1, -1])], ids=["check-3", "check-6", "log-4"])
+# A logging step also sums the token counts (real, computed, untimed: size 3) and gathers every rank's phase times
+# for the straggler report (all_gather_object, size -1).
+@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1, 3, -1])],
+                         ids=["check-3", "check-6", "log-4"])
 def test_check_and_logging_steps_add_only_their_documented_reductions(
     runs: list[dict[str, Any]], step: int, extra: list[int]
 ) -> None:
-    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean
-    and the gather of per-rank timings for the straggler report."""
+    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean,
+    the sum of the ranks' real and computed tokens, and the gather of per-rank timings for the straggler report."""
     for rank in (r["counted"] for r in runs):
         collectives = _by_step(rank["events"], step, "collective")
         gradients = [size for name, size in collectives if name == "all_reduce" and size > 3]

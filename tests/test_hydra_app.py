@@ -111,7 +111,7 @@ def test_help_lists_every_group_choice_and_schema_key(capsys: pytest.CaptureFixt
     for option in ("--cfg", "--resolve", "-m, --multirun", "-cd, --config-dir", "-cn, --config-name",
                    "hydra.searchpath"):
         assert option in text
-    assert "train.precision: auto|fp32|bf16 = auto" in text and "parallel.bucket_cap_mb: float = 25.0" in text
+    assert "train.precision: auto|fp32|bf16|fp16 = auto" in text and "parallel.bucket_cap_mb: float = 25.0" in text
     assert len([k for k, _, _ in schema_keys()]) == sum(1 for line in text.splitlines() if line.startswith("  ")
                                                          and ": " in line and " = " in line)
     assert config_groups([config_dir()])["parallel"] == ["ddp", "fsdp_offload", "zero1", "zero2", "zero3"]

@@ -44,6 +44,7 @@ def test_metrics_are_present_and_sane_with_a_single_rank_baseline(tmp_path: Path
         assert 0.0 < m["scaling_efficiency"] <= 1.2
         assert m["busbw_gbps"] == pytest.approx(m["algbw_gbps"])  # 2(N-1)/N = 1 at N = 2
         assert "mfu_pct" not in m  # CPU: no known peak, no MFU
+        assert m["padding_pct"] == 0.0  # fixed-length blocks: every computed position is a real token
     assert all(0 < m["mfu_pct"] <= 100 for m in with_peak["metrics"])
     summary = ddp["summary"]
     assert summary["predicted"]["comm_payload_bytes"] == summary["comm_bytes"]  # fp32 all-reduce of 4Ψ bytes

@@ -50,6 +50,7 @@ class TrainState:
     world_size: int
     global_batch_size: int
     zero_stage: int
+    grad_scaler: dict[str, Any] | None = None  # train.precision=fp16: the loss scale and its growth tracker
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

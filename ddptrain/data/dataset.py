@@ -30,8 +30,9 @@ class TokenData:
     val: Dataset
     vocab_size: int  # ids are < vocab_size
     tokenizer: PreTrainedTokenizerBase | None  # None for synthetic data
-    # prompt/completion data: builds a padded micro batch (input_ids, attention_mask, labels) from rows of
-    # different lengths; None for packed blocks, which batch as plain input_ids
+    # prompt/completion data: builds a micro batch from rows of different lengths, packed (input_ids,
+    # position_ids, labels; data.packing) or padded (input_ids, attention_mask, labels); None for fixed-length
+    # blocks, which batch as plain input_ids
     collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
 
 

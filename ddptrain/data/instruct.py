@@ -2,8 +2,9 @@
 
 Records come from local JSONL/parquet files (``data.source=files``), a hub data set, or a small deterministic
 set of instructions generated here (``data.source=instructions``, no download). Each is tokenized with the
-model's own tokenizer (inside its chat template when it has one), labelled -100 on the prompt, and padded per
-micro batch (labels -100 and attention mask 0 on padding).
+model's own tokenizer (inside its chat template when it has one) and labelled -100 on the prompt. A micro batch's
+examples are packed into rows of at most ``data.seq_len`` tokens (``data.packing=true``, see ``packing.py``) or
+padded to the longest of them (labels -100 and attention mask 0 on padding).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def build_instruct_data(cfg: DataConfig) -> TokenData:
     train, val = split_documents(records, cfg.val_fraction)  # type: ignore[arg-type]
     encoded = [encode(rows, tok, cfg) for rows in (train, val)]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if cfg.packing:
+        from ddptrain.data.packing import PackCollate
+
+        return TokenData(encoded[0], encoded[1], len(tok), tok, collate=PackCollate(pad, cfg.seq_len))
     return TokenData(encoded[0], encoded[1], len(tok), tok, collate=PadCollate(pad))
 
 

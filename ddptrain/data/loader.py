@@ -11,6 +11,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ddptrain.data.batch import BatchPlan
+from ddptrain.data.packing import REAL_TOKENS
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,32 @@ class GlobalOrderSampler(Sampler[int]):
         return len(range(self.cursor + self.rank, self.epoch_len, self.dp))
 
 
+class TokenCount:
+    """Real (non-padding) tokens and computed positions of the micro batches seen, counted on the host from
+    the CPU batch before it moves to the device: no sync."""
+
+    def __init__(self) -> None:
+        self.real = self.computed = 0
+
+    def count(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Adds ``batch``'s tokens; returns the model's inputs (a packed batch's own count removed)."""
+        self.computed += batch["input_ids"].numel()
+        if REAL_TOKENS in batch:  # packed prompt/completion rows
+            batch = dict(batch)
+            self.real += int(batch.pop(REAL_TOKENS))
+        elif "attention_mask" in batch:  # padded prompt/completion rows
+            self.real += int(batch["attention_mask"].sum())
+        else:  # fixed blocks of seq_len tokens: no padding
+            self.real += batch["input_ids"].numel()
+        return batch
+
+    def take(self) -> tuple[int, int]:
+        """(real, computed) since the last take."""
+        out = (self.real, self.computed)
+        self.real = self.computed = 0
+        return out
+
+
 class MicroBatches:
     """An endless stream of this rank's micro batches over epochs, resumable at a global data position.
 
@@ -72,6 +99,7 @@ class MicroBatches:
         self.device = device
         self.epoch = 0
         self.position = 0  # global samples of this epoch consumed by all ranks together: the data position
+        self.tokens = TokenCount()  # this rank's real and computed token positions since the last take()
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
 
     def __iter__(self) -> MicroBatches:
@@ -87,6 +115,7 @@ class MicroBatches:
             self.epoch, self.position, self._it = self.epoch + 1, 0, None
             return next(self)
         self.position += self.per_micro_step
+        batch = self.tokens.count(batch)
         if len(batch) == 1:  # packed blocks: the token ids are inputs and labels alike
             return batch["input_ids"].to(self.device, non_blocking=True)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -123,6 +152,7 @@ def eval_batches(
     for batch in loader:
         if len(out) == limit:
             break
+        batch = TokenCount().count(batch)
         out.append(batch["input_ids"] if len(batch) == 1 else batch)
     return out
 

@@ -6,12 +6,12 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
 
 from ddptrain.choices import Quantize
 from ddptrain.config import ModelConfig
 from ddptrain.errors import ConfigError
-from ddptrain.models.flops import llama_intermediate_size
+from ddptrain.models.flops import head_dim, llama_intermediate_size
 from ddptrain.models.lora import check_cpu_4bit_widths, load_kwargs
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int | None) -> Pretrain
             resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             tie_word_embeddings=cfg.tie_embeddings, **special,
         )
-    return LlamaConfig(
+    config_class = Qwen3Config if cfg.arch == "qwen3" else LlamaConfig
+    return config_class(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size or llama_intermediate_size(cfg.hidden_size),
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, head_dim=head_dim(cfg),
         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta, attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, **special,
     )

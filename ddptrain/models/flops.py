@@ -25,16 +25,23 @@ def llama_intermediate_size(hidden_size: int) -> int:
     return -(-8 * hidden_size // (3 * 32)) * 32
 
 
+def head_dim(model_cfg: ModelConfig) -> int:
+    """Width of one attention head: ``model.head_dim``, else hidden_size / num_heads."""
+    return model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_heads
+
+
 def count_params(model_cfg: ModelConfig, vocab_size: int) -> ParamCount:
-    """Exact parameter count of the HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` this config builds."""
+    """Exact parameter count of the HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``GPT2LMHeadModel`` this config
+    builds."""
     h, layers, vocab = model_cfg.hidden_size, model_cfg.num_layers, vocab_size
     lm_head = 0 if model_cfg.tie_embeddings else vocab * h
-    if model_cfg.arch == "llama":
-        head_dim = h // model_cfg.num_heads
+    if model_cfg.arch in ("llama", "qwen3"):
+        width = head_dim(model_cfg)
         inter = model_cfg.intermediate_size or llama_intermediate_size(h)
         kv_heads = model_cfg.num_kv_heads or model_cfg.num_heads
-        attn = 2 * h * head_dim * (model_cfg.num_heads + kv_heads)  # q and o per head; k and v per kv head
-        per_layer = attn + 3 * h * inter + 2 * h  # gate/up/down; two RMSNorm weights
+        attn = 2 * h * width * (model_cfg.num_heads + kv_heads)  # q and o per head; k and v per kv head
+        qk_norm = 2 * width if model_cfg.arch == "qwen3" else 0  # RMSNorm weights on queries and keys
+        per_layer = attn + qk_norm + 3 * h * inter + 2 * h  # gate/up/down; two RMSNorm weights
         embedding = vocab * h + lm_head
         non_embedding = layers * per_layer + h  # + final RMSNorm
     elif model_cfg.arch == "gpt2":
@@ -45,7 +52,7 @@ def count_params(model_cfg: ModelConfig, vocab_size: int) -> ParamCount:
         embedding = vocab * h + model_cfg.max_position_embeddings * h + lm_head
         non_embedding = layers * per_layer + 2 * h  # + ln_f
     else:
-        raise ValueError(f"unknown model.arch {model_cfg.arch!r}: expected llama or gpt2")
+        raise ValueError(f"unknown model.arch {model_cfg.arch!r}: expected llama, qwen3 or gpt2")
     return ParamCount(total=embedding + non_embedding, embedding=embedding, non_embedding=non_embedding)
 
 
@@ -56,8 +63,7 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> fl
     tied; embedding lookups cost no FLOPs.
     """
     matmul_params = count_params(model_cfg, vocab_size).non_embedding + vocab_size * model_cfg.hidden_size
-    head_dim = model_cfg.hidden_size // model_cfg.num_heads
-    return 6.0 * matmul_params + 12.0 * model_cfg.num_layers * model_cfg.num_heads * head_dim * seq_len
+    return 6.0 * matmul_params + 12.0 * model_cfg.num_layers * model_cfg.num_heads * head_dim(model_cfg) * seq_len
 
 
 def linear_shapes(model_cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -66,9 +72,9 @@ def linear_shapes(model_cfg: ModelConfig) -> list[tuple[str, int, int]]:
     if model_cfg.arch == "gpt2":
         inter = model_cfg.intermediate_size or 4 * h
         return [("c_attn", h, 3 * h), ("c_proj", h, h), ("c_fc", h, inter), ("c_proj", inter, h)]
-    head_dim = h // model_cfg.num_heads
+    width = head_dim(model_cfg)
     inter = model_cfg.intermediate_size or llama_intermediate_size(h)
-    q, kv = model_cfg.num_heads * head_dim, (model_cfg.num_kv_heads or model_cfg.num_heads) * head_dim
+    q, kv = model_cfg.num_heads * width, (model_cfg.num_kv_heads or model_cfg.num_heads) * width
     return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h), ("gate_proj", h, inter),
             ("up_proj", h, inter), ("down_proj", inter, h)]
 

@@ -2,6 +2,9 @@
 
 Throughput (tokens/s global and per rank), achieved TFLOP/s and MFU, the step breakdown, gradient-sync
 bytes / time / exposure / overlap / bus bandwidth, memory, and scaling efficiency against a baseline.
+
+Throughput counts real tokens only: the micro batches' own count of non-padding tokens, summed over ranks at each
+window, never ``seq_len`` per sequence. ``padding_pct`` is the share of computed positions that were padding.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddptrain.data import BatchPlan
+from ddptrain.data.loader import TokenCount
 from ddptrain.errors import ConfigError
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
 from ddptrain.telemetry.memory import device_memory
@@ -46,9 +51,12 @@ class StepMetrics:
 
     def __init__(
         self, plan: BatchPlan, device: torch.device, flops_per_token: float, peak: float | None,
-        baseline: float | None, sample_every: int | None,
+        baseline: float | None, sample_every: int | None, tokens: TokenCount, tokens_seen: int = 0,
     ) -> None:
         self.plan, self.device = plan, device
+        self.tokens = tokens  # this rank's real and computed positions, counted as the micro batches are drawn
+        self.tokens_seen = tokens_seen  # real tokens trained on by all ranks, up to the last window
+        self._untimed = 0  # this rank's real tokens of steps left out of the windows (compilation)
         self.flops_per_token = flops_per_token
         self.peak = peak if peak is not None else (
             peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -78,13 +86,15 @@ class StepMetrics:
         """The record for the steps since the last window (wall clock, evaluation excluded)."""
         elapsed = self._clock() - self._start
         dp = self.plan.dp
-        tokens_per_s = self.plan.tokens_per_step * self._steps / elapsed
+        real, computed = self._take_tokens()
+        tokens_per_s = real / elapsed
         metrics: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "step_time_s": elapsed / self._steps,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": tokens_per_s / dp,
-            "tokens_seen": self.plan.tokens_per_step * step,
+            "padding_pct": 100.0 * (1 - real / computed) if computed else 0.0,
+            "tokens_seen": self.tokens_seen,
             "tflops_per_rank": self.flops_per_token * tokens_per_s / dp / 1e12,
         }
         if (utilisation := mfu(metrics["tflops_per_rank"], self.peak)) is not None:
@@ -104,6 +114,17 @@ class StepMetrics:
         self._start, self._steps = self._clock(), 0
         self.samples.clear()
         self.timer.window()  # drops the phase times of steps left out of the window
+        self._untimed += self.tokens.take()[0]  # ... and their tokens from its throughput, not from tokens_seen
+
+    def _take_tokens(self) -> tuple[int, int]:
+        """All ranks' (real, computed) token positions since the last take; sync point: one small all-reduce."""
+        counts = torch.tensor([*self.tokens.take(), self._untimed], dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        real, computed, untimed = (int(v) for v in counts.tolist())
+        self.tokens_seen += real + untimed
+        self._untimed = 0
+        return real, computed
 
     def _clock(self) -> float:
         return device_clock(self.device)

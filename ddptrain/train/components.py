@@ -19,13 +19,14 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.choices import DataFormat, computes_in_bf16
+from ddptrain.choices import DataFormat, Precision, computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
+from ddptrain.models.packed_attention import check_packed_attention
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import Wrapped, wrap_model
 from ddptrain.parallel.compile import compile_blocks
@@ -36,6 +37,7 @@ from ddptrain.telemetry.metrics import StepMetrics, load_baseline
 from ddptrain.telemetry.stragglers import StragglerMonitor
 from ddptrain.topology import gather_topology
 from ddptrain.train.control import StopRequest
+from ddptrain.train.loss_scale import LossScaler
 from ddptrain.train.tokens import MicroBatch
 
 log = logging.getLogger("ddptrain")
@@ -66,12 +68,17 @@ class Components:
     stragglers: StragglerMonitor
     stop: StopRequest
     zero_stage: int
+    scaler: LossScaler | None  # train.precision=fp16 only
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def save(self, step: int, wait: bool) -> None:
         """Checkpoint the model, the optimizer and each stateful part's own state after ``step``."""
         position = self.batches.state_dict()
         state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.plan.dp,
-                           self.plan.global_batch_size, self.zero_stage)
+                           self.plan.global_batch_size, self.zero_stage,
+                           self.scaler.state_dict() if self.scaler is not None else None)
         self.checkpointer.save(state, self.model, self.optimizer, wait)
 
 
@@ -92,6 +99,8 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     if cfg.data.format == DataFormat.packed:
         use_causal_attention(model)  # one causal sequence per row: no mask to build, no host read per forward
     model = prepare_for_finetuning(model.to(device), cfg.model)
+    if cfg.data.format == DataFormat.prompt_completion and cfg.data.packing:
+        check_packed_attention(model, data.vocab_size)  # before compiling and wrapping: a bare forward
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
@@ -107,13 +116,17 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
                            data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
-    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
+    scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if cfg.train.precision == Precision.fp16 else None
+    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan, scaler)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
     fpt = (flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None
            else 4.0 * n_params + 2.0 * trainable)
+    token_weighted = cfg.data.format == DataFormat.prompt_completion
+    # Fixed blocks hold seq_len real tokens each, so the tokens before a resumed step are known; variable-length
+    # examples are counted from this run's start only.
     meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
-                        cfg.metrics.sample_every)
+                        cfg.metrics.sample_every, batches.tokens, 0 if token_weighted else plan.tokens_per_step * start)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
@@ -121,11 +134,11 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     return Components(
         plan=plan, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
-        token_weighted=cfg.data.format == DataFormat.prompt_completion, val=val,
+        token_weighted=token_weighted, val=val,
         autocast=autocast_context(cfg.train.precision, device), checkpointer=checkpointer, start=start,
         meter=meter, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
-        stop=StopRequest(cfg.launch.stop_grace_s), zero_stage=cfg.parallel.zero_stage,
+        stop=StopRequest(cfg.launch.stop_grace_s), zero_stage=cfg.parallel.zero_stage, scaler=scaler,
     )
 
 
@@ -139,7 +152,7 @@ def resume_target(configured: str | None) -> str | None:
 
 def resume(
     checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR, batches: MicroBatches, plan: BatchPlan,
+    scheduler: LambdaLR, batches: MicroBatches, plan: BatchPlan, scaler: LossScaler | None = None,
 ) -> int:
     """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
     checkpointer.remove_partial()
@@ -151,6 +164,10 @@ def resume(
     state = checkpointer.load(path, model, optimizer)
     scheduler.load_state_dict(state.scheduler)
     batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
+    if scaler is not None and state.grad_scaler is not None:
+        scaler.load_state_dict(state.grad_scaler)
+    elif scaler is not None:
+        log.warning("the checkpoint has no loss scale (not trained in fp16): starting from the initial scale")
     if state.world_size != plan.dp:
         log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
                     plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
@@ -162,7 +179,10 @@ def resume(
 
 
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
-    """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
+    """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for; fp16 when asked for (with a loss
+    scaler, ``train/loss_scale.py``)."""
+    if precision == Precision.fp16:
+        return torch.autocast(device.type, dtype=torch.float16)
     if not computes_in_bf16(precision, device.type):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)

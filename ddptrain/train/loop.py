@@ -54,7 +54,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             guard = poisoned if poison_loss(step, env.rank) else guard_loss
             try:
                 loss = accumulate_gradients(c.wrapped.module, c.batches, plan.grad_accum, c.wrapped.maybe_sync,
-                                            c.autocast, meter.timer, c.token_weighted, guard)
+                                            c.autocast, meter.timer, c.token_weighted, guard, c.scale_loss)
             except RuntimeError as exc:
                 if cfg.model.checkpoint_reentrant:
                     raise reentrant_failure(exc) from exc
@@ -65,10 +65,15 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             save_step = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
             stopping = 0  # the agreed signal number; 0: go on
             with meter.timer.phase("optimizer"):
+                if c.scaler is not None:
+                    c.scaler.unscale(c.optimizer)  # fp16: true gradients before the norm and clipping
                 grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
                 nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
                 apply_update(c.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
-                nonfinite_steps.record(nonfinite, step)
+                if c.scaler is not None:
+                    c.scaler.update(nonfinite)  # fp16: an overflow is a back-off of the scale, not a nan_policy event
+                else:
+                    nonfinite_steps.record(nonfinite, step)
                 if log_step or save_step or step % cfg.train.check_every == 0:
                     # sync point: one small all-reduce and host read per check, never on the other steps
                     stopping, count, first = agree(c.stop.signum, nonfinite_steps)
@@ -103,6 +108,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             # sync points: the loss mean (an all-reduce), the gradient norm's host read, the straggler gather
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
+            if c.scaler is not None:
+                metrics.update(c.scaler.window())
             metrics.update(c.stragglers.window(metrics))
             if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
                 metrics["val_loss"] = evaluate(model, c.val, c.autocast, device)
@@ -117,6 +124,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     summary["predicted"].update(predict_own_step(summary, cfg.plan, device.type, env.num_nodes))
     if compile_s is not None:
         summary["compile_s"] = compile_s
+    if c.scaler is not None:
+        summary.update(c.scaler.window())  # this rank's final scale and back-offs (the same on every rank)
     if env.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

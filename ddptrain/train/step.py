@@ -25,6 +25,7 @@ def accumulate_gradients(
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
     timer: StepTimer | None = None, token_weighted: bool = False,
     loss_guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
 
@@ -32,11 +33,12 @@ def accumulate_gradients(
     batch. Returns this rank's mean loss over its micro batches. ``token_weighted`` (padded prompt/completion
     batches): the mean over every loss token of the global batch instead (see ``train/tokens.py``).
     ``loss_guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank.
+    ``scale_loss``: fp16's loss scaling before each backward (the returned loss is unscaled).
     """
     phase = timer.phase if timer is not None else (lambda _: nullcontext())
     if token_weighted:
         return accumulate_token_weighted(module, micro_batches, grad_accum, maybe_sync, autocast, phase,
-                                         loss_guard)
+                                         loss_guard, scale_loss)
     loss_sum: torch.Tensor | None = None
     for micro in range(grad_accum):
         with phase("data"):
@@ -45,7 +47,7 @@ def accumulate_gradients(
             with phase("forward"), autocast:
                 loss = loss_guard(module(input_ids=ids, labels=ids, use_cache=False).loss / grad_accum)
             with phase("backward"):
-                loss.backward()
+                scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     assert loss_sum is not None
     return loss_sum
@@ -92,8 +94,8 @@ def evaluate(
 ) -> float:
     """Mean validation loss over every rank's fixed batches (the same batches at every evaluation).
 
-    Packed blocks: the mean of sequence means (every block has as many tokens); padded prompt/completion
-    batches: the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
+    Packed blocks: the mean of sequence means (every block has as many tokens); prompt/completion batches
+    (padded or packed): the mean over their loss tokens. ``device`` is the run's: with CPU offload the parameters sit on
     the CPU while compute and NCCL use the GPU.
     """
     was_training = model.training
@@ -102,7 +104,7 @@ def evaluate(
     for batch in batches:
         if isinstance(batch, dict):
             batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast:  # num_items_in_batch=1: the model returns the summed token loss
+            with autocast:  # num_items_in_batch=1: the model returns the summed token loss; no cache (packing)
                 total[0] += model(**batch, num_items_in_batch=1, use_cache=False).loss.double()
             total[1] += loss_tokens(batch["labels"])
             continue

@@ -38,8 +38,10 @@ def accumulate_token_weighted(
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
     phase: Callable[[str], AbstractContextManager],
     loss_guard: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
-    """Forward/backward over ``grad_accum`` padded micro batches; the synced ``.grad`` is the global token mean.
+    """Forward/backward over ``grad_accum`` padded or packed micro batches; the synced ``.grad`` is the global
+    token mean.
 
     Returns this rank's summed token loss x world_size / total, so that the loop's mean of it over ranks is
     the global batch's token-mean loss: the same quantity whose gradient the optimizer steps on.
@@ -49,6 +51,7 @@ def accumulate_token_weighted(
         total = global_loss_tokens(batches)
     world = dist.get_world_size() if dist.is_initialized() else 1
     # The model's own loss divides its summed token loss by num_items_in_batch; DDP then averages over ranks.
+    # use_cache=False: a KV cache would turn off the detection of packed examples (they would attend to each other).
     per_rank_share = total.clamp(min=1).to(torch.float32) / world
     loss_sum: torch.Tensor | None = None
     for micro, batch in enumerate(batches):
@@ -56,7 +59,7 @@ def accumulate_token_weighted(
             with phase("forward"), autocast:
                 loss = loss_guard(module(**batch, num_items_in_batch=per_rank_share, use_cache=False).loss)
             with phase("backward"):
-                loss.backward()
+                scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     assert loss_sum is not None
     return loss_sum

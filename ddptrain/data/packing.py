@@ -1,0 +1,75 @@
+"""Padding-free micro batches for prompt/completion data: a micro batch's examples packed into few rows.
+
+Each micro batch's examples (the very ones the padded path would batch) are packed best-fit-decreasing into
+rows of at most ``data.seq_len`` tokens. ``position_ids`` restart at 0 for every example, and no attention mask
+is passed: transformers then derives a block-diagonal causal mask from the restarts (sdpa, eager, flex) or runs
+FlashAttention's varlen kernels, so no example attends to another. Two things turn that detection off and let
+attention leak across examples: any 2-D ``attention_mask`` (even all ones) and a KV cache (``use_cache`` left at
+the config default); the training and evaluation forwards pass neither.
+
+Labels are -100 on prompts (as padded) and on each example's first token, so the last token of one example is
+never trained to predict the first of the next; the loss tokens of a micro batch are those of the padded path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddptrain.data.instruct import IGNORE
+
+REAL_TOKENS = "real_tokens"  # a collate's count of the non-padding tokens it holds; popped before the forward
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins of at most ``capacity``: longest first, each into the fullest
+    bin it still fits (a new bin if none). Deterministic: ties keep the original order."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"an example of {lengths[i]} tokens exceeds the row capacity of {capacity}")
+        fits = [b for b, room in enumerate(free) if room >= lengths[i]]
+        if fits:
+            best = min(fits, key=lambda b: free[b])
+            bins[best].append(i)
+            free[best] -= lengths[i]
+        else:
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return bins
+
+
+@dataclass(frozen=True)
+class PackCollate:
+    """Packs one micro batch's examples into rows of at most ``seq_len`` tokens, padded to the fullest row.
+
+    Returns ``input_ids``, ``position_ids`` and ``labels`` (no ``attention_mask``), and the count of real tokens
+    under ``REAL_TOKENS``. A row's padding tail is a segment of its own (positions from 0, labels -100).
+    """
+
+    pad_id: int
+    seq_len: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(r["input_ids"]) for r in rows]
+        bins = best_fit_decreasing(lengths, self.seq_len)
+        width = max(sum(lengths[i] for i in b) for b in bins)
+        ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(bins), width), IGNORE, dtype=torch.long)
+        positions = torch.zeros((len(bins), width), dtype=torch.long)
+        for r, members in enumerate(bins):
+            start = 0
+            for i in members:
+                n = lengths[i]
+                ids[r, start : start + n] = torch.as_tensor(rows[i]["input_ids"])
+                labels[r, start : start + n] = torch.as_tensor(rows[i]["labels"])
+                labels[r, start] = IGNORE  # the previous example's last token must not learn to predict it
+                positions[r, start : start + n] = torch.arange(n)
+                start += n
+            positions[r, start:] = torch.arange(width - start)
+        return {"input_ids": ids, "position_ids": positions, "labels": labels,
+                REAL_TOKENS: torch.tensor(sum(lengths))}
