@@ -132,7 +132,8 @@ def _json_lines(path: Path, field: str) -> Iterator[object]:
                 raise ConfigError(f"data.paths: {path}: line {number} is not a JSON object ({exc.msg}); expected "
                                   "JSON Lines, one record per line") from exc
             if not isinstance(record, dict) or field not in record:
-                raise ConfigError(f"data.text_field={field!r}: not a field of {path} (line {number})")
+                keys = list(record) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(f"data.text_field={field!r}: not a column of {path} (line {number} has {keys})")
             yield record[field]
 
 

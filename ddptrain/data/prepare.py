@@ -87,9 +87,10 @@ def _prepare(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int,
         writers[split] = ShardWriter(target, split, dtype, eos, shard_tokens, len(done),
                                      done[-1].end_document if done else 0)
     resume_at = min(w.next_document for w in writers.values())
-    if resume_at:
-        log.info("continuing the preparation of %s after document %d (%d train and %d validation shards were "
-                 "finished)", target, resume_at, writers["train"].index, writers["val"].index)
+    if any(w.index for w in writers.values()):
+        log.info("continuing the preparation of %s: %d train shards (documents before %d) and %d validation shards "
+                 "(before %d) were finished", target, writers["train"].index, writers["train"].next_document,
+                 writers["val"].index, writers["val"].next_document)
     progress = Progress(target, corpus.size_hint)
     log.info("preparing %s on %d worker process%s: about %.0f MB of text", target, num_proc,
              "es" if num_proc > 1 else "", corpus.size_hint / 1e6)

@@ -119,6 +119,12 @@ def shard_path(directory: Path, prefix: str, index: int) -> Path:
     return directory / f"{prefix}-{index:05d}.bin"
 
 
+def open_tokens(shard: ShardInfo) -> np.memmap:
+    """The shard's token ids, memory-mapped read-only (nothing is read until used)."""
+    return np.memmap(shard.path, dtype=np.dtype(f"<u{shard.itemsize}"), mode="r", offset=HEADER_BYTES,
+                     shape=(shard.tokens,))
+
+
 def finished_shards(directory: Path, prefix: str) -> list[ShardInfo]:
     """The complete shards of a split, in order (each header checked)."""
     out = []
@@ -154,8 +160,7 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def maps(self) -> list[np.memmap]:
         if self._maps is None:
-            self._maps = [np.memmap(s.path, dtype=np.dtype(f"<u{s.itemsize}"), mode="r", offset=HEADER_BYTES,
-                                    shape=(s.tokens,)) for s in self.shards]
+            self._maps = [open_tokens(s) for s in self.shards]
         return self._maps
 
     def __getstate__(self) -> dict[str, object]:
