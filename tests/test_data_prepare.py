@@ -21,7 +21,7 @@ from ddptrain.data import build_token_data
 from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
-from ddptrain.data.shards import TokenWindows, finished_shards, open_tokens
+from ddptrain.data.shards import finished_shards, open_tokens
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from tests.cli import test_env
@@ -186,7 +186,7 @@ def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Pa
                              env=test_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(3)]
     outs = [job.communicate(timeout=300) for job in jobs]
-    for job, (out, err) in zip(jobs, outs, strict=True):
+    for job, (_, err) in zip(jobs, outs, strict=True):
         assert job.returncode == 0, err[-2000:]
     assert len({out.strip() for out, _ in outs}) == 1 and outs[0][0].startswith("ok")
     assert len(list(cache.glob("tokens-*/DONE.json"))) == 1 and len(list(cache.glob("bpe-*/tokenizer.json"))) == 1
