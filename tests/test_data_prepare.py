@@ -14,14 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from transformers import PreTrainedTokenizerFast
 
 from ddptrain.config import DataConfig
-from ddptrain.data import build_token_data
+from ddptrain.data import BatchPlan, build_token_data
 from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
 from ddptrain.data.shards import finished_shards, open_tokens
+from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from tests.cli import test_env
@@ -163,7 +165,7 @@ RACE = textwrap.dedent("""
     import logging, sys, time
     from ddptrain.config import DataConfig
     if __name__ == "__main__":
-        from ddptrain.data import build_token_data
+        from ddptrain.data import BatchPlan, build_token_data
         logging.basicConfig(level=logging.INFO)
         start = float(sys.argv[3])
         time.sleep(max(0.0, start - time.time()))
@@ -193,3 +195,37 @@ def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Pa
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
     # one job prepared, the others waited for it and reused its shards
     assert sum(err.count("prepared:") for _, err in outs) == 1
+
+
+def _streamed(tmp_path: Path, rank: int = 0, dp: int = 1) -> StreamedBatches:
+    tok_dir = tmp_path / "tok"
+    if not tok_dir.is_dir():
+        train_bpe(DOCS, 300).save_pretrained(str(tok_dir))
+    small = tmp_path / "small" / "corpus.jsonl"
+    if not small.is_file():
+        small.parent.mkdir()
+        _jsonl(small.parent, DOCS[:24])
+    cfg = _cfg(tmp_path, streaming=True, tokenizer=str(tok_dir), paths=[str(small)])
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    return StreamedBatches(cfg, tok, BatchPlan.derive(2 * dp, 2, None, dp, 16), rank, torch.device("cpu"))
+
+
+def test_a_streamed_run_resumes_exactly_on_the_same_world_size_and_refuses_another(tmp_path: Path) -> None:
+    straight = _streamed(tmp_path)
+    seen = [next(straight) for _ in range(40)]
+    assert straight.epoch == 1  # 1280 tokens: past the first epoch (about 1000 training tokens)
+    interrupted = _streamed(tmp_path)
+    first = [next(interrupted) for _ in range(13)]
+    state = interrupted.state_dict()
+    assert json.loads(state["stream"])[0]["pending"]  # a document's tokens are split over the checkpoint
+    resumed = _streamed(tmp_path)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # plain ints and strings survive any serializer
+    rest = [next(resumed) for _ in range(27)]
+    assert all(torch.equal(a, b) for a, b in zip(first + rest, seen, strict=True))
+    # the windows are the documents' ids each followed by EOS, in stream order (validation documents held out)
+    tok = resumed.tok
+    train_docs = [d for i, d in enumerate(DOCS[:24]) if not is_validation(i, 0.1)]
+    ids = [t for d in train_docs for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    assert torch.cat([b.flatten() for b in seen[:10]]).tolist() == ids[: 10 * 32]
+    with pytest.raises(ConfigError, match=r"reader positions are for 1 ranks and this run has 2; .* resume on 1"):
+        _streamed(tmp_path, rank=0, dp=2).load_state_dict(state)

@@ -49,6 +49,7 @@ class TrainState:
     world_size: int
     global_batch_size: int
     zero_stage: int
+    stream: str | None = None  # data.streaming=true: every rank's reader position, as JSON text
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

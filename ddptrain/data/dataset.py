@@ -22,6 +22,7 @@ from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_finger
 from ddptrain.errors import ConfigError
 
 FORMAT_VERSION = 2  # bump when the shard layout changes, to invalidate old caches
+VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the stream's first validation documents
 
 
 @dataclass
@@ -44,6 +45,8 @@ def build_token_data(cfg: DataConfig) -> TokenData:
         return build_instruct_data(cfg)
     if cfg.source == "synthetic":
         return synthetic_data(cfg)
+    if cfg.streaming:
+        return streamed_data(cfg)
     refuse_in_worker()
     corpus = load_corpus(cfg)
     cache_root = Path(cfg.cache_dir)
@@ -66,6 +69,16 @@ def build_token_data(cfg: DataConfig) -> TokenData:
                 f"(data.max_documents) or a larger data.val_fraction"
             )
     return TokenData(train, val, len(tok), tok)
+
+
+def streamed_data(cfg: DataConfig) -> TokenData:
+    """data.streaming=true: nothing is prepared; training reads through ``StreamedBatches``, and validation is
+    the first validation documents' windows (``train`` is empty here)."""
+    from ddptrain.data.streaming import streamed_validation
+
+    assert cfg.tokenizer is not None  # the schema requires one with streaming
+    tok = load_tokenizer(cfg.tokenizer)
+    return TokenData([], streamed_validation(cfg, tok, VAL_WINDOWS), len(tok), tok)
 
 
 def num_proc(cfg: DataConfig) -> int:

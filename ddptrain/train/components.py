@@ -22,6 +22,7 @@ from ddptrain.checkpoint import Checkpointer, TrainState
 from ddptrain.choices import DataFormat, computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
+from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
@@ -53,7 +54,7 @@ class Components:
     flops_per_token: float
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
-    batches: MicroBatches  # this rank's endless stream of training micro batches
+    batches: MicroBatches | StreamedBatches  # this rank's endless stream of training micro batches
     token_weighted: bool  # padded prompt/completion batches: the loss is the mean over loss tokens
     val: list[torch.Tensor | MicroBatch]  # this rank's fixed validation batches
     autocast: AbstractContextManager
@@ -70,7 +71,7 @@ class Components:
         """Checkpoint the model, the optimizer and each stateful part's own state after ``step``."""
         position = self.batches.state_dict()
         state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.plan.dp,
-                           self.plan.global_batch_size, self.zero_stage)
+                           self.plan.global_batch_size, self.zero_stage, position.get("stream"))
         self.checkpointer.save(state, self.model, self.optimizer, wait)
 
 
@@ -99,8 +100,12 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     seed_everything(cfg.train.seed + env.rank)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
-                           data.collate)
+    batches: MicroBatches | StreamedBatches
+    if cfg.data.streaming:
+        batches = StreamedBatches(cfg.data, data.tokenizer, plan, env.rank, device)
+    else:
+        batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
+                               device, data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
@@ -134,7 +139,7 @@ def resume_target(configured: str | None) -> str | None:
 
 def resume(
     checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR, batches: MicroBatches, plan: BatchPlan,
+    scheduler: LambdaLR, batches: MicroBatches | StreamedBatches, plan: BatchPlan,
 ) -> int:
     """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
     checkpointer.remove_partial()
@@ -145,7 +150,7 @@ def resume(
         return 0
     state = checkpointer.load(path, model, optimizer)
     scheduler.load_state_dict(state.scheduler)
-    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
+    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch, "stream": state.stream})
     if state.world_size != plan.dp:
         log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
                     plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
