@@ -27,6 +27,8 @@ from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from tests.cli import test_env
+from tests.dist import run_distributed
+from tests.runs import train_each
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 7)}\n" * (1 + i % 5) for i in range(120)]
 
@@ -229,3 +231,21 @@ def test_a_streamed_run_resumes_exactly_on_the_same_world_size_and_refuses_anoth
     assert torch.cat([b.flatten() for b in seen[:10]]).tolist() == ids[: 10 * 32]
     with pytest.raises(ConfigError, match=r"reader positions are for 1 ranks and this run has 2; .* resume on 1"):
         _streamed(tmp_path, rank=0, dp=2).load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(tmp_path: Path) -> None:
+    """Through the real loop and checkpoint on 2 ranks: the resumed run's losses equal the uninterrupted run's."""
+    tok_dir = tmp_path / "tok"
+    train_bpe(DOCS, 300).save_pretrained(str(tok_dir))
+    base = {
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+        "data": {"source": "files", "paths": [str(_jsonl(tmp_path))], "streaming": True, "tokenizer": str(tok_dir),
+                 "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2, "val_fraction": 0.1},
+        "train": {"steps": 4, "log_every": 1, "eval_every": 2},
+        "checkpoint": {"every_n_steps": 2},
+    }
+    resumed_from = str(tmp_path / "w2-run0" / "checkpoints" / "step_000002")
+    runs = run_distributed(train_each, 2, str(tmp_path), base, [{}, {"train": {"resume": resumed_from}}])[0]
+    straight, resumed = ([m["loss"] for m in run["metrics"] if "loss" in m] for run in runs)
+    assert len(straight) == 4 and straight[2:] == resumed
