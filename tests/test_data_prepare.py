@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -21,6 +23,8 @@ from ddptrain.config import DataConfig
 from ddptrain.data import BatchPlan, build_token_data
 from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
+from ddptrain.data.dataset import split_documents
+from ddptrain.data.instruct import encode, generated_instructions
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
 from ddptrain.data.shards import finished_shards, open_tokens
 from ddptrain.data.streaming import StreamedBatches
@@ -249,3 +253,21 @@ def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(t
     runs = run_distributed(train_each, 2, str(tmp_path), base, [{}, {"train": {"resume": resumed_from}}])[0]
     straight, resumed = ([m["loss"] for m in run["metrics"] if "loss" in m] for run in runs)
     assert len(straight) == 4 and straight[2:] == resumed
+
+
+def test_prompt_completion_records_stream_into_cached_rows_equal_to_encoding_the_list(tmp_path: Path) -> None:
+    records = generated_instructions(120)
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"q": p, "a": c}) + "\n" for p, c in records))
+    pq.write_table(pa.table({"q": [p for p, _ in records], "a": [c for _, c in records]}), tmp_path / "pc.parquet")
+    tok_dir = tmp_path / "tok"
+    train_bpe([f"{p} {c}" for p, c in records], 320).save_pretrained(str(tok_dir))
+    for name in ("pc.jsonl", "pc.parquet"):
+        cfg = DataConfig(source="files", paths=[str(tmp_path / name)], format="prompt_completion", prompt_field="q",
+                         completion_field="a", tokenizer=str(tok_dir), cache_dir=str(tmp_path / "cache"),
+                         seq_len=24, val_fraction=0.1)
+        data = build_token_data(cfg)
+        assert data.train.cache_files  # Arrow files in data.cache_dir, memory-mapped: not rows held in memory
+        train, val = split_documents(records, 0.1)
+        tok = data.tokenizer
+        for got, want in ((data.train, encode(train, tok, cfg)), (data.val, encode(val, tok, cfg))):
+            assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"], name

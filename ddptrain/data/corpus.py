@@ -106,7 +106,7 @@ def _files_corpus(cfg: DataConfig) -> Corpus:
     for p in cfg.paths:
         st = Path(p).stat()
         digest.update(f"{Path(p).absolute()}:{st.st_size}:{st.st_mtime_ns}:{cfg.text_field}".encode())
-    reader = {"text": _text_file, "json": _json_lines, "parquet": _parquet_column}[kind]
+    reader = _text_file if kind == "text" else _field_of
 
     def documents() -> Iterator[str]:
         return _capped((t for p in cfg.paths for t in reader(Path(p), cfg.text_field)), cfg)
@@ -120,8 +120,12 @@ def _text_file(path: Path, _field: str) -> Iterator[str]:
     yield path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _json_lines(path: Path, field: str) -> Iterator[object]:
-    """One JSON object per line; ``field`` of each."""
+def records_of(path: Path, columns: list[str]) -> Iterator[dict[str, object]]:
+    """The records of a JSON Lines or parquet file, one at a time (parquet: only ``columns``, read in Arrow
+    record batches)."""
+    if FILE_LOADERS[path.suffix.lower()] == "parquet":
+        yield from _parquet_records(path, columns)
+        return
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -131,24 +135,32 @@ def _json_lines(path: Path, field: str) -> Iterator[object]:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"data.paths: {path}: line {number} is not a JSON object ({exc.msg}); expected "
                                   "JSON Lines, one record per line") from exc
-            if not isinstance(record, dict) or field not in record:
-                keys = list(record) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(f"data.text_field={field!r}: not a column of {path} (line {number} has {keys})")
-            yield record[field]
+            if not isinstance(record, dict):
+                raise ConfigError(f"data.paths: {path}: line {number} is a {type(record).__name__}, expected a "
+                                  "JSON object per line")
+            yield record
 
 
-def _parquet_column(path: Path, field: str, batch_rows: int = 1024) -> Iterator[object]:
-    """The column ``field``, one Arrow record batch at a time."""
+def _parquet_records(path: Path, columns: list[str], batch_rows: int = 1024) -> Iterator[dict[str, object]]:
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:
         raise ConfigError(f"data.paths: {path}: cannot read as parquet: {flat(str(exc), 200)}") from exc
-    if field not in parquet.schema_arrow.names:
-        raise ConfigError(f"data.text_field={field!r}: not a column of {path}; columns: {parquet.schema_arrow.names}")
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=[field]):
-        yield from batch.column(0).to_pylist()
+    present = [c for c in columns if c in parquet.schema_arrow.names]
+    if len(present) < len(columns):  # a record without the column: the caller names the key
+        yield {name: None for name in parquet.schema_arrow.names}
+        return
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):
+        yield from batch.to_pylist()
+
+
+def _field_of(path: Path, field: str) -> Iterator[object]:
+    for record in records_of(path, [field]):
+        if field not in record:
+            raise ConfigError(f"data.text_field={field!r}: not a column of {path}; columns: {sorted(record)}")
+        yield record[field]
 
 
 def _text_bytes(path: Path, kind: str, field: str) -> int:

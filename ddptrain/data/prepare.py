@@ -49,6 +49,11 @@ def is_validation(index: int, val_fraction: float) -> bool:
     return index % stride == stride // 2
 
 
+def first_validation_index(val_fraction: float) -> int:
+    """The first index ``is_validation`` holds out: a stream no longer than this has no validation document."""
+    return max(2, round(1 / val_fraction)) // 2
+
+
 def prepared_shards(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int, eos: int,
                     val_fraction: float, shard_tokens: int, num_proc: int,
                     timeout_s: float) -> dict[str, list[ShardInfo]]:
