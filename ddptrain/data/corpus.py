@@ -147,7 +147,7 @@ def _parquet_records(path: Path, columns: list[str], batch_rows: int = 1024) -> 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:
-        raise ConfigError(f"data.paths: {path}: cannot read as parquet: {flat(str(exc), 200)}") from exc
+        raise ConfigError(f"data.paths: cannot read as parquet: {path}: {flat(str(exc), 200)}") from exc
     present = [c for c in columns if c in parquet.schema_arrow.names]
     if len(present) < len(columns):  # a record without the column: the caller names the key
         yield {name: None for name in parquet.schema_arrow.names}
