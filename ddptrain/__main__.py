@@ -1,3 +1,4 @@
-from ddptrain.cli import main
+if __name__ == "__main__":  # tokenizer workers are spawned and import this module again: no second run there
+    from ddptrain.cli import main
 
-main()
+    main()

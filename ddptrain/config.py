@@ -133,7 +133,11 @@ class DataConfig:
     cache_dir: str = "${oc.env:DDPTRAIN_CACHE_DIR,${oc.env:HOME,.}/.cache/ddptrain}"
     shuffle: bool = True
     num_workers: int = 0
-    prepare_timeout_s: float = 3600.0  # how long other ranks wait for rank 0 to tokenize into cache_dir
+    prepare_timeout_s: float = 3600.0  # how long other ranks (and other jobs) wait for the data to be prepared
+    num_proc: int | None = None  # worker processes tokenizing the corpus; None: the cores available
+    shard_tokens: int = 1 << 27  # tokens per shard file of the prepared cache (256 MiB at uint16)
+    streaming: bool = False  # tokenize on the fly while training (files/hub): nothing prepared, resumes on the same dp
+    tokenizer_sample_mb: float = 64.0  # text the BPE trains on (the first MB of training documents) when tokenizer=None
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size"):
@@ -149,6 +153,15 @@ class DataConfig:
                  "data.name: expected a hub data set name for data.source=hub")
         _require(self.prepare_timeout_s > 0,
                  f"data.prepare_timeout_s={self.prepare_timeout_s}: expected a positive number of seconds")
+        _require(self.num_proc is None or self.num_proc >= 1,
+                 f"data.num_proc={self.num_proc}: expected a positive number of processes (or null: every core)")
+        _require(not self.streaming or (self.source in (DataSource.files, DataSource.hub)
+                                        and self.format == DataFormat.packed and self.tokenizer is not None),
+                 "data.streaming=true: expected data.source=files or hub, data.format=packed and a data.tokenizer "
+                 "(a BPE trained here would need a pass over the data first)")
+        _require(self.shard_tokens >= 1, f"data.shard_tokens={self.shard_tokens}: expected a positive number of tokens")
+        _require(self.tokenizer_sample_mb > 0,
+                 f"data.tokenizer_sample_mb={self.tokenizer_sample_mb}: expected a positive size in MB")
 
 
 @dataclass

@@ -64,6 +64,9 @@ IN_PROCESS = [
      "model.pretrained=outputs/none/model: no such model directory; make a small base model with: "
      "ddptrain +experiment=quickstart hydra.run.dir=outputs/quickstart"),
     (["data=instruct"], "data.tokenizer: prompt_completion data needs the model's own tokenizer"),
+    (["data.num_proc=0"], "data.num_proc=0: expected a positive number of processes"),
+    (["data.streaming=true"], "data.streaming=true: expected data.source=files or hub, data.format=packed and a "
+                              "data.tokenizer"),
 ]
 
 

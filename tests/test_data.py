@@ -14,7 +14,7 @@ from datasets import Dataset
 from ddptrain.compose import build_config
 from ddptrain.config import DataConfig
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, validate_source
-from ddptrain.data.dataset import pack_batch, split_documents
+from ddptrain.data.dataset import split_documents
 from ddptrain.errors import ConfigError
 
 
@@ -35,11 +35,6 @@ def test_validation_documents_are_held_out_whole() -> None:
     train, val = split_documents(docs, 0.05)
     assert len(val) == 10 and not set(train) & set(val) and len(train) + len(val) == 200
     assert split_documents(docs, 0.05) == (train, val)
-
-
-def test_packing_concatenates_documents_into_full_blocks() -> None:
-    out = pack_batch({"ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}, seq_len=4)
-    assert out["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
 def _stream(dataset: Dataset, rank: int, dp: int = 2) -> MicroBatches:
@@ -82,7 +77,7 @@ def test_local_text_jsonl_and_parquet_files_train_a_tokenizer_and_pack(tmp_path:
         data = build_token_data(cfg)
         assert len(data.train) > 0 and len(data.val) > 0, name
         assert data.train[0]["input_ids"].shape == (16,)
-        ids = data.train[:]["input_ids"]
+        ids = torch.stack([data.train[i]["input_ids"] for i in range(len(data.train))])
         assert int(ids.max()) < data.vocab_size <= 300
         assert data.tokenizer is not None and "return x" in data.tokenizer.decode(ids[:4].flatten())
 

@@ -51,6 +51,7 @@ class TrainState:
     global_batch_size: int
     zero_stage: int
     grad_scaler: dict[str, Any] | None = None  # train.precision=fp16: the loss scale and its growth tracker
+    stream: str | None = None  # data.streaming=true: every rank's reader position, as JSON text
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

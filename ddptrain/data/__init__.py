@@ -1,4 +1,4 @@
-"""Corpus -> tokenizer -> packed data set -> per-rank micro batches; the batch arithmetic.
+"""Corpus -> tokenizer -> token shards (or a stream) -> per-rank micro batches; the batch arithmetic.
 
 The batch arithmetic and the source check need no data library, so they import none: the launcher process
 checks a config without loading ``datasets`` and ``transformers`` (seconds per process). The data set and the

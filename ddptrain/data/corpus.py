@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
+import json
 import os
 import sysconfig
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +25,12 @@ _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "
 
 @dataclass
 class Corpus:
-    documents: list[str]
+    """A corpus read as a stream: ``documents()`` yields its non-empty texts in a fixed order, one bounded batch of
+    records at a time (Arrow record batches, JSON lines, one file), never the whole column."""
+
+    documents: Callable[[], Iterator[str]]
     fingerprint: str  # changes whenever the documents could have changed
+    size_hint: int  # about how many bytes of text it holds (for progress and ETA); 0 when unknown
 
 
 def validate_source(cfg: DataConfig) -> None:
@@ -72,33 +79,105 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     raise ConfigError(f"data.source={cfg.source!r} has no documents")
 
 
+def _capped(texts: Iterable[object], cfg: DataConfig) -> Iterator[str]:
+    """Non-empty strings only, at most ``data.max_documents`` of them."""
+    kept = (t for t in texts if isinstance(t, str) and t.strip())
+    return itertools.islice(kept, cfg.max_documents)
+
+
 def _stdlib_corpus(cfg: DataConfig) -> Corpus:
     files = stdlib_files()[: cfg.max_documents]
     if not files:
         raise ConfigError(f"data.source=stdlib_code: no .py files under {sysconfig.get_paths()['stdlib']}")
     digest = hashlib.sha256()
-    docs = []
-    for path in files:
-        data = path.read_bytes()
-        digest.update(f"{path.name}:{len(data)}".encode())
-        docs.append(data.decode("utf-8", errors="replace"))
-    return Corpus(docs, digest.hexdigest()[:16])
+    sizes = [p.stat().st_size for p in files]
+    for path, size in zip(files, sizes, strict=True):
+        digest.update(f"{path.name}:{size}".encode())
+
+    def documents() -> Iterator[str]:
+        return _capped((p.read_bytes().decode("utf-8", errors="replace") for p in files), cfg)
+
+    return Corpus(documents, digest.hexdigest()[:16], sum(sizes))
 
 
 def _files_corpus(cfg: DataConfig) -> Corpus:
-    from datasets import load_dataset
-
     kind = FILE_LOADERS[Path(cfg.paths[0]).suffix.lower()]
-    extra = {"sample_by": "document"} if kind == "text" else {}
-    try:
-        ds = load_dataset(kind, data_files=[str(Path(p).absolute()) for p in cfg.paths], split="train", **extra)
-    except Exception as exc:
-        raise ConfigError(f"data.paths: cannot read as {kind}: {flat(str(exc), 200)}") from exc
     digest = hashlib.sha256()
     for p in cfg.paths:
         st = Path(p).stat()
         digest.update(f"{Path(p).absolute()}:{st.st_size}:{st.st_mtime_ns}:{cfg.text_field}".encode())
-    return Corpus(_text_column(ds, cfg, f"data.paths ({', '.join(cfg.paths)})"), digest.hexdigest()[:16])
+    reader = _text_file if kind == "text" else _field_of
+
+    def documents() -> Iterator[str]:
+        return _capped((t for p in cfg.paths for t in reader(Path(p), cfg.text_field)), cfg)
+
+    return Corpus(documents, digest.hexdigest()[:16], sum(_text_bytes(Path(p), kind, cfg.text_field)
+                                                          for p in cfg.paths))
+
+
+def _text_file(path: Path, _field: str) -> Iterator[str]:
+    """A .txt file is one document."""
+    yield path.read_bytes().decode("utf-8", errors="replace")
+
+
+def records_of(path: Path, columns: list[str]) -> Iterator[dict[str, object]]:
+    """The records of a JSON Lines or parquet file, one at a time (parquet: only ``columns``, read in Arrow
+    record batches)."""
+    if FILE_LOADERS[path.suffix.lower()] == "parquet":
+        yield from _parquet_records(path, columns)
+        return
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"data.paths: {path}: line {number} is not a JSON object ({exc.msg}); expected "
+                                  "JSON Lines, one record per line") from exc
+            if not isinstance(record, dict):
+                raise ConfigError(f"data.paths: {path}: line {number} is a {type(record).__name__}, expected a "
+                                  "JSON object per line")
+            yield record
+
+
+def _parquet_records(path: Path, columns: list[str], batch_rows: int = 1024) -> Iterator[dict[str, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:
+        raise ConfigError(f"data.paths: cannot read as parquet: {path}: {flat(str(exc), 200)}") from exc
+    present = [c for c in columns if c in parquet.schema_arrow.names]
+    if len(present) < len(columns):  # a record without the column: the caller names the key
+        yield {name: None for name in parquet.schema_arrow.names}
+        return
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):
+        yield from batch.to_pylist()
+
+
+def _field_of(path: Path, field: str) -> Iterator[object]:
+    for record in records_of(path, [field]):
+        if field not in record:
+            raise ConfigError(f"data.text_field={field!r}: not a column of {path}; columns: {sorted(record)}")
+        yield record[field]
+
+
+def _text_bytes(path: Path, kind: str, field: str) -> int:
+    """About how many bytes of text a file holds: its size, or a parquet column's uncompressed size."""
+    if kind != "parquet":
+        return path.stat().st_size
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError; reading it later names the file
+        return path.stat().st_size
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if field not in names:
+        return path.stat().st_size
+    column = names.index(field)
+    return sum(meta.row_group(g).column(column).total_uncompressed_size for g in range(meta.num_row_groups))
 
 
 def _hub_corpus(cfg: DataConfig) -> Corpus:
@@ -110,14 +189,13 @@ def _hub_corpus(cfg: DataConfig) -> Corpus:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else type(exc).__name__
         raise ConfigError(f"data.name={cfg.name}: cannot load the hub data set ({why})") from exc
-    digest = hashlib.sha256(f"{cfg.name}:{cfg.subset}:{cfg.split}:{ds._fingerprint}".encode())
-    return Corpus(_text_column(ds, cfg, f"data.name={cfg.name}"), digest.hexdigest()[:16])
-
-
-def _text_column(ds, cfg: DataConfig, what: str) -> list[str]:
     if cfg.text_field not in ds.column_names:
-        raise ConfigError(f"data.text_field={cfg.text_field!r}: not a column of {what}; columns: {ds.column_names}")
-    docs = [t for t in ds[cfg.text_field][: cfg.max_documents] if isinstance(t, str) and t.strip()]
-    if not docs:
-        raise ConfigError(f"{what}: no non-empty text in column {cfg.text_field!r}")
-    return docs
+        raise ConfigError(f"data.text_field={cfg.text_field!r}: not a column of data.name={cfg.name}; columns: "
+                          f"{ds.column_names}")
+    digest = hashlib.sha256(f"{cfg.name}:{cfg.subset}:{cfg.split}:{ds._fingerprint}".encode())
+
+    def documents() -> Iterator[str]:  # the prepared Arrow files are memory-mapped: batches, not the column
+        return _capped((t for b in ds.select_columns([cfg.text_field]).iter(batch_size=1024)
+                        for t in b[cfg.text_field]), cfg)
+
+    return Corpus(documents, digest.hexdigest()[:16], int(ds.data.nbytes))

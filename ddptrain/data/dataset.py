@@ -1,33 +1,34 @@
-"""Token data sets: documents -> tokens -> packed ``seq_len`` blocks, split into train and validation, cached."""
+"""Token data sets: documents -> token shards (cached) -> ``seq_len`` windows, split into train and validation."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
-import shutil
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from datasets import Dataset, disable_progress_bars, load_from_disk
+from datasets import Dataset, disable_progress_bars
 from transformers import PreTrainedTokenizerBase
 
 from ddptrain.choices import DataFormat
 from ddptrain.config import DataConfig
-from ddptrain.data.corpus import load_corpus
+from ddptrain.data.corpus import Corpus, load_corpus
+from ddptrain.data.prepare import is_validation, prepared_shards, refuse_in_worker
+from ddptrain.data.shards import TokenWindows
 from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_fingerprint
 from ddptrain.errors import ConfigError
 
-FORMAT_VERSION = 1  # bump when the packing changes, to invalidate old caches
-log = logging.getLogger(__name__)
+FORMAT_VERSION = 2  # bump when the shard layout changes, to invalidate old caches
+VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the stream's first validation documents
 
 
 @dataclass
 class TokenData:
-    train: Dataset  # column input_ids: seq_len token ids per row
-    val: Dataset
+    train: Any  # a map-style data set: item i is {"input_ids": seq_len ids} (packed) or a prompt/completion row
+    val: Any
     vocab_size: int  # ids are < vocab_size
     tokenizer: PreTrainedTokenizerBase | None  # None for synthetic data
     # prompt/completion data: builds a micro batch from rows of different lengths, packed (input_ids,
@@ -37,7 +38,7 @@ class TokenData:
 
 
 def build_token_data(cfg: DataConfig) -> TokenData:
-    """The data set named by ``cfg``. Real corpora are tokenized once and reused from ``data.cache_dir``."""
+    """The data set named by ``cfg``. Real corpora are tokenized once into ``data.cache_dir`` and read from there."""
     disable_progress_bars()
     if cfg.format == DataFormat.prompt_completion:
         from ddptrain.data.instruct import build_instruct_data
@@ -45,66 +46,66 @@ def build_token_data(cfg: DataConfig) -> TokenData:
         return build_instruct_data(cfg)
     if cfg.source == "synthetic":
         return synthetic_data(cfg)
+    if cfg.streaming:
+        return streamed_data(cfg)
+    refuse_in_worker()
     corpus = load_corpus(cfg)
-    train_docs, val_docs = split_documents(corpus.documents, cfg.val_fraction)
     cache_root = Path(cfg.cache_dir)
     if cfg.tokenizer is None:
-        bpe_dir = _writable(cache_root) / f"bpe-{corpus.fingerprint}-{cfg.vocab_size}"
-        tok = cached_bpe(train_docs, cfg.vocab_size, bpe_dir)
+        bpe_dir = cache_root / f"bpe-{corpus.fingerprint}-{cfg.vocab_size}-sample{cfg.tokenizer_sample_mb:g}mb"
+        tok = cached_bpe(lambda: bpe_sample(corpus, cfg), cfg.vocab_size, bpe_dir, cfg.prepare_timeout_s)
     else:
         tok = load_tokenizer(cfg.tokenizer)
     key = hashlib.sha256(
-        f"{FORMAT_VERSION}:{corpus.fingerprint}:{tokenizer_fingerprint(tok)}:{cfg.seq_len}:{cfg.val_fraction}".encode()
+        f"{FORMAT_VERSION}:{corpus.fingerprint}:{tokenizer_fingerprint(tok)}:{cfg.val_fraction}".encode()
     ).hexdigest()[:16]
-    target = cache_root / f"packed-{key}"
-    if not (target / "DONE").is_file():
-        log.info("tokenizing %d documents into %d-token blocks, cached in %s", len(corpus.documents), cfg.seq_len,
-                 target)
-        _write_packed(target, tok, train_docs, val_docs, cfg.seq_len)
-    train, val = load_from_disk(str(target / "train")), load_from_disk(str(target / "val"))
-    return TokenData(train.with_format("torch"), val.with_format("torch"), len(tok), tok)
-
-
-def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """A fixed, spread-out share of whole documents for validation (no block straddles the split)."""
-    stride = max(2, round(1 / val_fraction))
-    val = docs[stride // 2 :: stride] or docs[-1:]
-    train = [d for i, d in enumerate(docs) if i % stride != stride // 2] if len(docs) > 1 else docs
-    return train, val
-
-
-def tokenize_batch(batch: dict[str, list[str]], tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:
-    eos = tokenizer.eos_token_id
-    ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-    return {"ids": [[*x, eos] for x in ids]}
-
-
-def pack_batch(batch: dict[str, list[list[int]]], seq_len: int) -> dict[str, list[list[int]]]:
-    """Concatenate documents (each ended by EOS) and cut into full blocks; the short tail is dropped."""
-    flat = np.fromiter((t for doc in batch["ids"] for t in doc), dtype=np.int32)
-    n = len(flat) // seq_len
-    return {"input_ids": flat[: n * seq_len].reshape(n, seq_len).tolist()}
-
-
-def _write_packed(
-    target: Path, tok: PreTrainedTokenizerBase, train_docs: list[str], val_docs: list[str], seq_len: int
-) -> None:
-    tmp = _writable(target.with_name(target.name + ".tmp"))
-    for name, docs in (("train", train_docs), ("val", val_docs)):
-        ds = Dataset.from_dict({"text": docs})
-        ds = ds.map(tokenize_batch, batched=True, remove_columns=["text"], fn_kwargs={"tokenizer": tok},
-                    new_fingerprint=f"{target.name}-{name}-tok")
-        ds = ds.map(pack_batch, batched=True, batch_size=2000, remove_columns=["ids"], fn_kwargs={"seq_len": seq_len},
-                    new_fingerprint=f"{target.name}-{name}-pack")
-        if len(ds) == 0:
+    shards = prepared_shards(cache_root / f"tokens-{key}", corpus, tok.backend_tokenizer.to_str(), len(tok),
+                             tok.eos_token_id, cfg.val_fraction, cfg.shard_tokens, num_proc(cfg),
+                             cfg.prepare_timeout_s)
+    train, val = TokenWindows(shards["train"], cfg.seq_len), TokenWindows(shards["val"], cfg.seq_len)
+    for name, split in (("train", train), ("val", val)):
+        if len(split) == 0:
             raise ConfigError(
-                f"data: the {name} split has fewer than data.seq_len={seq_len} tokens; use more documents "
+                f"data: the {name} split has fewer than data.seq_len={cfg.seq_len} tokens; use more documents "
                 f"(data.max_documents) or a larger data.val_fraction"
             )
-        ds.save_to_disk(str(tmp / name))
-    (tmp / "DONE").touch()
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.replace(target)
+    return TokenData(train, val, len(tok), tok)
+
+
+def streamed_data(cfg: DataConfig) -> TokenData:
+    """data.streaming=true: nothing is prepared; training reads through ``StreamedBatches``, and validation is
+    the first validation documents' windows (``train`` is empty here)."""
+    from ddptrain.data.streaming import streamed_validation
+
+    assert cfg.tokenizer is not None  # the schema requires one with streaming
+    tok = load_tokenizer(cfg.tokenizer)
+    return TokenData([], streamed_validation(cfg, tok, VAL_WINDOWS), len(tok), tok)
+
+
+def num_proc(cfg: DataConfig) -> int:
+    """``data.num_proc``, or the cores this process may run on."""
+    return cfg.num_proc or len(os.sched_getaffinity(0))
+
+
+def bpe_sample(corpus: Corpus, cfg: DataConfig) -> Iterator[str]:
+    """The training documents the BPE learns from: the first ``data.tokenizer_sample_mb`` of them, read as a stream
+    (validation documents are never in it)."""
+    budget = cfg.tokenizer_sample_mb * 1e6
+    train_docs = (t for i, t in enumerate(corpus.documents()) if not is_validation(i, cfg.val_fraction))
+    for text in train_docs:
+        if budget <= 0:
+            return
+        budget -= len(text)
+        yield text
+
+
+def split_documents(docs: list[Any], val_fraction: float) -> tuple[list[Any], list[Any]]:
+    """A fixed, spread-out share of whole documents for validation (the rule ``prepare`` applies to a stream)."""
+    if len(docs) < 2:
+        return docs, docs
+    val = [d for i, d in enumerate(docs) if is_validation(i, val_fraction)] or docs[-1:]
+    train = [d for i, d in enumerate(docs) if not is_validation(i, val_fraction)]
+    return train, val
 
 
 def synthetic_data(cfg: DataConfig) -> TokenData:
@@ -115,11 +116,3 @@ def synthetic_data(cfg: DataConfig) -> TokenData:
     train = Dataset.from_dict({"input_ids": ids[: cfg.num_samples]}).with_format("torch")
     val = Dataset.from_dict({"input_ids": ids[cfg.num_samples :]}).with_format("torch")
     return TokenData(train, val, cfg.vocab_size, None)
-
-
-def _writable(path: Path) -> Path:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"data.cache_dir={path.parent}: cannot create it ({exc.strerror})") from exc
-    return path

@@ -9,10 +9,14 @@ padded to the longest of them (labels -100 and attention mask 0 on padding).
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import keyword
 import logging
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +26,14 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from ddptrain.config import DataConfig
-from ddptrain.data.corpus import FILE_LOADERS
-from ddptrain.data.dataset import TokenData, split_documents
-from ddptrain.data.tokenizer import load_tokenizer
-from ddptrain.errors import ConfigError, flat
+from ddptrain.data.cache import cache_lock
+from ddptrain.data.corpus import records_of
+from ddptrain.data.dataset import TokenData
+from ddptrain.data.prepare import first_validation_index, is_validation
+from ddptrain.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from ddptrain.errors import ConfigError
 
+FORMAT_VERSION = 1  # bump when the encoding of a record changes, to invalidate cached rows
 IGNORE = -100  # label of a position that carries no loss (prompt, padding): torch's cross-entropy ignore_index
 log = logging.getLogger(__name__)
 
@@ -51,12 +58,23 @@ class PadCollate:
 
 
 def build_instruct_data(cfg: DataConfig) -> TokenData:
-    """Tokenized prompt/completion records, split into train and validation (whole records)."""
+    """Tokenized prompt/completion records, split into train and validation (whole records).
+
+    Records are read as a stream and the encoded rows written to Arrow files in ``data.cache_dir`` (memory-mapped
+    when read), so no list of all records is ever held; one job writes them under the entry's file lock.
+    """
     assert cfg.tokenizer is not None  # validate_source refuses prompt_completion data without one
     tok = load_tokenizer(cfg.tokenizer)
-    records = _records(cfg)
-    train, val = split_documents(records, cfg.val_fraction)  # type: ignore[arg-type]
-    encoded = [encode(rows, tok, cfg) for rows in (train, val)]
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, _source_fingerprint(cfg), tokenizer_fingerprint(tok),
+                                     cfg.seq_len, cfg.val_fraction, cfg.chat_template, cfg.prompt_field,
+                                     cfg.completion_field, cfg.max_documents]).encode()).hexdigest()[:16]
+    entry = Path(cfg.cache_dir) / f"instruct-{key}"
+    with cache_lock(entry, cfg.prepare_timeout_s):
+        encoded = [Dataset.from_generator(_encoded_rows, cache_dir=str(entry), fingerprint=f"{key}-{split}",
+                                          gen_kwargs={"cfg": cfg, "tok": tok, "holdout": split == "val"})
+                   for split in ("train", "val")]
+    if len(encoded[0]) == 0:
+        raise ConfigError(f"data.seq_len={cfg.seq_len}: no record's completion fits; raise it")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if cfg.packing:
         from ddptrain.data.packing import PackCollate
@@ -70,56 +88,102 @@ def encode(records: list[tuple[str, str]], tok: PreTrainedTokenizerBase, cfg: Da
 
     A record whose completion does not start within ``seq_len`` tokens carries no loss and is dropped.
     """
-    template = cfg.chat_template and getattr(tok, "chat_template", None)
     rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
-    dropped = 0
     for prompt, completion in records:
-        if template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-            prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            prompt_ids = tok(prompt)["input_ids"]
-        completion_ids = [*tok(completion, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-        ids = (prompt_ids + completion_ids)[: cfg.seq_len]
-        if len(prompt_ids) >= len(ids):
-            dropped += 1
-            continue
-        rows["input_ids"].append(ids)
-        rows["labels"].append([IGNORE] * len(prompt_ids) + ids[len(prompt_ids) :])
-    if dropped:
+        if (row := encode_record(prompt, completion, tok, cfg)) is not None:
+            rows["input_ids"].append(row["input_ids"])
+            rows["labels"].append(row["labels"])
+    if dropped := len(records) - len(rows["input_ids"]):
         log.warning("%d records dropped: their prompt fills data.seq_len=%d tokens", dropped, cfg.seq_len)
     if not rows["input_ids"]:
         raise ConfigError(f"data.seq_len={cfg.seq_len}: no record's completion fits; raise it")
     return Dataset.from_dict(rows)
 
 
-def _records(cfg: DataConfig) -> list[tuple[str, str]]:
+def encode_record(prompt: str, completion: str, tok: PreTrainedTokenizerBase,
+                  cfg: DataConfig) -> dict[str, list[int]] | None:
+    """One record's row (``input_ids``, ``labels``), or None when its prompt fills ``data.seq_len``."""
+    if cfg.chat_template and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tok(prompt)["input_ids"]
+    completion_ids = [*tok(completion, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    ids = (prompt_ids + completion_ids)[: cfg.seq_len]
+    if len(prompt_ids) >= len(ids):
+        return None
+    return {"input_ids": ids, "labels": [IGNORE] * len(prompt_ids) + ids[len(prompt_ids) :]}
+
+
+def _encoded_rows(cfg: DataConfig, tok: PreTrainedTokenizerBase, holdout: bool) -> Iterator[dict[str, list[int]]]:
+    """The encoded rows of the validation (``holdout``) or training records, read as a stream. As with a list
+    split by ``split_documents``: one record is both; with no validation record, the last one validates."""
+    count = dropped = 0
+    last: tuple[str, str] | None = None
+    for index, record in enumerate(_records(cfg)):
+        count, last = count + 1, record
+        if is_validation(index, cfg.val_fraction) == holdout:
+            row = encode_record(*record, tok, cfg)
+            dropped += row is None
+            if row is not None:
+                yield row
+    if last is None:
+        raise ConfigError(f"{_what(cfg)}: no record with a non-empty {cfg.completion_field!r}")
+    if holdout and count <= first_validation_index(cfg.val_fraction):
+        row = encode_record(*last, tok, cfg)
+        if row is not None:
+            yield row
+    if dropped:
+        log.warning("%d records dropped: their prompt fills data.seq_len=%d tokens", dropped, cfg.seq_len)
+
+
+def _what(cfg: DataConfig) -> str:
+    return f"data.paths ({', '.join(cfg.paths)})" if cfg.source == "files" else f"data.name={cfg.name}"
+
+
+def _source_fingerprint(cfg: DataConfig) -> str:
     if cfg.source == "instructions":
-        return generated_instructions(cfg.num_samples)
+        return f"instructions:{cfg.num_samples}"
+    if cfg.source == "files":
+        return ";".join(f"{Path(p).absolute()}:{Path(p).stat().st_size}:{Path(p).stat().st_mtime_ns}"
+                        for p in cfg.paths)
+    return f"hub:{cfg.name}:{cfg.subset}:{cfg.split}"
+
+
+def _records(cfg: DataConfig) -> Iterator[tuple[str, str]]:
+    """The (prompt, completion) pairs with a non-empty completion, read as a stream, at most max_documents."""
+    if cfg.source == "instructions":
+        pairs: Iterator[tuple[object, object]] = iter(generated_instructions(cfg.num_samples))
+    else:
+        pairs = _field_pairs(cfg)
+    kept = ((p, c) for p, c in pairs if isinstance(p, str) and isinstance(c, str) and c.strip())
+    return itertools.islice(kept, cfg.max_documents)
+
+
+def _field_pairs(cfg: DataConfig) -> Iterator[tuple[object, object]]:
+    fields = [cfg.prompt_field, cfg.completion_field]
+    keys = ("prompt_field", "completion_field")
+    if cfg.source == "files":
+        for path in map(Path, cfg.paths):
+            for record in records_of(path, fields):
+                missing = [k for k, f in zip(keys, fields, strict=True) if f not in record]
+                if missing:
+                    raise ConfigError(f"data.{missing[0]}={getattr(cfg, missing[0])!r}: not a column of {path}; "
+                                      f"columns: {sorted(record)}")
+                yield record[cfg.prompt_field], record[cfg.completion_field]
+        return
     from datasets import load_dataset
 
-    if cfg.source == "files":
-        kind = FILE_LOADERS[Path(cfg.paths[0]).suffix.lower()]
-        what = f"data.paths ({', '.join(cfg.paths)})"
-        try:
-            ds = load_dataset(kind, data_files=[str(Path(p).absolute()) for p in cfg.paths], split="train")
-        except Exception as exc:
-            raise ConfigError(f"data.paths: cannot read as {kind}: {flat(str(exc), 200)}") from exc
-    else:
-        what = f"data.name={cfg.name}"
-        try:
-            ds = load_dataset(cfg.name, cfg.subset, split=cfg.split)
-        except Exception as exc:
-            raise ConfigError(f"data.name={cfg.name}: cannot load the hub data set ({type(exc).__name__})") from exc
-    for key in ("prompt_field", "completion_field"):
-        if getattr(cfg, key) not in ds.column_names:
-            raise ConfigError(f"data.{key}={getattr(cfg, key)!r}: not a column of {what}; columns: {ds.column_names}")
-    pairs = zip(ds[cfg.prompt_field][: cfg.max_documents], ds[cfg.completion_field][: cfg.max_documents], strict=True)
-    records = [(p, c) for p, c in pairs if isinstance(p, str) and isinstance(c, str) and c.strip()]
-    if not records:
-        raise ConfigError(f"{what}: no record with a non-empty {cfg.completion_field!r}")
-    return records
+    try:  # a hub data set is prepared as memory-mapped Arrow files: read in batches, never a whole column
+        ds = load_dataset(cfg.name, cfg.subset, split=cfg.split)
+    except Exception as exc:
+        raise ConfigError(f"data.name={cfg.name}: cannot load the hub data set ({type(exc).__name__})") from exc
+    for key, field in zip(keys, fields, strict=True):
+        if field not in ds.column_names:
+            raise ConfigError(f"data.{key}={field!r}: not a column of {_what(cfg)}; columns: {ds.column_names}")
+    for batch in ds.select_columns(fields).iter(batch_size=1024):
+        yield from zip(batch[cfg.prompt_field], batch[cfg.completion_field], strict=True)
 
 
 def generated_instructions(n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ from ddptrain.checkpoint import Checkpointer, TrainState
 from ddptrain.choices import DataFormat, Precision, computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
+from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.flops import flops_per_token
@@ -56,7 +57,7 @@ class Components:
     flops_per_token: float
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
-    batches: MicroBatches  # this rank's endless stream of training micro batches
+    batches: MicroBatches | StreamedBatches  # this rank's endless stream of training micro batches
     token_weighted: bool  # padded prompt/completion batches: the loss is the mean over loss tokens
     val: list[torch.Tensor | MicroBatch]  # this rank's fixed validation batches
     autocast: AbstractContextManager
@@ -78,7 +79,8 @@ class Components:
         position = self.batches.state_dict()
         state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.plan.dp,
                            self.plan.global_batch_size, self.zero_stage,
-                           self.scaler.state_dict() if self.scaler is not None else None)
+                           grad_scaler=self.scaler.state_dict() if self.scaler is not None else None,
+                           stream=position.get("stream"))
         self.checkpointer.save(state, self.model, self.optimizer, wait)
 
 
@@ -113,8 +115,12 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     seed_everything(cfg.train.seed + env.rank)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel.zero_stage)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
-                           data.collate)
+    batches: MicroBatches | StreamedBatches
+    if cfg.data.streaming:
+        batches = StreamedBatches(cfg.data, data.tokenizer, plan, env.rank, device)
+    else:
+        batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
+                               device, data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if cfg.train.precision == Precision.fp16 else None
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan, scaler)
@@ -152,7 +158,7 @@ def resume_target(configured: str | None) -> str | None:
 
 def resume(
     checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR, batches: MicroBatches, plan: BatchPlan, scaler: LossScaler | None = None,
+    scheduler: LambdaLR, batches: MicroBatches | StreamedBatches, plan: BatchPlan, scaler: LossScaler | None = None,
 ) -> int:
     """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
     checkpointer.remove_partial()
@@ -163,7 +169,7 @@ def resume(
         return 0
     state = checkpointer.load(path, model, optimizer)
     scheduler.load_state_dict(state.scheduler)
-    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch})
+    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch, "stream": state.stream})
     if scaler is not None and state.grad_scaler is not None:
         scaler.load_state_dict(state.grad_scaler)
     elif scaler is not None:

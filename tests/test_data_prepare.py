@@ -1,0 +1,273 @@
+"""Preparing a corpus into token shards: exact contents, bounded tokenizer sample, resume, shared caches, damage."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from ddptrain.config import DataConfig
+from ddptrain.data import BatchPlan, build_token_data
+from ddptrain.data import dataset as dataset_module
+from ddptrain.data.corpus import Corpus
+from ddptrain.data.dataset import split_documents
+from ddptrain.data.instruct import encode, generated_instructions
+from ddptrain.data.prepare import DONE, is_validation, prepared_shards
+from ddptrain.data.shards import finished_shards, open_tokens
+from ddptrain.data.streaming import StreamedBatches
+from ddptrain.data.tokenizer import train_bpe
+from ddptrain.errors import ConfigError
+from tests.cli import test_env
+from tests.dist import run_distributed
+from tests.runs import train_each
+
+DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 7)}\n" * (1 + i % 5) for i in range(120)]
+
+
+def _jsonl(tmp_path: Path, docs: list[str] = DOCS) -> Path:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def _cfg(tmp_path: Path, **kw: object) -> DataConfig:
+    base = {"source": "files", "paths": [str(_jsonl(tmp_path))], "cache_dir": str(tmp_path / "cache"),
+            "vocab_size": 300, "seq_len": 16, "val_fraction": 0.1, "shard_tokens": 500}
+    return DataConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _split_tokens(shards: list) -> np.ndarray:
+    return np.concatenate([np.asarray(open_tokens(s)) for s in shards])
+
+
+def test_shards_hold_every_documents_ids_followed_by_eos_in_order(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _cfg(tmp_path, num_proc=2)
+    with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
+        data = build_token_data(cfg)
+    assert "on 2 worker processes" in caplog.text  # the pool tokenized, not this process
+    tok = data.tokenizer
+    target = next((tmp_path / "cache").glob("tokens-*/DONE.json")).parent
+    for split, wanted_docs in (("train", [d for i, d in enumerate(DOCS) if not is_validation(i, 0.1)]),
+                               ("val", [d for i, d in enumerate(DOCS) if is_validation(i, 0.1)])):
+        shards = finished_shards(target, split)
+        expected = [t for d in wanted_docs for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+        assert _split_tokens(shards).tolist() == expected, split
+        assert all(s.itemsize == 2 for s in shards)  # a 300-token vocabulary fits uint16
+        assert sum(s.documents for s in shards) == len(wanted_docs)
+    assert len(finished_shards(target, "train")) > 2  # shard_tokens=500 cut the train split into several
+    # seq_len windows are consecutive slices of each shard; the data set pickles without its memory maps
+    windows = data.train
+    first = np.asarray(open_tokens(windows.shards[0]))
+    assert windows[1]["input_ids"].tolist() == first[16:32].tolist()
+    assert len(windows) == sum(s.tokens // 16 for s in windows.shards)
+    assert len(pickle.dumps(windows)) < 4096
+
+
+def test_a_corpus_prepared_with_one_or_several_workers_gives_the_same_shards(tmp_path: Path) -> None:
+    one = build_token_data(_cfg(tmp_path, num_proc=1, cache_dir=str(tmp_path / "a")))
+    two = build_token_data(_cfg(tmp_path, num_proc=2, cache_dir=str(tmp_path / "b")))
+    assert _split_tokens(one.train.shards).tolist() == _split_tokens(two.train.shards).tolist()
+
+
+def _interrupted(documents: list[str], after: int) -> Iterator[str]:
+    for i, doc in enumerate(documents):
+        if i == after:
+            raise KeyboardInterrupt
+        yield doc
+
+
+def test_an_interrupted_preparation_resumes_after_its_last_finished_shard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ddptrain.data.prepare.BATCH_DOCS", 8)  # small batches: shards finish before the stop
+    tok = train_bpe(DOCS, 300)
+    args = (tok.backend_tokenizer.to_str(), len(tok), tok.eos_token_id, 0.1, 500, 1, 60.0)
+    full = Corpus(lambda: iter(DOCS), "fp", 0)
+    reference = prepared_shards(tmp_path / "reference", full, *args)
+
+    target = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        prepared_shards(target, Corpus(lambda: _interrupted(DOCS, 90), "fp", 0), *args)
+    kept = finished_shards(target, "train")
+    assert kept and not (target / DONE).exists()
+    assert list(target.glob(".*.tmp")) == []  # the unfinished shard is not left behind
+    (target / ".train-00099.4242-deadbeef.tmp").write_bytes(b"a killed writer's leftover")
+    stamps = {s.path: s.path.stat().st_mtime_ns for s in kept}
+    read: list[int] = []
+
+    def counted() -> Iterator[str]:
+        for i, doc in enumerate(DOCS):
+            read.append(i)
+            yield doc
+
+    with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
+        resumed = prepared_shards(target, Corpus(counted, "fp", 0), *args)
+    assert "continuing the preparation" in caplog.text
+    assert read[0] == 0 and len(read) == len(DOCS)  # skipped documents are read again, not tokenized again
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # finished shards were not written again
+    assert list(target.glob(".*.tmp")) == []
+    for split in ("train", "val"):
+        assert [s.path.read_bytes() for s in resumed[split]] == [s.path.read_bytes() for s in reference[split]]
+
+
+def test_the_bpe_learns_from_a_bounded_sample_of_training_documents(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+
+    def recording(documents: Iterator[str], vocab_size: int) -> PreTrainedTokenizerFast:
+        docs = list(documents)
+        seen.extend(docs)
+        return train_bpe(docs, vocab_size)
+
+    monkeypatch.setattr("ddptrain.data.tokenizer.train_bpe", recording)
+    build_token_data(_cfg(tmp_path, tokenizer_sample_mb=0.001))  # 1000 characters
+    val = {d for i, d in enumerate(DOCS) if is_validation(i, 0.1)}
+    assert seen and sum(len(d) for d in seen[:-1]) < 1000 and len(seen) < len(DOCS) // 4
+    assert not val & set(seen)
+    assert any(p.name.endswith("sample0.001mb") for p in (tmp_path / "cache").iterdir())
+
+
+def test_a_truncated_or_corrupt_shard_is_a_one_line_error_naming_the_file(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    build_token_data(cfg)
+    shard = sorted((tmp_path / "cache").glob("tokens-*/train-00001.bin"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-6])
+    with pytest.raises(ConfigError, match=rf"token shard {shard}: truncated or corrupt") as exc:
+        build_token_data(cfg)
+    assert "\n" not in str(exc.value)
+    shard.write_bytes(b"garbage!" + data[8:])
+    with pytest.raises(ConfigError, match=rf"token shard {shard}: not a ddptrain token shard"):
+        build_token_data(cfg)
+
+
+def test_a_stale_temporary_of_a_killed_job_is_cleaned_up(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = cache / f"bpe-{dataset_module.load_corpus(cfg).fingerprint}-300-sample64mb.tmp-999-abcdef01"
+    stale.mkdir()
+    (stale / "tokenizer.json").write_text("{}")
+    build_token_data(cfg)
+    assert not stale.exists()
+    assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
+
+
+RACE = textwrap.dedent("""
+    import logging, sys, time
+    from ddptrain.config import DataConfig
+    if __name__ == "__main__":
+        from ddptrain.data import BatchPlan, build_token_data
+        logging.basicConfig(level=logging.INFO)
+        start = float(sys.argv[3])
+        time.sleep(max(0.0, start - time.time()))
+        cfg = DataConfig(source="files", paths=[sys.argv[1]], cache_dir=sys.argv[2], vocab_size=300, seq_len=16,
+                         val_fraction=0.1)
+        data = build_token_data(cfg)
+        print("ok", len(data.train), int(data.train[0]["input_ids"].sum()))
+""")
+
+
+def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Path) -> None:
+    """Three jobs start together on one new corpus and one cache: all get the same data, nothing is left over.
+    (Before the lock, the tokenizer's shared temporary directory made all but one crash.)"""
+    script = tmp_path / "job.py"
+    script.write_text(RACE)
+    corpus = _jsonl(tmp_path, [d * 30 for d in DOCS])
+    cache = tmp_path / "cache"
+    start = time.time() + 8  # after every interpreter has started
+    jobs = [subprocess.Popen([sys.executable, str(script), str(corpus), str(cache), str(start)],
+                             env=test_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    outs = [job.communicate(timeout=300) for job in jobs]
+    for job, (_, err) in zip(jobs, outs, strict=True):
+        assert job.returncode == 0, err[-2000:]
+    assert len({out.strip() for out, _ in outs}) == 1 and outs[0][0].startswith("ok")
+    assert len(list(cache.glob("tokens-*/DONE.json"))) == 1 and len(list(cache.glob("bpe-*/tokenizer.json"))) == 1
+    assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
+    # one job prepared, the others waited for it and reused its shards
+    assert sum(err.count("prepared:") for _, err in outs) == 1
+
+
+def _streamed(tmp_path: Path, rank: int = 0, dp: int = 1) -> StreamedBatches:
+    tok_dir = tmp_path / "tok"
+    if not tok_dir.is_dir():
+        train_bpe(DOCS, 300).save_pretrained(str(tok_dir))
+    small = tmp_path / "small" / "corpus.jsonl"
+    if not small.is_file():
+        small.parent.mkdir()
+        _jsonl(small.parent, DOCS[:24])
+    cfg = _cfg(tmp_path, streaming=True, tokenizer=str(tok_dir), paths=[str(small)])
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    return StreamedBatches(cfg, tok, BatchPlan.derive(2 * dp, 2, None, dp, 16), rank, torch.device("cpu"))
+
+
+def test_a_streamed_run_resumes_exactly_on_the_same_world_size_and_refuses_another(tmp_path: Path) -> None:
+    straight = _streamed(tmp_path)
+    seen = [next(straight) for _ in range(40)]
+    assert straight.epoch == 1  # 1280 tokens: past the first epoch (about 1000 training tokens)
+    interrupted = _streamed(tmp_path)
+    first = [next(interrupted) for _ in range(13)]
+    state = interrupted.state_dict()
+    assert json.loads(state["stream"])[0]["pending"]  # a document's tokens are split over the checkpoint
+    resumed = _streamed(tmp_path)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # plain ints and strings survive any serializer
+    rest = [next(resumed) for _ in range(27)]
+    assert all(torch.equal(a, b) for a, b in zip(first + rest, seen, strict=True))
+    # the windows are the documents' ids each followed by EOS, in stream order (validation documents held out)
+    tok = resumed.tok
+    train_docs = [d for i, d in enumerate(DOCS[:24]) if not is_validation(i, 0.1)]
+    ids = [t for d in train_docs for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    assert torch.cat([b.flatten() for b in seen[:10]]).tolist() == ids[: 10 * 32]
+    with pytest.raises(ConfigError, match=r"reader positions are for 1 ranks and this run has 2; .* resume on 1"):
+        _streamed(tmp_path, rank=0, dp=2).load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(tmp_path: Path) -> None:
+    """Through the real loop and checkpoint on 2 ranks: the resumed run's losses equal the uninterrupted run's."""
+    tok_dir = tmp_path / "tok"
+    train_bpe(DOCS, 300).save_pretrained(str(tok_dir))
+    base = {
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+        "data": {"source": "files", "paths": [str(_jsonl(tmp_path))], "streaming": True, "tokenizer": str(tok_dir),
+                 "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2, "val_fraction": 0.1},
+        "train": {"steps": 4, "log_every": 1, "eval_every": 2},
+        "checkpoint": {"every_n_steps": 2},
+    }
+    resumed_from = str(tmp_path / "w2-run0" / "checkpoints" / "step_000002")
+    runs = run_distributed(train_each, 2, str(tmp_path), base, [{}, {"train": {"resume": resumed_from}}])[0]
+    straight, resumed = ([m["loss"] for m in run["metrics"] if "loss" in m] for run in runs)
+    assert len(straight) == 4 and straight[2:] == resumed
+
+
+def test_prompt_completion_records_stream_into_cached_rows_equal_to_encoding_the_list(tmp_path: Path) -> None:
+    records = generated_instructions(120)
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"q": p, "a": c}) + "\n" for p, c in records))
+    pq.write_table(pa.table({"q": [p for p, _ in records], "a": [c for _, c in records]}), tmp_path / "pc.parquet")
+    tok_dir = tmp_path / "tok"
+    train_bpe([f"{p} {c}" for p, c in records], 320).save_pretrained(str(tok_dir))
+    for name in ("pc.jsonl", "pc.parquet"):
+        cfg = DataConfig(source="files", paths=[str(tmp_path / name)], format="prompt_completion", prompt_field="q",
+                         completion_field="a", tokenizer=str(tok_dir), cache_dir=str(tmp_path / "cache"),
+                         seq_len=24, val_fraction=0.1)
+        data = build_token_data(cfg)
+        assert data.train.cache_files  # Arrow files in data.cache_dir, memory-mapped: not rows held in memory
+        train, val = split_documents(records, 0.1)
+        tok = data.tokenizer
+        for got, want in ((data.train, encode(train, tok, cfg)), (data.val, encode(val, tok, cfg))):
+            assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"], name
