@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from ddptrain.config import DataConfig
 from ddptrain.data.batch import BatchPlan
 from ddptrain.data.corpus import FILE_LOADERS
+from ddptrain.data.loader import TokenCount
 from ddptrain.data.prepare import is_validation
 from ddptrain.errors import ConfigError
 
@@ -104,6 +105,7 @@ class StreamedBatches:
         self.epoch = 0
         self.position = 0  # global windows of this epoch consumed by all ranks together
         self.packer = Packer(tok, cfg.seq_len)
+        self.tokens = TokenCount()  # fixed windows: every position is a real token
         self.reader: dict[str, Any] | None = None  # the data set's state after the last document read
         self._examples: Iterator[dict[str, Any]] | None = None
 
@@ -131,7 +133,9 @@ class StreamedBatches:
             self.packer.add(example["text"])
             self.reader = self.dataset.state_dict()
         self.position += self.plan.micro_batch_size * self.plan.dp
-        return torch.stack(rows).to(self.device, non_blocking=True)
+        batch = torch.stack(rows)
+        self.tokens.count({"input_ids": batch})
+        return batch.to(self.device, non_blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
         """``epoch`` and ``position`` like ``MicroBatches``; ``stream``: every rank's reader position and unread
