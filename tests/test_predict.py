@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -104,6 +104,35 @@ def test_contention_scales_compute_and_the_buckets_readiness() -> None:
     assert idle.compute_s == pytest.approx(0.21) and shared.compute_s == pytest.approx(1.5 * 0.21)
     assert shared.terms["contention_s"] == pytest.approx(0.5 * 0.21)
     assert shared.exposed_s == pytest.approx(idle.exposed_s)  # buckets still ready early enough; last one exposed
+    # one 1 MB bucket ready 8 ms before backward ends, 10.2 ms to all-reduce (2 hops of 100 µs + 10 ms): 2.2 ms
+    # exposed; 1.5x slower compute makes it ready 12 ms before the end, which hides it
+    late = replace(CAL, buckets=[(8e-3, 10**6)])
+    assert predict(late, Layout(2, 1, SLOW, SLOW)).exposed_s == pytest.approx(2.2e-3)
+    assert predict(late, Layout(2, 1, SLOW, SLOW), HostFit(contention=1.5)).exposed_s == 0.0
+
+
+# Every host term of the config, moved from a base with a busy link and four 100 kB buckets that queue, hidden
+# behind backward until a term grows.
+HOST_BASE = {"busy_latency_us": 5000.0, "busy_bandwidth_gbps": 0.05}
+HOST_MOVED = {"contention": 1.5, "steal_us_per_mb": 2000.0, "busy_latency_us": 10_000.0, "busy_bandwidth_gbps": 0.02,
+              "skew": 0.1, "queued_latency_us": 2000.0, "skew_us": 4000.0}
+
+
+@pytest.mark.parametrize("term", sorted(HOST_MOVED))
+def test_every_plan_host_term_moves_the_predicted_step(term: str) -> None:
+    assert {f.name for f in fields(HostFit)} == set(HOST_MOVED)  # a new host term is tested here too
+    cal = replace(CAL, buckets=[(0.02, 10**5)] * 4)
+
+    def step(plan: PlanConfig, together: bool) -> float:
+        return predict(cal, Layout(2, 1, SLOW, SLOW), HostFit.from_plan(plan, compute_measured_together=together)).step_s
+
+    base, moved = PlanConfig(**HOST_BASE), PlanConfig(**{**HOST_BASE, term: HOST_MOVED[term]})
+    assert getattr(HostFit.from_plan(moved), term) == HOST_MOVED[term]
+    assert step(moved, together=False) > step(base, together=False)
+    if term in ("contention", "steal_us_per_mb"):  # a run's own compute already holds them: not applied twice
+        assert step(moved, together=True) == step(base, together=True)
+    else:
+        assert step(moved, together=True) > step(base, together=True)
 
 
 def test_skew_waits_for_the_slowest_rank_in_the_exposed_sync() -> None:
@@ -210,6 +239,20 @@ def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) ->
     assert bad.returncode == 2 and "plan.from_run=" in bad.stderr and "summary.json" in bad.stderr
 
 
+def test_the_dry_run_predicts_with_the_configs_host_terms(calibration_run: Path) -> None:
+    from ddptrain.predict import what_if
+
+    def rows(**host: float) -> list[str]:
+        text = what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=2, **host), 1)
+        return [line for line in text.splitlines() if " x 8 (" in line]  # the 8- and 16-rank rows
+
+    plain, shared = rows(), rows(contention=2.0)
+    assert len(plain) == 3 and all(a != b for a, b in zip(plain, shared, strict=True))
+    # the compute column doubles: "2 nodes x 8 ... | step | compute | ..."
+    compute = lambda row: float(row.split("│")[3].strip().removesuffix(" ms").replace(",", ""))  # noqa: E731
+    assert compute(shared[0]) == pytest.approx(2 * compute(plain[0]), rel=0.02)  # printed to 0.1 ms
+
+
 def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
     from ddptrain.config import PlanConfig
     from ddptrain.predict import what_if
@@ -254,6 +297,9 @@ def test_every_run_logs_its_predicted_step_next_to_the_measured_one(two_rank_run
     tampered = {**two_rank_run, "time_exposed_comm_s": 9.0, "comm_time_s": 9.0, "time_step_s": 99.0}
     again = predict_own_step(tampered, PlanConfig(), "cpu", 1)
     assert again["step_s"] == pytest.approx(predicted["step_s"]) and again["step_error_pct"] < -50
+    # the configured host terms reach it: a 20 ms wait for the slowest rank at every sync lengthens the step
+    waiting = predict_own_step(two_rank_run, PlanConfig(skew_us=20_000.0), "cpu", 1)
+    assert waiting["step_s"] > predicted["step_s"] + 5e-3
     measured = predict_own_step(two_rank_run, PlanConfig(bandwidth_gbps=100.0, latency_us=1.0), "cpu", 1)
     assert measured["link"]["source"].startswith("measured")
     assert measured["exposed_comm_s"] < predicted["exposed_comm_s"]
