@@ -310,13 +310,21 @@ def test_a_one_rank_run_says_there_is_nothing_to_predict(calibration_run: Path) 
     assert "nothing to predict" in summary["predicted"]["step_note"]
 
 
-def test_the_anchor_script_predicts_8_and_64_h100s_beside_the_published_figures(
+def test_the_anchor_script_predicts_torchtitans_128_h100s_through_the_inter_node_link(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Calibrated on torchtitan's 8-GPU figure, the 128-GPU prediction lands within 2% of its published one (+0.8%
+    today). A flat ring on NVLink alone would be +2.8% off: the bound is tighter than the inter-node link's effect.
+    The 64-GPU row is a prediction with no published figure beside it."""
     monkeypatch.setattr(sys, "argv", ["predict_anchors.py"])
     runpy.run_path(str(ROOT / "scripts" / "predict_anchors.py"), run_name="__main__")
     out = capsys.readouterr().out
     for text in ("Llama 3.1 8B", "| 8 |", "| 64 |", "| 128 |", "5,762", "5,605", "MFU"):
         assert text in out, out
-    row_128 = next(line for line in out.splitlines() if line.startswith("| 128 |"))
-    assert abs(float(row_128.split("|")[-2].strip().rstrip("%"))) < 10  # within 10% of torchtitan's 128 GPUs
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert rows["64"][-1] == "-" and rows["64"][-2] == "-"  # no published 64-GPU figure, none invented
+    assert abs(float(rows["128"][-1].rstrip("%"))) < 2.0  # within 2% of torchtitan's 128 GPUs
+    # the flat ring's exposed sync across 16 nodes is the slower network's: an order of magnitude over NVLink's
+    exposed = {gpus: float(rows[gpus][2].removesuffix(" ms")) for gpus in ("8", "128")}
+    assert exposed["128"] > 5 * exposed["8"]
