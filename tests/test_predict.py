@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import time
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -261,23 +262,50 @@ def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
         what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=3), 1)
 
 
-def _train_then_measure_host(rank: int, world_size: int, tmp: str) -> tuple[list[dict], HostFit]:
-    """One spawned group for two checks: a 2-rank training run, then the host fit of the same group."""
-    return train_each(rank, world_size, tmp, BASE, [{}]), measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+LATE_S = 0.2  # rank 1's extra time per unit of compute in the second host fit: well over this host's own jitter
+
+
+def _train_then_measure_host(rank: int, world_size: int, tmp: str) -> tuple[list[dict], HostFit, HostFit]:
+    """One spawned group for three checks: a 2-rank training run, the host fit of the same group, and its fit again
+    with rank 1 ``LATE_S`` late to every sync (each of its units of compute that long more)."""
+    import ddptrain.comm.hostfit as hostfit
+
+    run = train_each(rank, world_size, tmp, BASE, [{}])
+    fit = measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+    timed = hostfit._Kernel.timed
+    if rank == 1:
+        def late(self: hostfit._Kernel, calls: int) -> float:
+            start = time.perf_counter()
+            timed(self, calls)
+            time.sleep(LATE_S)
+            return time.perf_counter() - start
+
+        hostfit._Kernel.timed = late  # type: ignore[method-assign]
+    try:
+        return run, fit, measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+    finally:
+        hostfit._Kernel.timed = timed  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[dict], HostFit]]:
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[dict], HostFit, HostFit]]:
     return run_distributed(_train_then_measure_host, 2, str(tmp_path_factory.mktemp("two")), timeout=600)
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(two_ranks: list[tuple[list[dict], HostFit]]) -> dict:
+def two_rank_run(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> dict:
     return two_ranks[0][0][0]["summary"]
 
 
-def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit]]) -> None:
-    for _, fit in two_ranks:  # every rank returns the same kind of figures; rank 0's feed the predictor
+def test_the_host_fit_follows_a_late_rank(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:
+    """Rank 1 LATE_S late to every sync: rank 0 waits that long, rank 1 not at all, so the mean wait that does
+    not grow with the compute (``skew_us``) rises by about LATE_S / 2 on every rank, whatever the host's own."""
+    for _, plain, late in two_ranks:
+        assert 0.5 * LATE_S / 2 < (late.skew_us - plain.skew_us) * 1e-6 < 2 * LATE_S / 2, (plain, late)
+
+
+def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:
+    for _, fit, _ in two_ranks:  # every rank returns the same kind of figures; rank 0's feed the predictor
         assert fit.contention >= 1.0 and fit.steal_us_per_mb >= 0.0 and fit.skew_us >= 0.0
         assert fit.busy_bandwidth_gbps is not None and fit.busy_bandwidth_gbps > 0
         assert 0.0 <= fit.skew < 1.0
