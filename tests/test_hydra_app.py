@@ -123,10 +123,9 @@ def test_help_lists_every_group_choice_and_schema_key(capsys: pytest.CaptureFixt
 def _schema_leaves(node: DictConfig, prefix: str = "") -> list[str]:
     """Every leaf key of the schema as OmegaConf holds it (what Hydra accepts), walked without ddptrain.help."""
     keys = []
-    for key in node.keys():
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and OmegaConf.get_type(child) is not dict:  # a section: its leaves
-            keys += _schema_leaves(child, f"{prefix}{key}.")
+    for key in node:
+        if dataclasses.is_dataclass(OmegaConf.get_type(node, str(key))):  # a section: its leaves
+            keys += _schema_leaves(node[key], f"{prefix}{key}.")
         else:  # a value, or a free-form dict of the user's (sweep.slurm_additional)
             keys.append(f"{prefix}{key}")
     return keys

@@ -125,7 +125,8 @@ def test_every_plan_host_term_moves_the_predicted_step(term: str) -> None:
     cal = replace(CAL, buckets=[(0.02, 10**5)] * 4)
 
     def step(plan: PlanConfig, together: bool) -> float:
-        return predict(cal, Layout(2, 1, SLOW, SLOW), HostFit.from_plan(plan, compute_measured_together=together)).step_s
+        host = HostFit.from_plan(plan, compute_measured_together=together)
+        return predict(cal, Layout(2, 1, SLOW, SLOW), host).step_s
 
     base, moved = PlanConfig(**HOST_BASE), PlanConfig(**{**HOST_BASE, term: HOST_MOVED[term]})
     assert getattr(HostFit.from_plan(moved), term) == HOST_MOVED[term]
@@ -261,7 +262,7 @@ def test_the_dry_run_predicts_with_the_configs_host_terms(calibration_run: Path)
     plain, shared = rows(), rows(contention=2.0)
     assert len(plain) == 3 and all(a != b for a, b in zip(plain, shared, strict=True))
     # the compute column doubles: "2 nodes x 8 ... | step | compute | ..."
-    compute = lambda row: float(row.split("│")[3].strip().removesuffix(" ms").replace(",", ""))  # noqa: E731
+    compute = lambda row: float(row.split("│")[4].strip().removesuffix(" ms").replace(",", ""))  # noqa: E731
     assert compute(shared[0]) == pytest.approx(2 * compute(plain[0]), rel=0.02)  # printed to 0.1 ms
 
 
