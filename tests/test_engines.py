@@ -362,6 +362,14 @@ def _behaviours(rank: int, world: int) -> dict[str, Any]:
     seen["grads_in_buckets"] = all(p.grad.untyped_storage().data_ptr() in buffers for p in view.parameters())
     seen["bucket_count"] = len(view.reducer.buckets)
 
+    def launched_in_backward(engine: torch.nn.Module) -> int:
+        """Collectives launched before backward's compute ended (both on the engine's clock)."""
+        stats = engine.comm_stats
+        compute_done = stats.clock.resolve([stats.exposed])[0][0]
+        return sum(launch < compute_done for launch, _ in stats.clock.resolve(stats.spans))
+
+    seen["launched_in_backward"] = {"bucketed": launched_in_backward(view), "naive": launched_in_backward(naive)}
+
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
@@ -402,6 +410,14 @@ def test_gradient_as_bucket_view_puts_grads_inside_bucket_buffers(behaviours: li
     for seen in behaviours:
         assert seen["grads_in_buckets"]
         assert seen["bucket_count"] > 3
+
+
+def test_an_overlapping_engine_launches_buckets_while_backward_still_computes(
+    behaviours: list[dict[str, Any]],
+) -> None:
+    for seen in behaviours:
+        assert seen["launched_in_backward"]["bucketed"] >= 1  # a bucket goes out as soon as it is ready
+        assert seen["launched_in_backward"]["naive"] == 0  # the naive engine waits for the end: the check can fail
 
 
 def test_stream_engine_says_once_that_it_runs_as_bucketed_on_cpu(behaviours: list[dict[str, Any]]) -> None:

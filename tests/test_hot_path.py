@@ -20,6 +20,7 @@ from ddptrain.optim import impl_kwargs, resolve_impl
 from ddptrain.train.control import NonFiniteSteps, guard_loss
 from ddptrain.train.step import apply_update
 from tests.dist import run_distributed
+from tests.host_reads import HostReads
 from tests.runs import Overrides, train_each
 
 TINY: Overrides = {
@@ -31,11 +32,11 @@ TINY: Overrides = {
 }
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "all_gather_object", "broadcast_object_list", "barrier", "_broadcast_coalesced", "all_to_all_single")
-HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__")
 
 
 def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, variant: Overrides) -> dict[str, Any]:
     """Train once, logging every collective and host read against the step it happened in."""
+    import ddptrain.train.loop as loop
     from ddptrain.telemetry.metrics import StepMetrics
 
     events: list[tuple[Any, ...]] = []
@@ -57,8 +58,14 @@ def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, var
     for name in COLLECTIVES:
         if hasattr(dist, name):
             wrap(dist, name, "collective", numel)
-    for name in HOST_READS:
-        wrap(torch.Tensor, name, "host_read", lambda *a: 0)
+    reads = HostReads(torch.device("cpu"), lambda name, why: events.append((step[0], "host_read", name, why)))
+    build_components = loop.build_components
+
+    def on_the_runs_device(cfg: Any, env: Any, device: torch.device, *args: Any) -> Any:
+        reads.run_device = device  # the object the loop places tensors with
+        return build_components(cfg, env, device, *args)
+
+    loop.build_components = on_the_runs_device
     start_step = StepMetrics.start_step
 
     def mark(self: StepMetrics, n: int) -> None:
@@ -66,7 +73,8 @@ def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, var
         start_step(self, n)
 
     StepMetrics.start_step = mark  # type: ignore[method-assign]
-    (result,) = train_each(rank, world_size, tmp, base, [variant])
+    with reads:
+        (result,) = train_each(rank, world_size, tmp, base, [variant])
     n_params = result["summary"]["parameters"]
     return {"events": events, "n_params": n_params, "metrics": result["metrics"]}
 
@@ -84,6 +92,28 @@ def test_a_steady_step_issues_only_gradient_all_reduces_and_reads_nothing_back(
         assert {name for name, _ in collectives} == {"all_reduce"}, collectives
         assert sum(size for _, size in collectives) == rank["n_params"], "the buckets hold every gradient once"
         assert _by_step(rank["events"], step, "host_read") == []
+
+
+def test_the_host_read_detector_sees_every_device_to_host_path_and_no_placement() -> None:
+    """What the steady-step test relies on: torch routes each of these calls through a ``TorchFunctionMode``, and
+    the detector tells the copies to the host from placements on the run's device."""
+    device, seen = torch.device("cpu"), []
+    x = torch.randn(4, device=device)
+    mask, p = x > 0, torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with HostReads(device, lambda name, why: seen.append(name)):
+        x.to(device, non_blocking=True), x.to(device), x.to(x.device), x.to(torch.float64), x.add_(1)
+        torch.zeros(4, device=device).copy_(x), torch.empty(4).copy_(x, non_blocking=True)
+        torch.nn.utils.clip_grad_norm_([p], 1.0)
+        assert seen == [], seen
+        x.sum().item(), x.tolist(), bool(x[0] > 0), float(x.sum()), int(x[0]), x.numpy(), f"{x.sum()}"
+        x.cpu(), x.to("cpu"), x.to(torch.device("cpu")), x.to(device="cpu"), x.to(x.cpu())
+        torch.empty(4).copy_(x), x.cpu().copy_(x)  # on CPU x.cpu() is x: from here on x counts as a host tensor
+        x.nonzero(), torch.equal(x, x), x[mask], torch.where(mask), x.unique(), torch.masked_select(x, mask)
+        x[mask] = 0
+    assert seen == ["item", "tolist", "__bool__", "__float__", "__int__", "numpy", "__format__",
+                    "cpu", "to", "to", "to", "cpu", "to", "copy_", "cpu", "copy_",
+                    "nonzero", "equal", "__getitem__", "where", "unique", "masked_select", "__setitem__"], seen
 
 
 # A logging step also sums the token counts (real, computed, untimed: size 3) and gathers every rank's phase times

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.cli import config_dir, run_cli
 from ddptrain.config import Config
@@ -112,9 +113,22 @@ def test_help_lists_every_group_choice_and_schema_key(capsys: pytest.CaptureFixt
                    "hydra.searchpath"):
         assert option in text
     assert "train.precision: auto|fp32|bf16|fp16 = auto" in text and "parallel.bucket_cap_mb: float = 25.0" in text
-    assert len([k for k, _, _ in schema_keys()]) == sum(1 for line in text.splitlines() if line.startswith("  ")
-                                                         and ": " in line and " = " in line)
+    listed = [line.split(":", 1)[0].strip() for line in text.splitlines()
+              if line.startswith("  ") and ": " in line and " = " in line]
+    assert sorted(listed) == sorted(_schema_leaves(OmegaConf.structured(Config)))  # every key once, none extra
+    assert len({k for k, _, _ in schema_keys()}) == len(listed)
     assert config_groups([config_dir()])["parallel"] == ["ddp", "fsdp_offload", "zero1", "zero2", "zero3"]
+
+
+def _schema_leaves(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the schema as OmegaConf holds it (what Hydra accepts), walked without ddptrain.help."""
+    keys = []
+    for key in node:
+        if dataclasses.is_dataclass(OmegaConf.get_type(node, str(key))):  # a section: its leaves
+            keys += _schema_leaves(node[key], f"{prefix}{key}.")
+        else:  # a value, or a free-form dict of the user's (sweep.slurm_additional)
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def _choice_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, type[enum.Enum]]]:

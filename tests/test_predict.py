@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import runpy
 import sys
-from dataclasses import replace
+import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,36 @@ def test_contention_scales_compute_and_the_buckets_readiness() -> None:
     assert idle.compute_s == pytest.approx(0.21) and shared.compute_s == pytest.approx(1.5 * 0.21)
     assert shared.terms["contention_s"] == pytest.approx(0.5 * 0.21)
     assert shared.exposed_s == pytest.approx(idle.exposed_s)  # buckets still ready early enough; last one exposed
+    # one 1 MB bucket ready 8 ms before backward ends, 10.2 ms to all-reduce (2 hops of 100 µs + 10 ms): 2.2 ms
+    # exposed; 1.5x slower compute makes it ready 12 ms before the end, which hides it
+    late = replace(CAL, buckets=[(8e-3, 10**6)])
+    assert predict(late, Layout(2, 1, SLOW, SLOW)).exposed_s == pytest.approx(2.2e-3)
+    assert predict(late, Layout(2, 1, SLOW, SLOW), HostFit(contention=1.5)).exposed_s == 0.0
+
+
+# Every host term of the config, moved from a base with a busy link and four 100 kB buckets that queue, hidden
+# behind backward until a term grows.
+HOST_BASE = {"busy_latency_us": 5000.0, "busy_bandwidth_gbps": 0.05}
+HOST_MOVED = {"contention": 1.5, "steal_us_per_mb": 2000.0, "busy_latency_us": 10_000.0, "busy_bandwidth_gbps": 0.02,
+              "skew": 0.1, "queued_latency_us": 2000.0, "skew_us": 4000.0}
+
+
+@pytest.mark.parametrize("term", sorted(HOST_MOVED))
+def test_every_plan_host_term_moves_the_predicted_step(term: str) -> None:
+    assert {f.name for f in fields(HostFit)} == set(HOST_MOVED)  # a new host term is tested here too
+    cal = replace(CAL, buckets=[(0.02, 10**5)] * 4)
+
+    def step(plan: PlanConfig, together: bool) -> float:
+        host = HostFit.from_plan(plan, compute_measured_together=together)
+        return predict(cal, Layout(2, 1, SLOW, SLOW), host).step_s
+
+    base, moved = PlanConfig(**HOST_BASE), PlanConfig(**{**HOST_BASE, term: HOST_MOVED[term]})
+    assert getattr(HostFit.from_plan(moved), term) == HOST_MOVED[term]
+    assert step(moved, together=False) > step(base, together=False)
+    if term in ("contention", "steal_us_per_mb"):  # a run's own compute already holds them: not applied twice
+        assert step(moved, together=True) == step(base, together=True)
+    else:
+        assert step(moved, together=True) > step(base, together=True)
 
 
 def test_skew_waits_for_the_slowest_rank_in_the_exposed_sync() -> None:
@@ -188,15 +219,26 @@ def calibration_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_run_records_its_buckets_and_predicts_itself(calibration_run: Path) -> None:
+    """The buckets against the model and the run's own backward timer; the prediction against hand arithmetic on
+    the summary's phase times (not against the measured step, which those same phases make up)."""
     summary = json.loads((calibration_run / "summary.json").read_text())
     cal = Calibration.from_run(str(calibration_run))
     assert cal.buckets_measured and len(cal.buckets) > 2 and cal.grad_accum == 2
     assert sum(n for _, n in cal.buckets) == 4 * summary["parameters"]  # every fp32 gradient, once
-    assert all(lead >= 0 for lead, _ in cal.buckets) and min(lead for lead, _ in cal.buckets) == 0.0
+    # launched in order as backward makes them ready: each no earlier than the one before, the last at its end,
+    # the first within the step's backward as its own timer measured it
+    leads = [lead for lead, _ in cal.buckets]
+    assert leads == sorted(leads, reverse=True) and leads[-1] == 0.0 and 0.0 < leads[0] <= summary["time_backward_s"]
+    micro = sum(summary.get(k, 0.0) for k in ("time_data_s", "time_forward_sync_s", "time_forward_s",
+                                              "time_backward_s")) / 2
+    assert cal.micro_step_s == pytest.approx(micro) and cal.optimizer_s == summary["time_optimizer_s"]
     itself = predict(cal, Layout(1, 1, NVLINK, IB))
-    assert itself.step_s == pytest.approx(summary["time_step_s"], rel=0.25)
+    assert itself.step_s == pytest.approx(2 * micro + summary["time_optimizer_s"]) and itself.exposed_s == 0.0
     two = predict(cal, Layout(2, 1, NVLINK, IB))  # weak scaling: same work per rank, plus the gradient sync
-    assert two.batch.global_batch_size == 8 and two.compute_s == itself.compute_s and two.step_s > itself.step_s
+    assert two.batch.global_batch_size == 8 and two.compute_s == itself.compute_s
+    # the last bucket is ready when backward ends: its all-reduce (plus the 1-rank run's hook cost) shows whole
+    tail = allreduce_seconds(cal.buckets[-1][1], Layout(2, 1, NVLINK, IB)) + cal.hook_s
+    assert two.exposed_s >= tail - 1e-12 and tail > 0 and two.step_s == pytest.approx(itself.step_s + two.exposed_s)
 
 
 def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) -> None:
@@ -210,6 +252,20 @@ def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) ->
     assert bad.returncode == 2 and "plan.from_run=" in bad.stderr and "summary.json" in bad.stderr
 
 
+def test_the_dry_run_predicts_with_the_configs_host_terms(calibration_run: Path) -> None:
+    from ddptrain.predict import what_if
+
+    def rows(**host: float) -> list[str]:
+        text = what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=2, **host), 1)
+        return [line for line in text.splitlines() if " x 8 (" in line]  # the 8- and 16-rank rows
+
+    plain, shared = rows(), rows(contention=2.0)
+    assert len(plain) == 3 and all(a != b for a, b in zip(plain, shared, strict=True))
+    # the compute column doubles: "2 nodes x 8 ... | step | compute | ..."
+    compute = lambda row: float(row.split("│")[4].strip().removesuffix(" ms").replace(",", ""))  # noqa: E731
+    assert compute(shared[0]) == pytest.approx(2 * compute(plain[0]), rel=0.02)  # printed to 0.1 ms
+
+
 def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
     from ddptrain.config import PlanConfig
     from ddptrain.predict import what_if
@@ -218,23 +274,50 @@ def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
         what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=3), 1)
 
 
-def _train_then_measure_host(rank: int, world_size: int, tmp: str) -> tuple[list[dict], HostFit]:
-    """One spawned group for two checks: a 2-rank training run, then the host fit of the same group."""
-    return train_each(rank, world_size, tmp, BASE, [{}]), measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+LATE_S = 0.2  # rank 1's extra time per unit of compute in the second host fit: well over this host's own jitter
+
+
+def _train_then_measure_host(rank: int, world_size: int, tmp: str) -> tuple[list[dict], HostFit, HostFit]:
+    """One spawned group for three checks: a 2-rank training run, the host fit of the same group, and its fit again
+    with rank 1 ``LATE_S`` late to every sync (each of its units of compute that long more)."""
+    import ddptrain.comm.hostfit as hostfit
+
+    run = train_each(rank, world_size, tmp, BASE, [{}])
+    fit = measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+    timed = hostfit._Kernel.timed
+    if rank == 1:
+        def late(self: hostfit._Kernel, calls: int) -> float:
+            start = time.perf_counter()
+            timed(self, calls)
+            time.sleep(LATE_S)
+            return time.perf_counter() - start
+
+        hostfit._Kernel.timed = late  # type: ignore[method-assign]
+    try:
+        return run, fit, measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+    finally:
+        hostfit._Kernel.timed = timed  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[dict], HostFit]]:
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[dict], HostFit, HostFit]]:
     return run_distributed(_train_then_measure_host, 2, str(tmp_path_factory.mktemp("two")), timeout=600)
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(two_ranks: list[tuple[list[dict], HostFit]]) -> dict:
+def two_rank_run(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> dict:
     return two_ranks[0][0][0]["summary"]
 
 
-def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit]]) -> None:
-    for _, fit in two_ranks:  # every rank returns the same kind of figures; rank 0's feed the predictor
+def test_the_host_fit_follows_a_late_rank(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:
+    """Rank 1 LATE_S late to every sync: rank 0 waits that long, rank 1 not at all, so the mean wait that does
+    not grow with the compute (``skew_us``) rises by about LATE_S / 2 on every rank, whatever the host's own."""
+    for _, plain, late in two_ranks:
+        assert 0.5 * LATE_S / 2 < (late.skew_us - plain.skew_us) * 1e-6 < 2 * LATE_S / 2, (plain, late)
+
+
+def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:
+    for _, fit, _ in two_ranks:  # every rank returns the same kind of figures; rank 0's feed the predictor
         assert fit.contention >= 1.0 and fit.steal_us_per_mb >= 0.0 and fit.skew_us >= 0.0
         assert fit.busy_bandwidth_gbps is not None and fit.busy_bandwidth_gbps > 0
         assert 0.0 <= fit.skew < 1.0
@@ -254,6 +337,9 @@ def test_every_run_logs_its_predicted_step_next_to_the_measured_one(two_rank_run
     tampered = {**two_rank_run, "time_exposed_comm_s": 9.0, "comm_time_s": 9.0, "time_step_s": 99.0}
     again = predict_own_step(tampered, PlanConfig(), "cpu", 1)
     assert again["step_s"] == pytest.approx(predicted["step_s"]) and again["step_error_pct"] < -50
+    # the configured host terms reach it: a 20 ms wait for the slowest rank at every sync lengthens the step
+    waiting = predict_own_step(two_rank_run, PlanConfig(skew_us=20_000.0), "cpu", 1)
+    assert waiting["step_s"] > predicted["step_s"] + 5e-3
     measured = predict_own_step(two_rank_run, PlanConfig(bandwidth_gbps=100.0, latency_us=1.0), "cpu", 1)
     assert measured["link"]["source"].startswith("measured")
     assert measured["exposed_comm_s"] < predicted["exposed_comm_s"]
@@ -264,13 +350,22 @@ def test_a_one_rank_run_says_there_is_nothing_to_predict(calibration_run: Path) 
     assert "nothing to predict" in summary["predicted"]["step_note"]
 
 
-def test_the_anchor_script_predicts_8_and_64_h100s_beside_the_published_figures(
+def test_the_anchor_script_predicts_torchtitans_128_h100s_through_the_inter_node_link(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Calibrated on torchtitan's 8-GPU figure, the 128-GPU prediction lands within 2% of its published one (+0.8%
+    today). A flat ring on NVLink alone would be +2.8% off: the bound is tighter than the inter-node link's effect.
+    The 64-GPU row is a prediction with no published figure beside it."""
     monkeypatch.setattr(sys, "argv", ["predict_anchors.py"])
     runpy.run_path(str(ROOT / "scripts" / "predict_anchors.py"), run_name="__main__")
     out = capsys.readouterr().out
     for text in ("Llama 3.1 8B", "| 8 |", "| 64 |", "| 128 |", "5,762", "5,605", "MFU"):
         assert text in out, out
-    row_128 = next(line for line in out.splitlines() if line.startswith("| 128 |"))
-    assert abs(float(row_128.split("|")[-2].strip().rstrip("%"))) < 10  # within 10% of torchtitan's 128 GPUs
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert rows["64"][-1] == "-" and rows["64"][-2] == "-"  # no published 64-GPU figure, none invented
+    assert abs(float(rows["128"][-1].rstrip("%"))) < 2.0  # within 2% of torchtitan's 128 GPUs
+    # the flat ring's exposed sync across 16 nodes is the slower network's: an order of magnitude over NVLink's
+    exposed = {gpus: float(rows[gpus][2].removesuffix(" ms")) for gpus in ("8", "128")}
+    assert exposed["128"] > 5 * exposed["8"]
+

@@ -1,0 +1,215 @@
+"""On-demand mutation check (not in CI): does the suite notice when a feature silently stops working?
+
+    python scripts/mutate.py                 # every mutant, after a baseline run of their tests
+    python scripts/mutate.py -k kernels      # the mutants whose name contains "kernels"
+    python scripts/mutate.py --list          # names, files and tests, nothing run
+
+Each mutant is a scripted edit (file, exact old text, new text; several edits for one mutant where a feature has
+several call sites) and the tests that should notice it. The working tree (tracked and untracked files, not
+ignored ones) is copied once to a temporary directory; each mutant is applied there, its tests run with that copy
+first on ``PYTHONPATH``, and the files are restored before the next. "killed": a test failed; "survived": every
+test passed with the feature broken; "stale": the old text is no longer in the file (update the mutant). A
+baseline run first checks that each mutant's tests pass unmutated (a kill on a failing test proves nothing).
+Prints a markdown table ready for docs/mutation.md; exits 1 when a mutant survived or went stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the silent no-op it stands for
+    edits: tuple[tuple[str, str, str], ...]  # (file, exact old text, new text)
+    tests: tuple[str, ...]  # pytest arguments: node ids, files, or "-k" expressions
+
+
+MUTANTS = [
+    Mutant("checkpointing-off", "gradient checkpointing never enabled, plain or k-bit model",
+           (("ddptrain/models/lora.py", "model, use_gradient_checkpointing=cfg.gradient_checkpointing,",
+             "model, use_gradient_checkpointing=False,"),
+            ("ddptrain/models/lora.py", "model.activation_checkpointing_enable(", "(lambda **_: None)(")),
+           ("tests/test_finetune.py",)),
+    Mutant("triton-selects-torch", "select_kernels('triton') returns the torch kernels",
+           (("ddptrain/kernels/__init__.py", "    return _triton_kernels()\n", "    return TORCH_KERNELS\n"),),
+           ("tests/test_kernels.py",)),
+    Mutant("loop-ignores-kernels", "the loop ignores parallel.kernels: engine, bf16 hook and clip on torch",
+           (("ddptrain/train/loop.py", "clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)",
+             'clip_gradients(model, cfg.optim.grad_clip, "torch")'),
+            ("ddptrain/parallel/wrap.py", "collective=cfg.collective, kernels=cfg.kernels,",
+             'collective=cfg.collective, kernels="torch",'),
+            ("ddptrain/parallel/compression.py", "kernels = select_kernels(cfg.kernels, next(",
+             'kernels = select_kernels("torch", next(')),
+           ("tests/test_kernels.py", "-k", "training_loop")),
+    Mutant("host-fit-constant", "measure_host discards its measurements and returns a constant fit",
+           (("ddptrain/comm/hostfit.py", "    return HostFit(max(1.0, short / statistics.median(alone)),",
+             "    return HostFit(1.2, 100.0, 500.0, 1.0, 0.01, 300.0, 1000.0)\n"
+             "    return HostFit(max(1.0, short / statistics.median(alone)),"),),
+           ("tests/test_predict.py", "-k", "host_fit")),
+    Mutant("from-plan-ignores-terms", "HostFit.from_plan ignores every plan.* term",
+           (("ddptrain/comm/hostfit.py", "        if compute_measured_together:\n            return cls(1.0,",
+             "        return cls()\n        if compute_measured_together:\n            return cls(1.0,"),),
+           ("tests/test_predict.py", "-k", "host_term or predicted_step or dry_run")),
+    Mutant("flat-ring-ignores-network", "the flat ring ignores the inter-node link",
+           (("ddptrain/predict/layout.py",
+             "slow = layout.inter if layout.inter.bandwidth_gbps < layout.intra.bandwidth_gbps else layout.intra",
+             "slow = layout.intra"),),
+           ("tests/test_predict.py", "-k", "flat_ring or anchor")),
+    Mutant("readiness-not-contended", "buckets' readiness no longer scaled by contention",
+           (("ddptrain/predict/model.py", "buckets = [(lead * host.contention, n) for lead, n in cal.buckets]",
+             "buckets = list(cal.buckets)"),),
+           ("tests/test_predict.py", "-k", "contention")),
+    Mutant("async-save-synchronous", "every save synchronous: the background writer never used",
+           (("ddptrain/checkpoint/checkpointer.py", "        if self._writer is None:\n            dcp.save(",
+             "        if True:\n            dcp.save("),),
+           ("tests/test_checkpoint_format.py", "-k", "asynchronous")),
+    Mutant("grad-norm-to-host", "grad_norm.to('cpu') on every step (a device-to-host sync on CUDA)",
+           (("ddptrain/train/loop.py", "nonfinite = ~torch.isfinite(grad_norm)",
+             'nonfinite = ~torch.isfinite(grad_norm.to("cpu"))'),),
+           ("tests/test_hot_path.py", "-k", "steady")),
+    Mutant("help-skips-sections", "schema_keys skips two sections of the schema",
+           (("ddptrain/help.py", "        if dataclasses.is_dataclass(tp):\n            keys += schema_keys",
+             '        if dataclasses.is_dataclass(tp):\n            if f.name in ("profile", "metrics"):\n'
+             "                continue\n            keys += schema_keys"),),
+           ("tests/test_hydra_app.py", "-k", "help_lists")),
+    # beyond the table: where a silent no-op would still train and look plausible
+    Mutant("reducer-sums-not-averages", "the engines' reducer skips the division by the world size",
+           (("ddptrain/engines/reducer.py", "bucket.finish(used, 1.0 / self._world, self.kernels)",
+             "bucket.finish(used, 1.0, self.kernels)"),),
+           ("tests/test_engines.py", "-k", "matches_torch_ddp and not triton")),
+    Mutant("engine-never-overlaps", "the engines launch no bucket during backward (all at its end)",
+           (("ddptrain/engines/reducer.py", "if bucket.pending == 0 and self.policy.overlap:",
+             "if bucket.pending == 0 and False:"),),
+           ("tests/test_engines.py", "-k", "overlapping")),
+    Mutant("token-share-not-per-rank", "token-weighted loss divides by the global tokens, not the rank's share",
+           (("ddptrain/train/tokens.py", "per_rank_share = total.clamp(min=1).to(torch.float32) / world",
+             "per_rank_share = total.clamp(min=1).to(torch.float32)"),),
+           ("tests/test_finetune.py", "-k", "token_weighted")),
+    Mutant("loss-tokens-count-the-first", "loss tokens counted without the causal shift",
+           (("ddptrain/train/tokens.py", "return (labels[:, 1:] != IGNORE).sum()", "return (labels != IGNORE).sum()"),),
+           ("tests/test_tokens.py", "tests/test_finetune.py", "-k",
+            "first_label or token_weighted or prompt_and_padding")),
+    Mutant("kernels-unchecked", "select_kernels no longer refuses Triton where it cannot run",
+           (("ddptrain/kernels/__init__.py", "    check_kernels(mode, device.type)\n", ""),),
+           ("tests/test_kernels.py", "-k", "refused or startup_error")),
+    Mutant("async-commit-before-write", "the background writer commits before the write has finished",
+           (("ddptrain/checkpoint/checkpointer.py",
+             "        staged.result()\n        if self.rank == 0:\n            self._commit(tmp, final, meta)",
+             "        if self.rank == 0:\n            self._commit(tmp, final, meta)\n        staged.result()"),),
+           ("tests/test_checkpoint_format.py", "tests/test_reliability.py")),
+    Mutant("last-save-not-awaited", "save(wait=True) returns before the background write is committed",
+           (("ddptrain/checkpoint/checkpointer.py", "        if wait:\n            self.wait()\n",
+             "        if wait:\n            pass\n"),),
+           ("tests/test_checkpoint_format.py", "tests/test_reliability.py")),
+    Mutant("calibration-drops-data-time", "the predictor's compute leaves out the data phase",
+           (("ddptrain/predict/calibration.py", 'micro = (s["time_data_s"] + s.get(', "micro = (0.0 + s.get("),),
+           ("tests/test_predict.py", "-k", "records_its_buckets")),
+    Mutant("calibration-drops-readiness", "the predictor takes every bucket as ready at the end of backward",
+           (("ddptrain/predict/calibration.py", "buckets = [(float(lead), int(n)) for lead, n in",
+             "buckets = [(0.0, int(n)) for lead, n in"),),
+           ("tests/test_predict.py", "-k", "records_its_buckets")),
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked and untracked, not ignored) into ``dest``."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def _pytest(tree: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "timed out"
+    failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return done.returncode, (failed[0] if failed else done.stdout.strip().splitlines()[-1] if done.stdout else "")
+
+
+def _apply(tree: Path, mutant: Mutant) -> dict[Path, str] | None:
+    """Apply every edit; the original texts to restore, or None (nothing applied) when an edit is stale."""
+    originals: dict[Path, str] = {}
+    for rel, old, new in mutant.edits:
+        path = tree / rel
+        text = originals.get(path, path.read_text())
+        current = path.read_text()
+        if current.count(old) != 1:
+            for p, t in originals.items():
+                p.write_text(t)
+            return None
+        originals.setdefault(path, text)
+        path.write_text(current.replace(old, new))
+    return originals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only the mutants whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each mutant's tests")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}\n  edits: {', '.join(sorted({e[0] for e in m.edits}))}\n"
+                  f"  tests: {' '.join(m.tests)}")
+        return 0
+    rows, bad = [], 0
+    with tempfile.TemporaryDirectory(prefix="ddptrain-mutants-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        for m in chosen:
+            start = time.perf_counter()
+            if not args.no_baseline:
+                code, line = _pytest(tree, m.tests, args.timeout)
+                if code != 0:
+                    rows.append((m, "baseline fails", line, time.perf_counter() - start))
+                    bad += 1
+                    print(f"{m.name}: baseline fails: {line}", flush=True)
+                    continue
+            originals = _apply(tree, m)
+            if originals is None:
+                rows.append((m, "stale", "old text not found exactly once", 0.0))
+                bad += 1
+                print(f"{m.name}: stale", flush=True)
+                continue
+            try:
+                code, line = _pytest(tree, m.tests, args.timeout)
+            finally:
+                for path, text in originals.items():
+                    path.write_text(text)
+            verdict = {0: "survived", 5: "no tests ran", -1: "timed out"}.get(code, "killed")
+            bad += verdict != "killed"
+            rows.append((m, verdict, line if verdict == "killed" else "", time.perf_counter() - start))
+            print(f"{m.name}: {verdict} {line}", flush=True)
+    print("\n| mutant | what it breaks | tests run | verdict | first failure |\n|---|---|---|---|---|")
+    for m, verdict, line, _ in rows:
+        print(f"| `{m.name}` | {m.what} | `{' '.join(m.tests)}` | {verdict} | {line.replace('|', '/')} |")
+    print(f"\n{len(rows)} mutants, {sum(r[1] == 'killed' for r in rows)} killed, "
+          f"{sum(r[1] == 'survived' for r in rows)} survived, {bad} not killed in all; "
+          f"{sum(r[3] for r in rows):.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
