@@ -287,6 +287,7 @@ class CheckpointConfig:
     dir: str = "checkpoints"  # relative to the run directory
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
     async_save: bool = False  # copy state to host memory and write it in the background (at most one in flight)
+    overwrite: bool = False  # let a fresh run replace the committed checkpoints already in its run dir
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0 and self.keep_last >= 1,

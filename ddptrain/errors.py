@@ -14,6 +14,11 @@ class ConfigError(Exception):
     """Bad input from the user. The CLI prints it as one line and exits non-zero on every rank."""
 
 
+class ResourceError(Exception):
+    """The machine lacks what the run needs (room on disk). The CLI prints it as one line and exits 1 on every
+    rank."""
+
+
 class RunEnded(Exception):
     """The run ended early on purpose (a requested stop, an aborted non-finite step); the message says why."""
 

@@ -102,6 +102,7 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers, device,
                            data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
+    checkpointer.check_room(model)
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
@@ -138,6 +139,7 @@ def resume(
 ) -> int:
     """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
     checkpointer.remove_partial()
+    checkpointer.refuse_overwrite(resume_from)
     path = checkpointer.resolve(resume_from)
     if path is None:
         if resume_from == "auto":
