@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ddptrain.checkpoint.integrity import MANIFEST_KEY, damage, manifest, total_bytes
-from ddptrain.checkpoint.safe import load_plain, rng_state, set_rng_state
+from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_state
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError, ResourceError, flat
@@ -149,8 +149,13 @@ class Checkpointer:
         # Rank 0 reads every file once against the marker's record; every rank then takes its verdict.
         chosen, skipped, problem = broadcast_from_main(_newest_intact(candidates) if self.rank == 0 else None)
         for path, problems in skipped:
-            log.warning("train.resume=auto: skipping the damaged checkpoint %s: %s; it is left on disk untouched",
-                        path, problems)
+            kept = Path(path).with_name(f"damaged-{Path(path).name}")
+            log.warning("train.resume=auto: skipping the damaged checkpoint %s: %s; kept as %s", path, problems, kept)
+        dist.barrier()  # every rank has seen the committed checkpoints before rank 0 moves the damaged aside
+        if self.rank == 0:
+            # Out of the way of this run's own save of the same step, and of keep_last's pruning: never deleted.
+            for path, _ in skipped:
+                Path(path).rename(Path(path).with_name(f"damaged-{Path(path).name}"))
         if chosen is None and problem:
             raise ConfigError(f"train.resume={resume}: {problem}")
         return Path(chosen) if chosen else None
@@ -325,6 +330,7 @@ class Checkpointer:
             log.warning("resuming a checkpoint of %s on %d ranks under %s on %d ranks: model and optimizer state "
                         "are resharded by parameter name", meta["strategy"], meta["world_size"], self.strategy,
                         world_size)
+        SafeReader(str(path / "state")).read_metadata()  # refused here, in one line, if it names other code
         try:
             load_named_state(path / "state", model, optimizer)
         except ConfigError:

@@ -28,7 +28,7 @@ from ddptrain.checkpoint.checkpointer import (
     read_trainer_state,
 )
 from ddptrain.checkpoint.integrity import MANIFEST_KEY, manifest
-from ddptrain.checkpoint.safe import SafeReader, convert_trusted
+from ddptrain.checkpoint.safe import SafeReader, convert_trusted, load_plain
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any], TrainState]:
     if problems := find_damage(found, sizes_only=True):
         raise ConfigError(f"PATH: {found} is damaged: {problems[0]}")
     meta, state = read_trainer_state(found, "PATH")
+    for rng in sorted((found / "rng").glob("rank*.pt")):
+        load_plain(rng)  # RNG files too hold plain data only: one that would run code is refused here
     return found, meta, state
 
 

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ddptrain.errors import ConfigError
 
-_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL (?P<name>[\w.]+)|(?P<other>Unsupported operand \d+)")
+# torch names the refused global ("Unsupported global: GLOBAL numpy...", "unsupported GLOBAL posix.system ...").
+_UNSUPPORTED = re.compile(r"GLOBAL (?P<name>[\w.]+)|(?P<other>Unsupported operand \d+)")
 
 
 class UnsafeCheckpoint(ConfigError):
@@ -40,7 +41,7 @@ def load_plain(path: Path) -> Any:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         found = _UNSUPPORTED.search(str(exc))
-        name = (found["name"] or found["other"]) if found else str(exc).splitlines()[0][:120]
+        name = (found["name"] or found["other"]) if found else "a type the safe loader does not build"
         raise UnsafeCheckpoint(
             f"{path}: refused to load: it needs {name}, which could run code (only tensors, numbers, strings, lists "
             "and dicts are read); if it comes from an earlier ddptrain and you trust it, convert it once with "
@@ -58,7 +59,7 @@ def _allowed(module: str, name: str) -> bool:
         return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
     return (module, name) in {("torch.serialization", "_get_layout"),
                               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                              ("collections", "OrderedDict")}
+                              ("collections", "OrderedDict"), ("pathlib", "PosixPath")}  # the checkpoint id
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -74,7 +75,8 @@ class SafeReader(FileSystemReader):
     ``weights_only=True`` already."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
+        rank = kwargs.get("rank")  # torch asks for a rank's own metadata file when the global one is absent
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         with path.open("rb") as stream:
             try:
                 metadata = _MetadataUnpickler(stream).load()
@@ -117,29 +119,36 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def convert_trusted(checkpoint: Path) -> list[Path]:
-    """Rewrite an earlier version's ``trainer.pt`` and RNG files in plain types; returns the files rewritten.
+    """Rewrite an earlier version's ``trainer.pt`` and RNG files in plain types; returns the files rewritten
+    (files that already load safely are left as they are).
 
     Runs the files' pickles (``weights_only=False``): only for a checkpoint whose origin the user trusts.
     """
     rewritten = []
-    trainer = checkpoint / "trainer.pt"
-    if trainer.is_file():
-        state = torch.load(trainer, weights_only=False)
-        torch.save({k: _plain(v) for k, v in dict(state).items()}, trainer)
-        rewritten.append(trainer)
-    for path in sorted((checkpoint / "rng").glob("rank*.pt")):
+    for path in [checkpoint / "trainer.pt", *sorted((checkpoint / "rng").glob("rank*.pt"))]:
+        if not path.is_file() or _loads_plainly(path):
+            continue
         old = torch.load(path, weights_only=False)
-        version, internal, gauss = old["python"]
-        kind, keys, pos, has_gauss, cached = old["numpy"]
-        new = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-               "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
-                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-               "torch": old["torch"]}
-        if "cuda" in old:
-            new["cuda"] = old["cuda"]
-        torch.save(new, path)
+        if path.name == "trainer.pt":
+            torch.save({k: _plain(v) for k, v in dict(old).items()}, path)
+        else:
+            version, internal, gauss = old["python"]
+            kind, keys, pos, has_gauss, cached = old["numpy"]
+            new = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+                   "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+                             "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+                   "torch": old["torch"], **({"cuda": old["cuda"]} if "cuda" in old else {})}
+            torch.save(new, path)
         rewritten.append(path)
     return rewritten
+
+
+def _loads_plainly(path: Path) -> bool:
+    try:
+        load_plain(path)
+    except UnsafeCheckpoint:
+        return False
+    return True
 
 
 def _plain(value: Any) -> Any:
