@@ -255,7 +255,7 @@ class Checkpointer:
 
     def _checkpoint_failure(self, exc: dcp.CheckpointException, step: int, tmp: Path) -> Exception:
         """A full disk as one sentence; any other failure of the write as it was."""
-        for failure in exc.failures.values():
+        for failure, _ in exc.failures.values():  # (the exception, its stack) of each rank that failed
             if (message := self._disk_failure(failure, step, tmp)) is not None:
                 return ResourceError(message)
         return exc
