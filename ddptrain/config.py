@@ -275,9 +275,12 @@ class DistConfig:
     backend: Backend = Backend.auto
     timeout_s: float = 300.0  # collective timeout
     debug: DebugLevel = DebugLevel.off  # TORCH_DISTRIBUTED_DEBUG: info or detail checks collectives
+    flight_recorder: int = 64  # collectives torch's flight recorder keeps per rank, to name a hang (0: off)
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s}: expected a positive number of seconds")
+        _require(self.flight_recorder >= 0,
+                 f"dist.flight_recorder={self.flight_recorder}: expected a number of entries >= 0 (0: off)")
 
 
 @dataclass

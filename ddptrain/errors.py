@@ -27,6 +27,13 @@ class RunEnded(Exception):
         self.exit_code = exit_code
 
 
+class PeerLost(RunEnded):
+    """A collective timed out or lost a peer: this rank says what it waited in, the launcher names who is at fault."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1)
+
+
 def one_line(exc: BaseException) -> str:
     """Condense a Hydra/OmegaConf composition error (several lines, a wrapped cause) into one line."""
     if isinstance(exc, MissingConfigException):
