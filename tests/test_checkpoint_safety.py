@@ -158,7 +158,7 @@ def test_a_metadata_pickle_naming_other_code_is_refused(tmp_path: Path, source: 
 
     state = _copy(source, tmp_path) / "checkpoints" / "step_000004" / "state"
     (state / ".metadata").write_bytes(pickle.dumps(Planted(tmp_path / "ran")))
-    with pytest.raises(UnsafeCheckpoint, match="posix.system"):
+    with pytest.raises(UnsafeCheckpoint, match=r"posix\.system"):
         SafeReader(str(state)).read_metadata()
     assert not (tmp_path / "ran").exists()
 

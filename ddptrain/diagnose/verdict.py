@@ -25,7 +25,8 @@ from ddptrain.diagnose.whereabouts import read_whereabouts
 PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
           "save": "a checkpoint save", "loss mean": "the loss mean of a logging step",
           "check": "the stop and non-finite check", "evaluation": "evaluation", "export": "the model export",
-          "after the update": "the end of the step (after the update)", "step start": "the start of a step", "start-up": "start-up"}
+          "after the update": "the end of the step (after the update)", "step start": "the start of a step",
+          "start-up": "start-up"}
 _DDPTRAIN_FRAME = re.compile(r'File "[^"]*/(ddptrain/[^"]+\.py)", line (\d+)')
 
 
