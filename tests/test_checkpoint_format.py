@@ -3,6 +3,7 @@ offline info/export/verify, asynchronous saves."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -17,6 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from ddptrain.checkpoint import offline
+from ddptrain.checkpoint.integrity import manifest
 from ddptrain.checkpoint.tool import run as ckpt_tool
 from ddptrain.data import BatchPlan, MicroBatches
 from tests.dist import run_distributed
@@ -229,6 +231,11 @@ def test_verify_finds_a_non_finite_tensor_and_a_missing_checkpoint_is_one_line(
     tensors["model.lm_head.weight"][0, 0] = float("nan")
     shutil.rmtree(checkpoint / "state")
     dcp.save(tensors, checkpoint_id=str(checkpoint / "state"), no_dist=True)
+    assert ckpt_tool(["verify", str(checkpoint)]) == 1  # the rewritten state/ no longer matches the commit's record
+    assert "state/__1_0.distcp: missing" in capsys.readouterr().out
+    meta = json.loads((checkpoint / "COMMITTED").read_text())
+    meta["files"] = manifest(checkpoint, skip=frozenset({"COMMITTED"}))  # as if the NaN had been saved
+    (checkpoint / "COMMITTED").write_text(json.dumps(meta))
     assert ckpt_tool(["verify", str(checkpoint)]) == 1
     assert "model.lm_head.weight: 1 non-finite values" in capsys.readouterr().out
     assert ckpt_tool(["info", str(tmp_path / "nope")]) == 2
