@@ -308,3 +308,33 @@ def test_a_save_onto_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_i
                                     "train.resume=auto once there is room)"), message
         assert sorted(p.name for p in root.iterdir()) == ["step_000002"], run
         assert ckpt_tool(["verify", str(root / "step_000002")]) == 0
+
+
+def _room_warnings(rank: int, world_size: int, tmp: str, free: int) -> list[str]:
+    """Build a checkpointer for a model on a filesystem with ``free`` bytes; the warnings rank 0 logs."""
+    import logging
+    import shutil as sh
+    from collections import namedtuple
+
+    from ddptrain.checkpoint import Checkpointer
+    from ddptrain.models import build_model, model_vocab_size
+
+    usage = namedtuple("usage", "total used free")
+    sh.disk_usage = lambda path: usage(free, 0, free)  # type: ignore[assignment]  # this forked rank only
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ddptrain").addHandler(handler)
+    cfg = make_config(tmp, BASE)
+    model = build_model(cfg.model, model_vocab_size(cfg.model, cfg.data.vocab_size), eos_id=0)
+    Checkpointer(cfg, Path(tmp) / "run", "ddp").check_room(model)
+    return [r for r in records if "may fail on a full disk" in r]
+
+
+def test_start_up_warns_when_the_run_dir_lacks_room_for_keep_last_plus_one_checkpoints(tmp_path: Path) -> None:
+    cramped, roomy = run_distributed(_room_warnings, 1, str(tmp_path), 10**6)[0], \
+        run_distributed(_room_warnings, 1, str(tmp_path), 10**12)[0]
+    assert roomy == []
+    (warning,) = cramped
+    assert warning.startswith(f"{tmp_path / 'run' / 'checkpoints'} has 1.0 MB free; checkpoint.keep_last=3 + 1 "
+                              "checkpoints of about "), warning
