@@ -3,7 +3,7 @@
 Saves the same trained state (weights + AdamW moments) through the real ``Checkpointer``, alternating the two
 modes over repeats (sync, async, sync, async, ...) so machine noise hits both alike, and reports medians of the
 time training is blocked per save and, for async saves, how long the background write took. It also times the
-sizes-and-checksums pass of a commit (SHA-256 of every file): part of a synchronous save's blocked time, and
+sizes-and-checksums pass of a commit (CRC-32 of every file): part of a synchronous save's blocked time, and
 done on the background writer's thread for an async save:
 
     torchrun --standalone --nproc-per-node=2 scripts/bench_checkpoint.py --repeats 5 --hidden 768 --layers 6
