@@ -222,10 +222,11 @@ class Checkpointer:
         except (OSError, RuntimeError) as exc:  # torch.save reports a short write as a RuntimeError
             error = exc
         # Every rank learns whether any rank's files failed, so none waits in a later barrier for a peer that quit.
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, self._disk_failure(error, state.step, tmp) if error else None)
-        if any(errors):
-            raise ResourceError(next(e for e in errors if e))
+        failures: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, self._local_failure(error, state.step, tmp) if error else None)
+        if found := next((f for f in failures if f is not None), None):
+            full, message = found
+            raise ResourceError(message) if full else RuntimeError(message)
         named = named_state(model, optimizer)
         if self._writer is None:
             try:
@@ -252,6 +253,12 @@ class Checkpointer:
                 pending.result()
             except dcp.CheckpointException as exc:
                 raise self._checkpoint_failure(exc, *self._saving) from exc
+
+    def _local_failure(self, exc: BaseException, step: int, tmp: Path) -> tuple[bool, str]:
+        """(whether the disk is full, the sentence) for this rank's failed write of its own files."""
+        if (message := self._disk_failure(exc, step, tmp)) is not None:
+            return True, message
+        return False, f"checkpoint of step {step} failed on rank {self.rank}: {type(exc).__name__}: {flat(str(exc))}"
 
     def _checkpoint_failure(self, exc: dcp.CheckpointException, step: int, tmp: Path) -> Exception:
         """A full disk as one sentence; any other failure of the write as it was."""
