@@ -338,3 +338,23 @@ def test_start_up_warns_when_the_run_dir_lacks_room_for_keep_last_plus_one_check
     (warning,) = cramped
     assert warning.startswith(f"{tmp_path / 'run' / 'checkpoints'} has 1.0 MB free; checkpoint.keep_last=3 + 1 "
                               "checkpoints of about "), warning
+
+
+def _train_when_rank1_cannot_write_its_rng_file(rank: int, world_size: int, tmp: str, run: str) -> list:
+    real_save = torch.save
+
+    def save(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        if rank == 1 and "step_000004" in str(path) and "rng" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_save(obj, path, *args, **kwargs)
+
+    torch.save = save  # this forked rank only
+    return _train_cases(rank, world_size, tmp, [(run, {})])
+
+
+def test_one_ranks_full_disk_stops_every_rank_with_the_same_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ended = run_distributed(_train_when_rank1_cannot_write_its_rng_file, 2, str(tmp_path), str(run))
+    assert ended[0] == ended[1] and ended[0][0] is not None, ended
+    assert ended[0][0].startswith("checkpoint of step 4 failed: no space left in "), ended
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]

@@ -225,6 +225,7 @@ class Checkpointer:
         failures: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(failures, self._local_failure(error, state.step, tmp) if error else None)
         if found := next((f for f in failures if f is not None), None):
+            self._discard(tmp)
             full, message = found
             raise ResourceError(message) if full else RuntimeError(message)
         named = named_state(model, optimizer)
@@ -256,27 +257,31 @@ class Checkpointer:
 
     def _local_failure(self, exc: BaseException, step: int, tmp: Path) -> tuple[bool, str]:
         """(whether the disk is full, the sentence) for this rank's failed write of its own files."""
-        if (message := self._disk_failure(exc, step, tmp)) is not None:
+        if (message := self._disk_failure(exc, step)) is not None:
             return True, message
         return False, f"checkpoint of step {step} failed on rank {self.rank}: {type(exc).__name__}: {flat(str(exc))}"
 
     def _checkpoint_failure(self, exc: dcp.CheckpointException, step: int, tmp: Path) -> Exception:
         """A full disk as one sentence; any other failure of the write as it was."""
         for failure, _ in exc.failures.values():  # (the exception, its stack) of each rank that failed
-            if (message := self._disk_failure(failure, step, tmp)) is not None:
+            if (message := self._disk_failure(failure, step)) is not None:
+                self._discard(tmp)
                 return ResourceError(message)
         return exc
 
-    def _disk_failure(self, exc: BaseException, step: int, tmp: Path) -> str | None:
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0 removes a save that failed before its commit, giving its room back."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _disk_failure(self, exc: BaseException, step: int) -> str | None:
         """The sentence for a save that ran out of room (which directory, needed and free, the last good
-        checkpoint); None for another failure. Rank 0 removes the partial save, giving its room back."""
+        checkpoint); None for another failure."""
         free = shutil.disk_usage(self.root).free
         full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
             isinstance(exc, RuntimeError) and "unexpected pos" in str(exc) and free < self.expected_bytes)
         if not full:
             return None
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
         found = self.committed()
         last = (f"the last good checkpoint is {found[-1]} (continue from it with train.resume=auto once there is "
                 "room)" if found else "no checkpoint of this run was committed before")
