@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.compose import job_config, register_schema
-from ddptrain.errors import ConfigError, RunEnded, one_line
+from ddptrain.errors import ConfigError, ResourceError, RunEnded, one_line
 
 ERROR_GRACE_S = 3.0
 PRIMARY = "config"
@@ -143,13 +143,13 @@ def run_cli(argv: list[str]) -> int:
     except RunEnded as exc:
         say(f"ddptrain: {exc}")
         return exc.exit_code
-    except ConfigError as exc:
+    except (ConfigError, ResourceError) as exc:
         say(f"ddptrain: error: {exc}")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # The elastic agent stops every worker as soon as one exits: give the peers, which fail the same
             # way, time to print their own line before this rank's exit triggers that.
             time.sleep(ERROR_GRACE_S)
-        return 2
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 def main() -> None:

@@ -294,9 +294,12 @@ class DistConfig:
     backend: Backend = Backend.auto
     timeout_s: float = 300.0  # collective timeout
     debug: DebugLevel = DebugLevel.off  # TORCH_DISTRIBUTED_DEBUG: info or detail checks collectives
+    flight_recorder: int = 64  # collectives torch's flight recorder keeps per rank, to name a hang (0: off)
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s}: expected a positive number of seconds")
+        _require(self.flight_recorder >= 0,
+                 f"dist.flight_recorder={self.flight_recorder}: expected a number of entries >= 0 (0: off)")
 
 
 @dataclass
@@ -307,6 +310,7 @@ class CheckpointConfig:
     export: bool = True  # at the end, save_pretrained the model (and tokenizer) to <run dir>/model
     async_save: bool = False  # copy state to host memory and write it in the background (at most one in flight)
     export_timeout_s: float = 3600.0  # how long other ranks wait for rank 0 to export (merge, save) the model
+    overwrite: bool = False  # let a fresh run replace the committed checkpoints already in its run dir
 
     def __post_init__(self) -> None:
         _require(self.every_n_steps >= 0 and self.keep_last >= 1,

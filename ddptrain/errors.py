@@ -14,12 +14,24 @@ class ConfigError(Exception):
     """Bad input from the user. The CLI prints it as one line and exits non-zero on every rank."""
 
 
+class ResourceError(Exception):
+    """The machine lacks what the run needs (room on disk). The CLI prints it as one line and exits 1 on every
+    rank."""
+
+
 class RunEnded(Exception):
     """The run ended early on purpose (a requested stop, an aborted non-finite step); the message says why."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class PeerLost(RunEnded):
+    """A collective timed out or lost a peer: this rank says what it waited in, the launcher names who is at fault."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1)
 
 
 def one_line(exc: BaseException) -> str:

@@ -1,8 +1,10 @@
 """Fault injection for the reliability tests, driven by ``DDPTRAIN_FAULT``; does nothing when it is unset.
 
-Format ``KIND@POINT:STEP[:RANK]``: KIND is kill (SIGKILL this process), hang (stop making progress) or nan
-(poison this rank's loss); POINT is ``step`` (after optimizer step STEP) or ``save`` (while the checkpoint of
-STEP is half written, before its commit). RANK defaults to 0. Example: ``DDPTRAIN_FAULT=kill@save:6``.
+Format ``KIND@POINT:STEP[:RANK]``: KIND is kill (SIGKILL this process), hang (stop making progress), nan
+(poison this rank's loss) or mismatch (call one extra all-reduce of 3 floats, which no other rank calls);
+POINT is ``step`` (after optimizer step STEP) or ``save`` (while the checkpoint of STEP is half written, before
+its commit); a hang may also be in ``data`` or ``forward`` (inside that phase of step STEP). RANK defaults to 0.
+Example: ``DDPTRAIN_FAULT=kill@save:6``.
 The fault fires only in the first attempt of a run (``TORCHELASTIC_RESTART_COUNT`` 0), so restarts recover.
 
 A straggler: ``delay@PHASE:STEP:RANK[:MS]`` sleeps MS milliseconds (default 200) in PHASE (``data`` or
@@ -36,8 +38,17 @@ def inject(point: str, step: int, rank: int) -> None:
     if fault[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault[0] == "hang":
-        while True:
-            time.sleep(1)
+        _hang()
+    if fault[0] == "mismatch":
+        import torch
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.zeros(3))
+
+
+def _hang() -> None:
+    while True:
+        time.sleep(1)
 
 
 def poison_loss(step: int, rank: int) -> bool:
@@ -47,9 +58,15 @@ def poison_loss(step: int, rank: int) -> bool:
 
 
 def delay(step: int, rank: int, phase: Callable[[str], AbstractContextManager]) -> None:
-    """Sleep inside ``phase(PHASE)`` (the step timer's) if a ``delay`` fault names this rank and a step <= ``step``."""
+    """Sleep inside ``phase(PHASE)`` (the step timer's) if a ``delay`` fault names this rank and a step <= ``step``;
+    hang there if a ``hang@data`` or ``hang@forward`` fault names this rank and step."""
     fault = _fault()
-    if fault is None or fault[0] != "delay" or fault[3] != rank or step < fault[2]:
+    if fault is None or fault[3] != rank:
+        return
+    if fault[0] == "hang" and fault[1] in ("data", "forward") and step == fault[2]:
+        with phase(fault[1]):
+            _hang()
+    if fault[0] != "delay" or step < fault[2]:
         return
     with phase(fault[1]):
         time.sleep(fault[4] / 1e3)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -13,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from ddptrain.checks import validate_config
 from ddptrain.compose import build_config, job_config
 from ddptrain.config import Config
-from ddptrain.errors import ConfigError, one_line
+from ddptrain.diagnose.evidence import Evidence
+from ddptrain.errors import ConfigError, PeerLost, one_line
 from ddptrain.runtime import DistEnv, distributed, shared_run_dir
 from ddptrain.telemetry import setup_logging
 from ddptrain.topology import check_shared_run_dir
@@ -81,6 +84,8 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
 
+    from ddptrain.diagnose.verdict import Failure, verdict
+
     typed = run.typed
     validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
@@ -97,7 +102,14 @@ def launch_workers(run: Run, argv: list[str]) -> int:
         elastic_run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        failures = [Failure(r, f.exitcode, f.signal_name() if f.exitcode < 0 else None)
+                    for r, f in sorted(exc.failures.items(), key=lambda item: item[1].timestamp)]
+        found = verdict(Path(os.environ["DDPTRAIN_RUN_DIR"]), failures, typed.launch.nproc_per_node,
+                        typed.dist.timeout_s, socket.gethostname())
+        if found is not None:  # the job's last line: who hung or died, and where (evidence in <run dir>/hang/)
+            print(f"ddptrain: error: {found}", file=sys.stderr)
+        else:
+            print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as exc:
         print(f"ddptrain: stopped by {exc.sigval.name}; workers were asked to checkpoint and exit "
@@ -119,7 +131,21 @@ def run_worker(run: Run) -> int:
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)
         setup_logging(env.rank, run_dir)
+        evidence = Evidence(run_dir, env.rank)
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        train(typed, env, device, run_dir, resolved)
+        try:
+            train(typed, env, device, run_dir, resolved)
+        except RuntimeError as exc:  # torch.distributed's errors (DistError) are RuntimeErrors
+            if (record := evidence.lost_peer(exc)) is None:
+                raise
+            raise PeerLost(lost_peer_line(record, typed.dist.timeout_s, run_dir)) from exc
     return 0
+
+
+def lost_peer_line(record: dict[str, Any], timeout_s: float, run_dir: Path) -> str:
+    """This rank's own line after a collective timed out: what it waited in; the launcher names the late rank."""
+    last = record["collectives"][-1] if record["collectives"] else None
+    what = f"{last['op']} #{last['seq']}" if last else "a collective"
+    return (f"rank {record['rank']} stopped waiting in {what} at step {record['step']} ({record['phase']}) after "
+            f"at most {timeout_s:g} s (dist.timeout_s): a peer never came or left; evidence in {run_dir / 'hang'}")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config import DistConfig
+from ddptrain.diagnose.evidence import enable_flight_recorder
 from ddptrain.errors import ConfigError, flat
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,7 @@ def distributed(cfg: DistConfig, cpu_collectives: bool = False) -> Iterator[tupl
     """The process group for the duration of a run (``cpu_collectives``: CPU tensors too, on CUDA); always torn
     down, errors included."""
     apply_debug_level(cfg.debug)
+    enable_flight_recorder(cfg.flight_recorder)
     env = DistEnv.from_environ()
     device = pick_device(env)
     init_process_group(cfg, env, device, cpu_collectives)

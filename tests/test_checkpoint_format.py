@@ -3,6 +3,7 @@ offline info/export/verify, asynchronous saves."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -17,6 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from ddptrain.checkpoint import offline
+from ddptrain.checkpoint.integrity import manifest
 from ddptrain.checkpoint.tool import run as ckpt_tool
 from ddptrain.data import BatchPlan, MicroBatches
 from tests.dist import run_distributed
@@ -120,6 +122,41 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(sources: dict[s
         assert all(torch.equal(sync[k], async_[k]) for k in keys), f"step {step}"
 
 
+def _train_recording_the_writer(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Train with asynchronous saves, recording which thread commits each checkpoint and when, and when each step
+    begins; each commit is held back 0.5 s so that a commit on the training thread could not pass unnoticed."""
+    import threading
+    import time
+
+    from ddptrain.checkpoint import Checkpointer
+    from ddptrain.telemetry.metrics import StepMetrics
+
+    events: dict[str, Any] = {"commits": [], "starts": {}}
+    commit, start_step = Checkpointer._commit, StepMetrics.start_step
+
+    def slow_commit(self: Checkpointer, tmp_dir: Path, final: Path, meta: dict[str, Any]) -> None:
+        time.sleep(0.5)
+        events["commits"].append((meta["step"], threading.current_thread().name, time.perf_counter()))
+        commit(self, tmp_dir, final, meta)
+
+    def recorded_start(self: StepMetrics, step: int) -> None:
+        events["starts"][step] = time.perf_counter()
+        start_step(self, step)
+
+    Checkpointer._commit = slow_commit  # type: ignore[method-assign]
+    StepMetrics.start_step = recorded_start  # type: ignore[method-assign]
+    train_each(rank, world_size, tmp, BASE, [{"checkpoint": {"every_n_steps": 2, "async_save": True}}])
+    return events
+
+
+def test_an_asynchronous_save_is_committed_by_the_background_writer_while_the_next_step_runs(tmp_path: Path) -> None:
+    events = run_distributed(_train_recording_the_writer, 2, str(tmp_path))[0]  # rank 0 commits
+    commits = {step: (thread, at) for step, thread, at in events["commits"]}
+    assert sorted(commits) == [2, 3]
+    assert all(thread.startswith("checkpoint") for thread, _ in commits.values()), commits  # the background writer
+    assert events["starts"][3] < commits[2][1], "step 3 must begin before step 2's checkpoint is committed"
+
+
 def _stream(dataset: Dataset, dp: int, rank: int) -> MicroBatches:
     plan = BatchPlan.derive(8, 2, None, dp, 4)
     return MicroBatches(dataset, plan, rank, seed=5, shuffle=True, num_workers=0, device=torch.device("cpu"))
@@ -194,6 +231,11 @@ def test_verify_finds_a_non_finite_tensor_and_a_missing_checkpoint_is_one_line(
     tensors["model.lm_head.weight"][0, 0] = float("nan")
     shutil.rmtree(checkpoint / "state")
     dcp.save(tensors, checkpoint_id=str(checkpoint / "state"), no_dist=True)
+    assert ckpt_tool(["verify", str(checkpoint)]) == 1  # the rewritten state/ no longer matches the commit's record
+    assert "state/__1_0.distcp: missing" in capsys.readouterr().out
+    meta = json.loads((checkpoint / "COMMITTED").read_text())
+    meta["files"] = manifest(checkpoint, skip=frozenset({"COMMITTED"}))  # as if the NaN had been saved
+    (checkpoint / "COMMITTED").write_text(json.dumps(meta))
     assert ckpt_tool(["verify", str(checkpoint)]) == 1
     assert "model.lm_head.weight: 1 non-finite values" in capsys.readouterr().out
     assert ckpt_tool(["info", str(tmp_path / "nope")]) == 2

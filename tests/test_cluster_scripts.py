@@ -60,8 +60,8 @@ def test_sbatch_runs_one_torchrun_agent_per_node_with_the_first_node_as_rendezvo
     assert _calls(tmp_path) == [
         "srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
         "torchrun", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
-        "--rdzv-id=42", "-m", "ddptrain", "+experiment=gpt2_small", "parallel.bucket_cap_mb=50",
-    ]
+        "--rdzv-id=42", "-m", "ddptrain", "train.resume=auto", "+experiment=gpt2_small", "parallel.bucket_cap_mb=50",
+    ]  # a requeued job (same run dir) continues instead of being refused; a user's train.resume comes later and wins
     assert "run dir /shared/proj/outputs/slurm-42" in result.stdout
 
 

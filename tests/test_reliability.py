@@ -60,7 +60,8 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
 ) -> None:
     args = [*RUN, *STRATEGIES[strategy], f"hydra.run.dir={tmp_path}"]
     killed = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": fault})
-    assert killed.returncode != 0 and "worker rank 0 failed with exit code -9" in killed.stderr
+    assert killed.returncode != 0 and "ddptrain: error: rank 0 (host " in killed.stderr
+    assert "died of SIGKILL" in killed.stderr
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert checkpoints[-1] in ("step_000002", ".tmp-step_000004"), checkpoints
     resumed = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cache)
@@ -75,7 +76,8 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_latest(
 ) -> None:
     args = [*RUN, "checkpoint.async_save=true", f"hydra.run.dir={tmp_path}"]
     killed = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": "kill@save:4"})
-    assert killed.returncode != 0 and "worker rank 0 failed with exit code -9" in killed.stderr
+    assert killed.returncode != 0 and "ddptrain: error: rank 0 (host " in killed.stderr
+    assert "died of SIGKILL" in killed.stderr
     assert "step_000002 (training blocked" in killed.stderr and "background write" in killed.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".tmp-step_000004", "step_000002"]
     resumed = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cache)
@@ -131,7 +133,7 @@ def test_a_dead_or_hung_rank_ends_the_whole_job_within_the_timeout(tmp_path: Pat
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert elapsed < timeout_s + 30 + 15, f"took {elapsed:.0f}s"  # + start-up and 3 training steps
-    assert "worker rank" in result.stderr and "failed" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("ddptrain: error: rank 1 (host "), result.stderr[-2000:]
     assert not _survivors(str(tmp_path)), "no worker process may outlive the job"
 
 

@@ -7,11 +7,10 @@ rank's files are complete, so a crash during the write leaves the previous check
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
-import pickle
-import random
 import shutil
 import time
 from collections.abc import Callable
@@ -21,18 +20,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from ddptrain.checkpoint.integrity import MANIFEST_KEY, damage, manifest, total_bytes
+from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_state
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config import Config
-from ddptrain.errors import ConfigError, flat
+from ddptrain.errors import ConfigError, ResourceError, flat
 from ddptrain.faults import inject
-from ddptrain.runtime import main_only
+from ddptrain.runtime import broadcast_from_main, main_only
 
 log = logging.getLogger(__name__)
 MARKER = "COMMITTED"
@@ -78,17 +78,44 @@ def find_checkpoint(path: Path, subdir: str, key: str) -> Path:
     raise ConfigError(f"{key}={path}: no committed checkpoint there (expected step_*/{MARKER})")
 
 
-def read_trainer_state(path: Path, key: str) -> tuple[dict[str, Any], TrainState]:
-    """The marker's metadata and the trainer state; a one-line error when either cannot be read."""
+def read_marker(path: Path, key: str) -> dict[str, Any]:
+    """The ``COMMITTED`` marker's metadata (JSON), of a format this ddptrain reads; a one-line error otherwise."""
     try:
         meta = json.loads((path / MARKER).read_text())
-        state = TrainState(**torch.load(path / "trainer.pt", weights_only=False))
-    except (OSError, ValueError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-        raise ConfigError(f"{key}: {path} is not a readable checkpoint ({type(exc).__name__})") from exc
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{key}: {path} has checkpoint format {meta.get('format', 1)}; this ddptrain reads "
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: {path}/{MARKER} is not readable ({type(exc).__name__})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format", 1) if isinstance(meta, dict) else "unknown"
+        raise ConfigError(f"{key}: {path} has checkpoint format {found}; this ddptrain reads "
                           f"format {FORMAT} (name-keyed state/)")
+    return meta
+
+
+def read_trainer_state(path: Path, key: str) -> tuple[dict[str, Any], TrainState]:
+    """The marker's metadata and the trainer state; a one-line error when either cannot be read (or would run
+    code: ``trainer.pt`` holds plain data only)."""
+    meta = read_marker(path, key)
+    try:
+        state = TrainState(**load_plain(path / "trainer.pt"))
+    except ConfigError:
+        raise
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError) as exc:
+        raise ConfigError(f"{key}: {path} is not a readable checkpoint ({type(exc).__name__})") from exc
     return meta, state
+
+
+def find_damage(path: Path, sizes_only: bool = False) -> list[str]:
+    """The damaged files of a committed checkpoint, checked against the sizes and checksums its marker records
+    (empty when intact, or when an earlier version wrote no record)."""
+    try:
+        recorded = json.loads((path / MARKER).read_text()).get(MANIFEST_KEY)
+    except (OSError, ValueError, AttributeError):
+        return [f"{MARKER}: not readable"]
+    return damage(path, recorded, sizes_only) if recorded else []
+
+
+def describe_damage(problems: list[str]) -> str:
+    return problems[0] + (f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else "")
 
 
 class Checkpointer:
@@ -107,6 +134,8 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if cfg.checkpoint.async_save else None
         self._pending: Future[None] | None = None  # the save in flight: done once its commit is
+        self._saving: tuple[int, Path] = (0, self.root)  # the step and directory of the save in flight
+        self.expected_bytes = 0  # about one checkpoint's size: estimated at start-up, then the largest written
 
     # ---- finding -------------------------------------------------------------------------------------------
 
@@ -117,10 +146,48 @@ class Checkpointer:
         """The checkpoint ``train.resume`` names: auto -> the latest here (or none), a path -> that one."""
         if resume is None:
             return None
-        if resume == "auto":
-            found = self.committed()
-            return found[-1] if found else None
-        return find_checkpoint(Path(resume), self.cfg.dir, "train.resume")
+        explicit = resume != "auto"
+        candidates = [find_checkpoint(Path(resume), self.cfg.dir, "train.resume")] if explicit else self.committed()
+        # Rank 0 reads every file once against the marker's record; every rank then takes its verdict.
+        chosen, skipped, problem = broadcast_from_main(_newest_intact(candidates) if self.rank == 0 else None)
+        for path, problems in skipped:
+            kept = Path(path).with_name(f"damaged-{Path(path).name}")
+            log.warning("train.resume=auto: skipping the damaged checkpoint %s: %s; kept as %s", path, problems, kept)
+        dist.barrier()  # every rank has seen the committed checkpoints before rank 0 moves the damaged aside
+        if self.rank == 0:
+            # Out of the way of this run's own save of the same step, and of keep_last's pruning: never deleted.
+            for path, _ in skipped:
+                Path(path).rename(Path(path).with_name(f"damaged-{Path(path).name}"))
+        if chosen is None and problem:
+            raise ConfigError(f"train.resume={resume}: {problem}")
+        return Path(chosen) if chosen else None
+
+    def refuse_overwrite(self, resume: str | None) -> None:
+        """A fresh run (no ``train.resume``) into a run directory that holds committed checkpoints would replace
+        them with its own: stop, unless ``checkpoint.overwrite`` says to."""
+        found = self.committed()
+        if resume is not None or not found:
+            return
+        if self.cfg.overwrite:
+            log.warning("checkpoint.overwrite=true: this run replaces the checkpoints in %s (latest %s)", self.root,
+                        found[-1].name)
+            return
+        raise ConfigError(f"hydra.run.dir={self.root.parent}: holds committed checkpoints of another run (latest "
+                          f"{found[-1].name}); continue it with train.resume=auto, or start in a new hydra.run.dir "
+                          "(checkpoint.overwrite=true replaces them)")
+
+    def check_room(self, model: torch.nn.Module) -> None:
+        """Rank 0 warns when the run dir's filesystem lacks room for ``keep_last`` + 1 checkpoints of this model."""
+        self.expected_bytes = estimate_bytes(model)
+        if self.rank != 0:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        needed = (self.cfg.keep_last + 1) * self.expected_bytes
+        if free < needed:
+            log.warning("%s has %s free; checkpoint.keep_last=%d + 1 checkpoints of about %s each need %s: saves "
+                        "may fail on a full disk", self.root, _mb(free), self.cfg.keep_last,
+                        _mb(self.expected_bytes), _mb(needed))
 
     def remove_partial(self) -> None:
         """Rank 0 removes saves that died before their commit."""
@@ -146,17 +213,32 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        torch.save(_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
         meta = {"format": FORMAT, "step": state.step, "fingerprint": model_fingerprint(model),
                 "strategy": self.strategy, "zero_stage": state.zero_stage, "world_size": state.world_size,
                 "parameters": sum(p.numel() for p in model.parameters())}
-        if self.rank == 0:
-            self._write_metadata(tmp, state, model)
+        error = None
+        try:
+            torch.save(rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+            if self.rank == 0:
+                self._write_metadata(tmp, state, model)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a short write as a RuntimeError
+            error = exc
+        # Every rank learns whether any rank's files failed, so none waits in a later barrier for a peer that quit.
+        failures: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, self._local_failure(error, state.step, tmp) if error else None)
+        if found := next((f for f in failures if f is not None), None):
+            self._discard(tmp)
+            full, message = found
+            raise ResourceError(message) if full else RuntimeError(message)
         named = named_state(model, optimizer)
         if self._writer is None:
-            dcp.save(named, checkpoint_id=str(tmp / "state"))
+            try:
+                dcp.save(named, checkpoint_id=str(tmp / "state"))
+            except dcp.CheckpointException as exc:  # raised alike on every rank, with every rank's failure
+                raise self._checkpoint_failure(exc, state.step, tmp) from exc
             self._finish(state.step, tmp, final, meta, started)
             return final
+        self._saving = (state.step, tmp)
         staged = dcp.async_save(named, checkpoint_id=str(tmp / "state"), process_group=self._group)
         blocked = time.perf_counter() - started
         self._pending = self._writer.submit(self._finish_async, staged, state.step, tmp, final, meta, started,
@@ -170,7 +252,43 @@ class Checkpointer:
         """Block until the save in flight (if any) is committed; re-raises its error."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            try:
+                pending.result()
+            except dcp.CheckpointException as exc:
+                raise self._checkpoint_failure(exc, *self._saving) from exc
+
+    def _local_failure(self, exc: BaseException, step: int, tmp: Path) -> tuple[bool, str]:
+        """(whether the disk is full, the sentence) for this rank's failed write of its own files."""
+        if (message := self._disk_failure(exc, step)) is not None:
+            return True, message
+        return False, f"checkpoint of step {step} failed on rank {self.rank}: {type(exc).__name__}: {flat(str(exc))}"
+
+    def _checkpoint_failure(self, exc: dcp.CheckpointException, step: int, tmp: Path) -> Exception:
+        """A full disk as one sentence; any other failure of the write as it was."""
+        for failure, _ in exc.failures.values():  # (the exception, its stack) of each rank that failed
+            if (message := self._disk_failure(failure, step)) is not None:
+                self._discard(tmp)
+                return ResourceError(message)
+        return exc
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0 removes a save that failed before its commit, giving its room back."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _disk_failure(self, exc: BaseException, step: int) -> str | None:
+        """The sentence for a save that ran out of room (which directory, needed and free, the last good
+        checkpoint); None for another failure."""
+        free = shutil.disk_usage(self.root).free
+        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(exc, RuntimeError) and "unexpected pos" in str(exc) and free < self.expected_bytes)
+        if not full:
+            return None
+        found = self.committed()
+        last = (f"the last good checkpoint is {found[-1]} (continue from it with train.resume=auto once there is "
+                "room)" if found else "no checkpoint of this run was committed before")
+        return (f"checkpoint of step {step} failed: no space left in {self.root} (a checkpoint needs about "
+                f"{_mb(self.expected_bytes)}, {_mb(free)} free); {last}")
 
     def _write_metadata(self, tmp: Path, state: TrainState, model: torch.nn.Module) -> None:
         """Rank 0: the trainer state, the run's config and what ``export`` needs to rebuild the model offline."""
@@ -195,12 +313,15 @@ class Checkpointer:
         gathers every rank's write results, so rank 0's write completing means every rank's files are on disk."""
         inject("save", step, self.rank)  # a crash while the write is in flight must leave the previous checkpoint
         staged.result()
-        if self.rank == 0:
+        if self.rank == 0:  # the checksums are taken here, on the writer thread, not the training thread
             self._commit(tmp, final, meta)
             log.info("checkpoint saved: %s (training blocked %.2f s, background write %.2f s)", final, blocked,
                      time.perf_counter() - started)
 
     def _commit(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        """Record every file's size and checksum in the marker, then make the checkpoint visible by a rename."""
+        meta = {**meta, MANIFEST_KEY: manifest(tmp, skip=frozenset({MARKER}))}
+        self.expected_bytes = max(self.expected_bytes, total_bytes(meta[MANIFEST_KEY]))
         (tmp / MARKER).write_text(json.dumps(meta) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -223,13 +344,16 @@ class Checkpointer:
             log.warning("resuming a checkpoint of %s on %d ranks under %s on %d ranks: model and optimizer state "
                         "are resharded by parameter name", meta["strategy"], meta["world_size"], self.strategy,
                         world_size)
+        SafeReader(str(path / "state")).read_metadata()  # refused here, in one line, if it names other code
         try:
             load_named_state(path / "state", model, optimizer)
+        except ConfigError:
+            raise
         except (OSError, RuntimeError, EOFError, KeyError, ValueError) as exc:
             raise ConfigError(f"train.resume: {path} is corrupt ({flat(str(exc), 160)})") from exc
         rng = path / "rng" / f"rank{self.rank}.pt"
         if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_plain(rng))
         else:
             log.warning("no RNG state for rank %d in %s (saved on %d ranks)", self.rank, path, state.world_size)
         return state
@@ -255,16 +379,31 @@ class Checkpointer:
         main_only(save, self.cfg.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def _newest_intact(candidates: list[Path]) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """Of ``candidates`` (oldest first), the newest whose files match its marker's record: (its path, the damaged
+    newer ones skipped with their problem, the problem when the only candidate asked for is damaged)."""
+    skipped = []
+    for path in reversed(candidates):
+        problems = find_damage(path)
+        if not problems:
+            return str(path), skipped, None
+        skipped.append((str(path), describe_damage(problems)))
+    if len(candidates) == 1 and skipped:
+        (path, problem), = skipped
+        return None, [], f"{path} is damaged: {problem}; check it with ddptrain-ckpt verify {path}"
+    if skipped:
+        return None, [], (f"every checkpoint in {Path(skipped[0][0]).parent} is damaged (newest: {skipped[0][1]}); "
+                          "check them with ddptrain-ckpt verify")
+    return None, [], None
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def estimate_bytes(model: torch.nn.Module) -> int:
+    """About the size of one checkpoint of ``model`` (all ranks together): its state, plus AdamW's two moments
+    (fp32) for each trainable parameter."""
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    moments = sum(2 * 4 * p.numel() for p in model.parameters() if p.requires_grad)
+    return state + moments
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MB"

@@ -6,34 +6,58 @@ and world size wrote it in shards.
 
 from __future__ import annotations
 
+import json
+import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from ddptrain.checkpoint.checkpointer import TrainState, find_checkpoint, model_fingerprint, read_trainer_state
+from ddptrain.checkpoint.checkpointer import (
+    MARKER,
+    TrainState,
+    find_checkpoint,
+    find_damage,
+    model_fingerprint,
+    read_marker,
+    read_trainer_state,
+)
+from ddptrain.checkpoint.integrity import MANIFEST_KEY, manifest
+from ddptrain.checkpoint.safe import SafeReader, convert_trusted, load_plain
 from ddptrain.errors import ConfigError
 
+log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 2**20  # verify reads tensors in groups of about this size, so memory stays bounded
 
 
 def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any], TrainState]:
-    """The checkpoint ``path`` names (itself, or a run directory's latest), its marker metadata and trainer state."""
+    """The checkpoint ``path`` names (itself, or a run directory's latest), its marker metadata and trainer state.
+
+    The files' sizes are checked against the marker's record first (a stat each), so a truncated or missing
+    file is named instead of failing inside a reader.
+    """
     found = find_checkpoint(path, "checkpoints", "PATH")
+    read_marker(found, "PATH")
+    if problems := find_damage(found, sizes_only=True):
+        raise ConfigError(f"PATH: {found} is damaged: {problems[0]}")
     meta, state = read_trainer_state(found, "PATH")
+    for rng in sorted((found / "rng").glob("rank*.pt")):
+        load_plain(rng)  # RNG files too hold plain data only: one that would run code is refused here
     return found, meta, state
 
 
 def tensor_entries(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
     """Every tensor in ``state/`` by its flat key (``model.<name>``, ``optim.state.<name>.<key>``), with its size."""
     try:
-        metadata = FileSystemReader(str(checkpoint / "state")).read_metadata()
-    except (OSError, ValueError, RuntimeError, EOFError) as exc:
+        metadata = SafeReader(str(checkpoint / "state")).read_metadata()
+    except ConfigError:
+        raise
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise ConfigError(f"PATH: {checkpoint} has no readable state/ ({type(exc).__name__})") from exc
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -42,7 +66,7 @@ def read_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The full tensors under ``keys``, gathered from every rank's shards."""
     entries = tensor_entries(checkpoint)
     wanted = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
-    dcp.load(wanted, checkpoint_id=str(checkpoint / "state"), no_dist=True)
+    dcp.load(wanted, storage_reader=SafeReader(str(checkpoint / "state")), no_dist=True)
     return wanted
 
 
@@ -53,8 +77,16 @@ def build_model(checkpoint: Path, device: str = "cpu") -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(config)
 
 
-def export(path: Path, out: Path) -> Path:
-    """``save_pretrained`` of the checkpoint's model (and its tokenizer) into ``out``; returns the checkpoint used."""
+def export(path: Path, out: Path, overwrite: bool = False) -> Path:
+    """``save_pretrained`` of the checkpoint's model (and its tokenizer) into ``out``; returns the checkpoint used.
+
+    ``out`` must be a new or empty directory (``overwrite``: a non-empty one is written over). Success is
+    reported only after the export is read back with transformers and its weights equal the checkpoint's.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"OUT={out}: is a file; export writes a directory (choose another path)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"OUT={out}: directory is not empty; choose another, or pass --overwrite to write over it")
     checkpoint, _, _ = open_checkpoint(path)
     model = build_model(checkpoint)
     names = list(model.state_dict())
@@ -63,6 +95,14 @@ def export(path: Path, out: Path) -> Path:
     model.save_pretrained(str(out))
     if (checkpoint / "hf" / "tokenizer_config.json").is_file():
         AutoTokenizer.from_pretrained(str(checkpoint / "hf")).save_pretrained(str(out))
+    try:
+        written = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"OUT={out}: the export cannot be read back with transformers ({type(exc).__name__})") \
+            from exc
+    differ = [k for k, v in model.state_dict().items() if k not in written or not torch.equal(written[k], v)]
+    if differ:
+        raise ConfigError(f"OUT={out}: read back, {len(differ)} tensors differ from the checkpoint (first {differ[0]})")
     return checkpoint
 
 
@@ -87,11 +127,20 @@ def info(path: Path, now: Any | None) -> list[str]:
 
 
 def verify(path: Path) -> tuple[Path, list[str], int]:
-    """Check every tensor: present for every model entry, shaped like the model's parameter, finite.
+    """Check every file against the sizes and checksums recorded at commit, then every tensor: present for every
+    model entry, shaped like the model's parameter, finite.
 
-    Returns the checkpoint, the problems found (empty when it is sound) and how many tensors were read.
+    Returns the checkpoint, the problems found (empty when it is sound) and how many tensors were read. Damaged
+    files are reported without reading tensors (which would fail on them).
     """
-    checkpoint, meta, state = open_checkpoint(path)
+    checkpoint = find_checkpoint(path, "checkpoints", "PATH")
+    meta = read_marker(checkpoint, "PATH")
+    if not meta.get(MANIFEST_KEY):
+        log.warning("%s: %s records no file sizes or checksums (an earlier ddptrain wrote it): only its tensors "
+                    "are checked", checkpoint, MARKER)
+    elif problems := find_damage(checkpoint):
+        return checkpoint, problems, 0
+    checkpoint, meta, state = open_checkpoint(checkpoint)
     model = build_model(checkpoint, device="meta")
     problems = []
     if model_fingerprint(model) != meta["fingerprint"]:
@@ -144,3 +193,15 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
             out.update(_flat(v, f"{prefix}{k}."))
         return out
     return {prefix.rstrip("."): node}
+
+
+def convert(path: Path) -> tuple[Path, list[Path]]:
+    """Rewrite a trusted checkpoint of an earlier ddptrain in plain types (see ``safe.convert_trusted``); the
+    marker's record of sizes and checksums, if any, is renewed for the rewritten files."""
+    checkpoint = find_checkpoint(path, "checkpoints", "PATH")
+    meta = read_marker(checkpoint, "PATH")
+    rewritten = convert_trusted(checkpoint)
+    if meta.get(MANIFEST_KEY):
+        meta[MANIFEST_KEY] = manifest(checkpoint, skip=frozenset({MARKER}))
+        (checkpoint / MARKER).write_text(json.dumps(meta) + "\n")
+    return checkpoint, rewritten

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ddptrain.checkpoint.safe import SafeReader
+
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 State = dict[str, dict[str, Any]]
 
@@ -41,7 +43,7 @@ def load_named_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.
         _load_zero1(checkpoint, model, optimizer)
         return
     wanted = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=FLAT)}
-    dcp.load(wanted, checkpoint_id=str(checkpoint))
+    dcp.load(wanted, storage_reader=SafeReader(str(checkpoint)))
     set_model_state_dict(model, wanted["model"])
     set_optimizer_state_dict(model, optimizer, wanted["optim"], options=FLAT)
 
@@ -78,7 +80,7 @@ def _load_zero1(checkpoint: Path, model: torch.nn.Module, optimizer: ZeroRedunda
             first = names[group["params"][0]]
             flat.update({f"param_groups.{first}.{k}": v for k, v in group.items() if k != "params"})
     wanted = {"model": get_model_state_dict(model), "optim": flat}
-    dcp.load(wanted, checkpoint_id=str(checkpoint))
+    dcp.load(wanted, storage_reader=SafeReader(str(checkpoint)))
     set_model_state_dict(model, wanted["model"])
     for p in owned:
         prefix = f"state.{names[p]}."

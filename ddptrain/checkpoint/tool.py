@@ -1,7 +1,9 @@
 """``ddptrain-ckpt`` (or ``python -m ddptrain.checkpoint``): inspect, export and verify checkpoints offline.
 
-One CPU process, no torchrun: ``info PATH [overrides]``, ``export PATH OUT``, ``verify PATH``. PATH is a
-checkpoint directory or a run directory (its latest committed checkpoint).
+One CPU process, no torchrun: ``info PATH [overrides]``, ``export PATH OUT [--overwrite]``, ``verify PATH``,
+``convert PATH --trust``. PATH is a checkpoint directory or a run directory (its latest committed checkpoint).
+Nothing here runs code from a checkpoint, except ``convert --trust``, which exists to rewrite a trusted
+checkpoint of an earlier ddptrain in the plain types every other command reads.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     export = commands.add_parser("export", help="save_pretrained the model (and tokenizer) into OUT")
     export.add_argument("path", type=Path)
     export.add_argument("out", type=Path)
+    export.add_argument("--overwrite", action="store_true", help="write into OUT even if it is a non-empty directory")
     verify = commands.add_parser("verify", help="load every tensor; check its shape against the model and finiteness")
     verify.add_argument("path", type=Path)
+    convert = commands.add_parser("convert", help="rewrite an earlier version's trainer.pt and RNG files in plain "
+                                  "types (runs their pickles: only for a checkpoint you trust)")
+    convert.add_argument("path", type=Path)
+    convert.add_argument("--trust", action="store_true", required=True,
+                         help="required: you trust where this checkpoint came from")
     return parser.parse_args(argv)
 
 
@@ -37,8 +45,12 @@ def run(argv: list[str]) -> int:
         if args.command == "info":
             print("\n".join(offline.info(args.path, _config_now(args.overrides))))
         elif args.command == "export":
-            used = offline.export(args.path, args.out)
-            print(f"exported {used} to {args.out} (load it with AutoModelForCausalLM.from_pretrained)")
+            used = offline.export(args.path, args.out, args.overwrite)
+            print(f"exported {used} to {args.out}, read back and equal to the checkpoint (load it with "
+                  "AutoModelForCausalLM.from_pretrained)")
+        elif args.command == "convert":
+            used, rewritten = offline.convert(args.path)
+            print(f"{used}: rewrote {', '.join(p.name for p in rewritten) or 'nothing'} in plain types")
         else:
             used, problems, count = offline.verify(args.path)
             for problem in problems:

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ddptrain.diagnose.whereabouts import WHEREABOUTS
+
 CUDA_SAMPLE_EVERY = 10  # the default on CUDA: one synchronized step per default logging window
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class StepTimer:
         return device_clock(self.device) if self.active else time.perf_counter()
 
     def start_step(self, step: int) -> None:
+        WHEREABOUTS.at("step start", step)
         self.active = step % self.sample_every == 0
         if self.active:
             self._step_start = self.now()
@@ -65,6 +68,7 @@ class StepTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        WHEREABOUTS.at(name)  # where this rank is, for naming a hang (a write to mapped memory)
         if not self.active:
             yield
             return

@@ -122,6 +122,7 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
         batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
                                device, data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
+    checkpointer.check_room(model)
     scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if cfg.train.precision == Precision.fp16 else None
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan, scaler)
     val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
@@ -162,6 +163,7 @@ def resume(
 ) -> int:
     """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
     checkpointer.remove_partial()
+    checkpointer.refuse_overwrite(resume_from)
     path = checkpointer.resolve(resume_from)
     if path is None:
         if resume_from == "auto":

@@ -17,6 +17,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from ddptrain.diagnose.evidence import record_evidence
 from ddptrain.errors import RunEnded
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class StopRequest:
         if self.signum:
             return
         self.signum = signum
+        record_evidence(f"{signal.Signals(signum).name} from the launcher", frame)  # in case the stop never comes
         log.warning("%s received: stopping at the next step boundary", signal.Signals(signum).name)
         watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
         watchdog.daemon = True

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from ddptrain.choices import computes_in_bf16
 from ddptrain.config import Config
+from ddptrain.diagnose.whereabouts import WHEREABOUTS
 from ddptrain.faults import delay, inject, poison_loss
 from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure, trainable_line
 from ddptrain.parallel.zero import shard_group_size
@@ -75,6 +76,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 else:
                     nonfinite_steps.record(nonfinite, step)
                 if log_step or save_step or step % cfg.train.check_every == 0:
+                    WHEREABOUTS.at("check")
                     # sync point: one small all-reduce and host read per check, never on the other steps
                     stopping, count, first = agree(c.stop.signum, nonfinite_steps)
                     skipped += settle_nonfinite(count, first, step, cfg.train.nan_policy)
@@ -96,8 +98,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             lr = c.scheduler.get_last_lr()[0]
             c.scheduler.step()
             profiler.step()
+            WHEREABOUTS.at("after the update")
             inject("step", step, env.rank)
             if stopping or save_step:  # sync point: a save's barriers (all of its write, unless async)
+                WHEREABOUTS.at("save")
                 c.save(step, wait=bool(stopping) or step == cfg.train.steps)  # the last save is committed before exit
             if stopping:
                 c.stop.restore()
@@ -106,6 +110,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             if not log_step:
                 continue
             # sync points: the loss mean (an all-reduce), the gradient norm's host read, the straggler gather
+            WHEREABOUTS.at("loss mean")
             metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
             metrics["skipped_steps"] = skipped
             if c.scaler is not None:

@@ -1,0 +1,142 @@
+"""The launcher's one sentence after a failed job: which rank hung or died, where, and what the others waited in.
+
+Read from the ranks' evidence in ``<run dir>/hang/`` (``diagnose.evidence``) and the exit status of each failed
+worker. Three shapes:
+
+- a rank died of a signal (SIGKILL: the OOM killer or kill -9; SIGSEGV): named with the signal, its step and
+  phase; a rank that aborted (SIGABRT) inside a collective is a mismatch (gloo aborts a rank whose peer sent a
+  different size);
+- ranks in the same collective number with different kinds or sizes: a mismatch, both sides named;
+- otherwise the rank(s) whose last collective number is below the one the others timed out in: late (hung),
+  named with their step, phase and innermost ddptrain frame.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddptrain.diagnose.evidence import HANG_DIR
+from ddptrain.diagnose.whereabouts import read_whereabouts
+
+PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
+          "save": "a checkpoint save", "loss mean": "the loss mean of a logging step",
+          "check": "the stop and non-finite check", "evaluation": "evaluation", "export": "the model export",
+          "after the update": "the end of the step (after the update)", "step start": "the start of a step",
+          "start-up": "start-up"}
+_DDPTRAIN_FRAME = re.compile(r'File "[^"]*/(ddptrain/[^"]+\.py)", line (\d+)')
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A worker that exited non-zero, as the elastic agent reports it."""
+
+    rank: int
+    exitcode: int
+    signal: str | None  # e.g. SIGKILL, when the exit code is negative
+
+
+def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: float, host: str) -> str | None:
+    """One sentence naming the rank(s) at fault, or None when the evidence says nothing about a hang or a death."""
+    folder = run_dir / HANG_DIR
+    records = _records(folder)
+    where = {r: w for r in range(world_size) if (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
+    waiters = {r: rec for r, rec in records.items() if rec["reason"] == "collective timed out"}
+    dead = [f for f in failures if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None)]
+    if dead:
+        first = dead[0]
+        host_of = records.get(first.rank, {}).get("host", host)
+        step, phase = where.get(first.rank, (0, "start-up"))
+        frame = _stack_frame(folder / f"rank{first.rank}.stacks")
+        others = _waited(waiters, timeout_s, exclude=first.rank)
+        if first.signal == "SIGABRT" and frame is not None and frame[1]:
+            return (f"rank {first.rank} (host {host_of}) aborted (SIGABRT) inside a collective at step {step} "
+                    f"({frame[0]}): its collective does not match its peers' (another kind or size; gloo aborts "
+                    f"the rank that receives the wrong size){others}")
+        cause = {"SIGKILL": " (the OOM killer, or kill -9)", "SIGSEGV": " (a crash in native code)"}.get(
+            first.signal or "", "")
+        at = f" ({frame[0]})" if frame else ""
+        return (f"rank {first.rank} (host {host_of}) died of {first.signal}{cause} at step {step} in "
+                f"{PHASES.get(phase, phase)}{at}{others}")
+    if not waiters:
+        return None
+    last = {r: _last(rec) for r, rec in records.items()}
+    top = max((s for r in waiters if (s := last[r]) is not None), key=lambda c: c["seq"], default=None)
+    if top is not None:
+        same_seq = {r: c for r, c in last.items() if c is not None and c["seq"] == top["seq"]}
+        kinds = {(c["op"], c["bytes"]) for c in same_seq.values()}
+        if len(kinds) > 1:
+            sides = "; ".join(f"rank {r} {c['op']} of {_size(c['bytes'])} at step {records[r]['step']} in "
+                              f"{PHASES.get(records[r]['phase'], records[r]['phase'])}"
+                              for r, c in sorted(same_seq.items()))
+            return f"mismatched collectives: as collective #{top['seq']} the ranks called different ones: {sides}"
+        late = [r for r in range(world_size) if r not in same_seq]
+    else:
+        late = [r for r in range(world_size) if r not in waiters]
+    if not late:
+        return None
+    parts = []
+    for r in late:
+        rec = records.get(r, {})
+        step, phase = (rec["step"], rec["phase"]) if rec else where.get(r, (0, "start-up"))
+        at = f" ({rec['where']})" if rec.get("where") else ""
+        parts.append(f"rank {r} (host {rec.get('host', host)}) hung at step {step} in {PHASES.get(phase, phase)}{at}")
+    return "; ".join(parts) + _waited(waiters, timeout_s, exclude=None)
+
+
+def _records(folder: Path) -> dict[int, dict[str, Any]]:
+    out = {}
+    for path in folder.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(record["rank"])] = record
+    return out
+
+
+def _last(record: dict[str, Any]) -> dict[str, Any] | None:
+    return record["collectives"][-1] if record.get("collectives") else None
+
+
+def _waited(waiters: dict[int, dict[str, Any]], timeout_s: float, exclude: int | None) -> str:
+    """``; rank 0 waited in all_reduce #41 (the loss mean ..., 8 bytes) for 15 s (dist.timeout_s)``."""
+    ranks = sorted(r for r in waiters if r != exclude)
+    if not ranks:
+        return ""
+    rec = waiters[ranks[0]]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    phase = PHASES.get(rec["phase"], rec["phase"])
+    c = _last(rec)
+    what = f"{c['op']} #{c['seq']} ({phase} of step {rec['step']}, {_size(c['bytes'])})" if c else \
+        f"a collective ({phase} of step {rec['step']})"
+    return f"; {who} waited in {what} for {timeout_s:g} s (dist.timeout_s)"
+
+
+def _stack_frame(path: Path) -> tuple[str, bool] | None:
+    """From a faulthandler dump: the innermost ddptrain frame of the first thread listed (the one that crashed
+    or the current one), and whether that thread was inside torch.distributed."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    if "Fatal Python error" not in text:
+        return None
+    block = text[text.index("Fatal Python error"):].split("\n\n")[0:2]
+    thread = "\n".join(block)
+    frames = _DDPTRAIN_FRAME.findall(thread)
+    if not frames:
+        return None
+    # faulthandler lists the innermost frame first
+    return f"{frames[0][0]}:{frames[0][1]}", "torch/distributed" in thread
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MB"
+    if nbytes >= 2**10:
+        return f"{nbytes / 2**10:.1f} KB"
+    return f"{nbytes} bytes"

@@ -1,0 +1,58 @@
+"""A hang or a death is named: the job ends within dist.timeout_s + 60 s with one last line saying which rank,
+at which step, in which phase, and what the others waited in; the raw evidence stays in <run dir>/hang/."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli import run_cli
+
+pytestmark = pytest.mark.slow  # the real CLI, 2 or 3 worker processes, a collective timeout each
+
+TIMEOUT_S = 10
+RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
+       "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2", "train.steps=6",
+       "train.log_every=2", "train.eval_every=0", "logger.progress=false", "checkpoint.every_n_steps=2",
+       "checkpoint.export=false", f"dist.timeout_s={TIMEOUT_S}", "launch.stop_grace_s=5"]
+CASES = {  # fault, ranks, what the last line must say
+    "data": ("hang@data:3:1", 2, ["rank 1 (host ", "hung at step 3 in data loading (ddptrain/train/loop.py:",
+                                  "; rank 0 waited in ", f"for {TIMEOUT_S} s (dist.timeout_s)"]),
+    "forward": ("hang@forward:3:1", 2, ["rank 1 (host ", "hung at step 3 in forward", "; rank 0 waited in "]),
+    "save": ("hang@save:4:1", 3, ["rank 1 (host ", "hung at step 4 in a checkpoint save", "; ranks 0, 2 waited in "
+                                  "barrier #"]),
+    "dead": ("kill@step:3:1", 2, ["rank 1 (host ", "died of SIGKILL (the OOM killer, or kill -9) at step 3"]),
+    "mismatch": ("mismatch@step:3:1", 2, ["mismatched collectives: as collective #", "rank 0 broadcast of ",
+                                          "rank 1 all_reduce of 12 bytes at step 3 in the end of the step"]),
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path, cache: Path, case: str) -> None:
+    fault, ranks, expected = CASES[case]
+    start = time.monotonic()
+    result = run_cli([*RUN, f"launch.nproc_per_node={ranks}", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                     cache=cache, extra_env={"DDPTRAIN_FAULT": fault}, timeout=TIMEOUT_S + 120)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert elapsed < TIMEOUT_S + 60, f"took {elapsed:.0f} s"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ddptrain: error: "), result.stderr[-3000:]
+    for part in expected:
+        assert part in last, (part, last)
+    if case != "mismatch":  # gloo's abort prints its own C++ message; every Python rank says one line
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    evidence = tmp_path / "hang"
+    assert (evidence / "rank1.where").is_file() and (evidence / "rank0.stacks").is_file()
+    if case in ("data", "forward", "save"):
+        hung = json.loads((evidence / "rank1.json").read_text())
+        assert hung["reason"] == "SIGTERM from the launcher" and hung["collectives"], hung
+        assert "Current thread" in (evidence / "rank1.stacks").read_text()  # every thread's stack, dumped
