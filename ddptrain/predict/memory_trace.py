@@ -15,9 +15,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -29,6 +27,10 @@ from ddptrain.models.build import hf_config
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 
+# Without a mask, SDPA runs a flash kernel on fake tensors too: the CPU's, whose forward saves what CUDA's flash
+# kernel saves (the bf16 output and its fp32 log-sum-exp, not the attention matrix).
+FLASH_OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default)
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 
@@ -56,6 +58,7 @@ class PeakTracker(TorchDispatchMode):
         self.total = 0
         self.peak = PeakMemory(0, dict(self.live), self.phase)
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.flash_calls = 0  # attention calls that ran a flash kernel (not the math path)
 
     def _new_category(self) -> str:
         return "activations" if self.phase == "forward" else "temporaries"
@@ -91,48 +94,18 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        if func in FLASH_OPS:
+            self.flash_calls += 1
         tree_map_only(torch.Tensor, self.track, out)
         self._observe()
         return out
-
-
-class FlashAttention(TorchFunctionMode):
-    """Routes ``scaled_dot_product_attention`` without a mask to the flash kernel's op that the target device runs.
-
-    On fake tensors SDPA cannot ask a device which kernel to use and falls back to the math path, which saves
-    the whole attention matrix for backward; the flash ops (CUDA's, and the CPU's own) save only the output and
-    its log-sum-exp, and have fake implementations. A masked call is left as it is.
-    """
-
-    def __init__(self, device_type: str) -> None:
-        super().__init__()
-        self.device_type = device_type
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        q, k, v, *rest = args
-        params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), rest, strict=False))
-        params.update(kwargs)
-        if params.get("attn_mask") is not None:
-            return func(*args, **kwargs)
-        self.calls += 1
-        if torch.is_autocast_enabled("cpu"):  # autocast casts SDPA's inputs; it has no rule for the op called here
-            dtype = torch.get_autocast_dtype("cpu")
-            q, k, v = (t.to(dtype) for t in (q, k, v))
-        dropout, causal, scale = params.get("dropout_p", 0.0), params.get("is_causal", False), params.get("scale")
-        if self.device_type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout, causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
 
 
 @dataclass(frozen=True)
 class StepSetup:
     """How the traced step runs: what the target device would run, not what this machine would."""
 
-    device_type: str  # "cuda" or "cpu": picks the attention kernel's op and the AdamW implementation
+    device_type: str  # "cuda" or "cpu": the device whose AdamW implementation the step runs
     compute_dtype: torch.dtype | None  # autocast dtype; None: fp32
     grad_clip: float
     grad_accum: int = 1
@@ -171,7 +144,6 @@ def trace_step(
     from ddptrain.kernels.clip import clip_grad_norm
 
     tracker = PeakTracker()
-    attention = FlashAttention(setup.device_type)
     params, state = model_state_tensors(model, optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], "gradients")) for p in trainable]
@@ -180,7 +152,7 @@ def trace_step(
     try:
         # Positions never restart within a row of a training batch, so transformers finds no packed sequences
         # there; on fake tensors it cannot look (it treats them as tracing) and builds a full attention mask.
-        with tracker, attention, mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packing):
+        with tracker, mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packing):
             tracker.mark(params, "parameters")
             tracker.mark(state, "optimizer")
             tracker.mark(batch.values(), "activations")
@@ -198,7 +170,7 @@ def trace_step(
     finally:
         for hook in hooks:
             hook.remove()
-    return tracker.peak, attention.calls
+    return tracker.peak, tracker.flash_calls
 
 
 def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
