@@ -141,16 +141,23 @@ class Allowances:
     items: dict[str, float]
 
     @classmethod
-    def for_run(cls, device: Device, peak: float, stage: int, world_size: int, grad_bytes: float,
-                bucket_view: bool) -> Allowances:
+    def for_run(cls, device: Device, by_category: dict[str, float], stage: int, world_size: int,
+                grad_bytes: float, bucket_view: bool) -> Allowances:
+        """DDP's buckets are allocated when it wraps the model and stay: at the peak they add a copy of every
+        gradient; with ``gradient_as_bucket_view`` the gradients live in them, so only the part not yet
+        produced at the peak is extra."""
+        peak = sum(by_category.values())
         items: dict[str, float] = {}
         if device.device_type == "cuda":
             items["CUDA context, cuBLAS/cuDNN workspaces (assumed 0.75 GiB)"] = 0.75 * GiB
             items["allocator fragmentation and cache (assumed 10% of the peak)"] = 0.10 * peak
             if world_size > 1:
                 items["NCCL buffers (assumed 0.25 GiB)"] = 0.25 * GiB
-        if stage == 0 and world_size > 1 and not bucket_view:
-            items["DDP gradient buckets (a second copy of the gradients)"] = grad_bytes
+        if stage == 0 and world_size > 1:
+            if bucket_view:
+                items["DDP gradient buckets (holding the gradients)"] = grad_bytes - by_category["gradients"]
+            else:
+                items["DDP gradient buckets (a second copy of the gradients)"] = grad_bytes
         return cls(items)
 
     @property
@@ -256,8 +263,8 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     traced = trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
-    def allowances(peak: float, stage: int) -> Allowances:
-        return Allowances.for_run(device, peak, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
+    def allowances(by_category: dict[str, float], stage: int) -> Allowances:
+        return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
     configured = shard(traced.by_category, cfg.parallel.zero_stage, n, plan)
     fits: dict[tuple[bool, int], PeakFit] = {}
@@ -276,8 +283,9 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
         for c in (False, True):
             for m in sorted(divisors(per_rank), reverse=True):
                 accum = per_rank // m
-                peak = sum(shard(fit(c, accum).at(m, layers), stage, n, plan).values())
-                allow = allowances(peak, stage).total
+                categories = shard(fit(c, accum).at(m, layers), stage, n, plan)
+                peak = sum(categories.values())
+                allow = allowances(categories, stage).total
                 if peak + allow > device.memory_gib * GiB:
                     continue
                 step = predicted_step_s(plan, device, stage, c, m, accum, n)
@@ -289,7 +297,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=cfg.parallel.zero_stage, traced=traced,
-        by_category=configured, allowances=allowances(sum(configured.values()), cfg.parallel.zero_stage),
+        by_category=configured, allowances=allowances(configured, cfg.parallel.zero_stage),
         fit_gap=fitted / traced.peak - 1, options=options,
     )
 

@@ -1,0 +1,178 @@
+"""A training step traced on fake tensors peaks where the same step peaks on real CPU tensors, category by
+category; the dry run prints it for the target device, recommends a configuration and writes plan.json."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.profiler import ProfilerActivity, profile
+
+from ddptrain.config import Config
+from ddptrain.optim import impl_kwargs, param_groups
+from ddptrain.predict.memory_plan import Allowances, PeakFit, compute_dtype, target_device, trace_peak
+from ddptrain.predict.memory_trace import (
+    CATEGORIES,
+    StepSetup,
+    create_optimizer_state,
+    fake_training_state,
+    model_state_tensors,
+    trace_step,
+    training_model,
+)
+from tests.cli import run_cli
+from tests.dist import run_distributed
+
+VOCAB, BATCH, SEQ = 2048, 4, 64
+
+
+def small_config(arch: str = "llama", checkpointing: bool = False, lora: bool = False) -> Config:
+    cfg = Config()
+    cfg.model.arch, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = arch, 64, 2, 4
+    cfg.model.num_kv_heads = 2 if arch == "llama" else None  # grouped-query attention where the arch has it
+    cfg.model.gradient_checkpointing = checkpointing
+    cfg.model.lora.enabled = lora
+    cfg.data.seq_len = SEQ
+    return cfg
+
+
+def real_training_state(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = training_model(cfg.model, VOCAB)
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=1e-3,
+                                  **impl_kwargs(cfg.optim.impl, torch.device("cpu")))
+    create_optimizer_state(optimizer, model.parameters())
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return model, optimizer, {"input_ids": ids, "labels": ids}
+
+
+def allocator_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+                   setup: StepSetup) -> int:
+    """The CPU allocator's peak over one real step (torch.profiler's memory events), plus what was live before."""
+    params, state = model_state_tensors(model, optimizer)
+    live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*params, *state, *batch.values()]}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=setup.compute_dtype, enabled=setup.compute_dtype is not None):
+            loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        del loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = highest = 0
+    for event in events:
+        current += event.nbytes()
+        highest = max(highest, current)
+    return sum(live.values()) + highest
+
+
+def assert_close(predicted: dict[str, float], measured: dict[str, float], peak: float) -> None:
+    for category in CATEGORIES:  # within 2% of the category, or of the peak for a category near zero
+        assert predicted[category] == pytest.approx(measured[category], rel=0.02, abs=0.001 * peak), category
+
+
+CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True), ("llama", True, True),
+         ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True)]
+
+
+@pytest.mark.parametrize(("arch", "checkpointing", "lora"), CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
+    arch: str, checkpointing: bool, lora: bool, dtype: torch.dtype | None
+) -> None:
+    cfg = small_config(arch, checkpointing, lora)
+    setup = StepSetup("cpu", dtype, cfg.optim.grad_clip)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, optimizer, batch = fake_training_state(cfg, VOCAB, BATCH, "cpu", mode)
+    with mode:
+        fake, flash_calls = trace_step(model, optimizer, batch, setup)
+    assert next(model.parameters()).__class__.__name__ == "FakeTensor"
+    # attention ran a flash kernel in every block (and again in every recomputed block), never the math path
+    assert flash_calls == cfg.model.num_layers * (2 if checkpointing else 1)
+
+    real_model, real_optimizer, real_batch = real_training_state(cfg)
+    real, _ = trace_step(real_model, real_optimizer, real_batch, setup)
+    measured = allocator_peak(real_model, real_optimizer, real_batch, setup)
+    # the tracker sees what the allocator sees (checkpointing also saves RNG states, a few kB, outside ops)
+    assert real.peak == pytest.approx(measured, rel=0.01)
+    assert fake.peak == pytest.approx(measured, rel=0.02)
+    assert_close(fake.by_category, real.by_category, measured)
+    assert fake.by_category["activations"] > 0 and fake.by_category["optimizer"] > 0
+
+
+def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None:
+    cfg = small_config()
+    cfg.model.num_layers = 4
+    device = target_device("cpu", None, None)
+    fit = PeakFit.from_traces(cfg, VOCAB, False, 1, device)
+    full = trace_peak(cfg, VOCAB, 6, False, 4, 1, device)
+    assert sum(fit.at(6, 4).values()) == pytest.approx(full.peak, rel=0.02)
+
+
+def test_precision_resolves_for_the_target_device_not_this_machine() -> None:
+    assert compute_dtype("auto", target_device("h100", None, None)) == torch.bfloat16
+    assert compute_dtype("auto", target_device("t4", None, None)) is None  # no bf16 on a T4
+    assert compute_dtype("auto", target_device("cpu", None, None)) is None
+    assert target_device("l4", 10.0, None).memory_gib == 10.0
+
+
+def _ddp_rank_peak(rank: int, world_size: int, cfg: Config, bucket_view: bool) -> dict[str, int]:
+    """The allocator's peak over a DDP rank's second (steady) step; everything the rank holds is allocated
+    inside the profiled window, DDP's buckets included."""
+    setup = StepSetup("cpu", None, cfg.optim.grad_clip)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, optimizer, batch = real_training_state(cfg)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+        trace_step(ddp, optimizer, batch, setup)  # the first step rebuilds the buckets
+        dist.barrier()
+        start = time.time_ns()
+        trace_step(ddp, optimizer, batch, setup)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = highest = 0
+    for event in events:
+        current += event.nbytes()
+        if event.start_ns() >= start:
+            highest = max(highest, current)
+    return {"peak": highest, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+@pytest.mark.parametrize(("lora", "bucket_view"), [(False, False), (True, False), (False, True)])
+def test_a_ddp_rank_peaks_at_the_single_rank_trace_plus_its_gradient_buckets(lora: bool, bucket_view: bool) -> None:
+    cfg = small_config(lora=lora)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, optimizer, batch = fake_training_state(cfg, VOCAB, BATCH, "cpu", mode)
+    with mode:
+        fake, _ = trace_step(model, optimizer, batch, StepSetup("cpu", None, cfg.optim.grad_clip))
+    ranks = run_distributed(_ddp_rank_peak, 2, copy.deepcopy(cfg), bucket_view)
+    buckets = Allowances.for_run(target_device("cpu", None, None), fake.by_category, 0, 2,
+                                 4.0 * ranks[0]["trainable"], bucket_view)
+    assert buckets.total > 0
+    for rank in ranks:
+        assert fake.peak + buckets.total == pytest.approx(rank["peak"], rel=0.02)
+
+
+def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_cli(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
+                      "data.global_batch_size=16", "data.micro_batch_size=4", f"hydra.run.dir={run_dir}"],
+                     cwd=tmp_path, cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
+    assert "DDP gradient buckets" in result.stdout and "Precision: fp32" in result.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["device"] == "t4" and plan["compute_dtype"] == "float32"
+    assert plan["peak_bytes_per_rank"] == sum(plan["by_category"].values()) > 0
+    assert set(plan["by_category"]) == set(CATEGORIES)
+    best = plan["recommendation"]
+    assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
+    assert abs(plan["fit_gap"]) < 0.02
