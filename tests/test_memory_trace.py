@@ -94,13 +94,14 @@ def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, optimizer, batch = fake_training_state(cfg, VOCAB, BATCH, "cpu", mode)
     with mode:
-        fake, flash_calls = trace_step(model, optimizer, batch, setup)
+        fake_tracker, flash_calls = trace_step(model, optimizer, batch, setup)
+    fake = fake_tracker.peak
     assert next(model.parameters()).__class__.__name__ == "FakeTensor"
     # attention ran a flash kernel in every block (and again in every recomputed block), never the math path
     assert flash_calls == cfg.model.num_layers * (2 if checkpointing else 1)
 
     real_model, real_optimizer, real_batch = real_training_state(cfg)
-    real, _ = trace_step(real_model, real_optimizer, real_batch, setup)
+    real = trace_step(real_model, real_optimizer, real_batch, setup)[0].peak
     measured = allocator_peak(real_model, real_optimizer, real_batch, setup)
     # the tracker sees what the allocator sees (checkpointing also saves RNG states, a few kB, outside ops)
     assert real.peak == pytest.approx(measured, rel=0.01)
@@ -113,9 +114,11 @@ def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None
     cfg = small_config()
     cfg.model.num_layers = 4
     device = target_device("cpu", None, None)
-    fit = PeakFit.from_traces(cfg, VOCAB, False, 1, device)
-    full = trace_peak(cfg, VOCAB, 6, False, 4, 1, device)
-    assert sum(fit.at(6, 4).values()) == pytest.approx(full.peak, rel=0.02)
+    for accum in (1, 2):
+        fit = PeakFit.from_traces(cfg, VOCAB, False, accum, device)
+        for micro_batch in (1, 6):
+            full = trace_peak(cfg, VOCAB, micro_batch, False, 4, accum, device).peak
+            assert sum(fit.at(micro_batch, 4).values()) == pytest.approx(full.peak, rel=0.02)
 
 
 def test_precision_resolves_for_the_target_device_not_this_machine() -> None:
@@ -152,7 +155,7 @@ def test_a_ddp_rank_peaks_at_the_single_rank_trace_plus_its_gradient_buckets(lor
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, optimizer, batch = fake_training_state(cfg, VOCAB, BATCH, "cpu", mode)
     with mode:
-        fake, _ = trace_step(model, optimizer, batch, StepSetup("cpu", None, cfg.optim.grad_clip))
+        fake = trace_step(model, optimizer, batch, StepSetup("cpu", None, cfg.optim.grad_clip))[0].peak
     ranks = run_distributed(_ddp_rank_peak, 2, copy.deepcopy(cfg), bucket_view)
     buckets = Allowances.for_run(target_device("cpu", None, None), fake.by_category, 0, 2,
                                  4.0 * ranks[0]["trainable"], bucket_view)

@@ -22,7 +22,14 @@ from ddptrain.choices import Precision
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan import Plan, backward_seconds
-from ddptrain.predict.memory_trace import CATEGORIES, PeakMemory, StepSetup, fake_training_state, trace_step
+from ddptrain.predict.memory_trace import (
+    CATEGORIES,
+    PeakMemory,
+    PeakTracker,
+    StepSetup,
+    fake_training_state,
+    trace_step,
+)
 
 GiB = 1024**3
 
@@ -76,7 +83,7 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
 
 
 def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
-               device: Device) -> PeakMemory:
+               device: Device) -> PeakTracker:
     """One traced step of ``cfg``'s model with these changes (the rest as configured)."""
     traced = copy.deepcopy(cfg)
     traced.model.gradient_checkpointing = checkpointing
@@ -86,32 +93,49 @@ def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, n
     setup = StepSetup(device.device_type, compute_dtype(cfg.train.precision, device), cfg.optim.grad_clip,
                       grad_accum)
     with mode:
-        peak, _ = trace_step(model, optimizer, batch, setup)
-    return peak
+        tracker, _ = trace_step(model, optimizer, batch, setup)
+    return tracker
 
 
 @dataclass(frozen=True)
 class PeakFit:
-    """Each category of the peak as a + b·m + c·L + d·m·L in the micro batch m and the number of blocks L."""
+    """Each phase's peak, category by category, bilinear in the micro batch m and the number of blocks L; the
+    step's peak is the highest phase's.
 
-    coefficients: dict[str, tuple[float, float, float, float]]
+    Small traces at one and two blocks give the slope in L. In m, a micro batch of one can peak at another point
+    of a phase than larger ones (late in backward rather than at its start), so m = 1 is traced itself and
+    larger micro batches follow the line through m = 2 and 3.
+    """
+
+    traced: dict[tuple[int, int], dict[str, dict[str, int]]]  # (m, L) -> phase -> category -> bytes
 
     @classmethod
     def from_traces(cls, cfg: Config, vocab: int, checkpointing: bool, grad_accum: int, device: Device) -> PeakFit:
-        """Four small traces: one and two blocks, micro batches 1 and 2."""
-        p = {(m, n): trace_peak(cfg, vocab, m, checkpointing, n, grad_accum, device).by_category
-             for m in (1, 2) for n in (1, 2)}
-        coefficients = {}
-        for c in CATEGORIES:
-            d = p[2, 2][c] - p[2, 1][c] - p[1, 2][c] + p[1, 1][c]
-            b = p[2, 1][c] - p[1, 1][c] - d
-            cl = p[1, 2][c] - p[1, 1][c] - d
-            coefficients[c] = (p[1, 1][c] - b - cl - d, b, cl, d)
-        return cls(coefficients)
+        """Six small traces: one and two blocks, micro batches 1, 2 and 3."""
+        traced = {}
+        for m in (1, 2, 3):
+            for n in (1, 2):
+                peaks = trace_peak(cfg, vocab, m, checkpointing, n, grad_accum, device).phase_peaks
+                traced[m, n] = {phase: peak.by_category for phase, peak in peaks.items()}
+        return cls(traced)
 
     def at(self, micro_batch: int, num_layers: int) -> dict[str, float]:
-        return {c: a + b * micro_batch + cl * num_layers + d * micro_batch * num_layers
-                for c, (a, b, cl, d) in self.coefficients.items()}
+        """The categories at the highest of the phases' peaks, fitted for ``micro_batch`` and ``num_layers``."""
+        m0, m1 = (1, 1) if micro_batch == 1 else (2, 3)
+        p = self.traced
+        phases = []
+        for phase in p[m0, 1]:
+            def at(m: int, n: int, c: str, phase: str = phase) -> float:
+                return p[m, n][phase][c]
+
+            dm, dl = micro_batch - m0, num_layers - 1
+            phases.append({
+                c: at(m0, 1, c) + dm * (at(m1, 1, c) - at(m0, 1, c)) / max(m1 - m0, 1)
+                + dl * (at(m0, 2, c) - at(m0, 1, c))
+                + dm * dl * (at(m1, 2, c) - at(m1, 1, c) - at(m0, 2, c) + at(m0, 1, c)) / max(m1 - m0, 1)
+                for c in CATEGORIES
+            })
+        return max(phases, key=lambda by_category: sum(by_category.values()))
 
 
 def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan) -> dict[str, float]:
@@ -260,7 +284,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
     layers, ckpt = cfg.model.num_layers, cfg.model.gradient_checkpointing
     dtype = compute_dtype(cfg.train.precision, device)
-    traced = trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device)
+    traced = trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device).peak
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:

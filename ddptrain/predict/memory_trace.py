@@ -57,11 +57,12 @@ class PeakTracker(TorchDispatchMode):
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak = PeakMemory(0, dict(self.live), self.phase)
+        self.phase_peaks: dict[str, PeakMemory] = {}  # the highest point of each phase
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.flash_calls = 0  # attention calls that ran a flash kernel (not the math path)
 
     def _new_category(self) -> str:
-        return "activations" if self.phase == "forward" else "temporaries"
+        return "activations" if self.phase.startswith("forward") else "temporaries"
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Count ``tensor``'s storage (once), as ``category`` or as the phase's default; refile it if counted."""
@@ -89,8 +90,11 @@ class PeakTracker(TorchDispatchMode):
         self.total -= entry[0]
 
     def _observe(self) -> None:
-        if self.total > self.peak.peak:
-            self.peak = PeakMemory(self.total, dict(self.live), self.phase)
+        phase_peak = self.phase_peaks.get(self.phase)
+        if phase_peak is None or self.total > phase_peak.peak:
+            self.phase_peaks[self.phase] = PeakMemory(self.total, dict(self.live), self.phase)
+            if self.total > self.peak.peak:
+                self.peak = self.phase_peaks[self.phase]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -135,11 +139,11 @@ def _no_packing(position_ids: torch.Tensor) -> None:
 
 def trace_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], setup: StepSetup
-) -> tuple[PeakMemory, int]:
+) -> tuple[PeakTracker, int]:
     """One training step under ``PeakTracker``: forward (no KV cache), backward, clipping, the update.
 
-    Works the same on fake and on real tensors (the validation runs both). Returns the peak and how many
-    attention calls took the flash kernel's op.
+    Works the same on fake and on real tensors (the validation runs both). Returns the tracker (the peak, and
+    each phase's) and how many attention calls ran a flash kernel.
     """
     from ddptrain.kernels.clip import clip_grad_norm
 
@@ -156,11 +160,12 @@ def trace_step(
             tracker.mark(params, "parameters")
             tracker.mark(state, "optimizer")
             tracker.mark(batch.values(), "activations")
-            for _ in range(setup.grad_accum):
-                tracker.phase = "forward"
+            for micro in range(setup.grad_accum):
+                later = " (accumulating)" if micro else ""  # later micro batches run beside the gradients
+                tracker.phase = "forward" + later
                 with autocast:
                     loss = model(**batch, use_cache=False).loss / setup.grad_accum
-                tracker.phase = "backward"
+                tracker.phase = "backward" + later
                 loss.backward()
                 del loss
             tracker.phase = "optimizer"
@@ -170,7 +175,7 @@ def trace_step(
     finally:
         for hook in hooks:
             hook.remove()
-    return tracker.peak, tracker.flash_calls
+    return tracker, tracker.flash_calls
 
 
 def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
