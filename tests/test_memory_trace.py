@@ -16,7 +16,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from ddptrain.config import Config
 from ddptrain.optim import impl_kwargs, param_groups
-from ddptrain.predict.memory_plan import Allowances, PeakFit, compute_dtype, target_device, trace_peak
+from ddptrain.parallel.zero import shard_model
+from ddptrain.plan import build_plan
+from ddptrain.predict.memory_plan import Allowances, PeakFit, compute_dtype, shard, target_device, trace_peak
 from ddptrain.predict.memory_trace import (
     CATEGORIES,
     StepSetup,
@@ -162,6 +164,48 @@ def test_a_ddp_rank_peaks_at_the_single_rank_trace_plus_its_gradient_buckets(lor
     assert buckets.total > 0
     for rank in ranks:
         assert fake.peak + buckets.total == pytest.approx(rank["peak"], rel=0.02)
+
+
+def _fsdp_rank_peak(rank: int, world_size: int, cfg: Config) -> int:
+    """The allocator's peak over an FSDP2 rank's second step (the first one builds FSDP2's buffers)."""
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+    setup = StepSetup("cpu", dtype, cfg.optim.grad_clip)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = training_model(cfg.model, VOCAB)
+        model.train()
+        shard_model(model, cfg.parallel, torch.device("cpu"), cfg.train.precision)
+        optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=1e-3,
+                                      **impl_kwargs(cfg.optim.impl, torch.device("cpu")))
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+        trace_step(model, optimizer, {"input_ids": ids, "labels": ids}, setup)
+        dist.barrier()
+        start = time.time_ns()
+        trace_step(model, optimizer, {"input_ids": ids, "labels": ids}, setup)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = highest = 0
+    for event in events:
+        current += event.nbytes()
+        if event.start_ns() >= start:
+            highest = max(highest, current)
+    return highest
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precision: str) -> None:
+    cfg = small_config()
+    cfg.model.num_layers, cfg.parallel.zero_stage, cfg.train.precision = 4, stage, precision
+    cfg.model.vocab_size = cfg.data.vocab_size = VOCAB
+    device = target_device("cpu", None, None)
+    plan = build_plan(cfg, 2, None)
+    working_copy = precision == "bf16"  # FSDP2 gathers bf16 parameters and computes on them
+    traced = trace_peak(cfg, VOCAB, BATCH, False, 4, 1, device, working_copy).peak
+    predicted = sum(shard(traced.by_category, stage, 2, plan).values())
+    assert predicted < traced.peak  # the sharding changed the figure
+    for measured in run_distributed(_fsdp_rank_peak, 2, copy.deepcopy(cfg)):
+        assert predicted == pytest.approx(measured, rel=0.02)
 
 
 def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:

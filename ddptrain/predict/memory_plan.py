@@ -83,15 +83,17 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
 
 
 def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
-               device: Device) -> PeakTracker:
-    """One traced step of ``cfg``'s model with these changes (the rest as configured)."""
+               device: Device, working_copy: bool = False) -> PeakTracker:
+    """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
+    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3)."""
     traced = copy.deepcopy(cfg)
     traced.model.gradient_checkpointing = checkpointing
     traced.model.num_layers = num_layers
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode)
-    setup = StepSetup(device.device_type, compute_dtype(cfg.train.precision, device), cfg.optim.grad_clip,
-                      grad_accum)
+    dtype = compute_dtype(cfg.train.precision, device)
+    model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
+                                                  dtype if working_copy else None)
+    setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum)
     with mode:
         tracker, _ = trace_step(model, optimizer, batch, setup)
     return tracker
@@ -110,12 +112,13 @@ class PeakFit:
     traced: dict[tuple[int, int], dict[str, dict[str, int]]]  # (m, L) -> phase -> category -> bytes
 
     @classmethod
-    def from_traces(cls, cfg: Config, vocab: int, checkpointing: bool, grad_accum: int, device: Device) -> PeakFit:
+    def from_traces(cls, cfg: Config, vocab: int, checkpointing: bool, grad_accum: int, device: Device,
+                    working_copy: bool = False) -> PeakFit:
         """Six small traces: one and two blocks, micro batches 1, 2 and 3."""
         traced = {}
         for m in (1, 2, 3):
             for n in (1, 2):
-                peaks = trace_peak(cfg, vocab, m, checkpointing, n, grad_accum, device).phase_peaks
+                peaks = trace_peak(cfg, vocab, m, checkpointing, n, grad_accum, device, working_copy).phase_peaks
                 traced[m, n] = {phase: peak.by_category for phase, peak in peaks.items()}
         return cls(traced)
 
@@ -142,9 +145,11 @@ def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan
     """A single-rank step's categories under ZeRO ``stage`` on ``world_size`` ranks.
 
     Stage 1 keeps 1/N of the optimizer state. Stages 2-3 (FSDP2) keep 1/N of the fp32 parameters, gradients
-    and optimizer state; the working copy FSDP2 gathers replaces the weight casts that autocast saves in the
-    single-rank step: every parameter in stage 2, the root and one block in stage 3 (``plan.memory``'s figure).
-    An NF4 base's parameters are the planner's formula too (the trace holds the base in ``model.dtype``).
+    and optimizer state, and the working copy FSDP2 gathers: every parameter in stage 2, the root and one block
+    in stage 3 (``plan.memory``'s figures). Under mixed precision the step is traced on a working copy in the
+    compute dtype (``working_copy``), so activations and temporaries are FSDP2's; its low-precision
+    gradients count at fp32. An NF4 base's parameters are the planner's formula too (the trace holds the base
+    in ``model.dtype``).
     """
     out = dict(by_category)
     n = world_size
@@ -153,8 +158,11 @@ def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan
     if stage >= 1:
         out["optimizer"] = by_category["optimizer"] / n
     if stage >= 2:
-        out["gradients"] = by_category["gradients"] / n
+        low = plan.precision.gathered_bytes < plan.precision.param_bytes  # traced on the working copy
+        out["gradients"] = by_category["gradients"] * (plan.precision.grad_bytes / 2 if low else 1) / n
         out["parameters"] = plan.memory[stage].params
+        out["optimizer"] = plan.memory[stage].optimizer
+        out["parameter copies"] = 0.0
     return out
 
 
@@ -284,30 +292,37 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
     layers, ckpt = cfg.model.num_layers, cfg.model.gradient_checkpointing
     dtype = compute_dtype(cfg.train.precision, device)
-    traced = trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device).peak
+    low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
+
+    def trace_configured(working_copy: bool) -> PeakMemory:
+        return trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device,
+                          working_copy).peak
+
+    traced = trace_configured(False)
+    stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    configured = shard(traced.by_category, cfg.parallel.zero_stage, n, plan)
-    fits: dict[tuple[bool, int], PeakFit] = {}
+    configured = shard(stage_traced.by_category, cfg.parallel.zero_stage, n, plan)
+    fits: dict[tuple[bool, int, bool], PeakFit] = {}
 
-    def fit(checkpointing: bool, accum: int) -> PeakFit:
+    def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:
         """Two micro batches stand for any more: the second one's backward runs with the first's gradients."""
-        key = (checkpointing, min(accum, 2))
+        key = (checkpointing, min(accum, 2), low and stage >= 2)
         if key not in fits:
-            fits[key] = PeakFit.from_traces(cfg, vocab, checkpointing, key[1], device)
+            fits[key] = PeakFit.from_traces(cfg, vocab, *key[:2], device, key[2])
         return fits[key]
 
-    fitted = sum(fit(ckpt, batch.grad_accum).at(batch.micro_batch_size, layers).values())
+    fitted = sum(fit(ckpt, batch.grad_accum, cfg.parallel.zero_stage).at(batch.micro_batch_size, layers).values())
     options = []
     per_rank = batch.global_batch_size // n
     for stage in stages:
         for c in (False, True):
             for m in sorted(divisors(per_rank), reverse=True):
                 accum = per_rank // m
-                categories = shard(fit(c, accum).at(m, layers), stage, n, plan)
+                categories = shard(fit(c, accum, stage).at(m, layers), stage, n, plan)
                 peak = sum(categories.values())
                 allow = allowances(categories, stage).total
                 if peak + allow > device.memory_gib * GiB:
@@ -322,7 +337,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=cfg.parallel.zero_stage, traced=traced,
         by_category=configured, allowances=allowances(configured, cfg.parallel.zero_stage),
-        fit_gap=fitted / traced.peak - 1, options=options,
+        fit_gap=fitted / stage_traced.peak - 1, options=options,
     )
 
 

@@ -9,10 +9,10 @@ bytes by category and keeps the category split at the global peak.
 from __future__ import annotations
 
 import weakref
-from unittest import mock
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -31,7 +31,10 @@ from ddptrain.optim import impl_kwargs, param_groups
 # kernel saves (the bf16 output and its fp32 log-sum-exp, not the attention matrix).
 FLASH_OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default)
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# "parameter copies": parameters cast to the compute dtype by autocast, kept for backward (FSDP2's gathered
+# low-precision parameters take their place).
+CATEGORIES = ("parameters", "parameter copies", "gradients", "optimizer", "activations", "temporaries")
+CAST = torch.ops.aten._to_copy.default
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class PeakTracker(TorchDispatchMode):
         self.total += entry[0]
         weakref.finalize(storage, self._free, entry)
 
+    def _category_of(self, tensor: torch.Tensor) -> str | None:
+        entry = self._entries.get(tensor.untyped_storage())
+        return None if entry is None else entry[1]
+
     def mark(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
         for t in tensors:
             if t is not None:
@@ -100,6 +107,8 @@ class PeakTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in FLASH_OPS:
             self.flash_calls += 1
+        if func is CAST and self._category_of(args[0]) == "parameters":
+            self.track(out, "parameter copies")
         tree_map_only(torch.Tensor, self.track, out)
         self._observe()
         return out
@@ -195,15 +204,19 @@ def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
 
 
 def fake_training_state(
-    cfg: Config, vocab_size: int, micro_batch: int, device_type: str, mode: FakeTensorMode
+    cfg: Config, vocab_size: int, micro_batch: int, device_type: str, mode: FakeTensorMode,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
     """Model, AdamW with its state, and one micro batch, all fake: built on ``meta``, then given fake storage.
 
     The optimizer takes the implementation the run would use on ``device_type`` (fused and foreach differ by a
-    parameter-sized temporary).
+    parameter-sized temporary). ``param_dtype``: compute on parameters of that dtype, as FSDP2's gathered
+    working copy under a mixed-precision policy.
     """
     with torch.device("meta"):
         model = training_model(cfg.model, vocab_size)
+        if param_dtype is not None:
+            model.to(param_dtype)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()
