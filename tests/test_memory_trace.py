@@ -166,10 +166,10 @@ def test_a_ddp_rank_peaks_at_the_single_rank_trace_plus_its_gradient_buckets(lor
         assert fake.peak + buckets.total == pytest.approx(rank["peak"], rel=0.02)
 
 
-def _fsdp_rank_peak(rank: int, world_size: int, cfg: Config) -> int:
+def _fsdp_rank_peak(rank: int, world_size: int, cfg: Config, grad_accum: int) -> int:
     """The allocator's peak over an FSDP2 rank's second step (the first one builds FSDP2's buffers)."""
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-    setup = StepSetup("cpu", dtype, cfg.optim.grad_clip)
+    setup = StepSetup("cpu", dtype, cfg.optim.grad_clip, grad_accum)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
         model = training_model(cfg.model, VOCAB)
@@ -192,22 +192,22 @@ def _fsdp_rank_peak(rank: int, world_size: int, cfg: Config) -> int:
     return highest
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precision: str) -> None:
+@pytest.mark.parametrize(("stage", "precision", "grad_accum"),
+                         [(2, "bf16", 1), (3, "bf16", 1), (2, "fp32", 1), (3, "fp32", 1), (3, "bf16", 2)])
+def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precision: str, grad_accum: int) -> None:
     cfg = small_config()
     cfg.model.num_layers, cfg.parallel.zero_stage, cfg.train.precision = 4, stage, precision
     cfg.model.vocab_size = cfg.data.vocab_size = VOCAB
     device = target_device("cpu", None, None)
     plan = build_plan(cfg, 2, None)
     working_copy = precision == "bf16"  # FSDP2 gathers bf16 parameters and computes on them
-    traced = trace_peak(cfg, VOCAB, BATCH, False, 4, 1, device, working_copy).peak
-    predicted = sum(shard(traced.by_category, stage, 2, plan).values())
+    traced = trace_peak(cfg, VOCAB, BATCH, False, 4, grad_accum, device, working_copy).peak
+    predicted = sum(shard(traced.by_category, stage, 2, plan, grad_accum > 1).values())
     assert shard(traced.by_category, stage, 2, plan)["parameters"] == plan.memory[stage].params
     # On gloo a rank sometimes still holds one root-unit buffer (the embedding, unsharded fp32) at its peak: a
     # collective's buffer freed late. The plan does not count it; a rank's peak is one or the other.
     late = VOCAB * cfg.model.hidden_size * 4
-    for measured in run_distributed(_fsdp_rank_peak, 2, copy.deepcopy(cfg)):
+    for measured in run_distributed(_fsdp_rank_peak, 2, copy.deepcopy(cfg), grad_accum):
         assert min(abs(predicted - measured), abs(predicted + late - measured)) <= 0.02 * measured
 
 

@@ -141,15 +141,17 @@ class PeakFit:
         return max(phases, key=lambda by_category: sum(by_category.values()))
 
 
-def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan) -> dict[str, float]:
+def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan, accumulating: bool = False
+          ) -> dict[str, float]:
     """A single-rank step's categories under ZeRO ``stage`` on ``world_size`` ranks.
 
     Stage 1 keeps 1/N of the optimizer state. Stages 2-3 (FSDP2) keep 1/N of the fp32 parameters, gradients
     and optimizer state, and the working copy FSDP2 gathers: every parameter in stage 2, the root and one block
     in stage 3 (``plan.memory``'s figures). Under mixed precision the step is traced on a working copy in the
     compute dtype (``working_copy``), so activations and temporaries are FSDP2's; its low-precision
-    gradients count at fp32. An NF4 base's parameters are the planner's formula too (the trace holds the base
-    in ``model.dtype``).
+    gradients count at fp32. With gradient accumulation (``accumulating``) FSDP2 keeps the gradients
+    unsharded, in fp32, until the last micro batch reduce-scatters them. An NF4 base's parameters are the
+    planner's formula too (the trace holds the base in ``model.dtype``).
     """
     out = dict(by_category)
     n = world_size
@@ -159,7 +161,8 @@ def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan
         out["optimizer"] = by_category["optimizer"] / n
     if stage >= 2:
         low = plan.precision.gathered_bytes < plan.precision.param_bytes  # traced on the working copy
-        out["gradients"] = by_category["gradients"] * (plan.precision.grad_bytes / 2 if low else 1) / n
+        out["gradients"] = by_category["gradients"] * (plan.precision.grad_bytes / 2 if low else 1)
+        out["gradients"] /= 1 if accumulating else n
         out["parameters"] = plan.memory[stage].params
         out["optimizer"] = plan.memory[stage].optimizer
         out["parameter copies"] = 0.0
@@ -305,7 +308,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    configured = shard(stage_traced.by_category, cfg.parallel.zero_stage, n, plan)
+    configured = shard(stage_traced.by_category, cfg.parallel.zero_stage, n, plan, batch.grad_accum > 1)
     fits: dict[tuple[bool, int, bool], PeakFit] = {}
 
     def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:
@@ -322,7 +325,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
         for c in (False, True):
             for m in sorted(divisors(per_rank), reverse=True):
                 accum = per_rank // m
-                categories = shard(fit(c, accum, stage).at(m, layers), stage, n, plan)
+                categories = shard(fit(c, accum, stage).at(m, layers), stage, n, plan, accum > 1)
                 peak = sum(categories.values())
                 allow = allowances(categories, stage).total
                 if peak + allow > device.memory_gib * GiB:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -142,6 +144,16 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[to
     optimizer.zero_grad(set_to_none=True)
 
 
+def gradient_sync(model: torch.nn.Module, sync: bool) -> AbstractContextManager:
+    """Skip the gradient sync on accumulation micro batches, as the run does (DDP's no_sync; FSDP2 keeps the
+    unsharded gradients until the last micro batch)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    if isinstance(model, DistributedDataParallel) and not sync:
+        return model.no_sync()
+    return nullcontext()
+
+
 def _no_packing(position_ids: torch.Tensor) -> None:
     return None
 
@@ -171,12 +183,13 @@ def trace_step(
             tracker.mark(batch.values(), "activations")
             for micro in range(setup.grad_accum):
                 later = " (accumulating)" if micro else ""  # later micro batches run beside the gradients
-                tracker.phase = "forward" + later
-                with autocast:
-                    loss = model(**batch, use_cache=False).loss / setup.grad_accum
-                tracker.phase = "backward" + later
-                loss.backward()
-                del loss
+                with gradient_sync(model, micro == setup.grad_accum - 1):
+                    tracker.phase = "forward" + later
+                    with autocast:
+                        loss = model(**batch, use_cache=False).loss / setup.grad_accum
+                    tracker.phase = "backward" + later
+                    loss.backward()
+                    del loss
             tracker.phase = "optimizer"
             clip_grad_norm(model.parameters(), setup.grad_clip or None, "torch")
             optimizer.step()
