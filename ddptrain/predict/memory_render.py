@@ -35,7 +35,7 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     table.add_row("total", f"{_gib(mp.total)}: {verdict} in {mp.device.memory_gib:,.1f} GiB")
     out.print(table)
     out.print("The allowances are assumptions, not traced. ZeRO-1/2/3 figures shard the single-rank trace by "
-              "formula; neither is checked on a GPU yet.")
+              "formula (checked against 2-rank runs on CPU). Nothing here is checked on a GPU yet.")
     if not mp.options:
         out.print("Recommendation: no micro batch fits, at any ZeRO stage, with or without checkpointing.")
         return out.export_text()
