@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
 from ddptrain.config import Config
+from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan import build_plan
@@ -128,6 +129,11 @@ def test_precision_resolves_for_the_target_device_not_this_machine() -> None:
     assert compute_dtype("auto", target_device("t4", None, None)) is None  # no bf16 on a T4
     assert compute_dtype("auto", target_device("cpu", None, None)) is None
     assert target_device("l4", 10.0, None).memory_gib == 10.0
+
+
+def test_an_unknown_plan_device_is_a_one_line_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"plan.device='h1000': expected cpu or one of h200, h100"):
+        target_device("h1000", None, None)
 
 
 def _ddp_rank_peak(rank: int, world_size: int, cfg: Config, bucket_view: bool) -> dict[str, int]:
