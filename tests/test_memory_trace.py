@@ -88,7 +88,7 @@ CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True)
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "lora"), CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow)], ids=["bf16", "fp32"])
 def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
     arch: str, checkpointing: bool, lora: bool, dtype: torch.dtype | None
 ) -> None:
