@@ -12,7 +12,7 @@ ZeRO stages change the model state by the sharding formula of ``ddptrain/plan.py
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -362,9 +362,10 @@ def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
     device = target_device(cfg.plan.device or this_machine(), cfg.plan.device_memory_gib, cfg.metrics.peak_tflops)
     on_gpu = device.device_type == "cuda"
     plan = build_plan(cfg, world_size, device.name.upper() if on_gpu else None, bf16_capable=device.bf16)
-    if on_gpu and plan.peak_tflops is None:  # a GPU that telemetry/peak.py does not list (no bf16)
-        plan = build_plan(cfg, world_size, device.name.upper(), bf16_capable=device.bf16)
-        object.__setattr__(plan, "peak_tflops", device.peak_tflops)
+    if on_gpu and plan.peak_tflops is None:  # a GPU without bf16, which telemetry/peak.py does not list
+        micro_tokens = plan.batch.micro_batch_size * plan.batch.seq_len
+        plan = replace(plan, peak_tflops=device.peak_tflops, backward_s=backward_seconds(
+            plan.flops_per_token, micro_tokens, device.peak_tflops, plan.assumed_mfu))
     record: dict = {"world_size": plan.batch.dp, "device": device.name, "precision": plan.precision.name,
                     "model_state_bytes_per_rank": plan.memory[plan.zero_stage].total}
     if cfg.plan.params:
