@@ -19,7 +19,15 @@ from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan import build_plan
-from ddptrain.predict.memory_plan import Allowances, PeakFit, compute_dtype, shard, target_device, trace_peak
+from ddptrain.predict.memory_plan import (
+    Allowances,
+    PeakFit,
+    compute_dtype,
+    shard,
+    target_device,
+    this_machine,
+    trace_peak,
+)
 from ddptrain.predict.memory_trace import (
     CATEGORIES,
     StepSetup,
@@ -129,6 +137,14 @@ def test_precision_resolves_for_the_target_device_not_this_machine() -> None:
     assert compute_dtype("auto", target_device("t4", None, None)) is None  # no bf16 on a T4
     assert compute_dtype("auto", target_device("cpu", None, None)) is None
     assert target_device("l4", 10.0, None).memory_gib == 10.0
+
+
+@pytest.mark.parametrize(("gpu", "key"), [("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-PCIE-40GB", "a100_40gb"),
+                                          ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"), ("Tesla T4", "t4")])
+def test_this_machines_gpu_is_planned_as_its_own_kind(gpu: str, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
+    assert this_machine() == key
 
 
 def test_an_unknown_plan_device_is_a_one_line_error_naming_the_key() -> None:

@@ -349,7 +349,9 @@ def this_machine() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name().lower().replace(" ", "")
-    return next((key for key in sorted(DEVICES, key=len, reverse=True) if key.split("_")[0] in name), "cpu")
+    # longest keys first: l40s before l4, a100_40gb (a100 and 40gb) before a100
+    return next((key for key in sorted(DEVICES, key=len, reverse=True)
+                 if all(part in name for part in key.split("_"))), "cpu")
 
 
 def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
