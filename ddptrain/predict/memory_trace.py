@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # torch documents dispatch modes at this path
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AutoModelForCausalLM, masking_utils
