@@ -55,9 +55,6 @@ def typed_config(cfg: DictConfig) -> Run:
 
 def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
-    import torch
-
-    from ddptrain.plan import build_plan
     from ddptrain.plan_render import render_plan
 
     typed = run.typed
@@ -68,10 +65,26 @@ def dry_run(run: Run) -> int:
         if DistEnv.from_environ().is_main:
             print(what_if(typed.plan, world_size))
         return 0
-    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    if DistEnv.from_environ().is_main:
-        print(render_plan(build_plan(typed, world_size, device_name)))
+    if not DistEnv.from_environ().is_main:
+        return 0
+    from ddptrain.predict.memory_plan import plan_for_target
+
+    plan, text, record = plan_for_target(typed, world_size)
+    print(render_plan(plan))
+    if text:
+        print(text)
+    write_plan_json(run, record)
     return 0
+
+
+def write_plan_json(run: Run, record: dict) -> None:
+    """``<run dir>/plan.json``: what the dry run printed, as numbers."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(run.cfg.hydra.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.json").write_text(json.dumps(record, indent=1))
 
 
 def launch_workers(run: Run, argv: list[str]) -> int:

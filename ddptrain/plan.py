@@ -216,13 +216,14 @@ class Plan:
 
 
 def build_plan(
-    cfg: Config | DictConfig, world_size: int, device_name: str | None, assumed_mfu: float = ASSUMED_MFU
+    cfg: Config | DictConfig, world_size: int, device_name: str | None, assumed_mfu: float = ASSUMED_MFU,
+    bf16_capable: bool = True,
 ) -> Plan:
     """Plan a run from the composed config; ``cfg.plan.world_size`` overrides the launch's ``world_size``.
 
     With ``cfg.plan.params`` set, the model is that many parameters and FLOPs per token are 6·params (no shape,
     so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
-    unless ``cfg.metrics.peak_tflops`` is given.
+    unless ``cfg.metrics.peak_tflops`` is given. A GPU without bf16 (``bf16_capable`` False) resolves auto to fp32.
     """
     batch = BatchPlan.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
@@ -244,7 +245,8 @@ def build_plan(
         # ZeRO-3 gathers the root's parameters (embeddings, head, final norm) and one block at a time in forward
         gathered = counts.embedding + counts.non_embedding / cfg.model.num_layers
     on_gpu = device_name is not None
-    precision = FP32 if cfg.train.precision == "fp32" or (cfg.train.precision == "auto" and not on_gpu) else MIXED_BF16
+    auto_fp32 = cfg.train.precision == "auto" and not (on_gpu and bf16_capable)
+    precision = FP32 if cfg.train.precision == "fp32" or auto_fp32 else MIXED_BF16
     trainable, note, base_bytes = params, "", float(precision.param_bytes)
     if lora:  # adapters train in fp32 on a frozen base: only they have gradients, optimizer state and traffic
         params, trainable, precision = params + adapters, adapters, FP32

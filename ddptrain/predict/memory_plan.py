@@ -1,0 +1,378 @@
+"""Will it fit, and what is fastest: peak memory per rank from a traced step, for a target device, and the
+configuration the planner recommends.
+
+The configured step is traced once at full size (``memory_trace.trace_step`` on fake tensors). The
+recommendation needs the peak at other micro batches and with checkpointing on and off: every category of the
+peak is linear in the micro batch and in the number of transformer blocks (each block adds the same
+parameters and saves the same activations per sequence), so four traces of one- and two-block models at micro
+batches 1 and 2 give it for any size; the full trace checks that fit and the gap is reported.
+ZeRO stages change the model state by the sharding formula of ``ddptrain/plan.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import psutil
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ddptrain.choices import Precision
+from ddptrain.config import Config
+from ddptrain.errors import ConfigError
+from ddptrain.plan import Plan, backward_seconds
+from ddptrain.predict.memory_trace import (
+    CATEGORIES,
+    PeakMemory,
+    PeakTracker,
+    StepSetup,
+    fake_training_state,
+    trace_step,
+)
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    """A training device as the planner sees it: memory, bf16 support and dense peak throughput."""
+
+    name: str
+    memory_gib: float  # about what torch.cuda reports as total_memory (the card's nominal size, a little less)
+    bf16: bool
+    peak_tflops: float  # dense bf16 tensor-core peak where bf16 exists, else fp32 (what the run computes in)
+    device_type: str = "cuda"
+
+
+# Vendors' datasheet figures (dense, without sparsity), as in ddptrain/telemetry/peak.py.
+DEVICES: dict[str, Device] = {
+    "h200": Device("h200", 139.8, True, 989.0),
+    "h100": Device("h100", 79.1, True, 989.0),
+    "a100": Device("a100", 79.2, True, 312.0),
+    "a100_40gb": Device("a100_40gb", 39.4, True, 312.0),
+    "l40s": Device("l40s", 44.4, True, 362.0),
+    "a10": Device("a10", 22.1, True, 125.0),
+    "l4": Device("l4", 22.0, True, 121.0),
+    "rtx4090": Device("rtx4090", 23.6, True, 165.0),
+    "v100": Device("v100", 31.7, False, 15.7),
+    "t4": Device("t4", 14.7, False, 8.1),
+}
+
+
+def target_device(name: str | None, memory_gib: float | None, peak_override: float | None) -> Device:
+    """``plan.device`` (a name in ``DEVICES``, or cpu), with ``plan.device_memory_gib`` and
+    ``metrics.peak_tflops`` overriding its figures; None: this machine's CPU."""
+    if name in (None, "cpu"):
+        host = psutil.virtual_memory().total / GiB
+        device = Device("cpu", host, True, 0.0, "cpu")
+    elif name in DEVICES:
+        device = DEVICES[name]
+    else:
+        raise ConfigError(f"plan.device={name!r}: expected cpu or one of {', '.join(DEVICES)}")
+    return Device(device.name, memory_gib or device.memory_gib, device.bf16,
+                  peak_override or device.peak_tflops, device.device_type)
+
+
+def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
+    """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16
+    (fp32 on one without: this branch has no fp16 mode), fp32 on a CPU."""
+    if precision == Precision.bf16 or (precision == Precision.auto and device.device_type == "cuda" and device.bf16):
+        return torch.bfloat16
+    return None
+
+
+def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
+               device: Device, working_copy: bool = False) -> PeakTracker:
+    """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
+    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3)."""
+    traced = copy.deepcopy(cfg)
+    traced.model.gradient_checkpointing = checkpointing
+    traced.model.num_layers = num_layers
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    dtype = compute_dtype(cfg.train.precision, device)
+    model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
+                                                  dtype if working_copy else None)
+    setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum)
+    with mode:
+        tracker, _ = trace_step(model, optimizer, batch, setup)
+    return tracker
+
+
+@dataclass(frozen=True)
+class PeakFit:
+    """Each phase's peak, category by category, bilinear in the micro batch m and the number of blocks L; the
+    step's peak is the highest phase's.
+
+    Small traces at one and two blocks give the slope in L. In m, a micro batch of one can peak at another point
+    of a phase than larger ones (late in backward rather than at its start), so m = 1 is traced itself and
+    larger micro batches follow the line through m = 2 and 3.
+    """
+
+    traced: dict[tuple[int, int], dict[str, dict[str, int]]]  # (m, L) -> phase -> category -> bytes
+
+    @classmethod
+    def from_traces(cls, cfg: Config, vocab: int, checkpointing: bool, grad_accum: int, device: Device,
+                    working_copy: bool = False) -> PeakFit:
+        """Six small traces: one and two blocks, micro batches 1, 2 and 3."""
+        traced = {}
+        for m in (1, 2, 3):
+            for n in (1, 2):
+                peaks = trace_peak(cfg, vocab, m, checkpointing, n, grad_accum, device, working_copy).phase_peaks
+                traced[m, n] = {phase: peak.by_category for phase, peak in peaks.items()}
+        return cls(traced)
+
+    def at(self, micro_batch: int, num_layers: int) -> dict[str, float]:
+        """The categories at the highest of the phases' peaks, fitted for ``micro_batch`` and ``num_layers``."""
+        m0, m1 = (1, 1) if micro_batch == 1 else (2, 3)
+        p = self.traced
+        phases = []
+        for phase in p[m0, 1]:
+            def at(m: int, n: int, c: str, phase: str = phase) -> float:
+                return p[m, n][phase][c]
+
+            dm, dl = micro_batch - m0, num_layers - 1
+            phases.append({
+                c: at(m0, 1, c) + dm * (at(m1, 1, c) - at(m0, 1, c)) / max(m1 - m0, 1)
+                + dl * (at(m0, 2, c) - at(m0, 1, c))
+                + dm * dl * (at(m1, 2, c) - at(m1, 1, c) - at(m0, 2, c) + at(m0, 1, c)) / max(m1 - m0, 1)
+                for c in CATEGORIES
+            })
+        return max(phases, key=lambda by_category: sum(by_category.values()))
+
+
+def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan, accumulating: bool = False
+          ) -> dict[str, float]:
+    """A single-rank step's categories under ZeRO ``stage`` on ``world_size`` ranks.
+
+    Stage 1 keeps 1/N of the optimizer state. Stages 2-3 (FSDP2) keep 1/N of the fp32 parameters, gradients
+    and optimizer state, and the working copy FSDP2 gathers: every parameter in stage 2, the root and one block
+    in stage 3 (``plan.memory``'s figures). Under mixed precision the step is traced on a working copy in the
+    compute dtype (``working_copy``), so activations and temporaries are FSDP2's; its low-precision
+    gradients count at fp32. With gradient accumulation (``accumulating``) FSDP2 keeps the gradients
+    unsharded, in fp32, until the last micro batch reduce-scatters them. An NF4 base's parameters are the
+    planner's formula too (the trace holds the base in ``model.dtype``).
+    """
+    out = dict(by_category)
+    n = world_size
+    if plan.frozen_note.startswith("frozen base in nf4"):  # traced in model.dtype; held as 4-bit blocks
+        out["parameters"] = plan.memory[stage].params
+    if stage >= 1:
+        out["optimizer"] = by_category["optimizer"] / n
+    if stage >= 2:
+        low = plan.precision.gathered_bytes < plan.precision.param_bytes  # traced on the working copy
+        out["gradients"] = by_category["gradients"] * (plan.precision.grad_bytes / 2 if low else 1)
+        out["gradients"] /= 1 if accumulating else n
+        out["parameters"] = plan.memory[stage].params
+        out["optimizer"] = plan.memory[stage].optimizer
+        out["parameter copies"] = 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class Allowances:
+    """What a trace of the step cannot see, per rank, in bytes: stated as assumptions, not measured."""
+
+    items: dict[str, float]
+
+    @classmethod
+    def for_run(cls, device: Device, by_category: dict[str, float], stage: int, world_size: int,
+                grad_bytes: float, bucket_view: bool) -> Allowances:
+        """DDP's buckets are allocated when it wraps the model and stay: at the peak they add a copy of every
+        gradient; with ``gradient_as_bucket_view`` the gradients live in them, so only the part not yet
+        produced at the peak is extra."""
+        peak = sum(by_category.values())
+        items: dict[str, float] = {}
+        if device.device_type == "cuda":
+            items["CUDA context, cuBLAS/cuDNN workspaces (assumed 0.75 GiB)"] = 0.75 * GiB
+            items["allocator fragmentation and cache (assumed 10% of the peak)"] = 0.10 * peak
+            if world_size > 1:
+                items["NCCL buffers (assumed 0.25 GiB)"] = 0.25 * GiB
+        if stage == 0 and world_size > 1:
+            if bucket_view:
+                items["DDP gradient buckets (holding the gradients)"] = grad_bytes - by_category["gradients"]
+            else:
+                items["DDP gradient buckets (a second copy of the gradients)"] = grad_bytes
+        return cls(items)
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration the recommendation weighs."""
+
+    stage: int
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    peak: float  # traced (fitted) peak per rank
+    allowance: float
+    step_s: float | None  # predicted step time; None without a device peak
+    speedup: float | None  # over one device doing the same global batch
+
+    @property
+    def total(self) -> float:
+        return self.peak + self.allowance
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool, micro_batch: int,
+                     grad_accum: int, ranks: int) -> float | None:
+    """Compute at the assumed MFU (a forward more with checkpointing) plus the communication that the last
+    micro batch's backward cannot hide (ZeRO-3 gathers in every micro batch)."""
+    if not device.peak_tflops:
+        return None
+    tokens = micro_batch * grad_accum * plan.batch.seq_len
+    compute = plan.flops_per_token * tokens / (device.peak_tflops * 1e12 * plan.assumed_mfu)
+    compute *= 4 / 3 if checkpointing else 1.0
+    if ranks == 1:
+        return compute
+    comm = plan.link.seconds(plan.comm[stage]) * (grad_accum if stage == 3 else 1)
+    hidden = backward_seconds(plan.flops_per_token, micro_batch * plan.batch.seq_len, device.peak_tflops,
+                              plan.assumed_mfu)
+    return compute + max(0.0, comm - hidden)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The configured step's traced peak per rank on the target device, and the recommendation."""
+
+    device: Device
+    dtype: str  # what the step computes in on the target device
+    micro_batch: int
+    checkpointing: bool
+    stage: int
+    traced: PeakMemory  # the configured step, one rank, no sharding
+    by_category: dict[str, float]  # ... under the configured ZeRO stage
+    allowances: Allowances
+    fit_gap: float  # the fit's peak at the configured size over the full trace's, minus 1
+    options: list[Option]  # the best micro batch per stage and checkpointing, fastest first; fits only
+
+    @property
+    def peak(self) -> float:
+        return sum(self.by_category.values())
+
+    @property
+    def total(self) -> float:
+        return self.peak + self.allowances.total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device.memory_gib * GiB
+
+    def to_json(self) -> dict:
+        best = self.options[0] if self.options else None
+        return {
+            "device": self.device.name, "device_memory_bytes": self.device.memory_gib * GiB,
+            "compute_dtype": self.dtype, "micro_batch_size": self.micro_batch,
+            "gradient_checkpointing": self.checkpointing, "zero_stage": self.stage,
+            "peak_bytes_per_rank": round(self.peak), "peak_phase": self.traced.phase,
+            "by_category": {c: round(v) for c, v in self.by_category.items()},
+            "single_rank_by_category": self.traced.by_category,
+            "allowances": {k: round(v) for k, v in self.allowances.items.items()},
+            "total_bytes_per_rank": round(self.total), "fits": self.fits, "fit_gap": self.fit_gap,
+            "recommendation": None if best is None else option_json(best),
+            "options": [option_json(o) for o in self.options],
+        }
+
+
+def option_json(option: Option) -> dict:
+    return {"zero_stage": option.stage, "gradient_checkpointing": option.checkpointing,
+            "micro_batch_size": option.micro_batch, "grad_accum": option.grad_accum,
+            "peak_bytes_per_rank": round(option.peak), "total_bytes_per_rank": round(option.total),
+            "predicted_step_s": option.step_s, "predicted_speedup": option.speedup}
+
+
+def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPlan:
+    """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch."""
+    batch = plan.batch
+    n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
+    layers, ckpt = cfg.model.num_layers, cfg.model.gradient_checkpointing
+    dtype = compute_dtype(cfg.train.precision, device)
+    low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
+
+    def trace_configured(working_copy: bool) -> PeakMemory:
+        return trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device,
+                          working_copy).peak
+
+    traced = trace_configured(False)
+    stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
+    grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
+
+    def allowances(by_category: dict[str, float], stage: int) -> Allowances:
+        return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
+
+    configured = shard(stage_traced.by_category, cfg.parallel.zero_stage, n, plan, batch.grad_accum > 1)
+    fits: dict[tuple[bool, int, bool], PeakFit] = {}
+
+    def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:
+        """Two micro batches stand for any more: the second one's backward runs with the first's gradients."""
+        key = (checkpointing, min(accum, 2), low and stage >= 2)
+        if key not in fits:
+            fits[key] = PeakFit.from_traces(cfg, vocab, *key[:2], device, key[2])
+        return fits[key]
+
+    fitted = sum(fit(ckpt, batch.grad_accum, cfg.parallel.zero_stage).at(batch.micro_batch_size, layers).values())
+    options = []
+    per_rank = batch.global_batch_size // n
+    for stage in stages:
+        for c in (False, True):
+            for m in sorted(divisors(per_rank), reverse=True):
+                accum = per_rank // m
+                categories = shard(fit(c, accum, stage).at(m, layers), stage, n, plan, accum > 1)
+                peak = sum(categories.values())
+                allow = allowances(categories, stage).total
+                if peak + allow > device.memory_gib * GiB:
+                    continue
+                step = predicted_step_s(plan, device, stage, c, m, accum, n)
+                single = predicted_step_s(plan, device, 0, c, m, accum * n, 1) if step else None
+                speedup = single / step if step and single else None
+                options.append(Option(stage, c, m, accum, peak, allow, step, speedup))
+                break
+    options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, o.checkpointing))
+    return MemoryPlan(
+        device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
+        micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=cfg.parallel.zero_stage, traced=traced,
+        by_category=configured, allowances=allowances(configured, cfg.parallel.zero_stage),
+        fit_gap=fitted / stage_traced.peak - 1, options=options,
+    )
+
+
+def this_machine() -> str:
+    """The ``plan.device`` of the machine the dry run runs on: its GPU's name if listed, else cpu."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower().replace(" ", "")
+    # longest keys first: l40s before l4, a100_40gb (a100 and 40gb) before a100
+    return next((key for key in sorted(DEVICES, key=len, reverse=True)
+                 if all(part in name for part in key.split("_"))), "cpu")
+
+
+def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
+    """The dry run's plan for ``plan.device`` (precision resolved for it), the memory section's text and
+    plan.json's record. With ``plan.params`` there is no shape to trace: model state only."""
+    from ddptrain.models.build import model_vocab_size
+    from ddptrain.plan import build_plan
+    from ddptrain.predict.memory_render import render_memory_plan
+
+    device = target_device(cfg.plan.device or this_machine(), cfg.plan.device_memory_gib, cfg.metrics.peak_tflops)
+    on_gpu = device.device_type == "cuda"
+    plan = build_plan(cfg, world_size, device.name.upper() if on_gpu else None, bf16_capable=device.bf16)
+    if on_gpu and plan.peak_tflops is None:  # a GPU without bf16, which telemetry/peak.py does not list
+        micro_tokens = plan.batch.micro_batch_size * plan.batch.seq_len
+        plan = replace(plan, peak_tflops=device.peak_tflops, backward_s=backward_seconds(
+            plan.flops_per_token, micro_tokens, device.peak_tflops, plan.assumed_mfu))
+    record: dict = {"world_size": plan.batch.dp, "device": device.name, "precision": plan.precision.name,
+                    "model_state_bytes_per_rank": plan.memory[plan.zero_stage].total}
+    if cfg.plan.params:
+        note = "plan.params: no model shape to trace, so model state only (no activations)"
+        return plan, note, {**record, "peak_bytes_per_rank": None, "by_category": None, "recommendation": None,
+                            "note": note}
+    mp = plan_memory(cfg, plan, model_vocab_size(cfg.model, cfg.data.vocab_size), device)
+    return plan, render_memory_plan(mp, plan.batch.dp), {**record, **mp.to_json()}

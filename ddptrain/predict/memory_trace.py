@@ -1,0 +1,242 @@
+"""Peak memory of one training step, traced on fake tensors: what the step allocates, op by op, with no memory.
+
+The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMode``); one real step (forward,
+backward, clipping, the optimizer update) then runs with every op's output shapes and dtypes but no data.
+``PeakTracker`` follows each tensor storage from the op that creates it to the moment it is freed, sums the live
+bytes by category and keeps the category split at the global peak.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode  # torch documents dispatch modes at this path
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+from transformers import AutoModelForCausalLM, masking_utils
+
+from ddptrain.choices import Quantize
+from ddptrain.config import Config, ModelConfig
+from ddptrain.models.build import hf_config
+from ddptrain.models.lora import DTYPES, prepare_for_finetuning
+from ddptrain.optim import impl_kwargs, param_groups
+
+# Without a mask, SDPA runs a flash kernel on fake tensors too: the CPU's, whose forward saves what CUDA's flash
+# kernel saves (the bf16 output and its fp32 log-sum-exp, not the attention matrix).
+FLASH_OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default)
+# "parameter copies": parameters cast to the compute dtype by autocast, kept for backward (FSDP2's gathered
+# low-precision parameters take their place).
+CATEGORIES = ("parameters", "parameter copies", "gradients", "optimizer", "activations", "temporaries")
+CAST = torch.ops.aten._to_copy.default
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Bytes live at the step's peak, by category; ``peak`` is their sum."""
+
+    peak: int
+    by_category: dict[str, int]
+    phase: str  # where the peak fell: forward, backward or optimizer
+
+
+class PeakTracker(TorchDispatchMode):
+    """Live bytes by category, op by op; the category split at the highest total.
+
+    A storage created in forward counts as an activation, in backward or the optimizer step as a temporary,
+    until ``mark`` files it under parameters, gradients or optimizer state. Views share their base's storage
+    and count once. Only the global peak is kept (no per-module peaks), which keeps a step cheap to trace.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.peak = PeakMemory(0, dict(self.live), self.phase)
+        self.phase_peaks: dict[str, PeakMemory] = {}  # the highest point of each phase
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.flash_calls = 0  # attention calls that ran a flash kernel (not the math path)
+
+    def _new_category(self) -> str:
+        return "activations" if self.phase.startswith("forward") else "temporaries"
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        """Count ``tensor``'s storage (once), as ``category`` or as the phase's default; refile it if counted."""
+        storage = tensor.untyped_storage()
+        entry = self._entries.get(storage)
+        if entry is not None:
+            if category is not None and entry[1] != category:
+                self.live[entry[1]] -= entry[0]
+                self.live[category] += entry[0]
+                entry[1] = category
+            return
+        entry = [storage.nbytes(), category or self._new_category()]
+        self._entries[storage] = entry
+        self.live[entry[1]] += entry[0]
+        self.total += entry[0]
+        weakref.finalize(storage, self._free, entry)
+
+    def _category_of(self, tensor: torch.Tensor) -> str | None:
+        entry = self._entries.get(tensor.untyped_storage())
+        return None if entry is None else entry[1]
+
+    def mark(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
+        for t in tensors:
+            if t is not None:
+                self.track(t, category)
+
+    def _free(self, entry: list) -> None:
+        self.live[entry[1]] -= entry[0]
+        self.total -= entry[0]
+
+    def _observe(self) -> None:
+        phase_peak = self.phase_peaks.get(self.phase)
+        if phase_peak is None or self.total > phase_peak.peak:
+            self.phase_peaks[self.phase] = PeakMemory(self.total, dict(self.live), self.phase)
+            if self.total > self.peak.peak:
+                self.peak = self.phase_peaks[self.phase]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func in FLASH_OPS:
+            self.flash_calls += 1
+        if func is CAST and self._category_of(args[0]) == "parameters":
+            self.track(out, "parameter copies")
+        tree_map_only(torch.Tensor, self.track, out)
+        self._observe()
+        return out
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """How the traced step runs: what the target device would run, not what this machine would."""
+
+    device_type: str  # "cuda" or "cpu": the device whose AdamW implementation the step runs
+    compute_dtype: torch.dtype | None  # autocast dtype; None: fp32
+    grad_clip: float
+    grad_accum: int = 1
+
+
+def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list]:
+    """(parameters and buffers, optimizer state) of a model and its optimizer."""
+    params = [*model.parameters(), *model.buffers()]
+    inner = getattr(optimizer, "optim", optimizer)
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    return params, state
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
+    """One update on zero gradients: the optimizer state exists before the traced step, as in any step but the
+    first."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool) -> AbstractContextManager:
+    """Skip the gradient sync on accumulation micro batches, as the run does (DDP's no_sync; FSDP2 keeps the
+    unsharded gradients until the last micro batch)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    if isinstance(model, DistributedDataParallel) and not sync:
+        return model.no_sync()
+    return nullcontext()
+
+
+def _no_packing(position_ids: torch.Tensor) -> None:
+    return None
+
+
+def trace_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], setup: StepSetup
+) -> tuple[PeakTracker, int]:
+    """One training step under ``PeakTracker``: forward (no KV cache), backward, clipping, the update.
+
+    Works the same on fake and on real tensors (the validation runs both). Returns the tracker (the peak, and
+    each phase's) and how many attention calls ran a flash kernel.
+    """
+    from ddptrain.kernels.clip import clip_grad_norm
+
+    tracker = PeakTracker()
+    params, state = model_state_tensors(model, optimizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], "gradients")) for p in trainable]
+    autocast = (torch.autocast("cpu", dtype=setup.compute_dtype) if setup.compute_dtype is not None
+                else nullcontext())
+    try:
+        # Positions never restart within a row of a training batch, so transformers finds no packed sequences
+        # there; on fake tensors it cannot look (it treats them as tracing) and builds a full attention mask.
+        with tracker, mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packing):
+            tracker.mark(params, "parameters")
+            tracker.mark(state, "optimizer")
+            tracker.mark(batch.values(), "activations")
+            for micro in range(setup.grad_accum):
+                later = " (accumulating)" if micro else ""  # later micro batches run beside the gradients
+                with gradient_sync(model, micro == setup.grad_accum - 1):
+                    tracker.phase = "forward" + later
+                    with autocast:
+                        loss = model(**batch, use_cache=False).loss / setup.grad_accum
+                    tracker.phase = "backward" + later
+                    loss.backward()
+                    del loss
+            tracker.phase = "optimizer"
+            clip_grad_norm(model.parameters(), setup.grad_clip or None, "torch")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tracker, tracker.flash_calls
+
+
+def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
+    """The model as a run trains it, built from ``model.*`` on the current default device (``meta`` for a trace):
+    a pretrained base in ``model.dtype``, checkpointing and LoRA adapters as configured.
+
+    A pretrained model is planned from the shape in ``model.*``; an NF4 base is traced in ``model.dtype``
+    (4-bit storage is accounted for by the planner, not traced).
+    """
+    base = replace(cfg, pretrained=None, quantize=Quantize.none)
+    model = AutoModelForCausalLM.from_config(hf_config(base, vocab_size, None), attn_implementation="sdpa")
+    if cfg.pretrained is not None:
+        model.to(DTYPES[cfg.dtype])
+    if cfg.lora.enabled:  # peft's k-bit preparation freezes the base; a plain LoRA base is frozen by get_peft_model
+        model.requires_grad_(False)
+    return prepare_for_finetuning(model, base)
+
+
+def fake_training_state(
+    cfg: Config, vocab_size: int, micro_batch: int, device_type: str, mode: FakeTensorMode,
+    param_dtype: torch.dtype | None = None,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """Model, AdamW with its state, and one micro batch, all fake: built on ``meta``, then given fake storage.
+
+    The optimizer takes the implementation the run would use on ``device_type`` (fused and foreach differ by a
+    parameter-sized temporary). ``param_dtype``: compute on parameters of that dtype, as FSDP2's gathered
+    working copy under a mixed-precision policy.
+    """
+    with torch.device("meta"):
+        model = training_model(cfg.model, vocab_size)
+        if param_dtype is not None:
+            model.to(param_dtype)
+    with mode:
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.train()
+        kwargs = impl_kwargs(cfg.optim.impl, torch.device(device_type))
+        optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                      **kwargs)
+        create_optimizer_state(optimizer, model.parameters())
+        ids = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long)
+    return model, optimizer, {"input_ids": ids, "labels": ids}
