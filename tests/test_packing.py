@@ -219,3 +219,23 @@ def test_throughput_counts_the_real_tokens_of_each_step_and_padding_is_logged(
                 assert m["padding_pct"] == pytest.approx(100 * (1 - real / computed))
                 assert m["tokens_seen"] == sum(lengths[: 8 * m["step"]])
     assert world_runs[(1, True)][0]["padding_pct"] < world_runs[(1, False)][0]["padding_pct"]
+
+
+def test_packed_rows_take_flashattention_varlen_only_on_cuda_with_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with ``flash_attn`` installed, packed prompt/completion rows switch to FlashAttention-2 (varlen kernels
+    from the restarting position_ids); on CPU, or without the package, they keep sdpa's block-diagonal mask."""
+    from ddptrain.models import attention
+
+    class Model:
+        def __init__(self) -> None:
+            self.implementations: list[str] = []
+
+        def set_attn_implementation(self, name: str) -> None:
+            self.implementations.append(name)
+
+    for device, installed, expected in [("cuda", True, ["flash_attention_2"]), ("cuda", False, []),
+                                        ("cpu", True, [])]:
+        monkeypatch.setattr(attention, "is_flash_attn_2_available", lambda installed=installed: installed)
+        model = Model()
+        assert attention.use_varlen_attention(model, torch.device(device)) is bool(expected)  # type: ignore[arg-type]
+        assert model.implementations == expected

@@ -24,7 +24,7 @@ from ddptrain.config import Config
 from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
-from ddptrain.models.attention import use_causal_attention
+from ddptrain.models.attention import use_causal_attention, use_varlen_attention
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
 from ddptrain.models.packed_attention import check_packed_attention
@@ -100,6 +100,8 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
     if cfg.data.format == DataFormat.packed:
         use_causal_attention(model)  # one causal sequence per row: no mask to build, no host read per forward
+    elif cfg.data.packing:
+        use_varlen_attention(model, device)  # examples packed in a row: FlashAttention's varlen path where it runs
     model = prepare_for_finetuning(model.to(device), cfg.model)
     if cfg.data.format == DataFormat.prompt_completion and cfg.data.packing:
         check_packed_attention(model, data.vocab_size)  # before compiling and wrapping: a bare forward
