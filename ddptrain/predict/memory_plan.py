@@ -289,6 +289,25 @@ def option_json(option: Option) -> dict:
             "predicted_step_s": option.step_s, "predicted_speedup": option.speedup}
 
 
+def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
+                    ) -> tuple[PeakMemory, PeakMemory, dict[str, float]]:
+    """The configured step on ``device``: its single-rank trace, the trace the ZeRO stage is sharded from (on
+    FSDP2's low-precision working copy under mixed precision at stages 2-3, else the same) and, by category,
+    the peak per rank under the configured stage on ``plan``'s world size (without allowances)."""
+    batch = plan.batch
+    dtype = compute_dtype(cfg.train.precision, device)
+    low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
+
+    def trace_configured(working_copy: bool) -> PeakMemory:
+        return trace_peak(cfg, vocab, batch.micro_batch_size, cfg.model.gradient_checkpointing,
+                          cfg.model.num_layers, min(batch.grad_accum, 2), device, working_copy).peak
+
+    traced = trace_configured(False)
+    stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
+    return traced, stage_traced, shard(stage_traced.by_category, cfg.parallel.zero_stage, batch.dp, plan,
+                                       batch.grad_accum > 1)
+
+
 def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPlan:
     """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch."""
     batch = plan.batch
@@ -297,18 +316,12 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
-    def trace_configured(working_copy: bool) -> PeakMemory:
-        return trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device,
-                          working_copy).peak
-
-    traced = trace_configured(False)
-    stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
+    traced, stage_traced, configured = configured_peak(cfg, plan, vocab, device)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    configured = shard(stage_traced.by_category, cfg.parallel.zero_stage, n, plan, batch.grad_accum > 1)
     fits: dict[tuple[bool, int, bool], PeakFit] = {}
 
     def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:
