@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
@@ -43,12 +44,17 @@ from tests.cli import run_cli
 from tests.dist import run_distributed
 
 VOCAB, BATCH, SEQ = 2048, 4, 64
+REPO = Path(__file__).parents[1]
 
 
 def small_config(arch: str = "llama", checkpointing: bool = False, lora: bool = False) -> Config:
     cfg = Config()
-    cfg.model.arch, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = arch, 64, 2, 4
-    cfg.model.num_kv_heads = 2 if arch == "llama" else None  # grouped-query attention where the arch has it
+    if arch == "qwen3":  # the qwen3_tiny preset's shape: QK-norm, grouped-query attention, its own head_dim
+        preset = OmegaConf.load(REPO / "configs" / "model" / "qwen3_tiny.yaml")
+        cfg.model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg.model), preset))
+    else:
+        cfg.model.arch, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = arch, 64, 2, 4
+        cfg.model.num_kv_heads = 2 if arch == "llama" else None  # grouped-query attention where the arch has it
     cfg.model.gradient_checkpointing = checkpointing
     cfg.model.lora.enabled = lora
     cfg.data.seq_len = SEQ
@@ -94,7 +100,8 @@ def assert_close(predicted: dict[str, float], measured: dict[str, float], peak: 
 
 
 CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True), ("llama", True, True),
-         ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True)]
+         ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True),
+         ("qwen3", False, False), ("qwen3", True, False), ("qwen3", False, True)]
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "lora"), CASES)
