@@ -105,7 +105,8 @@ CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True)
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "lora"), CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow),
+                                   pytest.param(torch.float16, marks=pytest.mark.slow)], ids=["bf16", "fp32", "fp16"])
 def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
     arch: str, checkpointing: bool, lora: bool, dtype: torch.dtype | None
 ) -> None:
@@ -143,7 +144,10 @@ def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None
 
 def test_precision_resolves_for_the_target_device_not_this_machine() -> None:
     assert compute_dtype("auto", target_device("h100", None, None)) == torch.bfloat16
-    assert compute_dtype("auto", target_device("t4", None, None)) is None  # no bf16 on a T4
+    assert compute_dtype("auto", target_device("t4", None, None)) == torch.float16  # no bf16 on a T4
+    assert compute_dtype("auto", target_device("v100", None, None)) == torch.float16
+    assert compute_dtype("fp16", target_device("h100", None, None)) == torch.float16
+    assert compute_dtype("fp32", target_device("t4", None, None)) is None
     assert compute_dtype("auto", target_device("cpu", None, None)) is None
     assert target_device("l4", 10.0, None).memory_gib == 10.0
 
@@ -274,9 +278,11 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
                      cwd=tmp_path, cache=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
-    assert "DDP gradient buckets" in result.stdout and "Precision: fp32" in result.stdout
+    assert "DDP gradient buckets" in result.stdout and "Precision: fp16 compute, loss-scaled" in result.stdout
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["device"] == "t4" and plan["compute_dtype"] == "float32"
+    assert plan["device"] == "t4" and plan["compute_dtype"] == "float16"  # what train.precision=auto runs on a T4
+    # the step was traced under fp16 autocast: its parameters' fp16 copies are held for backward
+    assert plan["by_category"]["parameter copies"] > 0
     assert plan["peak_bytes_per_rank"] == sum(plan["by_category"].values()) > 0
     assert set(plan["by_category"]) == set(CATEGORIES)
     best = plan["recommendation"]

@@ -41,7 +41,7 @@ class Device:
     name: str
     memory_gib: float  # about what torch.cuda reports as total_memory (the card's nominal size, a little less)
     bf16: bool
-    peak_tflops: float  # dense bf16 tensor-core peak where bf16 exists, else fp32 (what the run computes in)
+    peak_tflops: float  # dense tensor-core peak in what train.precision=auto computes in: bf16, else fp16
     device_type: str = "cuda"
 
 
@@ -55,8 +55,8 @@ DEVICES: dict[str, Device] = {
     "a10": Device("a10", 22.1, True, 125.0),
     "l4": Device("l4", 22.0, True, 121.0),
     "rtx4090": Device("rtx4090", 23.6, True, 165.0),
-    "v100": Device("v100", 31.7, False, 15.7),
-    "t4": Device("t4", 14.7, False, 8.1),
+    "v100": Device("v100", 31.7, False, 125.0),
+    "t4": Device("t4", 14.7, False, 65.0),
 }
 
 
@@ -75,10 +75,13 @@ def target_device(name: str | None, memory_gib: float | None, peak_override: flo
 
 
 def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
-    """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16
-    (fp32 on one without: this branch has no fp16 mode), fp32 on a CPU."""
-    if precision == Precision.bf16 or (precision == Precision.auto and device.device_type == "cuda" and device.bf16):
+    """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16,
+    fp16 (loss-scaled) on one without (t4, v100), fp32 on a CPU."""
+    on_gpu = precision == Precision.auto and device.device_type == "cuda"
+    if precision == Precision.bf16 or (on_gpu and device.bf16):
         return torch.bfloat16
+    if precision == Precision.fp16 or on_gpu:
+        return torch.float16
     return None
 
 
