@@ -23,7 +23,7 @@ import torch
 
 from ddptrain.choices import Precision, Quantize, computes_in_bf16
 from ddptrain.config import Config
-from ddptrain.predict.memory_plan import GiB, Allowances, Device, configured_peak, target_device, this_machine
+from ddptrain.predict.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
 from ddptrain.predict.memory_trace import PeakTracker, model_state_tensors
 
 
@@ -132,6 +132,8 @@ def memory_peak(planned: tuple[float | None, str], measured: MeasuredPeak, last_
     """summary.json's ``memory_peak``: planned vs measured bytes per rank, and how each was found."""
     planned_bytes, how = planned
     measured_bytes = measured.result(last_step)
-    error = None if not planned_bytes or not measured_bytes else 100.0 * (planned_bytes - measured_bytes) / measured_bytes
+    error = None
+    if planned_bytes and measured_bytes:
+        error = 100.0 * (planned_bytes - measured_bytes) / measured_bytes
     return {"planned_bytes": None if planned_bytes is None else round(planned_bytes),
             "measured_bytes": measured_bytes, "error_pct": error, "planned_by": how, "measured_by": measured.note}
