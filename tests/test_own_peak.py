@@ -60,3 +60,17 @@ def test_the_cpu_measurement_tracks_one_steady_step_only() -> None:
         sizes[step] = measured.bytes
     assert sizes[1] is None and sizes[2] == sizes[3] and measured.result(3) == sizes[2]
     assert sizes[2] < 4096 * 64 * 4  # the small step's peak, not a large step's activations
+
+
+@pytest.mark.slow  # 2 ranks
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_a_two_rank_ddp_run_plans_its_gradient_buckets_too(tmp_path: Path, bucket_view: bool) -> None:
+    run_dir = tmp_path / "run"
+    args = [*(o for o in TINY if not o.startswith("launch.nproc_per_node")), "launch.nproc_per_node=2",
+            "data.global_batch_size=8", "data.micro_batch_size=4",
+            f"parallel.gradient_as_bucket_view={str(bucket_view).lower()}", f"hydra.run.dir={run_dir}"]
+    result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak = json.loads((run_dir / "summary.json").read_text())["memory_peak"]
+    assert "DDP's gradient buckets" in peak["planned_by"]
+    assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)

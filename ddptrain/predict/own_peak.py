@@ -3,15 +3,17 @@ own configuration, beside the peak the run measured, in ``summary.json``'s ``mem
 
 Planned: one step of the configured model traced on fake tensors on one rank, then the ZeRO stage's sharding
 for the run's world size (``memory_plan.configured_peak``, what the dry run prints), in the precision the run
-computes in. On CUDA DDP's gradient buckets are added (the allocator holds them); the assumed allowances
-(CUDA context, fragmentation, NCCL) are not, since ``max_memory_allocated`` does not see them either.
+computes in, plus DDP's gradient buckets (the allocator holds them); the assumed allowances (CUDA context,
+fragmentation, NCCL) are not added, since ``max_memory_allocated`` does not see them either.
 
 Measured: on CUDA, ``torch.cuda.max_memory_allocated`` over the steady steps (reset after the first step);
 on CPU, which has no allocator statistics, ``PeakTracker`` around one steady step of the run (the second), on
 the run's real tensors, with the model state marked at its start. The tracker counts every storage the step's
 ops create and free; the trace tests check it equals the CPU allocator's peak from ``torch.profiler`` on the
-same step. It cannot see buffers allocated outside the step, such as DDP's gradient buckets (allocated when
-DDP wraps the model), so on CPU neither number counts them.
+same step. It sees what the step allocates: DDP rebuilds its gradient buckets in the second step (in the
+order the gradients arrived), so that step holds them too, as the plan counts them. The tracker slows that one
+step down (a Python hook per op); it lies in the first logging window, which the steady medians skip unless
+``train.log_every=1``.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from typing import Any
 
 import torch
 
-from ddptrain.choices import Precision, Quantize, computes_in_bf16
+from ddptrain.choices import Engine, Precision, Quantize, computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.predict.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
 from ddptrain.predict.memory_trace import PeakTracker, model_state_tensors
 
 
-def unplannable(cfg: Config, device: torch.device) -> str | None:
+def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | None:
     """Why the trace cannot model this run, or None."""
     if cfg.train.compile:
         return "train.compile=true: the trace runs the eager step"
@@ -35,8 +37,10 @@ def unplannable(cfg: Config, device: torch.device) -> str | None:
         return "parallel.cpu_offload=true: the trace keeps every tensor on the device"
     if cfg.model.quantize != Quantize.none:
         return f"model.quantize={cfg.model.quantize}: the trace holds the base in model.dtype"
-    if cfg.parallel.engine != "torch" and device.type == "cuda":
-        return f"parallel.engine={cfg.parallel.engine}: only torch DDP's buckets are planned"
+    if cfg.parallel.engine != Engine.torch and world_size > 1:
+        return f"parallel.engine={cfg.parallel.engine}: only torch DDP's gradient buckets are planned"
+    if cfg.parallel.zero_stage == 1 and world_size > 1:
+        return "parallel.zero_stage=1: DDP's gradient buckets beside ZeRO-1 are not planned"
     return None
 
 
@@ -63,7 +67,7 @@ def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int,
     """The planned peak per rank in bytes for this run (None when the trace cannot model it), and how."""
     from ddptrain.plan import build_plan
 
-    reason = unplannable(cfg, device)
+    reason = unplannable(cfg, device, world_size)
     if reason is not None:
         return None, reason
     traced_cfg = copy.deepcopy(cfg)
@@ -78,12 +82,10 @@ def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int,
     by_category = configured_peak(traced_cfg, plan, vocab, target)[2]
     how = (f"traced step on one rank, ZeRO-{cfg.parallel.zero_stage} sharding for {world_size} ranks, "
            f"{traced_cfg.train.precision}")
-    buckets = 0.0
-    if target.device_type == "cuda":
-        allowance = Allowances.for_run(target, by_category, cfg.parallel.zero_stage, world_size,
-                                       4.0 * plan.trainable, cfg.parallel.gradient_as_bucket_view)
-        buckets = sum(v for k, v in allowance.items.items() if k.startswith("DDP gradient buckets"))
-        how += ", + DDP's gradient buckets" if buckets else ""
+    allowance = Allowances.for_run(target, by_category, cfg.parallel.zero_stage, world_size, 4.0 * plan.trainable,
+                                   cfg.parallel.gradient_as_bucket_view)
+    buckets = sum(v for k, v in allowance.items.items() if k.startswith("DDP gradient buckets"))
+    how += ", + DDP's gradient buckets" if buckets else ""
     return sum(by_category.values()) + buckets, how
 
 
