@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddptrain.config import Config
 from ddptrain.predict import own_peak
 from ddptrain.predict.own_peak import MeasuredPeak
 from tests.cli import run_cli
@@ -35,15 +36,31 @@ def test_a_one_rank_cpu_run_records_its_planned_and_measured_peak_within_2_perce
     assert peaks[2]["planned_bytes"] < 0.95 * peaks[4]["planned_bytes"]
 
 
-def test_configs_the_trace_cannot_model_are_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddptrain.config import Config
-
+def test_configs_the_trace_cannot_model_are_skipped_with_the_reason() -> None:
     cfg = Config()
     cfg.train.compile = True
     planned = own_peak.planned_peak(cfg, 1, torch.device("cpu"), 2048, 0)
     assert planned == (None, "train.compile=true: the trace runs the eager step")
     cfg.train.compile, cfg.parallel.zero_stage, cfg.parallel.cpu_offload = False, 3, True
     assert own_peak.planned_peak(cfg, 2, torch.device("cpu"), 2048, 0)[0] is None
+    cfg.parallel.zero_stage, cfg.parallel.cpu_offload = 0, False
+    # model.* (llama_tiny by default) does not describe a model of 123 parameters: nothing to trace
+    planned = own_peak.planned_peak(cfg, 1, torch.device("cpu"), 8192, 123)
+    assert planned[0] is None and "the run's model has 123" in planned[1]
+
+
+def test_a_failing_trace_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*_: object) -> None:
+        raise RuntimeError("no fake kernel")
+
+    monkeypatch.setattr(own_peak, "configured_peak", fail)
+    cfg = Config()
+    cfg.model.vocab_size = 8192
+    from ddptrain.plan import build_plan
+
+    n_params = round(build_plan(cfg, 1, None).params)
+    assert own_peak.planned_peak(cfg, 1, torch.device("cpu"), 8192, n_params) == (
+        None, "the trace failed: RuntimeError: no fake kernel")
 
 
 def test_the_cpu_measurement_tracks_one_steady_step_only() -> None:

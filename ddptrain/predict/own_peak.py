@@ -19,6 +19,7 @@ step down (a Python hook per op); it lies in the first logging window, which the
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from ddptrain.choices import Engine, Precision, Quantize, computes_in_bf16
 from ddptrain.config import Config
 from ddptrain.predict.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
 from ddptrain.predict.memory_trace import PeakTracker, model_state_tensors
+
+log = logging.getLogger("ddptrain")
 
 
 def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | None:
@@ -64,12 +67,24 @@ def this_device(device: torch.device) -> Device:
 
 def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
                  ) -> tuple[float | None, str]:
-    """The planned peak per rank in bytes for this run (None when the trace cannot model it), and how."""
-    from ddptrain.plan import build_plan
+    """The planned peak per rank in bytes for this run (None when the trace cannot model it), and how.
 
+    The run has finished when this runs: a trace that fails is reported, not raised, so it never costs the
+    run its summary."""
     reason = unplannable(cfg, device, world_size)
     if reason is not None:
         return None, reason
+    try:
+        return _planned_peak(cfg, world_size, device, vocab, n_params)
+    except Exception as exc:  # noqa: BLE001  # any failure of the trace: the run's own figures still stand
+        log.warning("memory_peak: the traced plan failed (%s: %s)", type(exc).__name__, exc)
+        return None, f"the trace failed: {type(exc).__name__}: {exc}"
+
+
+def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
+                  ) -> tuple[float | None, str]:
+    from ddptrain.plan import build_plan
+
     traced_cfg = copy.deepcopy(cfg)
     traced_cfg.train.precision = run_precision(cfg, device)
     traced_cfg.plan.world_size = world_size
