@@ -45,6 +45,10 @@ class Precision:
 MIXED_BF16 = Precision("bf16 compute: fp32 parameters, gradients and AdamW; FSDP2 gathers bf16", 4, 4, 8, 2,
                        "bfloat16")
 FP32 = Precision("fp32, AdamW", 4, 4, 8, 4, "float32")
+# fp16 autocast with a loss scaler (GPUs without bf16): FSDP2 runs without a mixed-precision policy there, so it
+# gathers the fp32 parameters and autocast casts them, as under DDP.
+MIXED_FP16 = Precision("fp16 compute, loss-scaled: fp32 parameters, gradients and AdamW; FSDP2 gathers fp32", 4, 4,
+                       8, 4, "float32")
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,7 @@ def build_plan(
 
     With ``cfg.plan.params`` set, the model is that many parameters and FLOPs per token are 6·params (no shape,
     so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
-    unless ``cfg.metrics.peak_tflops`` is given. A GPU without bf16 (``bf16_capable`` False) resolves auto to fp32.
+    unless ``cfg.metrics.peak_tflops`` is given. A GPU without bf16 (``bf16_capable`` False) resolves auto to fp16.
     """
     batch = BatchPlan.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
@@ -245,8 +249,13 @@ def build_plan(
         # ZeRO-3 gathers the root's parameters (embeddings, head, final norm) and one block at a time in forward
         gathered = counts.embedding + counts.non_embedding / cfg.model.num_layers
     on_gpu = device_name is not None
-    auto_fp32 = cfg.train.precision == "auto" and not (on_gpu and bf16_capable)
-    precision = FP32 if cfg.train.precision == "fp32" or auto_fp32 else MIXED_BF16
+    auto = cfg.train.precision == "auto"
+    if cfg.train.precision == "fp32" or (auto and not on_gpu):
+        precision = FP32
+    elif cfg.train.precision == "fp16" or (auto and not bf16_capable):
+        precision = MIXED_FP16
+    else:
+        precision = MIXED_BF16
     trainable, note, base_bytes = params, "", float(precision.param_bytes)
     if lora:  # adapters train in fp32 on a frozen base: only they have gradients, optimizer state and traffic
         params, trainable, precision = params + adapters, adapters, FP32

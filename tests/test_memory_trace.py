@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
@@ -43,12 +44,17 @@ from tests.cli import run_cli
 from tests.dist import run_distributed
 
 VOCAB, BATCH, SEQ = 2048, 4, 64
+REPO = Path(__file__).parents[1]
 
 
 def small_config(arch: str = "llama", checkpointing: bool = False, lora: bool = False) -> Config:
     cfg = Config()
-    cfg.model.arch, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = arch, 64, 2, 4
-    cfg.model.num_kv_heads = 2 if arch == "llama" else None  # grouped-query attention where the arch has it
+    if arch == "qwen3":  # the qwen3_tiny preset's shape: QK-norm, grouped-query attention, its own head_dim
+        preset = OmegaConf.load(REPO / "configs" / "model" / "qwen3_tiny.yaml")
+        cfg.model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg.model), preset))
+    else:
+        cfg.model.arch, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = arch, 64, 2, 4
+        cfg.model.num_kv_heads = 2 if arch == "llama" else None  # grouped-query attention where the arch has it
     cfg.model.gradient_checkpointing = checkpointing
     cfg.model.lora.enabled = lora
     cfg.data.seq_len = SEQ
@@ -94,11 +100,13 @@ def assert_close(predicted: dict[str, float], measured: dict[str, float], peak: 
 
 
 CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True), ("llama", True, True),
-         ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True)]
+         ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True),
+         ("qwen3", False, False), ("qwen3", True, False), ("qwen3", False, True)]
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "lora"), CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow),
+                                   pytest.param(torch.float16, marks=pytest.mark.slow)], ids=["bf16", "fp32", "fp16"])
 def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
     arch: str, checkpointing: bool, lora: bool, dtype: torch.dtype | None
 ) -> None:
@@ -136,7 +144,10 @@ def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None
 
 def test_precision_resolves_for_the_target_device_not_this_machine() -> None:
     assert compute_dtype("auto", target_device("h100", None, None)) == torch.bfloat16
-    assert compute_dtype("auto", target_device("t4", None, None)) is None  # no bf16 on a T4
+    assert compute_dtype("auto", target_device("t4", None, None)) == torch.float16  # no bf16 on a T4
+    assert compute_dtype("auto", target_device("v100", None, None)) == torch.float16
+    assert compute_dtype("fp16", target_device("h100", None, None)) == torch.float16
+    assert compute_dtype("fp32", target_device("t4", None, None)) is None
     assert compute_dtype("auto", target_device("cpu", None, None)) is None
     assert target_device("l4", 10.0, None).memory_gib == 10.0
 
@@ -267,9 +278,11 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
                      cwd=tmp_path, cache=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
-    assert "DDP gradient buckets" in result.stdout and "Precision: fp32" in result.stdout
+    assert "DDP gradient buckets" in result.stdout and "Precision: fp16 compute, loss-scaled" in result.stdout
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["device"] == "t4" and plan["compute_dtype"] == "float32"
+    assert plan["device"] == "t4" and plan["compute_dtype"] == "float16"  # what train.precision=auto runs on a T4
+    # the step was traced under fp16 autocast: its parameters' fp16 copies are held for backward
+    assert plan["by_category"]["parameter copies"] > 0
     assert plan["peak_bytes_per_rank"] == sum(plan["by_category"].values()) > 0
     assert set(plan["by_category"]) == set(CATEGORIES)
     best = plan["recommendation"]

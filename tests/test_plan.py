@@ -13,6 +13,7 @@ from ddptrain.plan import (
     FP32,
     INTERCONNECTS,
     MIXED_BF16,
+    MIXED_FP16,
     allreduce_seconds,
     backward_seconds,
     build_plan,
@@ -155,3 +156,15 @@ def test_unknown_interconnect_is_a_config_error() -> None:
     expected = r"plan\.interconnect='carrier_pigeon': expected one of nvlink, infiniband_ndr"
     with pytest.raises(ConfigError, match=expected):
         build_config({"plan": {"interconnect": "carrier_pigeon"}})
+
+
+@pytest.mark.parametrize(("precision", "gpu", "bf16_capable", "expected"),
+                         [("auto", H100, True, MIXED_BF16), ("auto", "T4", False, MIXED_FP16),
+                          ("fp16", H100, True, MIXED_FP16), ("auto", None, True, FP32), ("fp32", "T4", False, FP32)])
+def test_precision_auto_is_fp16_on_a_gpu_without_bf16_and_fp16_gathers_fp32(
+    precision: str, gpu: str | None, bf16_capable: bool, expected: object
+) -> None:
+    plan = build_plan(config(**{"train.precision": precision}), world_size=2, device_name=gpu,
+                      bf16_capable=bf16_capable)
+    assert plan.precision == expected
+    assert MIXED_FP16.gathered_bytes == 4  # FSDP2 runs fp16 without a mixed-precision policy: fp32 gathered

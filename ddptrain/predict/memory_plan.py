@@ -41,7 +41,7 @@ class Device:
     name: str
     memory_gib: float  # about what torch.cuda reports as total_memory (the card's nominal size, a little less)
     bf16: bool
-    peak_tflops: float  # dense bf16 tensor-core peak where bf16 exists, else fp32 (what the run computes in)
+    peak_tflops: float  # dense tensor-core peak in what train.precision=auto computes in: bf16, else fp16
     device_type: str = "cuda"
 
 
@@ -55,8 +55,8 @@ DEVICES: dict[str, Device] = {
     "a10": Device("a10", 22.1, True, 125.0),
     "l4": Device("l4", 22.0, True, 121.0),
     "rtx4090": Device("rtx4090", 23.6, True, 165.0),
-    "v100": Device("v100", 31.7, False, 15.7),
-    "t4": Device("t4", 14.7, False, 8.1),
+    "v100": Device("v100", 31.7, False, 125.0),
+    "t4": Device("t4", 14.7, False, 65.0),
 }
 
 
@@ -75,10 +75,13 @@ def target_device(name: str | None, memory_gib: float | None, peak_override: flo
 
 
 def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
-    """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16
-    (fp32 on one without: this branch has no fp16 mode), fp32 on a CPU."""
-    if precision == Precision.bf16 or (precision == Precision.auto and device.device_type == "cuda" and device.bf16):
+    """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16,
+    fp16 (loss-scaled) on one without (t4, v100), fp32 on a CPU."""
+    on_gpu = precision == Precision.auto and device.device_type == "cuda"
+    if precision == Precision.bf16 or (on_gpu and device.bf16):
         return torch.bfloat16
+    if precision == Precision.fp16 or on_gpu:
+        return torch.float16
     return None
 
 
@@ -289,6 +292,25 @@ def option_json(option: Option) -> dict:
             "predicted_step_s": option.step_s, "predicted_speedup": option.speedup}
 
 
+def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
+                    ) -> tuple[PeakMemory, PeakMemory, dict[str, float]]:
+    """The configured step on ``device``: its single-rank trace, the trace the ZeRO stage is sharded from (on
+    FSDP2's low-precision working copy under mixed precision at stages 2-3, else the same) and, by category,
+    the peak per rank under the configured stage on ``plan``'s world size (without allowances)."""
+    batch = plan.batch
+    dtype = compute_dtype(cfg.train.precision, device)
+    low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
+
+    def trace_configured(working_copy: bool) -> PeakMemory:
+        return trace_peak(cfg, vocab, batch.micro_batch_size, cfg.model.gradient_checkpointing,
+                          cfg.model.num_layers, min(batch.grad_accum, 2), device, working_copy).peak
+
+    traced = trace_configured(False)
+    stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
+    return traced, stage_traced, shard(stage_traced.by_category, cfg.parallel.zero_stage, batch.dp, plan,
+                                       batch.grad_accum > 1)
+
+
 def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPlan:
     """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch."""
     batch = plan.batch
@@ -297,18 +319,12 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
-    def trace_configured(working_copy: bool) -> PeakMemory:
-        return trace_peak(cfg, vocab, batch.micro_batch_size, ckpt, layers, min(batch.grad_accum, 2), device,
-                          working_copy).peak
-
-    traced = trace_configured(False)
-    stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
+    traced, stage_traced, configured = configured_peak(cfg, plan, vocab, device)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    configured = shard(stage_traced.by_category, cfg.parallel.zero_stage, n, plan, batch.grad_accum > 1)
     fits: dict[tuple[bool, int, bool], PeakFit] = {}
 
     def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:

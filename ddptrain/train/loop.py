@@ -25,6 +25,7 @@ from ddptrain.faults import delay, inject, poison_loss
 from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure, trainable_line
 from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan import FP32, MIXED_BF16
+from ddptrain.predict.own_peak import MeasuredPeak, memory_peak, planned_peak
 from ddptrain.predict.own_run import predict_own_step
 from ddptrain.runtime import DistEnv, main_only
 from ddptrain.telemetry.profile import StepProfiler
@@ -47,10 +48,12 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     skipped = 0
     nonfinite_steps = NonFiniteSteps(device)
     compile_s: float | None = None
+    measured_peak = MeasuredPeak(device, model, c.optimizer, c.start + 1, cfg.parallel.zero_stage)
     first_step_start = device_clock(device)  # sync point (CUDA): once, so the first step's time is its own
     with closing(c.sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(c.start + 1, cfg.train.steps + 1):
             meter.start_step(step)
+            measured_peak.begin(step)
             delay(step, env.rank, meter.timer.phase)
             guard = poisoned if poison_loss(step, env.rank) else guard_loss
             try:
@@ -75,6 +78,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                     c.scaler.update(nonfinite)  # fp16: an overflow is a back-off of the scale, not a nan_policy event
                 else:
                     nonfinite_steps.record(nonfinite, step)
+                measured_peak.end(step)
                 if log_step or save_step or step % cfg.train.check_every == 0:
                     WHEREABOUTS.at("check")
                     # sync point: one small all-reduce and host read per check, never on the other steps
@@ -131,7 +135,10 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
         summary["compile_s"] = compile_s
     if c.scaler is not None:
         summary.update(c.scaler.window())  # this rank's final scale and back-offs (the same on every rank)
-    if env.is_main:
+    if env.is_main:  # a trace of seconds for a small model; every rank plans the same, so rank 0 alone does
+        vocab = model.get_input_embeddings().weight.shape[0]
+        planned = planned_peak(cfg, env.world_size, device, vocab, c.n_params)
+        summary["memory_peak"] = memory_peak(planned, measured_peak, cfg.train.steps)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -1,0 +1,156 @@
+"""Every run checks the memory planner on itself: the peak per rank that the traced step plans for the run's
+own configuration, beside the peak the run measured, in ``summary.json``'s ``memory_peak`` record.
+
+Planned: one step of the configured model traced on fake tensors on one rank, then the ZeRO stage's sharding
+for the run's world size (``memory_plan.configured_peak``, what the dry run prints), in the precision the run
+computes in, plus DDP's gradient buckets (the allocator holds them); the assumed allowances (CUDA context,
+fragmentation, NCCL) are not added, since ``max_memory_allocated`` does not see them either.
+
+Measured: on CUDA, ``torch.cuda.max_memory_allocated`` over the steady steps (reset after the first step);
+on CPU, which has no allocator statistics, ``PeakTracker`` around one steady step of the run (the second), on
+the run's real tensors, with the model state marked at its start. The tracker counts every storage the step's
+ops create and free; the trace tests check it equals the CPU allocator's peak from ``torch.profiler`` on the
+same step. It sees what the step allocates: DDP rebuilds its gradient buckets in the second step (in the
+order the gradients arrived), so that step holds them too, as the plan counts them. The tracker slows that one
+step down (a Python hook per op); it lies in the first logging window, which the steady medians skip unless
+``train.log_every=1``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from ddptrain.choices import Engine, Precision, Quantize, computes_in_bf16
+from ddptrain.config import Config
+from ddptrain.predict.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
+from ddptrain.predict.memory_trace import PeakTracker, model_state_tensors
+
+log = logging.getLogger("ddptrain")
+
+
+def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | None:
+    """Why the trace cannot model this run, or None."""
+    if cfg.train.compile:
+        return "train.compile=true: the trace runs the eager step"
+    if cfg.parallel.cpu_offload:
+        return "parallel.cpu_offload=true: the trace keeps every tensor on the device"
+    if cfg.model.quantize != Quantize.none:
+        return f"model.quantize={cfg.model.quantize}: the trace holds the base in model.dtype"
+    if cfg.parallel.engine != Engine.torch and world_size > 1:
+        return f"parallel.engine={cfg.parallel.engine}: only torch DDP's gradient buckets are planned"
+    if cfg.parallel.zero_stage == 1 and world_size > 1:
+        return "parallel.zero_stage=1: DDP's gradient buckets beside ZeRO-1 are not planned"
+    return None
+
+
+def run_precision(cfg: Config, device: torch.device) -> str:
+    """What the run computes in, as an explicit ``train.precision`` (the run's own resolution of auto)."""
+    if cfg.train.precision == Precision.fp16:
+        return Precision.fp16
+    return Precision.bf16 if computes_in_bf16(cfg.train.precision, device.type) else Precision.fp32
+
+
+def this_device(device: torch.device) -> Device:
+    """The run's device as the planner sees it; only its type and memory matter for a peak."""
+    if device.type != "cuda":
+        return target_device("cpu", None, None)
+    name = this_machine()
+    if name != "cpu":
+        return target_device(name, None, None)
+    memory = torch.cuda.get_device_properties(device).total_memory / GiB
+    return Device(torch.cuda.get_device_name(device), memory, torch.cuda.is_bf16_supported(), 0.0, "cuda")
+
+
+def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
+                 ) -> tuple[float | None, str]:
+    """The planned peak per rank in bytes for this run (None when the trace cannot model it), and how.
+
+    The run has finished when this runs: a trace that fails is reported, not raised, so it never costs the
+    run its summary."""
+    reason = unplannable(cfg, device, world_size)
+    if reason is not None:
+        return None, reason
+    try:
+        return _planned_peak(cfg, world_size, device, vocab, n_params)
+    except Exception as exc:  # noqa: BLE001  # any failure of the trace: the run's own figures still stand
+        log.warning("memory_peak: the traced plan failed (%s: %s)", type(exc).__name__, exc)
+        return None, f"the trace failed: {type(exc).__name__}: {exc}"
+
+
+def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
+                  ) -> tuple[float | None, str]:
+    from ddptrain.plan import build_plan
+
+    traced_cfg = copy.deepcopy(cfg)
+    traced_cfg.train.precision = run_precision(cfg, device)
+    traced_cfg.plan.world_size = world_size
+    traced_cfg.model.vocab_size = vocab
+    target = this_device(device)
+    plan = build_plan(traced_cfg, world_size, None)
+    if round(plan.params) != n_params:
+        return None, (f"model.* describes {plan.params:.0f} parameters, the run's model has {n_params}: "
+                      "no shape to trace")
+    by_category = configured_peak(traced_cfg, plan, vocab, target)[2]
+    how = (f"traced step on one rank, ZeRO-{cfg.parallel.zero_stage} sharding for {world_size} ranks, "
+           f"{traced_cfg.train.precision}")
+    allowance = Allowances.for_run(target, by_category, cfg.parallel.zero_stage, world_size, 4.0 * plan.trainable,
+                                   cfg.parallel.gradient_as_bucket_view)
+    buckets = sum(v for k, v in allowance.items.items() if k.startswith("DDP gradient buckets"))
+    how += ", + DDP's gradient buckets" if buckets else ""
+    return sum(by_category.values()) + buckets, how
+
+
+class MeasuredPeak:
+    """The run's measured peak per rank: ``begin``/``end`` bracket every training step (the update included)."""
+
+    def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 first_step: int, zero_stage: int) -> None:
+        self.device, self.model, self.optimizer = device, model, optimizer
+        self.first_step = first_step  # the run's first step here (after a resume: the step after the checkpoint)
+        self.tracker: PeakTracker | None = None
+        self.bytes: int | None = None
+        self.note = ("torch.cuda.max_memory_allocated over the steady steps" if device.type == "cuda" else
+                     "PeakTracker over one steady step (the run's second)")
+        self.skip = zero_stage >= 2 and device.type != "cuda"  # FSDP2's DTensor shards: not tracked on CPU
+        if self.skip:
+            self.note = "not measured on CPU at ZeRO-2/3 (sharded parameters)"
+
+    def begin(self, step: int) -> None:
+        if self.skip or step != self.first_step + 1:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.tracker = PeakTracker()
+        self.tracker.__enter__()
+        params, state = model_state_tensors(self.model, self.optimizer)
+        self.tracker.mark(params, "parameters")
+        self.tracker.mark(state, "optimizer")
+        self.tracker.mark((p.grad for p in self.model.parameters()), "gradients")
+
+    def end(self, step: int) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.bytes = self.tracker.peak.peak
+            self.tracker = None
+
+    def result(self, step: int) -> int | None:
+        """The peak, once the run has finished ``step`` (None: no steady step ran)."""
+        if self.device.type == "cuda" and not self.skip and step > self.first_step:
+            return torch.cuda.max_memory_allocated(self.device)  # sync point: once, at the end
+        return self.bytes
+
+
+def memory_peak(planned: tuple[float | None, str], measured: MeasuredPeak, last_step: int) -> dict[str, Any]:
+    """summary.json's ``memory_peak``: planned vs measured bytes per rank, and how each was found."""
+    planned_bytes, how = planned
+    measured_bytes = measured.result(last_step)
+    error = None
+    if planned_bytes and measured_bytes:
+        error = 100.0 * (planned_bytes - measured_bytes) / measured_bytes
+    return {"planned_bytes": None if planned_bytes is None else round(planned_bytes),
+            "measured_bytes": measured_bytes, "error_pct": error, "planned_by": how, "measured_by": measured.note}
