@@ -132,6 +132,10 @@ class MeasuredPeak:
         self.tracker.mark(state, "optimizer")
         self.tracker.mark((p.grad for p in self.model.parameters()), "gradients")
 
+    def slows(self, step: int) -> bool:
+        """Whether ``step`` ran under the CPU tracker (slower than a plain step: kept out of throughput)."""
+        return not self.skip and self.device.type != "cuda" and step == self.first_step + 1
+
     def end(self, step: int) -> None:
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)

@@ -91,6 +91,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)", compile_s)
                 if not log_step:
                     meter.restart_window()
+            if measured_peak.slows(step) and not log_step:
+                meter.restart_window()  # the CPU memory tracker's step: kept out of throughput, like compilation
             if step == c.start + 1:
                 log.info("%s", trainable_line(c.trainable, c.n_params, sample.payload_bytes if sample else None))
                 c.probe.after_step(c.optimizer)
