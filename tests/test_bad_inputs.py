@@ -7,6 +7,7 @@ ranks have met (checkpoints, the run directory) run under torchrun below.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -119,12 +120,10 @@ def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None
     run, cache = good_run
     (ckpt,) = (run / "checkpoints").glob("step_*")
     broken = tmp_path / "broken" / ckpt.name
-    broken.parent.mkdir()
-    (broken / "rng").mkdir(parents=True)
-    (broken / "COMMITTED").write_text((ckpt / "COMMITTED").read_text())
+    shutil.copytree(ckpt, broken)  # a whole checkpoint whose trainer state was overwritten
     (broken / "trainer.pt").write_bytes(b"\x00not a torch file")
     _fails_on_both_ranks([*SMALL, f"train.resume={broken}", f"hydra.run.dir={tmp_path}/new"], tmp_path, cache,
-                         "is not a readable checkpoint")
+                         "is damaged: trainer.pt")
 
 
 @pytest.mark.slow
