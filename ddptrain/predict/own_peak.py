@@ -88,7 +88,7 @@ def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int
     traced_cfg = copy.deepcopy(cfg)
     traced_cfg.train.precision = run_precision(cfg, device)
     traced_cfg.plan.world_size = world_size
-    traced_cfg.model.vocab_size = vocab
+    traced_cfg.model.vocab_size = traced_cfg.data.vocab_size = vocab  # the run's embeddings (a pretrained base's own)
     target = this_device(device)
     plan = build_plan(traced_cfg, world_size, None)
     if round(plan.params) != n_params:
