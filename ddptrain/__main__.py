@@ -1,4 +1,4 @@
 if __name__ == "__main__":  # tokenizer workers are spawned and import this module again: no second run there
-    from ddptrain.cli import main
+    from ddptrain.app.cli import main
 
     main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 from hydra.errors import MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
@@ -54,3 +55,10 @@ def one_line(exc: BaseException) -> str:
 def flat(text: str, limit: int = 300) -> str:
     """Any message as one line (whitespace and newlines collapsed), at most ``limit`` characters."""
     return " ".join(text.split())[:limit]
+
+
+def say(line: str) -> None:
+    """One line to stderr in a single write: lines of ranks sharing a pipe never interleave (print writes the
+    text and the newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from ddptrain.checkpoint import MARKER, Checkpointer, TrainState
 from ddptrain.checkpoint.integrity import manifest
-from ddptrain.compose import build_config
+from ddptrain.config.compose import build_config
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.optim import build_optimizer
 from ddptrain.parallel import wrap_model
-from ddptrain.runtime import DistEnv, pick_device
+from ddptrain.runtime.process_group import DistEnv, pick_device
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddptrain.comm.hostfit import measure_host
-from ddptrain.comm.linkfit import measure_link
+from ddptrain.plan.linkfit import measure_link
 
 
 def main() -> None:

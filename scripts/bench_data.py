@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PREPARE = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from ddptrain.config import DataConfig
+    from ddptrain.config.schema import DataConfig
     from ddptrain.data import build_token_data
     kw = json.loads(sys.argv[1])
     start = time.perf_counter()
@@ -51,7 +51,7 @@ PREPARE = textwrap.dedent("""
 READ = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from ddptrain.config import DataConfig
+    from ddptrain.config.schema import DataConfig
     from ddptrain.data import build_token_data
     data = build_token_data(DataConfig(**json.loads(sys.argv[1])))
     rng = np.random.default_rng(0)

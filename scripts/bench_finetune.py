@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from ddptrain.compose import build_config
-from ddptrain.config import Config
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 from ddptrain.data import build_token_data
 from ddptrain.data.instruct import PadCollate, generated_instructions
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.models import build_model
 from ddptrain.models.lora import prepare_for_finetuning
-from ddptrain.runtime import DistEnv
+from ddptrain.runtime.process_group import DistEnv
 from ddptrain.train import train
 
 LORA = {"enabled": True, "r": 16, "alpha": 32.0}

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptrain.config import DistConfig
+from ddptrain.config.schema import DistConfig
 
 DEFAULT_RUN = ["model=llama_tiny", "data=synthetic", "launch.nproc_per_node=2", "train.log_every=5",
                "train.eval_every=0", "checkpoint.export=false", "logger.progress=false"]

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ddptrain.compose import build_config
-from ddptrain.runtime import DistEnv
+from ddptrain.config.compose import build_config
+from ddptrain.runtime.process_group import DistEnv
 from ddptrain.telemetry.metrics import StepMetrics
 from ddptrain.train import train
 

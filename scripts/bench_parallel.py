@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddptrain.compose import build_config
-from ddptrain.config import Config
-from ddptrain.runtime import DistEnv
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
+from ddptrain.runtime.process_group import DistEnv
 from ddptrain.train import train
 
 SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config section -> overrides

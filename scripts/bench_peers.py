@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ddptrain.compose import build_config
-from ddptrain.config import Config
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 from ddptrain.data import build_token_data
 from ddptrain.models import build_model
 from ddptrain.optim import impl_kwargs
-from ddptrain.runtime import DistEnv, main_first
+from ddptrain.runtime.process_group import DistEnv, main_first
 from ddptrain.train import train
 
 

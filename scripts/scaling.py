@@ -1,6 +1,6 @@
 """Scaling sweep: the same ddptrain run at several world sizes, as a table (markdown + CSV), a plot and a W&B table.
 
-A preset over ``ddptrain -m``'s job runner (``ddptrain/sweep.py``): each size is one job of it, with the
+A preset over ``ddptrain -m``'s job runner (``ddptrain/app/sweep.py``): each size is one job of it, with the
 world size and, for weak scaling, the global batch set per job; this script adds speed-up and efficiency.
 
     python scripts/scaling.py --sizes 1 2 --out docs/ -- +experiment=quickstart train.steps=60 train.eval_every=0
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from ddptrain.cli import compose_config
+from ddptrain.app.sweep import job_env, run_job
+from ddptrain.config.compose import compose_config
 from ddptrain.errors import ConfigError, flat
-from ddptrain.sweep import job_env, run_job
 
 # summary.json keys shown when the runs report them, with their markdown headers
 OPTIONAL_KEYS = {

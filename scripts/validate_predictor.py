@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from ddptrain.comm.hostfit import HostFit
-from ddptrain.plan import Link
-from ddptrain.predict import Calibration, Layout, predict
+from ddptrain.plan import Calibration, Layout, predict
+from ddptrain.plan.planner import Link
 
 ROOT = Path(__file__).resolve().parents[1]
 # 36 steps logged every 4: summary.json's figures are medians over the 8 windows after the first (warm-up),

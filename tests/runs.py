@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ddptrain.compose import build_config
-from ddptrain.config import Config
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 
 Overrides = dict[str, dict[str, Any]]  # config section -> key -> value
 
@@ -22,7 +22,7 @@ def make_config(tmp: str, *layers: Overrides) -> Config:
 
 def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides]) -> list[dict]:
     """For ``run_distributed``: train ``base`` + each variant on this rank; rank 0 also returns metrics.jsonl."""
-    from ddptrain.runtime import DistEnv
+    from ddptrain.runtime.process_group import DistEnv
     from ddptrain.train import train
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain.cli import run_cli as ddptrain_main
+from ddptrain.app.cli import run_cli as ddptrain_main
 from ddptrain.errors import ConfigError
-from ddptrain.runtime import DistEnv, pick_device
+from ddptrain.runtime.process_group import DistEnv, pick_device
 from tests.cli import run_cli
 from tests.test_cli import BAD_INPUTS as UNDER_TORCHRUN
 

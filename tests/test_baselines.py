@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.config import ModelConfig, ParallelConfig
+from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients

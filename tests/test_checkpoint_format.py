@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.integrity import manifest
 from ddptrain.checkpoint.tool import run as ckpt_tool
-from ddptrain.data import BatchPlan, MicroBatches
+from ddptrain.data import BatchShape, MicroBatches
 from tests.dist import run_distributed
 from tests.runs import Overrides, make_config, train_each
 
@@ -158,7 +158,7 @@ def test_an_asynchronous_save_is_committed_by_the_background_writer_while_the_ne
 
 
 def _stream(dataset: Dataset, dp: int, rank: int) -> MicroBatches:
-    plan = BatchPlan.derive(8, 2, None, dp, 4)
+    plan = BatchShape.derive(8, 2, None, dp, 4)
     return MicroBatches(dataset, plan, rank, seed=5, shuffle=True, num_workers=0, device=torch.device("cpu"))
 
 

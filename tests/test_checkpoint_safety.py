@@ -57,7 +57,7 @@ def _rerecord(checkpoint: Path) -> None:
 def _train_cases(rank: int, world_size: int, tmp: str, cases: list[tuple[str, Overrides]]) -> list[str | None]:
     """Train each (run dir, overrides) on this rank; the one-line error each ended with (None: trained)."""
     from ddptrain.errors import ConfigError, ResourceError
-    from ddptrain.runtime import DistEnv
+    from ddptrain.runtime.process_group import DistEnv
     from ddptrain.train import train
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)

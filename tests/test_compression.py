@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.compose import build_config
-from ddptrain.config import ParallelConfig
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.compression import register_compression
 from tests.dist import run_distributed

@@ -11,23 +11,23 @@ import pytest
 import torch
 from datasets import Dataset
 
-from ddptrain.compose import build_config
-from ddptrain.config import DataConfig
-from ddptrain.data import BatchPlan, MicroBatches, build_token_data, validate_source
-from ddptrain.data.dataset import split_documents
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import DataConfig
+from ddptrain.data import BatchShape, MicroBatches, build_token_data, validate_source
+from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
 
 
 def test_grad_accum_is_derived_and_checked() -> None:
-    assert BatchPlan.derive(64, 4, None, 8, 128).grad_accum == 2
-    assert BatchPlan.derive(64, 4, 2, 8, 128).tokens_per_step == 64 * 128
+    assert BatchShape.derive(64, 4, None, 8, 128).grad_accum == 2
+    assert BatchShape.derive(64, 4, 2, 8, 128).tokens_per_step == 64 * 128
     with pytest.raises(ConfigError, match=r"global_batch_size=10 is not divisible by .*micro_batch_size=4 x dp=2 = 8"):
-        BatchPlan.derive(10, 4, None, 2, 128)
+        BatchShape.derive(10, 4, None, 2, 128)
     with pytest.raises(ConfigError, match=r"global_batch_size=64 != .* x data.grad_accum=3 x dp=8 = 96"):
-        BatchPlan.derive(64, 4, 3, 8, 128)
+        BatchShape.derive(64, 4, 3, 8, 128)
     with pytest.raises(ConfigError, match="micro_batch_size=0"):  # the schema refuses it before any plan
         build_config({"data": {"micro_batch_size": 0}})
-    assert "global batch 64 = micro batch 4 x grad accum 2 x dp 8" in BatchPlan.derive(64, 4, None, 8, 16).equation()
+    assert "global batch 64 = micro batch 4 x grad accum 2 x dp 8" in BatchShape.derive(64, 4, None, 8, 16).equation()
 
 
 def test_validation_documents_are_held_out_whole() -> None:
@@ -38,7 +38,7 @@ def test_validation_documents_are_held_out_whole() -> None:
 
 
 def _stream(dataset: Dataset, rank: int, dp: int = 2) -> MicroBatches:
-    plan = BatchPlan.derive(4 * dp, 2, None, dp, 4)
+    plan = BatchShape.derive(4 * dp, 2, None, dp, 4)
     return MicroBatches(dataset, plan, rank, seed=3, shuffle=True, num_workers=0, device=torch.device("cpu"))
 
 

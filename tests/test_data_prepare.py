@@ -19,16 +19,16 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from ddptrain.config import DataConfig
-from ddptrain.data import BatchPlan, build_token_data
+from ddptrain.config.schema import DataConfig
+from ddptrain.data import BatchShape, build_token_data
 from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
-from ddptrain.data.dataset import split_documents
 from ddptrain.data.instruct import encode, generated_instructions
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
 from ddptrain.data.shards import finished_shards, open_tokens
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
+from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
 from tests.cli import test_env
 from tests.dist import run_distributed
@@ -169,9 +169,9 @@ def test_a_stale_temporary_of_a_killed_job_is_cleaned_up(tmp_path: Path) -> None
 
 RACE = textwrap.dedent("""
     import logging, sys, time
-    from ddptrain.config import DataConfig
+    from ddptrain.config.schema import DataConfig
     if __name__ == "__main__":
-        from ddptrain.data import BatchPlan, build_token_data
+        from ddptrain.data import BatchShape, build_token_data
         logging.basicConfig(level=logging.INFO)
         start = float(sys.argv[3])
         time.sleep(max(0.0, start - time.time()))
@@ -213,7 +213,7 @@ def _streamed(tmp_path: Path, rank: int = 0, dp: int = 1) -> StreamedBatches:
         _jsonl(small.parent, DOCS[:24])
     cfg = _cfg(tmp_path, streaming=True, tokenizer=str(tok_dir), paths=[str(small)])
     tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
-    return StreamedBatches(cfg, tok, BatchPlan.derive(2 * dp, 2, None, dp, 16), rank, torch.device("cpu"))
+    return StreamedBatches(cfg, tok, BatchShape.derive(2 * dp, 2, None, dp, 16), rank, torch.device("cpu"))
 
 
 def test_a_streamed_run_resumes_exactly_on_the_same_world_size_and_refuses_another(tmp_path: Path) -> None:

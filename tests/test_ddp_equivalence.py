@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain.config import Config, ModelConfig, ParallelConfig
+from ddptrain.config.schema import Config, ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
@@ -85,7 +85,7 @@ def test_ddp_gradients_equal_single_process_on_concatenated_batch(grad_accum: in
 def _train_losses(rank: int, world_size: int, grad_accum: int, cache_dir: str, run_dir: str) -> list[float]:
     from omegaconf import OmegaConf
 
-    from ddptrain.runtime import DistEnv
+    from ddptrain.runtime.process_group import DistEnv
     from ddptrain.train import train
 
     cfg = OmegaConf.structured(Config)

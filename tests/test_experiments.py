@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.cli import compose_config
-from ddptrain.compose import build_config, job_config
+from ddptrain.config.compose import build_config, compose_config, job_config
 from ddptrain.errors import ConfigError
 from tests.cli import run_cli
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddptrain.checkpoint.checkpointer import Checkpointer
 from ddptrain.errors import ConfigError
-from ddptrain.runtime import main_only
+from ddptrain.runtime.process_group import main_only
 from tests.dist import run_distributed
 from tests.runs import make_config
 

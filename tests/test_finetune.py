@@ -12,16 +12,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from ddptrain.config import LoraSettings, ModelConfig, ParallelConfig
-from ddptrain.data.instruct import IGNORE, PadCollate, encode, generated_instructions
+from ddptrain.config.schema import LoraSettings, ModelConfig, ParallelConfig
+from ddptrain.data.instruct import PadCollate, encode, generated_instructions
 from ddptrain.data.tokenizer import train_bpe
+from ddptrain.data.types import IGNORE
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.flops import lora_param_count
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning
 from ddptrain.parallel import wrap_model
-from ddptrain.plan import Plan, build_plan
-from ddptrain.plan_render import render_plan
+from ddptrain.plan.planner import Plan, build_plan
+from ddptrain.plan.planner_render import render_plan
 from ddptrain.train.step import accumulate_gradients
 from tests.cli import run_cli
 from tests.dist import run_distributed

@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from ddptrain.compose import build_config
-from ddptrain.config import ModelConfig
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import ModelConfig
 from ddptrain.models.build import hf_config
 from ddptrain.models.flops import count_params, flops_per_token, llama_intermediate_size
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.config import ParallelConfig
-from ddptrain.data import BatchPlan
+from ddptrain.config.schema import ParallelConfig
+from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
 from ddptrain.parallel import wrap_model
 from ddptrain.telemetry.metrics import StepMetrics
@@ -39,7 +39,7 @@ def _one_sampled_step(parallel: ParallelConfig, world_size: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
     wrapped = wrap_model(model, parallel, torch.device("cpu"))
-    plan = BatchPlan.derive(2 * world_size, 2, None, world_size, 4)
+    plan = BatchShape.derive(2 * world_size, 2, None, world_size, 4)
     meter = StepMetrics(plan, torch.device("cpu"), 1.0, None, None, 1, TokenCount())
     meter.start_step(1)
     with meter.timer.phase("backward"):
@@ -62,7 +62,7 @@ def test_no_time_or_bandwidth_figure_on_a_backend_whose_works_complete_at_enqueu
 
 
 def _mismatched_all_reduce(rank: int, world_size: int) -> tuple[str, str]:
-    from ddptrain.runtime import apply_debug_level
+    from ddptrain.runtime.process_group import apply_debug_level
 
     apply_debug_level("detail")
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))  # created after the level is set
@@ -111,8 +111,8 @@ def test_fsdp_mixed_precision_follows_train_precision(
 
 def test_cpu_offload_joins_a_group_with_gloo_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Offloaded gradient shards (and their norm) are CPU tensors: NCCL alone cannot reduce them."""
-    from ddptrain.config import DistConfig
-    from ddptrain.runtime import DistEnv, init_process_group
+    from ddptrain.config.schema import DistConfig
+    from ddptrain.runtime.process_group import DistEnv, init_process_group
 
     seen: list[str] = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **_: seen.append(backend))
@@ -127,8 +127,8 @@ def test_cpu_offload_joins_a_group_with_gloo_for_cpu_tensors(monkeypatch: pytest
 def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pytest.MonkeyPatch) -> None:
     from omegaconf import OmegaConf
 
-    from ddptrain import launch
-    from ddptrain.compose import build_config
+    from ddptrain.app import launch
+    from ddptrain.config.compose import build_config
 
     class Joined(Exception):
         pass
@@ -185,7 +185,7 @@ def test_at_default_settings_only_every_tenth_cuda_step_synchronizes(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A timed step synchronizes at every phase boundary (15 times with 4 micro-steps): not at every step."""
-    from ddptrain.config import MetricsConfig
+    from ddptrain.config.schema import MetricsConfig
     from ddptrain.telemetry.timers import StepTimer
 
     syncs: list[int] = []
@@ -300,7 +300,7 @@ def _slow_then_failing_main(rank: int, world_size: int) -> list[str]:
     import time
 
     from ddptrain.errors import ConfigError
-    from ddptrain.runtime import DistEnv, main_first
+    from ddptrain.runtime.process_group import DistEnv, main_first
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     seen = []
@@ -419,7 +419,7 @@ def test_cpu_offload_and_fp32_fsdp_train_and_evaluate_on_a_gpu(tmp_path: Path) -
 
 
 def test_a_wait_for_data_preparation_must_be_positive(tmp_path: Path) -> None:
-    from ddptrain.checks import validate_config
+    from ddptrain.config.checks import validate_config
     from ddptrain.errors import ConfigError
     from tests.runs import make_config
 

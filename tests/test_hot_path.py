@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddptrain.choices import OptimImpl
-from ddptrain.compose import build_config
+from ddptrain.config.choices import OptimImpl
+from ddptrain.config.compose import build_config
 from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, resolve_impl
 from ddptrain.train.control import NonFiniteSteps, guard_loss

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ddptrain.checkpoint import offline
-from ddptrain.checks import validate_config
+from ddptrain.config.checks import validate_config
 from ddptrain.errors import ConfigError
-from ddptrain.runtime import DistEnv
+from ddptrain.runtime.process_group import DistEnv
 from tests.dist import run_distributed
 from tests.runs import Overrides, make_config, train_each
 

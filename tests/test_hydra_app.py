@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.cli import config_dir, run_cli
-from ddptrain.config import Config
-from ddptrain.help import config_groups, schema_keys
-from ddptrain.sweep import expand
+from ddptrain.app.cli import run_cli
+from ddptrain.app.help import config_groups, schema_keys
+from ddptrain.app.sweep import expand
+from ddptrain.config.compose import config_dir
+from ddptrain.config.schema import Config
 from tests.cli import run_cli as run_command
 from tests.cli import test_env
 
@@ -47,7 +48,7 @@ def test_plain_install_finds_the_configs_and_trains(tmp_path: Path) -> None:
                     str(site), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
     assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
     env = {**test_env(tmp_path / "cache"), "PYTHONPATH": str(site)}  # the installed copy, not the checkout
-    where = subprocess.run([sys.executable, "-c", "import ddptrain, ddptrain.cli as c; print(c.config_dir())"],
+    where = subprocess.run([sys.executable, "-c", "import ddptrain, ddptrain.app.cli as c; print(c.config_dir())"],
                            env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert where.stdout.strip() == str(site / "ddptrain" / "configs")
     shown = subprocess.run([sys.executable, "-m", "ddptrain", "--cfg", "job", "+experiment=quickstart"], env=env,
@@ -121,7 +122,7 @@ def test_help_lists_every_group_choice_and_schema_key(capsys: pytest.CaptureFixt
 
 
 def _schema_leaves(node: DictConfig, prefix: str = "") -> list[str]:
-    """Every leaf key of the schema as OmegaConf holds it (what Hydra accepts), walked without ddptrain.help."""
+    """Every leaf key of the schema as OmegaConf holds it (what Hydra accepts), walked without ddptrain.app.help."""
     keys = []
     for key in node:
         if dataclasses.is_dataclass(OmegaConf.get_type(node, str(key))):  # a section: its leaves

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from ddptrain.choices import Kernels
-from ddptrain.cli import run_cli as ddptrain_main
-from ddptrain.compose import build_config
+from ddptrain.app.cli import run_cli as ddptrain_main
+from ddptrain.config.choices import Kernels
+from ddptrain.config.compose import build_config
 from ddptrain.errors import ConfigError
 from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
 from ddptrain.kernels import triton_ops as ops

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import ModelConfig, ParallelConfig
+from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel.zero import shard_model
-from ddptrain.plan import FP32, MIXED_BF16, model_state_by_dtype
+from ddptrain.plan.planner import FP32, MIXED_BF16, model_state_by_dtype
 from ddptrain.telemetry.memory import ModelStateProbe, largest_gather
 
 WORLD, VOCAB = 2, 256

@@ -17,12 +17,11 @@ from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
-from ddptrain.config import Config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
-from ddptrain.plan import build_plan
-from ddptrain.predict.memory_plan import (
+from ddptrain.plan.memory_plan import (
     Allowances,
     PeakFit,
     compute_dtype,
@@ -31,7 +30,7 @@ from ddptrain.predict.memory_plan import (
     this_machine,
     trace_peak,
 )
-from ddptrain.predict.memory_trace import (
+from ddptrain.plan.memory_trace import (
     CATEGORIES,
     StepSetup,
     create_optimizer_state,
@@ -40,6 +39,7 @@ from ddptrain.predict.memory_trace import (
     trace_step,
     training_model,
 )
+from ddptrain.plan.planner import build_plan
 from tests.cli import run_cli
 from tests.dist import run_distributed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddptrain.config import OptimConfig
+from ddptrain.config.schema import OptimConfig
 from ddptrain.optim import lr_multiplier, param_groups
 
 

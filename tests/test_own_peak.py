@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain.config import Config
-from ddptrain.predict import own_peak
-from ddptrain.predict.own_peak import MeasuredPeak
+from ddptrain.config.schema import Config
+from ddptrain.plan import own_peak
+from ddptrain.plan.own_peak import MeasuredPeak
 from tests.cli import run_cli
 
 TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
@@ -56,7 +56,7 @@ def test_a_failing_trace_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(own_peak, "configured_peak", fail)
     cfg = Config()
     cfg.model.vocab_size = 8192
-    from ddptrain.plan import build_plan
+    from ddptrain.plan.planner import build_plan
 
     n_params = round(build_plan(cfg, 1, None).params)
     assert own_peak.planned_peak(cfg, 1, torch.device("cpu"), 8192, n_params) == (

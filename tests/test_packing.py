@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
-from ddptrain.config import LoraSettings, ModelConfig
+from ddptrain.config.schema import LoraSettings, ModelConfig
 from ddptrain.data import build_token_data
-from ddptrain.data.instruct import IGNORE, PadCollate, generated_instructions
+from ddptrain.data.instruct import PadCollate, generated_instructions
 from ddptrain.data.packing import REAL_TOKENS, PackCollate, best_fit_decreasing
 from ddptrain.data.tokenizer import train_bpe
+from ddptrain.data.types import IGNORE
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.lora import prepare_for_finetuning

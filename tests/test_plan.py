@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.choices import ZERO_STAGES
-from ddptrain.compose import build_config
-from ddptrain.config import Config
+from ddptrain.config.choices import ZERO_STAGES
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan import (
+from ddptrain.plan.planner import (
     FP32,
     INTERCONNECTS,
     MIXED_BF16,
@@ -21,7 +21,7 @@ from ddptrain.plan import (
     model_state_memory,
     step_comm,
 )
-from ddptrain.plan_render import render_plan
+from ddptrain.plan.planner_render import render_plan
 from ddptrain.telemetry.peak import mfu, peak_tflops
 
 H100 = "NVIDIA H100 80GB HBM3"

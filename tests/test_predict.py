@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from ddptrain.comm.hostfit import HostFit, measure_host
-from ddptrain.comm.linkfit import fit_link
-from ddptrain.config import PlanConfig
+from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
-from ddptrain.plan import Link
-from ddptrain.predict import Calibration, Layout, allreduce_seconds, predict, sync_timeline
-from ddptrain.predict.own_run import GLOO_LOOPBACK, predict_own_step
+from ddptrain.plan import Calibration, Layout, allreduce_seconds, predict, sync_timeline
+from ddptrain.plan.linkfit import fit_link
+from ddptrain.plan.own_run import GLOO_LOOPBACK, predict_own_step
+from ddptrain.plan.planner import Link
 from tests.cli import run_cli
 from tests.dist import run_distributed
 from tests.runs import train_each
@@ -253,7 +253,7 @@ def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) ->
 
 
 def test_the_dry_run_predicts_with_the_configs_host_terms(calibration_run: Path) -> None:
-    from ddptrain.predict import what_if
+    from ddptrain.plan import what_if
 
     def rows(**host: float) -> list[str]:
         text = what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=2, **host), 1)
@@ -267,8 +267,8 @@ def test_the_dry_run_predicts_with_the_configs_host_terms(calibration_run: Path)
 
 
 def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
-    from ddptrain.config import PlanConfig
-    from ddptrain.predict import what_if
+    from ddptrain.config.schema import PlanConfig
+    from ddptrain.plan import what_if
 
     with pytest.raises(ConfigError, match=r"plan\.nodes=3: expected a positive divisor of plan\.world_size=16"):
         what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=3), 1)

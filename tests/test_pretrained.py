@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig, Qwen3Config
 
-from ddptrain.config import LoraSettings, ModelConfig
+from ddptrain.config.schema import LoraSettings, ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.attention import use_causal_attention
@@ -234,8 +234,7 @@ def test_a_4bit_base_whose_widths_the_cpu_kernels_cannot_pack_is_refused_naming_
 def test_every_model_preset_has_widths_the_cpu_4bit_kernels_accept(preset: str) -> None:
     """So that a model a preset trains (the quickstart's) fine-tunes under QLoRA on CPU: every quantizable layer
     takes inputs in multiples of 64 and gives outputs in multiples of 32."""
-    from ddptrain.cli import compose_config
-    from ddptrain.compose import build_config, job_config
+    from ddptrain.config.compose import build_config, compose_config, job_config
 
     cfg = build_config(job_config(compose_config([f"model={preset}"]))).model
     with torch.device("meta"):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ddptrain.errors import ConfigError
+from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry.stragglers import skew
-from ddptrain.topology import check_shared_run_dir
 from tests.dist import run_distributed
 from tests.runs import train_each
 

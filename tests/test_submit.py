@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.compose import build_config
-from ddptrain.config import SweepConfig
+from ddptrain.app.submit import executor_parameters, submit
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import SweepConfig
 from ddptrain.errors import ConfigError
-from ddptrain.submit import executor_parameters, submit
 from tests.cli import run_cli
 
 pytest.importorskip("submitit")  # an optional extra: pip install 'ddptrain[submitit]'

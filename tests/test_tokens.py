@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddptrain.data.instruct import IGNORE
+from ddptrain.data.types import IGNORE
 from ddptrain.train.tokens import loss_tokens
 
 

@@ -96,7 +96,7 @@ def _collectives(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 
 def test_the_flight_recorder_is_on_by_default_and_records_gloo_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddptrain.config import DistConfig
+    from ddptrain.config.schema import DistConfig
     from ddptrain.diagnose.evidence import enable_flight_recorder
     from tests.dist import run_distributed
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from ddptrain.checks import validate_config
-from ddptrain.compose import build_config
-from ddptrain.config import ModelConfig, ParallelConfig
+from ddptrain.config.checks import validate_config
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model

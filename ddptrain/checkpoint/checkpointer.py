@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ddptrain.checkpoint.integrity import MANIFEST_KEY, damage, manifest, total_bytes
 from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_state
 from ddptrain.checkpoint.state import load_named_state, named_state
-from ddptrain.config import Config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError, ResourceError, flat
-from ddptrain.faults import inject
-from ddptrain.runtime import broadcast_from_main, main_only
+from ddptrain.runtime.faults import inject
+from ddptrain.runtime.process_group import broadcast_from_main, main_only
 
 log = logging.getLogger(__name__)
 MARKER = "COMMITTED"

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ddptrain.comm.linkfit import allreduce_median_s, fit_link
+from ddptrain.plan.linkfit import allreduce_median_s, fit_link
 
 if TYPE_CHECKING:
-    from ddptrain.config import PlanConfig
+    from ddptrain.config.schema import PlanConfig
 
 
 @dataclass(frozen=True)

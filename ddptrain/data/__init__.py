@@ -8,12 +8,12 @@ loader are imported on first use.
 from importlib import import_module
 from typing import Any
 
-from ddptrain.data.batch import BatchPlan
+from ddptrain.data.batch import BatchShape
 from ddptrain.data.corpus import validate_source
 
-_LAZY = {"TokenData": "dataset", "build_token_data": "dataset", "MicroBatches": "loader", "eval_batches": "loader"}
+_LAZY = {"TokenData": "types", "build_token_data": "dataset", "MicroBatches": "loader", "eval_batches": "loader"}
 
-__all__ = ["BatchPlan", "MicroBatches", "TokenData", "build_token_data", "eval_batches", "validate_source"]
+__all__ = ["BatchShape", "MicroBatches", "TokenData", "build_token_data", "eval_batches", "validate_source"]
 
 
 def __getattr__(name: str) -> Any:

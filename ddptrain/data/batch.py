@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddptrain.config import Config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchShape:
     global_batch_size: int
     micro_batch_size: int
     grad_accum: int
@@ -17,8 +17,8 @@ class BatchPlan:
     seq_len: int
 
     @classmethod
-    def from_config(cls, cfg: Config, dp: int) -> BatchPlan:
-        """The run's plan at data-parallel size ``dp``: the one derivation every caller uses."""
+    def from_config(cls, cfg: Config, dp: int) -> BatchShape:
+        """The run's batch shape at data-parallel size ``dp``: the one derivation every caller uses."""
         data = cfg.data
         return cls.derive(data.global_batch_size, data.micro_batch_size, data.grad_accum, dp, data.seq_len)
 

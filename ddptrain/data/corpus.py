@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddptrain.choices import DataFormat
-from ddptrain.config import DataConfig
+from ddptrain.config.choices import DataFormat
+from ddptrain.config.schema import DataConfig
 from ddptrain.errors import ConfigError, flat
 
 READS = {  # the sources each data.format can read; instructions: prompt/completion pairs generated locally

@@ -4,37 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from datasets import Dataset, disable_progress_bars
-from transformers import PreTrainedTokenizerBase
 
-from ddptrain.choices import DataFormat
-from ddptrain.config import DataConfig
+from ddptrain.config.choices import DataFormat
+from ddptrain.config.schema import DataConfig
 from ddptrain.data.corpus import Corpus, load_corpus
 from ddptrain.data.prepare import is_validation, prepared_shards, refuse_in_worker
 from ddptrain.data.shards import TokenWindows
 from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_fingerprint
+from ddptrain.data.types import TokenData
 from ddptrain.errors import ConfigError
 
 FORMAT_VERSION = 2  # bump when the shard layout changes, to invalidate old caches
 VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the stream's first validation documents
-
-
-@dataclass
-class TokenData:
-    train: Any  # a map-style data set: item i is {"input_ids": seq_len ids} (packed) or a prompt/completion row
-    val: Any
-    vocab_size: int  # ids are < vocab_size
-    tokenizer: PreTrainedTokenizerBase | None  # None for synthetic data
-    # prompt/completion data: builds a micro batch from rows of different lengths, packed (input_ids,
-    # position_ids, labels; data.packing) or padded (input_ids, attention_mask, labels); None for fixed-length
-    # blocks, which batch as plain input_ids
-    collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
 
 
 def build_token_data(cfg: DataConfig) -> TokenData:
@@ -97,15 +83,6 @@ def bpe_sample(corpus: Corpus, cfg: DataConfig) -> Iterator[str]:
             return
         budget -= len(text)
         yield text
-
-
-def split_documents(docs: list[Any], val_fraction: float) -> tuple[list[Any], list[Any]]:
-    """A fixed, spread-out share of whole documents for validation (the rule ``prepare`` applies to a stream)."""
-    if len(docs) < 2:
-        return docs, docs
-    val = [d for i, d in enumerate(docs) if is_validation(i, val_fraction)] or docs[-1:]
-    train = [d for i, d in enumerate(docs) if not is_validation(i, val_fraction)]
-    return train, val
 
 
 def synthetic_data(cfg: DataConfig) -> TokenData:

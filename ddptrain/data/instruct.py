@@ -25,16 +25,15 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain.config import DataConfig
+from ddptrain.config.schema import DataConfig
 from ddptrain.data.cache import cache_lock
 from ddptrain.data.corpus import records_of
-from ddptrain.data.dataset import TokenData
 from ddptrain.data.prepare import first_validation_index, is_validation
 from ddptrain.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from ddptrain.data.types import IGNORE, TokenData
 from ddptrain.errors import ConfigError
 
 FORMAT_VERSION = 1  # bump when the encoding of a record changes, to invalidate cached rows
-IGNORE = -100  # label of a position that carries no loss (prompt, padding): torch's cross-entropy ignore_index
 log = logging.getLogger(__name__)
 
 

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from ddptrain.data.batch import BatchPlan
+from ddptrain.data.batch import BatchShape
 from ddptrain.data.packing import REAL_TOKENS
 from ddptrain.errors import ConfigError
 
@@ -80,19 +80,19 @@ class MicroBatches:
     """
 
     def __init__(
-        self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int, shuffle: bool, num_workers: int,
+        self, dataset: Dataset, shape: BatchShape, rank: int, seed: int, shuffle: bool, num_workers: int,
         device: torch.device, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
-        self.epoch_len = len(dataset) // plan.global_batch_size * plan.global_batch_size
+        self.epoch_len = len(dataset) // shape.global_batch_size * shape.global_batch_size
         if self.epoch_len == 0:
             raise ConfigError(
-                f"data: {len(dataset)} training sequences of {plan.seq_len} tokens cannot fill one global batch of "
-                f"data.global_batch_size={plan.global_batch_size}"
+                f"data: {len(dataset)} training sequences of {shape.seq_len} tokens cannot fill one global batch of "
+                f"data.global_batch_size={shape.global_batch_size}"
             )
-        self.per_micro_step = plan.micro_batch_size * plan.dp
-        self.sampler = GlobalOrderSampler(len(dataset), self.epoch_len, plan.dp, rank, shuffle, seed)
+        self.per_micro_step = shape.micro_batch_size * shape.dp
+        self.sampler = GlobalOrderSampler(len(dataset), self.epoch_len, shape.dp, rank, shuffle, seed)
         self.loader = DataLoader(
-            dataset, batch_size=plan.micro_batch_size, sampler=self.sampler, drop_last=True,
+            dataset, batch_size=shape.micro_batch_size, sampler=self.sampler, drop_last=True,
             num_workers=num_workers, pin_memory=device.type == "cuda", generator=_own_generator(seed),
             collate_fn=collate,
         )

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ddptrain.data.instruct import IGNORE
+from ddptrain.data.types import IGNORE
 
 REAL_TOKENS = "real_tokens"  # a collate's count of the non-padding tokens it holds; popped before the forward
 

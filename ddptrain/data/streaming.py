@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain.config import DataConfig
-from ddptrain.data.batch import BatchPlan
+from ddptrain.config.schema import DataConfig
+from ddptrain.data.batch import BatchShape
 from ddptrain.data.corpus import FILE_LOADERS
 from ddptrain.data.loader import TokenCount
 from ddptrain.data.prepare import is_validation
@@ -95,13 +95,13 @@ class StreamedBatches:
     """This rank's endless stream of packed micro batches, read and tokenized as training goes; resumable on
     the same world size. Same interface as ``MicroBatches``."""
 
-    def __init__(self, cfg: DataConfig, tok: PreTrainedTokenizerBase, plan: BatchPlan, rank: int,
+    def __init__(self, cfg: DataConfig, tok: PreTrainedTokenizerBase, shape: BatchShape, rank: int,
                  device: torch.device) -> None:
         from datasets.distributed import split_dataset_by_node
 
-        self.cfg, self.tok, self.plan, self.rank, self.device = cfg, tok, plan, rank, device
+        self.cfg, self.tok, self.shape, self.rank, self.device = cfg, tok, shape, rank, device
         train = _texts(stream_documents(cfg), cfg.text_field, False, cfg.val_fraction)
-        self.dataset = split_dataset_by_node(train, rank=rank, world_size=plan.dp)
+        self.dataset = split_dataset_by_node(train, rank=rank, world_size=shape.dp)
         self.epoch = 0
         self.position = 0  # global windows of this epoch consumed by all ranks together
         self.packer = Packer(tok, cfg.seq_len)
@@ -114,7 +114,7 @@ class StreamedBatches:
 
     def __next__(self) -> torch.Tensor:
         rows: list[torch.Tensor] = []
-        while len(rows) < self.plan.micro_batch_size:
+        while len(rows) < self.shape.micro_batch_size:
             window = self.packer.take()
             if window is not None:
                 rows.append(window)
@@ -132,7 +132,7 @@ class StreamedBatches:
                 continue
             self.packer.add(example["text"])
             self.reader = self.dataset.state_dict()
-        self.position += self.plan.micro_batch_size * self.plan.dp
+        self.position += self.shape.micro_batch_size * self.shape.dp
         batch = torch.stack(rows)
         self.tokens.count({"input_ids": batch})
         return batch.to(self.device, non_blocking=True)
@@ -153,9 +153,9 @@ class StreamedBatches:
             raise ConfigError("data.streaming=true: the checkpoint has no reader positions (it was saved without "
                               "streaming); resume it with data.streaming=false")
         states = json.loads(stream)
-        if len(states) != self.plan.dp:
+        if len(states) != self.shape.dp:
             raise ConfigError(f"data.streaming=true: the checkpoint's reader positions are for {len(states)} ranks "
-                              f"and this run has {self.plan.dp}; each rank reads its own part of the stream, so "
+                              f"and this run has {self.shape.dp}; each rank reads its own part of the stream, so "
                               f"resume on {len(states)} ranks (or use prepared data, data.streaming=false)")
         mine = states[self.rank]
         self.epoch, self.position = state["epoch"], state["position"]

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
 
-from ddptrain.choices import Quantize
-from ddptrain.config import ModelConfig
+from ddptrain.config.choices import Quantize
+from ddptrain.config.schema import ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models.flops import head_dim, llama_intermediate_size
 from ddptrain.models.lora import check_cpu_4bit_widths, load_kwargs

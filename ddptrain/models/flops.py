@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddptrain.config import ModelConfig
+from ddptrain.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddptrain.choices import BaseDtype, Quantize
-from ddptrain.config import ModelConfig, ParallelConfig
+from ddptrain.config.choices import BaseDtype, Quantize
+from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError, flat
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from ddptrain.choices import OptimImpl
-from ddptrain.config import OptimConfig
+from ddptrain.config.choices import OptimImpl
+from ddptrain.config.schema import OptimConfig
 from ddptrain.errors import ConfigError
 
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.accounting import in_flight_seconds
 from ddptrain.comm.clock import CommClock, Span
-from ddptrain.config import ParallelConfig
+from ddptrain.config.schema import ParallelConfig
 from ddptrain.kernels import TorchKernels, select_kernels
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.clock import CommClock
-from ddptrain.config import ParallelConfig
+from ddptrain.config.schema import ParallelConfig
 from ddptrain.parallel.compression import CommMeter, register_compression
 from ddptrain.parallel.zero import fsdp_sync, shard_model
 from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes

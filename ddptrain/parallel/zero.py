@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddptrain.choices import ShardGroup, computes_in_bf16
-from ddptrain.config import ParallelConfig
+from ddptrain.config.choices import ShardGroup, computes_in_bf16
+from ddptrain.config.schema import ParallelConfig
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

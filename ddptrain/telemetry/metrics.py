@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.data import BatchPlan
+from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
 from ddptrain.errors import ConfigError
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
@@ -50,10 +50,10 @@ class StepMetrics:
     """Collects each step's timing and sync sample; ``window()`` reduces them to one metrics record."""
 
     def __init__(
-        self, plan: BatchPlan, device: torch.device, flops_per_token: float, peak: float | None,
+        self, shape: BatchShape, device: torch.device, flops_per_token: float, peak: float | None,
         baseline: float | None, sample_every: int | None, tokens: TokenCount, tokens_seen: int = 0,
     ) -> None:
-        self.plan, self.device = plan, device
+        self.shape, self.device = shape, device
         self.tokens = tokens  # this rank's real and computed positions, counted as the micro batches are drawn
         self.tokens_seen = tokens_seen  # real tokens trained on by all ranks, up to the last window
         self._untimed = 0  # this rank's real tokens of steps left out of the windows (compilation)
@@ -85,7 +85,7 @@ class StepMetrics:
     def window(self, step: int, loss: float, lr: float, grad_norm: float) -> dict[str, Any]:
         """The record for the steps since the last window (wall clock, evaluation excluded)."""
         elapsed = self._clock() - self._start
-        dp = self.plan.dp
+        dp = self.shape.dp
         real, computed = self._take_tokens()
         tokens_per_s = real / elapsed
         metrics: dict[str, Any] = {

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from ddptrain.config import ProfileConfig
+from ddptrain.config.schema import ProfileConfig
 
 log = logging.getLogger(__name__)
 

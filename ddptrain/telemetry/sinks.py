@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ddptrain.config import LoggerConfig, WandbConfig
+from ddptrain.config.schema import LoggerConfig, WandbConfig
 from ddptrain.errors import flat
 
 log = logging.getLogger(__name__)

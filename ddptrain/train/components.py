@@ -19,9 +19,9 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.choices import DataFormat, Precision, computes_in_bf16
-from ddptrain.config import Config
-from ddptrain.data import BatchPlan, MicroBatches, build_token_data, eval_batches
+from ddptrain.config.choices import DataFormat, Precision, computes_in_bf16
+from ddptrain.config.schema import Config
+from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import use_causal_attention, use_varlen_attention
@@ -31,12 +31,12 @@ from ddptrain.models.packed_attention import check_packed_attention
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import Wrapped, wrap_model
 from ddptrain.parallel.compile import compile_blocks
-from ddptrain.runtime import DistEnv, main_first, seed_everything
+from ddptrain.runtime.process_group import DistEnv, main_first, seed_everything
+from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics, load_baseline
 from ddptrain.telemetry.stragglers import StragglerMonitor
-from ddptrain.topology import gather_topology
 from ddptrain.train.control import StopRequest
 from ddptrain.train.loss_scale import LossScaler
 from ddptrain.train.tokens import MicroBatch
@@ -48,7 +48,7 @@ log = logging.getLogger("ddptrain")
 class Components:
     """What the loop works with; built once by ``build_components``."""
 
-    plan: BatchPlan  # the batch arithmetic, derived once: gbs = mbs x grad_accum x dp
+    shape: BatchShape  # the batch arithmetic, derived once: gbs = mbs x grad_accum x dp
     model: torch.nn.Module  # the (adapted) model itself: parameters, clipping, evaluation, export
     wrapped: Wrapped  # the model as trained: torch DDP, FSDP2, one of our engines, or the bare model
     tokenizer: Any  # saved with checkpoints and the exported model; None for synthetic data
@@ -77,8 +77,8 @@ class Components:
     def save(self, step: int, wait: bool) -> None:
         """Checkpoint the model, the optimizer and each stateful part's own state after ``step``."""
         position = self.batches.state_dict()
-        state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.plan.dp,
-                           self.plan.global_batch_size, self.zero_stage,
+        state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.shape.dp,
+                           self.shape.global_batch_size, self.zero_stage,
                            grad_scaler=self.scaler.state_dict() if self.scaler is not None else None,
                            stream=position.get("stream"))
         self.checkpointer.save(state, self.model, self.optimizer, wait)
@@ -87,10 +87,10 @@ class Components:
 def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
                      resolved: dict[str, Any]) -> Components:
     """Build every part of the run on this rank, in the order that keeps runs reproducible and resumable."""
-    plan = BatchPlan.from_config(cfg, env.world_size)
+    shape = BatchShape.from_config(cfg, env.world_size)
     topology = gather_topology(env)
     log.info("run dir %s | %d ranks on %s | %s | %s", run_dir, env.world_size, device.type, topology.describe(),
-             plan.equation())
+             shape.equation())
     seed_everything(cfg.train.seed)
 
     data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
@@ -119,29 +119,30 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     batches: MicroBatches | StreamedBatches
     if cfg.data.streaming:
-        batches = StreamedBatches(cfg.data, data.tokenizer, plan, env.rank, device)
+        batches = StreamedBatches(cfg.data, data.tokenizer, shape, env.rank, device)
     else:
-        batches = MicroBatches(data.train, plan, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
+        batches = MicroBatches(data.train, shape, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
                                device, data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     checkpointer.check_room(model)
     scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if cfg.train.precision == Precision.fp16 else None
-    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, plan, scaler)
-    val = eval_batches(data.val, plan.micro_batch_size, plan.dp, env.rank, cfg.train.eval_batches, data.collate)
+    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, shape, scaler)
+    val = eval_batches(data.val, shape.micro_batch_size, shape.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
-    fpt = (flops_per_token(cfg.model, vocab, plan.seq_len) if cfg.model.pretrained is None
+    fpt = (flops_per_token(cfg.model, vocab, shape.seq_len) if cfg.model.pretrained is None
            else 4.0 * n_params + 2.0 * trainable)
     token_weighted = cfg.data.format == DataFormat.prompt_completion
     # Fixed blocks hold seq_len real tokens each, so the tokens before a resumed step are known; variable-length
     # examples are counted from this run's start only.
-    meter = StepMetrics(plan, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
-                        cfg.metrics.sample_every, batches.tokens, 0 if token_weighted else plan.tokens_per_step * start)
+    counted = 0 if token_weighted else shape.tokens_per_step * start
+    meter = StepMetrics(shape, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
+                        cfg.metrics.sample_every, batches.tokens, counted)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
         model.register_forward_pre_hook(lambda *_: meter.timer.inner_forward_started())
     return Components(
-        plan=plan, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
+        shape=shape, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
         token_weighted=token_weighted, val=val,
         autocast=autocast_context(cfg.train.precision, device), checkpointer=checkpointer, start=start,
@@ -161,7 +162,7 @@ def resume_target(configured: str | None) -> str | None:
 
 def resume(
     checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR, batches: MicroBatches | StreamedBatches, plan: BatchPlan, scaler: LossScaler | None = None,
+    scheduler: LambdaLR, batches: MicroBatches | StreamedBatches, shape: BatchShape, scaler: LossScaler | None = None,
 ) -> int:
     """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
     checkpointer.remove_partial()
@@ -178,12 +179,12 @@ def resume(
         scaler.load_state_dict(state.grad_scaler)
     elif scaler is not None:
         log.warning("the checkpoint has no loss scale (not trained in fp16): starting from the initial scale")
-    if state.world_size != plan.dp:
+    if state.world_size != shape.dp:
         log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
-                    plan.dp, state.world_size, plan.grad_accum, plan.global_batch_size)
-    if state.global_batch_size != plan.global_batch_size:
+                    shape.dp, state.world_size, shape.grad_accum, shape.global_batch_size)
+    if state.global_batch_size != shape.global_batch_size:
         log.warning("the checkpoint trained with a global batch of %d; continuing with %d",
-                    state.global_batch_size, plan.global_batch_size)
+                    state.global_batch_size, shape.global_batch_size)
     log.info("resumed from %s at step %d", path, state.step)
     return state.step
 

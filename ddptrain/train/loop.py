@@ -18,16 +18,16 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddptrain.choices import computes_in_bf16
-from ddptrain.config import Config
+from ddptrain.config.choices import computes_in_bf16
+from ddptrain.config.schema import Config
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
-from ddptrain.faults import delay, inject, poison_loss
 from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure, trainable_line
 from ddptrain.parallel.zero import shard_group_size
-from ddptrain.plan import FP32, MIXED_BF16
-from ddptrain.predict.own_peak import MeasuredPeak, memory_peak, planned_peak
-from ddptrain.predict.own_run import predict_own_step
-from ddptrain.runtime import DistEnv, main_only
+from ddptrain.plan.own_peak import MeasuredPeak, memory_peak, planned_peak
+from ddptrain.plan.own_run import predict_own_step
+from ddptrain.plan.planner import FP32, MIXED_BF16
+from ddptrain.runtime.faults import delay, inject, poison_loss
+from ddptrain.runtime.process_group import DistEnv, main_only
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.telemetry.timers import device_clock
 from ddptrain.train.components import Components, build_components
@@ -42,7 +42,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     """Train on this rank (every rank runs this alike); returns the run's summary, which rank 0 also writes to
     ``summary.json``."""
     c = build_components(cfg, env, device, run_dir, resolved)
-    plan, model, meter = c.plan, c.model, c.meter
+    shape, model, meter = c.shape, c.model, c.meter
     history: list[dict[str, Any]] = []
     model_state: dict[str, Any] = {}
     skipped = 0
@@ -57,7 +57,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             delay(step, env.rank, meter.timer.phase)
             guard = poisoned if poison_loss(step, env.rank) else guard_loss
             try:
-                loss = accumulate_gradients(c.wrapped.module, c.batches, plan.grad_accum, c.wrapped.maybe_sync,
+                loss = accumulate_gradients(c.wrapped.module, c.batches, shape.grad_accum, c.wrapped.maybe_sync,
                                             c.autocast, meter.timer, c.token_weighted, guard, c.scale_loss)
             except RuntimeError as exc:
                 if cfg.model.checkpoint_reentrant:
@@ -130,7 +130,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     c.stop.restore()
     if cfg.checkpoint.export:
         export_model(c, cfg, run_dir)
-    summary = summarise(history, plan, c.n_params, c.flops_per_token, meter.peak, cfg, model_state,
+    summary = summarise(history, shape, c.n_params, c.flops_per_token, meter.peak, cfg, model_state,
                         c.wrapped.strategy, c.trainable, meter.buckets)
     summary["predicted"].update(predict_own_step(summary, cfg.plan, device.type, env.num_nodes))
     if compile_s is not None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddptrain.config import Config
-from ddptrain.data import BatchPlan
-from ddptrain.plan import FP32, Precision, model_state_by_dtype, step_comm
+from ddptrain.config.schema import Config
+from ddptrain.data import BatchShape
+from ddptrain.plan.planner import FP32, Precision, model_state_by_dtype, step_comm
 from ddptrain.telemetry.memory import ByDtype, ModelStateProbe
 from ddptrain.telemetry.metrics import steady_medians
 
@@ -61,7 +61,7 @@ def _mib(held: dict[str, float]) -> str:
 
 
 def summarise(
-    history: list[dict[str, Any]], plan: BatchPlan, n_params: int, fpt: float, peak: float | None, cfg: Config,
+    history: list[dict[str, Any]], shape: BatchShape, n_params: int, fpt: float, peak: float | None, cfg: Config,
     model_state: dict[str, Any], wrapper: str, trainable: int | None = None,
     buckets: tuple[tuple[float, int], ...] = (),
 ) -> dict[str, Any]:
@@ -72,9 +72,9 @@ def summarise(
     was ready, bytes), which calibrate the what-if predictor (``plan.from_run``).
     """
     trainable = n_params if trainable is None else trainable
-    predicted_comm = step_comm(trainable, plan.dp, cfg.parallel.zero_stage, FP32)
+    predicted_comm = step_comm(trainable, shape.dp, cfg.parallel.zero_stage, FP32)
     return {
-        "world_size": plan.dp,
+        "world_size": shape.dp,
         "model": cfg.model.name,
         "parameters": n_params,
         "trainable_parameters": trainable,
@@ -82,10 +82,10 @@ def summarise(
         "zero_stage": cfg.parallel.zero_stage,
         "compression": cfg.parallel.compression,
         "wrapper": wrapper,
-        "global_batch_size": plan.global_batch_size,
-        "micro_batch_size": plan.micro_batch_size,
-        "grad_accum": plan.grad_accum,
-        "seq_len": plan.seq_len,
+        "global_batch_size": shape.global_batch_size,
+        "micro_batch_size": shape.micro_batch_size,
+        "grad_accum": shape.grad_accum,
+        "seq_len": shape.seq_len,
         "steps": cfg.train.steps,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
@@ -95,7 +95,7 @@ def summarise(
         "peak_tflops": peak,
         "predicted": {
             # All-reduce of fp32 gradients: payload S = 4Ψ; each rank sends 2(N-1)/N·S (what the plan prints).
-            "comm_payload_bytes": 4.0 * trainable if cfg.parallel.zero_stage < 2 and plan.dp > 1 else None,
+            "comm_payload_bytes": 4.0 * trainable if cfg.parallel.zero_stage < 2 and shape.dp > 1 else None,
             "comm_link_bytes_per_rank": predicted_comm.nbytes,
         },
         "model_state": model_state,

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
-from ddptrain.data.instruct import IGNORE
+from ddptrain.data.types import IGNORE
 
 MicroBatch = dict[str, torch.Tensor]
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ddptrain.config import SweepConfig
+from ddptrain.config.schema import SweepConfig
 from ddptrain.errors import ConfigError
 
 

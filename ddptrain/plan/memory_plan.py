@@ -6,23 +6,22 @@ recommendation needs the peak at other micro batches and with checkpointing on a
 peak is linear in the micro batch and in the number of transformer blocks (each block adds the same
 parameters and saves the same activations per sequence), so four traces of one- and two-block models at micro
 batches 1 and 2 give it for any size; the full trace checks that fit and the gap is reported.
-ZeRO stages change the model state by the sharding formula of ``ddptrain/plan.py``.
+ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/planner.py``.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ddptrain.choices import Precision
-from ddptrain.config import Config
+from ddptrain.config.choices import Precision
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan import Plan, backward_seconds
-from ddptrain.predict.memory_trace import (
+from ddptrain.plan.memory_trace import (
     CATEGORIES,
     PeakMemory,
     PeakTracker,
@@ -30,6 +29,7 @@ from ddptrain.predict.memory_trace import (
     fake_training_state,
     trace_step,
 )
+from ddptrain.plan.planner import Plan, backward_seconds
 
 GiB = 1024**3
 
@@ -368,27 +368,3 @@ def this_machine() -> str:
     # longest keys first: l40s before l4, a100_40gb (a100 and 40gb) before a100
     return next((key for key in sorted(DEVICES, key=len, reverse=True)
                  if all(part in name for part in key.split("_"))), "cpu")
-
-
-def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
-    """The dry run's plan for ``plan.device`` (precision resolved for it), the memory section's text and
-    plan.json's record. With ``plan.params`` there is no shape to trace: model state only."""
-    from ddptrain.models.build import model_vocab_size
-    from ddptrain.plan import build_plan
-    from ddptrain.predict.memory_render import render_memory_plan
-
-    device = target_device(cfg.plan.device or this_machine(), cfg.plan.device_memory_gib, cfg.metrics.peak_tflops)
-    on_gpu = device.device_type == "cuda"
-    plan = build_plan(cfg, world_size, device.name.upper() if on_gpu else None, bf16_capable=device.bf16)
-    if on_gpu and plan.peak_tflops is None:  # a GPU without bf16, which telemetry/peak.py does not list
-        micro_tokens = plan.batch.micro_batch_size * plan.batch.seq_len
-        plan = replace(plan, peak_tflops=device.peak_tflops, backward_s=backward_seconds(
-            plan.flops_per_token, micro_tokens, device.peak_tflops, plan.assumed_mfu))
-    record: dict = {"world_size": plan.batch.dp, "device": device.name, "precision": plan.precision.name,
-                    "model_state_bytes_per_rank": plan.memory[plan.zero_stage].total}
-    if cfg.plan.params:
-        note = "plan.params: no model shape to trace, so model state only (no activations)"
-        return plan, note, {**record, "peak_bytes_per_rank": None, "by_category": None, "recommendation": None,
-                            "note": note}
-    mp = plan_memory(cfg, plan, model_vocab_size(cfg.model, cfg.data.vocab_size), device)
-    return plan, render_memory_plan(mp, plan.batch.dp), {**record, **mp.to_json()}

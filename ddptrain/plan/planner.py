@@ -4,7 +4,7 @@ Memory follows the ZeRO paper's model-state accounting (Rajbhandari et al. 2020,
 ddptrain's wrappers keep (fp32 parameters, gradients and AdamW state; FSDP2's gathered working copy); communication
 follows ring collectives in the α–β model, in which each rank sends (N−1)/N of the buffer per pass.
 Activations are not modelled: the numbers are model state and gradient traffic only.
-``ddptrain/plan_render.py`` turns a ``Plan`` into the text the dry run prints.
+``ddptrain/plan/planner_render.py`` turns a ``Plan`` into the text the dry run prints.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig
 
-from ddptrain.choices import ZERO_STAGES
-from ddptrain.config import Config, PlanConfig
-from ddptrain.data.batch import BatchPlan
+from ddptrain.config.choices import ZERO_STAGES
+from ddptrain.config.schema import Config, PlanConfig
+from ddptrain.data.batch import BatchShape
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
 from ddptrain.models.flops import count_params, flops_per_token, lora_param_count
@@ -198,7 +198,7 @@ class Plan:
     frozen_note: str  # how the frozen base is held ("" when everything trains)
     flops_per_token: float
     flops_rule: str
-    batch: BatchPlan
+    batch: BatchShape
     zero_stage: int
     precision: Precision
     memory: dict[int, Memory]
@@ -229,7 +229,7 @@ def build_plan(
     so no attention term). ``device_name`` None means a CPU: fp32 under precision=auto, and no overlap verdict
     unless ``cfg.metrics.peak_tflops`` is given. A GPU without bf16 (``bf16_capable`` False) resolves auto to fp16.
     """
-    batch = BatchPlan.from_config(cfg, cfg.plan.world_size or world_size)
+    batch = BatchShape.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
     lora = cfg.model.lora.enabled
     if cfg.plan.params:

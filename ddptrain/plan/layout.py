@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddptrain.plan import Link
+from ddptrain.plan.planner import Link
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ddptrain.choices import Engine, Precision, Quantize, computes_in_bf16
-from ddptrain.config import Config
-from ddptrain.predict.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
-from ddptrain.predict.memory_trace import PeakTracker, model_state_tensors
+from ddptrain.config.choices import Engine, Precision, Quantize, computes_in_bf16
+from ddptrain.config.schema import Config
+from ddptrain.plan.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
+from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors
 
 log = logging.getLogger("ddptrain")
 
@@ -83,7 +83,7 @@ def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int,
 
 def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
                   ) -> tuple[float | None, str]:
-    from ddptrain.plan import build_plan
+    from ddptrain.plan.planner import build_plan
 
     traced_cfg = copy.deepcopy(cfg)
     traced_cfg.train.precision = run_precision(cfg, device)

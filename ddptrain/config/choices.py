@@ -1,6 +1,6 @@
 """The allowed values of every choice key (``enum.StrEnum``), so a wrong choice fails at composition naming them.
 
-The schema (``ddptrain/config.py``) types its choice fields with these classes; Hydra then refuses any other
+The schema (``ddptrain/config/schema.py``) types its choice fields with these classes; Hydra then refuses any other
 value with the list of allowed ones. ``computes_in_bf16`` resolves ``train.precision=auto`` for a device.
 """
 

@@ -29,17 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ddptrain.comm.hostfit import HostFit
-from ddptrain.data.batch import BatchPlan
-from ddptrain.plan import Link
-from ddptrain.predict.calibration import Calibration
-from ddptrain.predict.layout import Layout, allreduce_seconds
-from ddptrain.predict.overlap import sync_timeline
+from ddptrain.data.batch import BatchShape
+from ddptrain.plan.calibration import Calibration
+from ddptrain.plan.layout import Layout, allreduce_seconds
+from ddptrain.plan.overlap import sync_timeline
+from ddptrain.plan.planner import Link
 
 
 @dataclass(frozen=True)
 class Prediction:
     layout: Layout
-    batch: BatchPlan
+    batch: BatchShape
     compute_s: float  # measured compute x contention, plus what in-flight collectives took from backward
     exposed_s: float  # the sync past the end of backward's compute: waiting for the slowest rank + the tail
     comm_s: float  # time with an all-reduce in flight
@@ -57,7 +57,7 @@ class Prediction:
 def predict(cal: Calibration, layout: Layout, host: HostFit | None = None) -> Prediction:
     """The step of ``cal``'s run on ``layout``, each rank doing the work per step that it did (weak scaling)."""
     per_rank = cal.micro_batch_size * cal.grad_accum
-    batch = BatchPlan.derive(per_rank * layout.world_size, cal.micro_batch_size, cal.grad_accum, layout.world_size,
+    batch = BatchShape.derive(per_rank * layout.world_size, cal.micro_batch_size, cal.grad_accum, layout.world_size,
                              cal.seq_len)
     measured = cal.micro_step_s * batch.grad_accum + cal.optimizer_s
     if layout.world_size == 1:

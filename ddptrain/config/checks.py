@@ -1,6 +1,6 @@
 """Start-up checks that need more than the config (the world size, devices, files), on every rank.
 
-Checks that need only the config live beside the schema (``ddptrain/config.py``). Every failure is a
+Checks that need only the config live beside the schema (``ddptrain/config/schema.py``). Every failure is a
 ConfigError whose one-line message names the key and what was expected.
 """
 
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from ddptrain.config import Config
-from ddptrain.data import BatchPlan, validate_source
+from ddptrain.config.schema import Config
+from ddptrain.data import BatchShape, validate_source
 from ddptrain.errors import ConfigError
 from ddptrain.kernels import check_kernels
 from ddptrain.models.lora import validate_finetune_config
 from ddptrain.telemetry.metrics import load_baseline
 
 
-def validate_config(cfg: Config, world_size: int) -> BatchPlan:
-    """Check what the schema cannot (devices, files, the world size); returns the batch plan."""
+def validate_config(cfg: Config, world_size: int) -> BatchShape:
+    """Check what the schema cannot (devices, files, the world size); returns the batch shape."""
     validate_finetune_config(cfg.model, cfg.parallel)
     validate_source(cfg.data)
     if cfg.parallel.cpu_offload and not torch.cuda.is_available():
@@ -25,4 +25,4 @@ def validate_config(cfg: Config, world_size: int) -> BatchPlan:
                           "computes on the GPU")
     check_kernels(cfg.parallel.kernels, "cuda" if torch.cuda.is_available() else "cpu")
     load_baseline(cfg.metrics.baseline)
-    return BatchPlan.from_config(cfg, world_size)
+    return BatchShape.from_config(cfg, world_size)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddptrain.config import DistConfig
+from ddptrain.config.schema import DistConfig
 from ddptrain.diagnose.evidence import enable_flight_recorder
 from ddptrain.errors import ConfigError, flat
 

@@ -12,14 +12,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.checks import validate_config
-from ddptrain.compose import build_config, job_config
-from ddptrain.config import Config
+from ddptrain.config.checks import validate_config
+from ddptrain.config.compose import build_config, job_config
+from ddptrain.config.schema import Config
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.errors import ConfigError, PeerLost, one_line
-from ddptrain.runtime import DistEnv, distributed, shared_run_dir
+from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
+from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
-from ddptrain.topology import check_shared_run_dir
 
 log = logging.getLogger("ddptrain")
 
@@ -55,19 +55,19 @@ def typed_config(cfg: DictConfig) -> Run:
 
 def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
-    from ddptrain.plan_render import render_plan
+    from ddptrain.plan.planner_render import render_plan
 
     typed = run.typed
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))
     if typed.plan.from_run:
-        from ddptrain.predict import what_if
+        from ddptrain.plan import what_if
 
         if DistEnv.from_environ().is_main:
             print(what_if(typed.plan, world_size))
         return 0
     if not DistEnv.from_environ().is_main:
         return 0
-    from ddptrain.predict.memory_plan import plan_for_target
+    from ddptrain.plan.dry_run import plan_for_target
 
     plan, text, record = plan_for_target(typed, world_size)
     print(render_plan(plan))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddptrain.errors import ConfigError
-from ddptrain.runtime import DistEnv
+from ddptrain.runtime.process_group import DistEnv
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AutoModelForCausalLM, masking_utils
 
-from ddptrain.choices import Quantize
-from ddptrain.config import Config, ModelConfig
+from ddptrain.config.choices import Quantize
+from ddptrain.config.schema import Config, ModelConfig
 from ddptrain.models.build import hf_config
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups

@@ -8,12 +8,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ddptrain.comm.hostfit import HostFit
-from ddptrain.config import PlanConfig
+from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
-from ddptrain.plan import chosen_link, preset_link
-from ddptrain.predict.calibration import Calibration
-from ddptrain.predict.layout import Layout
-from ddptrain.predict.model import predict
+from ddptrain.plan.calibration import Calibration
+from ddptrain.plan.layout import Layout
+from ddptrain.plan.planner import chosen_link, preset_link
+from ddptrain.plan.predictor import predict
 
 
 def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout], host: HostFit | None = None) -> str:

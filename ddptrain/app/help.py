@@ -12,7 +12,8 @@ import types
 import typing
 from pathlib import Path
 
-from ddptrain.config import Config
+from ddptrain.config.compose import config_dir
+from ddptrain.config.schema import Config
 
 USAGE = """\
 usage: ddptrain [OPTIONS] [OVERRIDES...]
@@ -81,8 +82,6 @@ def schema_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, str, st
 
 
 def help_text(user_dir: Path | None) -> str:
-    from ddptrain.cli import config_dir
-
     dirs = [d for d in (user_dir, config_dir()) if d is not None]
     lines = [USAGE, "config groups (group=choice; experiment and parallel/* with a leading +):"]
     for group, choices in config_groups(dirs).items():

@@ -1,4 +1,4 @@
-"""The dry run's text: a plan (``ddptrain/plan.py``) as plain lines and rich tables, in human units."""
+"""The dry run's text: a plan (``ddptrain/plan/planner.py``) as plain lines and rich tables, in human units."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from ddptrain.choices import ZERO_STAGES
-from ddptrain.plan import GB, Plan
+from ddptrain.config.choices import ZERO_STAGES
+from ddptrain.plan.planner import GB, Plan
 
 GiB = 1024**3
 

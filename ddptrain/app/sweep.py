@@ -3,7 +3,7 @@
 Jobs run one after another (they would compete for the same devices otherwise), each as its own
 ``python -m ddptrain ...`` in ``<sweep dir>/<job number>`` (Hydra's multirun layout), so a job that fails,
 even at composition, is reported and the sweep goes on (``--fail-fast`` stops it). With
-``sweep.launcher=submitit`` the same commands are submitted all at once as cluster jobs (``ddptrain.submit``).
+``sweep.launcher=submitit`` the same commands are submitted all at once as cluster jobs (``ddptrain.app.submit``).
 At the end the sweep dir holds ``sweep.csv``, ``sweep.md`` and ``sweep.png``: one row per job with its
 overrides and the steady-state figures of its ``summary.json``.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import itertools
 import json
 import os
 import shlex
@@ -21,15 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.choices import SweepLauncher
-from ddptrain.cli import Source, say
-from ddptrain.config import SweepConfig
-from ddptrain.errors import ConfigError, flat, one_line
+from ddptrain.config.choices import SweepLauncher
+from ddptrain.config.compose import Source
+from ddptrain.config.schema import SweepConfig
+from ddptrain.errors import ConfigError, flat, one_line, say
 
 # summary.json keys in the report, with their headers; a column appears when some job reports it
 FIGURES = {
@@ -67,7 +67,14 @@ def expand(overrides: list[str], params: dict[str, str] | None) -> list[list[str
     parsed = parser.parse_overrides(from_config) + given
     if any(o.is_hydra_override() and o.is_sweep_override() for o in parsed):
         raise ConfigError("--multirun: sweeping over hydra.* keys is not supported")
-    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    choices: dict[str, list[str]] = {}  # key -> its override per job (a later one of the same key wins, in place)
+    for o in parsed:
+        key = o.get_key_element()
+        if o.is_sweep_override() and not o.is_discrete_sweep():
+            raise ConfigError(f"--multirun: {key}: only lists, range() and choice() can be swept, not intervals")
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        choices[key] = [f"{key}={v}" for v in values]
+    jobs = [list(job) for job in itertools.product(*choices.values())]
     return [[o for o in job if not o.startswith("hydra.sweep.")] for job in jobs]  # the sweep's, not the job's
 
 
@@ -159,7 +166,7 @@ def _submit_all(
     jobs: list[list[str]], given: list[list[str]], argv: list[str], sweep_dir: Path, cfg: DictConfig
 ) -> list[JobResult]:
     """Every job submitted at once through submitit; their results once all have finished."""
-    from ddptrain.submit import outcome, submit
+    from ddptrain.app.submit import outcome, submit
 
     settings = OmegaConf.to_object(cfg.sweep)
     assert isinstance(settings, SweepConfig)

@@ -1,17 +1,18 @@
 """Typed schema of every ddptrain config key: the single source of truth for names, types and defaults.
 
 Hydra composes the YAML groups in ``configs/`` on top of these dataclasses, so an unknown key, a value of the
-wrong type or a choice that does not exist (choice fields are typed with the StrEnums of ``ddptrain/choices.py``)
+wrong type or a choice that does not exist (choice fields are typed with the StrEnums of ``ddptrain/config/choices.py``)
 fails at composition with a message that names the key (and the allowed values). Checks that need only the
 config run in ``__post_init__``, once each; checks that need the world size, devices or data live where those
-are known (``ddptrain/checks.py`` and the packages). ``ddptrain/compose.py`` builds a ``Config`` from YAML layers.
+are known (``ddptrain/config/checks.py`` and the packages). ``ddptrain/config/compose.py`` builds a ``Config``
+from YAML layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddptrain.choices import (
+from ddptrain.config.choices import (
     ZERO_STAGES,
     Arch,
     Backend,

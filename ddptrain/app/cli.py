@@ -1,0 +1,85 @@
+"""The ``ddptrain`` command: compose the config, then print it, plan, sweep, launch workers, or train here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config
+from ddptrain.errors import ConfigError, ResourceError, RunEnded, say
+
+ERROR_GRACE_S = 3.0
+log = logging.getLogger("ddptrain")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ddptrain", add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--cfg", choices=["job", "hydra", "all"])
+    parser.add_argument("--resolve", action="store_true")
+    parser.add_argument("-m", "--multirun", action="store_true")
+    parser.add_argument("--fail-fast", action="store_true")
+    parser.add_argument("-cd", "--config-dir", type=Path)
+    parser.add_argument("-cn", "--config-name", default=PRIMARY)
+    parser.add_argument("overrides", nargs="*")
+    return parser.parse_args(argv)
+
+
+def source_of(args: argparse.Namespace) -> Source:
+    user_dir = args.config_dir.absolute() if args.config_dir else None
+    if user_dir is not None and not user_dir.is_dir():
+        raise ConfigError(f"--config-dir {args.config_dir}: no such directory")
+    return Source(user_dir, args.config_name, list(args.overrides))
+
+
+def print_config(cfg: DictConfig, which: str, resolve: bool) -> None:
+    node = cfg if which == "all" else (OmegaConf.masked_copy(cfg, ["hydra"]) if which == "hydra" else job_config(cfg))
+    print(OmegaConf.to_yaml(node, resolve=resolve), end="")
+
+
+def run_cli(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        source = source_of(args)
+        if args.help:
+            from ddptrain.app.help import help_text
+
+            print(help_text(source.user_dir))
+            return 0
+        if args.multirun:
+            from ddptrain.app.sweep import run_sweep
+
+            return run_sweep(source, compose_config(source, multirun=True), fail_fast=args.fail_fast)
+        cfg = compose_config(source)
+        if args.cfg:
+            print_config(cfg, args.cfg, args.resolve)
+            return 0
+        from ddptrain.app import launch
+
+        run = launch.typed_config(cfg)
+        if run.typed.launch.dry_run:
+            return launch.dry_run(run)
+        if not launch.is_worker() and run.typed.launch.nproc_per_node > 1:
+            return launch.launch_workers(run, source.argv())
+        return launch.run_worker(run)
+    except RunEnded as exc:
+        say(f"ddptrain: {exc}")
+        return exc.exit_code
+    except (ConfigError, ResourceError) as exc:
+        say(f"ddptrain: error: {exc}")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # The elastic agent stops every worker as soon as one exits: give the peers, which fail the same
+            # way, time to print their own line before this rank's exit triggers that.
+            time.sleep(ERROR_GRACE_S)
+        return 2 if isinstance(exc, ConfigError) else 1
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(run_cli(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""The package's shape: no import cycles (lazy imports included), no private Hydra API, no test importing another."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+
+def _modules(root: str) -> dict[str, Path]:
+    found = {}
+    for path in (REPO / root).rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module named by an import anywhere in the file (functions' lazy imports too), with ``from X import y``
+    as both ``X`` and ``X.y``."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _with_packages(name: str) -> list[str]:
+    """``a.b.c`` and the packages its import runs first: ``a.b``, ``a``."""
+    parts = name.split(".")
+    return [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules its imports run: importing ``a.b.c`` runs the packages ``a`` and ``a.b`` too (except
+    the module's own packages, which Python has started before the module)."""
+    modules = _modules("ddptrain")
+    return {m: {p for n in _imports(path) for p in _with_packages(n) if p in modules and p not in _with_packages(m)}
+            for m, path in modules.items()}
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    assert _cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = import_graph()
+    graph["ddptrain.config.schema"].add("ddptrain.app.cli")  # cli imports compose, which imports the schema
+    assert any("ddptrain.app.cli" in c and "ddptrain.config.schema" in c for c in _cycles(graph))
+
+
+def test_nothing_uses_hydras_private_modules() -> None:
+    users = {m for m, p in _modules("ddptrain").items() if any(n.startswith("hydra._internal") for n in _imports(p))}
+    assert users == set()
+
+
+def test_no_test_module_imports_another() -> None:
+    tests = {m for m in _modules("tests") if m.rpartition(".")[2].startswith("test_")}
+    importing = {m: sorted(n for n in _imports(p) if n in tests)
+                 for m, p in _modules("tests").items() if m in tests}
+    assert {m: n for m, n in importing.items() if n} == {}
