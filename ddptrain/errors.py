@@ -8,6 +8,7 @@ import sys
 from hydra.errors import MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
+_IN_PRIMARY = re.compile(r"^In '[^']*': ")  # Hydra names the primary config that failed to compose
 _INVALID_CHOICE = re.compile(r"Invalid value (?P<value>'.*'), expected one of \[(?P<allowed>.*)\]")
 
 
@@ -39,7 +40,7 @@ def one_line(exc: BaseException) -> str:
     """Condense a Hydra/OmegaConf composition error (several lines, a wrapped cause) into one line."""
     if isinstance(exc, MissingConfigException):
         lines = str(exc).splitlines()
-        first = lines[0].removeprefix("In 'config': ")
+        first = _IN_PRIMARY.sub("", lines[0])
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
         return f"{first}; available: {', '.join(options)}" if options else first
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc

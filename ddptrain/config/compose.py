@@ -86,7 +86,7 @@ def compose_config(source: Source | list[str], multirun: bool = False) -> DictCo
         name = source.name
         if source.user_dir is not None and not (source.user_dir / f"{name}.yaml").is_file():
             name = _stored_primary(name)
-        with initialize_config_dir(config_dir=str(primary), job_name="ddptrain", version_base=None):
+        with initialize_config_dir(config_dir=str(primary), job_name="ddptrain", version_base="1.3"):
             cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
     except ConfigError:
