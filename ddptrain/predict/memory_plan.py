@@ -18,7 +18,7 @@ import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ddptrain.choices import Precision
+from ddptrain.choices import Precision, resolve_precision
 from ddptrain.config import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan import Plan, backward_seconds
@@ -77,12 +77,8 @@ def target_device(name: str | None, memory_gib: float | None, peak_override: flo
 def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
     """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16,
     fp16 (loss-scaled) on one without (t4, v100), fp32 on a CPU."""
-    on_gpu = precision == Precision.auto and device.device_type == "cuda"
-    if precision == Precision.bf16 or (on_gpu and device.bf16):
-        return torch.bfloat16
-    if precision == Precision.fp16 or on_gpu:
-        return torch.float16
-    return None
+    resolved = resolve_precision(precision, device.device_type, device.bf16)
+    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(resolved)
 
 
 def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
