@@ -104,7 +104,8 @@ def test_fsdp_mixed_precision_follows_train_precision(
     calls: list[dict] = []
     monkeypatch.setattr(zero, "fully_shard", lambda module, **kwargs: calls.append(kwargs) or module)
     # this machine has no GPU: an A100 (compute capability 8) or a T4 (7, bf16 only emulated)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: device != "t4")
+    has_bf16 = device != "t4"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: has_bf16)
     device = "cuda" if device == "t4" else device
     zero.shard_model(nn.Linear(2, 2), ParallelConfig(zero_stage=3), torch.device(device), precision)
     policy = calls[-1].get("mp_policy")
