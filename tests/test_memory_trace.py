@@ -261,6 +261,14 @@ def test_a_buffer_freed_on_a_gloo_thread_is_missing_from_the_profilers_events_bu
             assert rank0["total_live"] == 4
 
 
+def test_profiling_every_thread_would_record_no_memory_events_at_all() -> None:
+    """Why the 2-rank tests count gloo threads' frees through the allocator's total instead."""
+    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, experimental_config=config) as prof:
+        torch.ones(MiB).sum()
+    assert not [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+
+
 def allocations(prof: profile) -> list[tuple[int, list[str]]]:
     """Each allocation on the profiled thread: its bytes and the ops it was made in, innermost first."""
     found = []
