@@ -31,6 +31,7 @@ from ddptrain.predict.memory_plan import (
     Allowances,
     PeakFit,
     compute_dtype,
+    predicted_step_s,
     shard,
     target_device,
     this_machine,
@@ -391,3 +392,28 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
     best = plan["recommendation"]
     assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
     assert abs(plan["fit_gap"]) < 0.02
+
+
+def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dict[int, float]:
+    """The recommendation's predicted step per ZeRO stage for a 2-block model on 8 H100s, micro batch 2."""
+    cfg = small_config()
+    cfg.plan.bandwidth_gbps, cfg.plan.latency_us = bandwidth_gbps, latency_us
+    cfg.data.global_batch_size, cfg.data.micro_batch_size = 16 * grad_accum, 2
+    plan = build_plan(cfg, 8, "H100")
+    device = target_device("h100", None, None)
+    return {stage: predicted_step_s(plan, device, stage, False, 2, grad_accum, 8) for stage in range(4)}
+
+
+def test_the_step_time_ranking_charges_each_zero_stage_its_own_communication() -> None:
+    instant = step_times(1e9, 0.0, 4)  # a free link: compute only, the same for every stage
+    assert all(t == pytest.approx(instant[0], rel=1e-6) for t in instant.values())
+    slow = step_times(0.01, 10.0, 1)  # 10 MB/s: communication dominates
+    # ZeRO-1 adds its updated shards' exchange after the update (nothing hides it); ZeRO-2 gathers bf16
+    # parameters where DDP all-reduces fp32 gradients twice over (fewer bytes); ZeRO-3 gathers twice
+    assert slow[2] < slow[0] < slow[1] and slow[2] < slow[3]
+    accumulating = step_times(0.01, 10.0, 4)
+    # FSDP2 gathers in every micro batch and reduce-scatters once; DDP all-reduces once per step
+    assert accumulating[0] < accumulating[2] < accumulating[3]
+    exposed = {s: accumulating[s] - instant[s] for s in range(4)}
+    assert exposed[0] == pytest.approx(slow[0] - step_times(1e9, 0.0, 1)[0], rel=0.01)
+    assert exposed[3] - exposed[2] == pytest.approx(4 * (slow[3] - slow[2]), rel=0.01)
