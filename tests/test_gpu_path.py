@@ -93,6 +93,7 @@ def test_debug_detail_turns_a_collective_mismatch_into_torchs_readable_error(two
 
 @pytest.mark.parametrize(("precision", "device", "bf16"), [
     ("fp32", "cuda", False), ("auto", "cuda", True), ("bf16", "cuda", True), ("auto", "cpu", False),
+    ("auto", "t4", False),  # auto computes in fp16 on a GPU without bf16: FSDP2 then gathers fp32
 ])
 def test_fsdp_mixed_precision_follows_train_precision(
     monkeypatch: pytest.MonkeyPatch, precision: str, device: str, bf16: bool
@@ -102,6 +103,10 @@ def test_fsdp_mixed_precision_follows_train_precision(
 
     calls: list[dict] = []
     monkeypatch.setattr(zero, "fully_shard", lambda module, **kwargs: calls.append(kwargs) or module)
+    # this machine has no GPU: an A100 (compute capability 8) or a T4 (7, bf16 only emulated)
+    has_bf16 = device != "t4"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: has_bf16)
+    device = "cuda" if device == "t4" else device
     zero.shard_model(nn.Linear(2, 2), ParallelConfig(zero_stage=3), torch.device(device), precision)
     policy = calls[-1].get("mp_policy")
     assert (policy is not None) == bf16

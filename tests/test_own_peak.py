@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.plan import own_peak
+from ddptrain.plan.memory_plan import compute_dtype, target_device, this_machine
 from ddptrain.plan.own_peak import MeasuredPeak
+from ddptrain.runtime.process_group import device_precision
 from tests.cli import run_cli
+from tests.dist import run_distributed
+from tests.runs import train_each
 
 TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
         "model.hidden_size=64", "checkpoint.export=false", "checkpoint.every_n_steps=0", "logger.progress=false",
@@ -90,4 +96,52 @@ def test_a_two_rank_ddp_run_plans_its_gradient_buckets_too(tmp_path: Path, bucke
     assert result.returncode == 0, result.stderr[-3000:]
     peak = json.loads((run_dir / "summary.json").read_text())["memory_peak"]
     assert "DDP's gradient buckets" in peak["planned_by"]
+    assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
+
+
+@pytest.mark.parametrize(("gpu", "capability", "expected"), [
+    ("NVIDIA H100 80GB HBM3", 9, Precision.bf16), ("NVIDIA A100-SXM4-80GB", 8, Precision.bf16),
+    ("NVIDIA L4", 8, Precision.bf16), ("Tesla T4", 7, Precision.fp16), ("Tesla V100-SXM2-32GB", 7, Precision.fp16),
+])
+def test_a_run_resolves_auto_on_its_gpu_as_the_planner_plans_that_gpu(
+    monkeypatch: pytest.MonkeyPatch, gpu: str, capability: int, expected: Precision
+) -> None:
+    # this machine has no GPU: torch.cuda answers as the named one would
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(major=capability))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda *_: True)  # any of them holds bf16 tensors
+    run = device_precision("auto", torch.device("cuda", 0))
+    planned = compute_dtype("auto", target_device(this_machine(), None, None))
+    assert run == expected
+    assert planned == {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}[run]
+    # torch's default check counts a GPU that only emulates bf16: on a T4 it says yes (the run used to take bf16)
+    assert torch.cuda.is_bf16_supported()
+    assert device_precision("fp32", torch.device("cuda", 0)) == Precision.fp32
+    assert device_precision("auto", torch.device("cpu")) == Precision.fp32
+
+
+def _no_bf16(precision: str, device: torch.device) -> Precision:
+    """What ``device_precision`` answers on a GPU without bf16 (tested above), for this machine's CPU."""
+    return Precision.fp16 if precision == Precision.auto else Precision(precision)
+
+
+def _train_as_on_a_gpu_without_bf16(rank: int, world_size: int, tmp: str) -> list[dict]:
+    from ddptrain.train import components
+
+    components.device_precision = own_peak.device_precision = _no_bf16  # this forked rank only
+    run = {"model": {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "max_position_embeddings": 64},
+           "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 32,
+                    "global_batch_size": 4, "micro_batch_size": 4},
+           "train": {"steps": 2, "log_every": 1, "eval_every": 0, "precision": "auto"},
+           "checkpoint": {"every_n_steps": 0}}
+    return train_each(rank, world_size, tmp, run, [{}])
+
+
+def test_the_run_and_its_own_plan_both_follow_the_devices_resolution_of_auto(tmp_path: Path) -> None:
+    summary = run_distributed(_train_as_on_a_gpu_without_bf16, 1, str(tmp_path))[0][0]["summary"]
+    assert "loss_scale" in summary  # the run computed in fp16, with its loss scaler
+    peak = summary["memory_peak"]
+    assert peak["planned_by"].endswith("fp16")  # and the plan traced fp16: planned as run
     assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)

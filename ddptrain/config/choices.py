@@ -1,7 +1,7 @@
 """The allowed values of every choice key (``enum.StrEnum``), so a wrong choice fails at composition naming them.
 
 The schema (``ddptrain/config/schema.py``) types its choice fields with these classes; Hydra then refuses any other
-value with the list of allowed ones. ``computes_in_bf16`` resolves ``train.precision=auto`` for a device.
+value with the list of allowed ones. ``resolve_precision`` resolves ``train.precision=auto`` for a device.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class WandbMode(StrEnum):
 
 
 class Precision(StrEnum):
-    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    auto = "auto"  # bf16 autocast on a GPU with bf16, fp16 (loss-scaled) on one without, fp32 on CPU
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"  # fp16 autocast with a loss scaler: GPUs without bf16 (T4, V100)
@@ -151,6 +151,13 @@ class SubmititCluster(StrEnum):
     local = "local"
 
 
-def computes_in_bf16(precision: str, device_type: str) -> bool:
-    """``train.precision`` resolved for a device: auto is bf16 on CUDA and fp32 elsewhere."""
-    return precision == Precision.bf16 or (precision == Precision.auto and device_type == "cuda")
+def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> Precision:
+    """``train.precision`` resolved for a device; the run (for its own device) and the planner (for
+    ``plan.device``) both resolve it here, so a plan computes in what the run will. auto is bf16 on a GPU with
+    bf16, fp16 with a loss scaler on one without (T4, V100: compute capability below 8) and fp32 on a CPU; an
+    explicit choice stays."""
+    if precision != Precision.auto:
+        return Precision(precision)
+    if device_type != "cuda":
+        return Precision.fp32
+    return Precision.bf16 if bf16_supported else Precision.fp16

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddptrain.config.choices import ShardGroup, computes_in_bf16
+from ddptrain.config.choices import Precision, ShardGroup
 from ddptrain.config.schema import ParallelConfig
+from ddptrain.runtime.process_group import device_precision
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -52,7 +53,7 @@ def shard_model(model: torch.nn.Module, cfg: ParallelConfig, device: torch.devic
     kwargs: dict = {"reshard_after_forward": reshard}
     if cfg.shard_group == ShardGroup.node:
         kwargs["mesh"] = hybrid_mesh(device, ranks_per_node)
-    if computes_in_bf16(precision, device.type):
+    if device_precision(precision, device) == Precision.bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -18,7 +18,7 @@ import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ddptrain.config.choices import Precision
+from ddptrain.config.choices import Precision, resolve_precision
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.memory_trace import (
@@ -29,7 +29,7 @@ from ddptrain.plan.memory_trace import (
     fake_training_state,
     trace_step,
 )
-from ddptrain.plan.planner import Plan, backward_seconds
+from ddptrain.plan.planner import Comm, Plan, backward_seconds
 
 GiB = 1024**3
 
@@ -77,12 +77,8 @@ def target_device(name: str | None, memory_gib: float | None, peak_override: flo
 def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
     """``train.precision`` resolved for the target device, not this machine: auto is bf16 on a GPU with bf16,
     fp16 (loss-scaled) on one without (t4, v100), fp32 on a CPU."""
-    on_gpu = precision == Precision.auto and device.device_type == "cuda"
-    if precision == Precision.bf16 or (on_gpu and device.bf16):
-        return torch.bfloat16
-    if precision == Precision.fp16 or on_gpu:
-        return torch.float16
-    return None
+    resolved = resolve_precision(precision, device.device_type, device.bf16)
+    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(resolved)
 
 
 def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
@@ -225,10 +221,37 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@dataclass(frozen=True)
+class StepCollectives:
+    """One step's collectives per rank as ddptrain runs a ZeRO stage, split by what compute can hide them."""
+
+    gathers: Comm  # FSDP2's parameter all-gathers, in every micro batch (it reshards after each backward)
+    sync: Comm  # the gradient sync, in the last micro batch's backward (accumulation skips it before)
+    after: Comm  # after the update, with nothing to hide under
+
+
+def step_collectives(plan: Plan, stage: int) -> StepCollectives:
+    """Stage 0 all-reduces the gradients. Stage 1 is ZeroRedundancyOptimizer over DDP: the same all-reduce, then
+    each rank sends its updated fp32 shard to the others. Stage 2 all-gathers the working copy in each micro
+    batch's forward, stage 3 in its forward and again in its backward; both reduce-scatter the gradients once."""
+    n = plan.batch.dp
+    share, hops = (n - 1) / n * plan.trainable, n - 1
+    none = Comm(0.0, 0)
+    if stage <= 1:
+        all_reduce = Comm(2 * share * plan.precision.grad_bytes, 2 * hops)
+        after = Comm(share * plan.precision.param_bytes, hops) if stage == 1 else none
+        return StepCollectives(none, all_reduce, after)
+    rounds = 2 if stage == 3 else 1
+    return StepCollectives(Comm(rounds * share * plan.precision.gathered_bytes, rounds * hops),
+                           Comm(share * plan.precision.grad_bytes, hops), none)
+
+
 def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool, micro_batch: int,
                      grad_accum: int, ranks: int) -> float | None:
-    """Compute at the assumed MFU (a forward more with checkpointing) plus the communication that the last
-    micro batch's backward cannot hide (ZeRO-3 gathers in every micro batch)."""
+    """Compute at the assumed MFU (a forward more with checkpointing) plus the communication that compute
+    cannot hide, each collective timed by the planner's α–β link (``plan.link``): every micro batch's
+    all-gathers beyond that micro batch's compute, the gradient sync beyond the last micro batch's backward,
+    and what runs after the update."""
     if not device.peak_tflops:
         return None
     tokens = micro_batch * grad_accum * plan.batch.seq_len
@@ -236,10 +259,12 @@ def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool
     compute *= 4 / 3 if checkpointing else 1.0
     if ranks == 1:
         return compute
-    comm = plan.link.seconds(plan.comm[stage]) * (grad_accum if stage == 3 else 1)
-    hidden = backward_seconds(plan.flops_per_token, micro_batch * plan.batch.seq_len, device.peak_tflops,
-                              plan.assumed_mfu)
-    return compute + max(0.0, comm - hidden)
+    comm = step_collectives(plan, stage)
+    backward = backward_seconds(plan.flops_per_token, micro_batch * plan.batch.seq_len, device.peak_tflops,
+                                plan.assumed_mfu)
+    exposed = (grad_accum * max(0.0, plan.link.seconds(comm.gathers) - compute / grad_accum)
+               + max(0.0, plan.link.seconds(comm.sync) - backward) + plan.link.seconds(comm.after))
+    return compute + exposed
 
 
 @dataclass(frozen=True)

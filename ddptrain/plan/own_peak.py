@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from ddptrain.config.choices import Engine, Precision, Quantize, computes_in_bf16
+from ddptrain.config.choices import Engine, Quantize
 from ddptrain.config.schema import Config
 from ddptrain.plan.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
 from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors
+from ddptrain.runtime.process_group import device_precision
 
 log = logging.getLogger("ddptrain")
 
@@ -47,13 +48,6 @@ def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | Non
     return None
 
 
-def run_precision(cfg: Config, device: torch.device) -> str:
-    """What the run computes in, as an explicit ``train.precision`` (the run's own resolution of auto)."""
-    if cfg.train.precision == Precision.fp16:
-        return Precision.fp16
-    return Precision.bf16 if computes_in_bf16(cfg.train.precision, device.type) else Precision.fp32
-
-
 def this_device(device: torch.device) -> Device:
     """The run's device as the planner sees it; only its type and memory matter for a peak."""
     if device.type != "cuda":
@@ -62,7 +56,7 @@ def this_device(device: torch.device) -> Device:
     if name != "cpu":
         return target_device(name, None, None)
     memory = torch.cuda.get_device_properties(device).total_memory / GiB
-    return Device(torch.cuda.get_device_name(device), memory, torch.cuda.is_bf16_supported(), 0.0, "cuda")
+    return Device(torch.cuda.get_device_name(device), memory, device_precision("auto", device) == "bf16", 0.0, "cuda")
 
 
 def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
@@ -86,7 +80,7 @@ def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int
     from ddptrain.plan.planner import build_plan
 
     traced_cfg = copy.deepcopy(cfg)
-    traced_cfg.train.precision = run_precision(cfg, device)
+    traced_cfg.train.precision = device_precision(cfg.train.precision, device)  # as the run resolved it
     traced_cfg.plan.world_size = world_size
     traced_cfg.model.vocab_size = traced_cfg.data.vocab_size = vocab  # the run's embeddings (a pretrained base's own)
     target = this_device(device)

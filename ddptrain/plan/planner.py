@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig
 
-from ddptrain.config.choices import ZERO_STAGES
+from ddptrain.config.choices import ZERO_STAGES, resolve_precision
 from ddptrain.config.schema import Config, PlanConfig
 from ddptrain.data.batch import BatchShape
 from ddptrain.errors import ConfigError
@@ -249,13 +249,8 @@ def build_plan(
         # ZeRO-3 gathers the root's parameters (embeddings, head, final norm) and one block at a time in forward
         gathered = counts.embedding + counts.non_embedding / cfg.model.num_layers
     on_gpu = device_name is not None
-    auto = cfg.train.precision == "auto"
-    if cfg.train.precision == "fp32" or (auto and not on_gpu):
-        precision = FP32
-    elif cfg.train.precision == "fp16" or (auto and not bf16_capable):
-        precision = MIXED_FP16
-    else:
-        precision = MIXED_BF16
+    resolved = resolve_precision(cfg.train.precision, "cuda" if on_gpu else "cpu", bf16_capable)
+    precision = {"fp32": FP32, "fp16": MIXED_FP16, "bf16": MIXED_BF16}[resolved]
     trainable, note, base_bytes = params, "", float(precision.param_bytes)
     if lora:  # adapters train in fp32 on a frozen base: only they have gradients, optimizer state and traffic
         params, trainable, precision = params + adapters, adapters, FP32

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddptrain.config.choices import Precision, resolve_precision
 from ddptrain.config.schema import DistConfig
 from ddptrain.diagnose.evidence import enable_flight_recorder
 from ddptrain.errors import ConfigError, flat
@@ -68,6 +69,14 @@ def pick_device(env: DistEnv) -> torch.device:
         )
     torch.cuda.set_device(env.local_rank)
     return torch.device("cuda", env.local_rank)
+
+
+def device_precision(precision: str, device: torch.device) -> Precision:
+    """``train.precision`` as this run computes on ``device`` (``resolve_precision``, as the planner resolves it
+    for ``plan.device``). bf16 needs compute capability 8 or more: torch's default check also accepts a GPU
+    that merely emulates bf16 (a T4 or V100 holds bf16 tensors, slowly), which would plan fp16 and run bf16."""
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return resolve_precision(precision, device.type, bf16)
 
 
 def pick_backend(cfg: DistConfig, device: torch.device, cpu_collectives: bool = False) -> str:

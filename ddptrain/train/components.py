@@ -19,7 +19,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain.checkpoint import Checkpointer, TrainState
-from ddptrain.config.choices import DataFormat, Precision, computes_in_bf16
+from ddptrain.config.choices import DataFormat, Precision
 from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
@@ -31,7 +31,7 @@ from ddptrain.models.packed_attention import check_packed_attention
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import Wrapped, wrap_model
 from ddptrain.parallel.compile import compile_blocks
-from ddptrain.runtime.process_group import DistEnv, main_first, seed_everything
+from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
 from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.memory import ModelStateProbe
@@ -69,7 +69,8 @@ class Components:
     stragglers: StragglerMonitor
     stop: StopRequest
     zero_stage: int
-    scaler: LossScaler | None  # train.precision=fp16 only
+    scaler: LossScaler | None  # fp16 only
+    precision: Precision  # train.precision resolved for this run's device (auto: bf16, fp16 or fp32)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -110,7 +111,10 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
     if cfg.train.compile:
         log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
-    wrapped = wrap_model(model, cfg.parallel, device, cfg.train.precision, env.local_world_size)
+    precision = device_precision(cfg.train.precision, device)
+    if cfg.train.precision == Precision.auto:
+        log.info("train.precision=auto: %s on this %s device", precision, device.type)
+    wrapped = wrap_model(model, cfg.parallel, device, precision, env.local_world_size)
     # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
     # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
     # save and restore each rank's stream.
@@ -125,7 +129,7 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
                                device, data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
     checkpointer.check_room(model)
-    scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if cfg.train.precision == Precision.fp16 else None
+    scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if precision == Precision.fp16 else None
     start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, shape, scaler)
     val = eval_batches(data.val, shape.micro_batch_size, shape.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
@@ -145,10 +149,11 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
         shape=shape, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
         token_weighted=token_weighted, val=val,
-        autocast=autocast_context(cfg.train.precision, device), checkpointer=checkpointer, start=start,
+        autocast=autocast_context(precision, device), checkpointer=checkpointer, start=start,
         meter=meter, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
         stop=StopRequest(cfg.launch.stop_grace_s), zero_stage=cfg.parallel.zero_stage, scaler=scaler,
+        precision=precision,
     )
 
 
@@ -189,11 +194,11 @@ def resume(
     return state.step
 
 
-def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
-    """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for; fp16 when asked for (with a loss
-    scaler, ``train/loss_scale.py``)."""
+def autocast_context(precision: Precision, device: torch.device) -> AbstractContextManager:
+    """Autocast in the resolved precision (``runtime.device_precision``): bf16, fp16 (with a loss scaler,
+    ``train/loss_scale.py``) or none for fp32."""
     if precision == Precision.fp16:
         return torch.autocast(device.type, dtype=torch.float16)
-    if not computes_in_bf16(precision, device.type):
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == Precision.bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddptrain.config.choices import computes_in_bf16
+from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
 from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure, trainable_line
@@ -100,7 +100,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                 model_state = report_model_state(
                     c.probe, c.n_params, env.world_size, cfg.parallel.zero_stage,
                     shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
-                    MIXED_BF16 if computes_in_bf16(cfg.train.precision, device.type) else FP32, c.trainable)
+                    MIXED_BF16 if c.precision == Precision.bf16 else FP32, c.trainable)
             lr = c.scheduler.get_last_lr()[0]
             c.scheduler.step()
             profiler.step()
