@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ddptrain.checkpoint import CheckpointManager, TrainState
 from ddptrain.runtime.hooks import StepHooks
@@ -131,6 +132,7 @@ def test_the_run_shape_part_warns_when_the_world_size_or_global_batch_changed(
 
     shape = BatchShape.from_config(build_config(), 2)
     part = RunShape(shape, 1)
+    assert isinstance(part, Stateful)  # torch's protocol, which the manager's parts are typed as
     assert part.state_dict() == {"world_size": 2, "global_batch_size": shape.global_batch_size, "zero_stage": 1}
     with caplog.at_level(logging.WARNING, logger="ddptrain"):
         part.load_state_dict(part.state_dict())

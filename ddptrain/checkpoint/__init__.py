@@ -12,6 +12,6 @@ A directory without ``COMMITTED`` is a save that died half way: it is ignored an
 """
 
 from ddptrain.checkpoint.checkpointer import MARKER, Checkpointer, TrainState, model_fingerprint
-from ddptrain.checkpoint.manager import CheckpointManager, Stateful
+from ddptrain.checkpoint.manager import CheckpointManager
 
-__all__ = ["MARKER", "CheckpointManager", "Checkpointer", "Stateful", "TrainState", "model_fingerprint"]
+__all__ = ["MARKER", "CheckpointManager", "Checkpointer", "TrainState", "model_fingerprint"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ddptrain.checkpoint.checkpointer import Checkpointer, TrainState
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
@@ -23,16 +23,10 @@ from ddptrain.diagnose.whereabouts import WHEREABOUTS
 log = logging.getLogger("ddptrain")
 
 
-class Stateful(Protocol):
-    """A part that gives and takes its own state; given an empty dict (nothing saved for it), it keeps its initial
-    state."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
 class CheckpointManager:
+    """Parts are torch's ``Stateful``: ``state_dict()`` and ``load_state_dict(state)``; a part the checkpoint holds
+    nothing for is given an empty dict and keeps its initial state (the fp16 scaler resuming an fp32 run)."""
+
     def __init__(self, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  parts: dict[str, Stateful], every_n_steps: int) -> None:
         self.checkpointer = checkpointer
