@@ -108,8 +108,10 @@ MUTANTS = [
            ("tests/test_kernels.py", "-k", "refused or startup_error")),
     Mutant("async-commit-before-write", "the background writer commits before the write has finished",
            (("ddptrain/checkpoint/checkpointer.py",
-             "        staged.result()\n        if self.rank == 0:\n            self._commit(tmp, final, meta)",
-             "        if self.rank == 0:\n            self._commit(tmp, final, meta)\n        staged.result()"),),
+             "        staged.result()\n        if self.rank == 0:  # the checksums are taken here, on the writer "
+             "thread, not the training thread\n            self._commit(tmp, final, meta)",
+             "        if self.rank == 0:\n            self._commit(tmp, final, meta)\n        staged.result()\n"
+             "        if self.rank == 0:"),),
            ("tests/test_checkpoint_format.py", "tests/test_reliability.py")),
     Mutant("last-save-not-awaited", "save(wait=True) returns before the background write is committed",
            (("ddptrain/checkpoint/checkpointer.py", "        if wait:\n            self.wait()\n",

@@ -175,16 +175,17 @@ def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Rank 0 gets SIGTERM after step 4; checks fall every 3 steps, so every rank stops after step 6."""
     import signal
 
+    import ddptrain.train.components as components
     import ddptrain.train.loop as loop
+    from ddptrain.runtime.hooks import StepHooks
 
-    inject = loop.inject
+    class TerminateAfterStep4(StepHooks):
+        def step_ended(self, step: int) -> None:
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
 
-    def terminate(point: str, step: int, rank: int) -> None:
-        if (point, step, rank) == ("step", 4, 0):
-            os.kill(os.getpid(), signal.SIGTERM)
-        inject(point, step, rank)
-
-    loop.inject = terminate
+    step_hooks = components.step_hooks
+    components.step_hooks = lambda r: TerminateAfterStep4() if r == 0 else step_hooks(r)  # type: ignore[assignment]
     run_dir = os.path.join(tmp, "sigterm")
     # A long grace: the SIGTERM watchdog must not end this worker, which goes on to other runs.
     variant: Overrides = {"train": {"steps": 20, "log_every": 20, "check_every": 3}, "launch": {"stop_grace_s": 900}}
@@ -194,7 +195,7 @@ def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         return {"exit_code": exc.exit_code, "message": str(exc),
                 "checkpoints": sorted(p.name for p in Path(run_dir).glob("*/checkpoints/step_*"))}
     finally:
-        loop.inject = inject
+        components.step_hooks = step_hooks  # type: ignore[assignment]
     return {"exit_code": 0}
 
 

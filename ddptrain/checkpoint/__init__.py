@@ -8,9 +8,12 @@ torch.distributed.checkpoint directory holding model and optimizer state keyed b
 the strategy (torch DDP, our engines, ZeRO-1, FSDP2 ZeRO-2/3) that wrote it.
 
 A directory without ``COMMITTED`` is a save that died half way: it is ignored and removed.
+``CheckpointManager`` (``manager.py``) holds a run's stateful parts by key and decides when to save them;
+``Checkpointer`` writes, commits, finds and loads the files.
 ``python -m ddptrain.checkpoint info|export|verify`` (or ``ddptrain-ckpt``) reads checkpoints offline.
 """
 
 from ddptrain.checkpoint.checkpointer import MARKER, Checkpointer, TrainState, model_fingerprint
+from ddptrain.checkpoint.manager import CheckpointManager
 
-__all__ = ["MARKER", "Checkpointer", "TrainState", "model_fingerprint"]
+__all__ = ["MARKER", "CheckpointManager", "Checkpointer", "TrainState", "model_fingerprint"]

@@ -31,7 +31,7 @@ from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError, ResourceError, flat
-from ddptrain.runtime.faults import inject
+from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import broadcast_from_main, main_only
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,11 @@ FORMAT = 2  # 2: one name-keyed DCP directory ``state/`` whatever the strategy
 
 @dataclass
 class TrainState:
-    """Everything besides tensors that a resumed run needs to continue exactly."""
+    """``trainer.pt``: everything besides tensors that a resumed run needs to continue exactly.
+
+    Its fields are the parts' own state dicts laid out as format 2 has them on disk; ``from_parts`` and
+    ``parts`` are the one place that maps between the two.
+    """
 
     step: int
     scheduler: dict[str, Any]
@@ -52,6 +56,23 @@ class TrainState:
     zero_stage: int
     grad_scaler: dict[str, Any] | None = None  # train.precision=fp16: the loss scale and its growth tracker
     stream: str | None = None  # data.streaming=true: every rank's reader position, as JSON text
+
+    @classmethod
+    def from_parts(cls, step: int, parts: dict[str, dict[str, Any]]) -> TrainState:
+        """The record of ``step`` from the state dicts of the parts ``scheduler``, ``data`` (epoch, position and,
+        streaming, stream), ``run`` (world_size, global_batch_size, zero_stage) and, in fp16, ``grad_scaler``."""
+        data, run = parts["data"], parts["run"]
+        return cls(step, parts["scheduler"], data["epoch"], data["position"], run["world_size"],
+                   run["global_batch_size"], run["zero_stage"], grad_scaler=parts.get("grad_scaler"),
+                   stream=data.get("stream"))
+
+    def parts(self) -> dict[str, dict[str, Any]]:
+        """Each part's state dict, as ``from_parts`` took it (``grad_scaler`` empty when not trained in fp16)."""
+        return {"scheduler": self.scheduler,
+                "data": {"epoch": self.epoch, "position": self.samples_in_epoch, "stream": self.stream},
+                "run": {"world_size": self.world_size, "global_batch_size": self.global_batch_size,
+                        "zero_stage": self.zero_stage},
+                "grad_scaler": self.grad_scaler or {}}
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -119,9 +140,12 @@ def describe_damage(problems: list[str]) -> str:
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, run_dir: Path, strategy: str, tokenizer: Any = None) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, strategy: str, tokenizer: Any = None,
+                 hooks: StepHooks | None = None) -> None:
         """``strategy``: what holds the model (``Wrapped.strategy``), recorded in the marker and shown by ``info``
-        and when a checkpoint is resumed under another."""
+        and when a checkpoint is resumed under another. ``hooks.before_commit`` is called while a save's files
+        are written and not yet committed."""
+        self.hooks = hooks or StepHooks()
         self.cfg = cfg.checkpoint
         self.config = cfg  # written into every checkpoint, so ``info`` can diff it and ``export`` needs no run
         self.strategy = "the bare model" if strategy == "none" else strategy
@@ -300,7 +324,7 @@ class Checkpointer:
 
     def _finish(self, step: int, tmp: Path, final: Path, meta: dict[str, Any], started: float) -> None:
         """Synchronous save: every rank's files are written; rank 0 commits."""
-        inject("save", step, self.rank)
+        self.hooks.before_commit(step)
         dist.barrier()
         if self.rank == 0:
             self._commit(tmp, final, meta)
@@ -311,7 +335,7 @@ class Checkpointer:
                       started: float, blocked: float) -> None:
         """Background thread: wait for the write; rank 0 then commits. DCP's save ends with a step in which rank 0
         gathers every rank's write results, so rank 0's write completing means every rank's files are on disk."""
-        inject("save", step, self.rank)  # a crash while the write is in flight must leave the previous checkpoint
+        self.hooks.before_commit(step)  # a crash while the write is in flight must leave the previous checkpoint
         staged.result()
         if self.rank == 0:  # the checksums are taken here, on the writer thread, not the training thread
             self._commit(tmp, final, meta)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 HANG_DIR = "hang"
 FLIGHT_RECORDS = 8  # collectives kept in a rank's record (the flight recorder's own buffer is larger)
 _PACKAGE = Path(__file__).resolve().parents[1]
-_NOT_WHERE = (_PACKAGE / "faults.py", _PACKAGE / "diagnose")  # fault injection and this module are never "where"
+_NOT_WHERE = (_PACKAGE / "testing", _PACKAGE / "diagnose")  # fault injection and this package are never "where"
 _LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
 _BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
           "Byte": 1, "Bool": 1}

@@ -1,2 +1,2 @@
-"""Where this process runs: the process group's lifecycle (``process_group``) and the ranks' hosts and nodes
-(``topology``)."""
+"""Where this process runs: the process group's lifecycle (``process_group``), the ranks' hosts and nodes
+(``topology``), and the points where hooks may act in a run (``hooks``)."""

@@ -1,9 +1,10 @@
 """The build step of ``train()``: everything a run builds once before its loop, resumed from a checkpoint if asked.
 
-``build_components`` builds data, model, wrapper, optimizer, schedule, batches, checkpointer and telemetry in
-one fixed order (seeds and collectives depend on it). ``Components`` maps its stateful parts to and from a
-checkpoint: the scheduler and the batches give and take their own ``state_dict``, so the loop only says
-``save(step)``.
+``build_components`` builds data, model, wrapper, optimizer, schedule, batches, checkpoints and telemetry in
+one fixed order (seeds and collectives depend on it). The stateful parts are handed to the checkpoint manager by
+key, each giving and taking its own ``state_dict``, and the run resumes through it; the loop then only says
+``maybe_save(step, ...)``. This is also the one place that gives the loop and the checkpointer their step hooks
+(fault injection, when ``DDPTRAIN_FAULT`` asks for it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddptrain.checkpoint import Checkpointer, TrainState
+from ddptrain.checkpoint import Checkpointer, CheckpointManager
 from ddptrain.config.choices import DataFormat, Precision
 from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batches
@@ -31,12 +32,14 @@ from ddptrain.models.packed_attention import check_packed_attention
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import Wrapped, wrap_model
 from ddptrain.parallel.compile import compile_blocks
+from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
 from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics, load_baseline
 from ddptrain.telemetry.stragglers import StragglerMonitor
+from ddptrain.testing.faults import step_hooks
 from ddptrain.train.control import StopRequest
 from ddptrain.train.loss_scale import LossScaler
 from ddptrain.train.tokens import MicroBatch
@@ -61,28 +64,19 @@ class Components:
     token_weighted: bool  # padded prompt/completion batches: the loss is the mean over loss tokens
     val: list[torch.Tensor | MicroBatch]  # this rank's fixed validation batches
     autocast: AbstractContextManager
-    checkpointer: Checkpointer
+    checkpoints: CheckpointManager  # the stateful parts by key, and when they are saved
     start: int  # the step the run continues after: the resumed checkpoint's, else 0
     meter: StepMetrics
     sinks: Sinks
     probe: ModelStateProbe  # measures the model state every rank holds, once, on the first step
     stragglers: StragglerMonitor
     stop: StopRequest
-    zero_stage: int
-    scaler: LossScaler | None  # fp16 only
+    scaler: LossScaler | None  # train.precision=fp16 only
     precision: Precision  # train.precision resolved for this run's device (auto: bf16, fp16 or fp32)
+    hooks: StepHooks  # what acts at a step's start and end and in its loss: nothing, unless a test injects a fault
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
-
-    def save(self, step: int, wait: bool) -> None:
-        """Checkpoint the model, the optimizer and each stateful part's own state after ``step``."""
-        position = self.batches.state_dict()
-        state = TrainState(step, self.scheduler.state_dict(), position["epoch"], position["position"], self.shape.dp,
-                           self.shape.global_batch_size, self.zero_stage,
-                           grad_scaler=self.scaler.state_dict() if self.scaler is not None else None,
-                           stream=position.get("stream"))
-        self.checkpointer.save(state, self.model, self.optimizer, wait)
 
 
 def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
@@ -127,10 +121,14 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     else:
         batches = MicroBatches(data.train, shape, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
                                device, data.collate)
-    checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer)
+    hooks = step_hooks(env.rank)
+    checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer, hooks)
     checkpointer.check_room(model)
     scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if precision == Precision.fp16 else None
-    start = resume(checkpointer, resume_target(cfg.train.resume), model, optimizer, scheduler, batches, shape, scaler)
+    parts = {"scheduler": scheduler, "data": batches, **({"grad_scaler": scaler} if scaler is not None else {}),
+             "run": RunShape(shape, cfg.parallel.zero_stage)}
+    checkpoints = CheckpointManager(checkpointer, model, optimizer, parts, cfg.checkpoint.every_n_steps)
+    start = checkpoints.resume(resume_target(cfg.train.resume))
     val = eval_batches(data.val, shape.micro_batch_size, shape.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
     fpt = (flops_per_token(cfg.model, vocab, shape.seq_len) if cfg.model.pretrained is None
@@ -149,11 +147,10 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
         shape=shape, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
         token_weighted=token_weighted, val=val,
-        autocast=autocast_context(precision, device), checkpointer=checkpointer, start=start,
+        autocast=autocast_context(precision, device), checkpoints=checkpoints, start=start,
         meter=meter, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
-        stop=StopRequest(cfg.launch.stop_grace_s), zero_stage=cfg.parallel.zero_stage, scaler=scaler,
-        precision=precision,
+        stop=StopRequest(cfg.launch.stop_grace_s), scaler=scaler, precision=precision, hooks=hooks,
     )
 
 
@@ -165,33 +162,25 @@ def resume_target(configured: str | None) -> str | None:
     return configured
 
 
-def resume(
-    checkpointer: Checkpointer, resume_from: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR, batches: MicroBatches | StreamedBatches, shape: BatchShape, scaler: LossScaler | None = None,
-) -> int:
-    """Load the checkpoint ``train.resume`` names (if any) into the parts; returns the step to continue after."""
-    checkpointer.remove_partial()
-    checkpointer.refuse_overwrite(resume_from)
-    path = checkpointer.resolve(resume_from)
-    if path is None:
-        if resume_from == "auto":
-            log.info("train.resume=auto: no checkpoint in %s, starting from step 0", checkpointer.root)
-        return 0
-    state = checkpointer.load(path, model, optimizer)
-    scheduler.load_state_dict(state.scheduler)
-    batches.load_state_dict({"epoch": state.epoch, "position": state.samples_in_epoch, "stream": state.stream})
-    if scaler is not None and state.grad_scaler is not None:
-        scaler.load_state_dict(state.grad_scaler)
-    elif scaler is not None:
-        log.warning("the checkpoint has no loss scale (not trained in fp16): starting from the initial scale")
-    if state.world_size != shape.dp:
-        log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
-                    shape.dp, state.world_size, shape.grad_accum, shape.global_batch_size)
-    if state.global_batch_size != shape.global_batch_size:
-        log.warning("the checkpoint trained with a global batch of %d; continuing with %d",
-                    state.global_batch_size, shape.global_batch_size)
-    log.info("resumed from %s at step %d", path, state.step)
-    return state.step
+class RunShape:
+    """The batch a run trains with, recorded in every checkpoint; a resumed run says what changed since."""
+
+    def __init__(self, shape: BatchShape, zero_stage: int) -> None:
+        self.shape = shape
+        self.zero_stage = zero_stage
+
+    def state_dict(self) -> dict[str, int]:
+        return {"world_size": self.shape.dp, "global_batch_size": self.shape.global_batch_size,
+                "zero_stage": self.zero_stage}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        shape = self.shape
+        if saved["world_size"] != shape.dp:
+            log.warning("resuming on %d ranks from a checkpoint of %d: grad_accum %d keeps the global batch of %d",
+                        shape.dp, saved["world_size"], shape.grad_accum, shape.global_batch_size)
+        if saved["global_batch_size"] != shape.global_batch_size:
+            log.warning("the checkpoint trained with a global batch of %d; continuing with %d",
+                        saved["global_batch_size"], shape.global_batch_size)
 
 
 def autocast_context(precision: Precision, device: torch.device) -> AbstractContextManager:

@@ -18,22 +18,18 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
-from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure, trainable_line
-from ddptrain.parallel.zero import shard_group_size
+from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure
 from ddptrain.plan.own_peak import MeasuredPeak, memory_peak, planned_peak
 from ddptrain.plan.own_run import predict_own_step
-from ddptrain.plan.planner import FP32, MIXED_BF16
-from ddptrain.runtime.faults import delay, inject, poison_loss
 from ddptrain.runtime.process_group import DistEnv, main_only
 from ddptrain.telemetry.profile import StepProfiler
-from ddptrain.telemetry.timers import device_clock
 from ddptrain.train.components import Components, build_components
 from ddptrain.train.control import NonFiniteError, NonFiniteSteps, Stopped, agree, guard_loss, poisoned
+from ddptrain.train.first_step import FirstStep
 from ddptrain.train.step import accumulate_gradients, apply_update, clip_gradients, evaluate, global_mean
-from ddptrain.train.summary import report_model_state, summarise
+from ddptrain.train.summary import summarise
 
 log = logging.getLogger("ddptrain")
 
@@ -42,103 +38,111 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     """Train on this rank (every rank runs this alike); returns the run's summary, which rank 0 also writes to
     ``summary.json``."""
     c = build_components(cfg, env, device, run_dir, resolved)
-    shape, model, meter = c.shape, c.model, c.meter
+    meter, hooks = c.meter, c.hooks
     history: list[dict[str, Any]] = []
-    model_state: dict[str, Any] = {}
-    skipped = 0
+    skipped = 0  # updates skipped for a non-finite loss or gradient, as the checks learned of them
     nonfinite_steps = NonFiniteSteps(device)
-    compile_s: float | None = None
-    measured_peak = MeasuredPeak(device, model, c.optimizer, c.start + 1, cfg.parallel.zero_stage)
-    first_step_start = device_clock(device)  # sync point (CUDA): once, so the first step's time is its own
+    measured_peak = MeasuredPeak(device, c.model, c.optimizer, c.start + 1, cfg.parallel.zero_stage)
+    first = FirstStep(c, cfg, env, device)
     with closing(c.sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(c.start + 1, cfg.train.steps + 1):
             meter.start_step(step)
             measured_peak.begin(step)
-            delay(step, env.rank, meter.timer.phase)
-            guard = poisoned if poison_loss(step, env.rank) else guard_loss
-            try:
-                loss = accumulate_gradients(c.wrapped.module, c.batches, shape.grad_accum, c.wrapped.maybe_sync,
-                                            c.autocast, meter.timer, c.token_weighted, guard, c.scale_loss)
-            except RuntimeError as exc:
-                if cfg.model.checkpoint_reentrant:
-                    raise reentrant_failure(exc) from exc
-                raise
-            if step == c.start + 1:
-                c.probe.after_backward()
-            log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
-            save_step = step == cfg.train.steps or _every(step, cfg.checkpoint.every_n_steps)
+            hooks.step_started(step, meter.timer.phase)
+            loss = forward_backward(c, cfg, step)
+            first.after_backward(step)
+            last = step == cfg.train.steps
+            log_step = step % cfg.train.log_every == 0 or last
             stopping = 0  # the agreed signal number; 0: go on
             with meter.timer.phase("optimizer"):
-                if c.scaler is not None:
-                    c.scaler.unscale(c.optimizer)  # fp16: true gradients before the norm and clipping
-                grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
-                nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
-                apply_update(c.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
-                if c.scaler is not None:
-                    c.scaler.update(nonfinite)  # fp16: an overflow is a back-off of the scale, not a nan_policy event
-                else:
-                    nonfinite_steps.record(nonfinite, step)
+                grad_norm = update(c, cfg, nonfinite_steps, step)
                 measured_peak.end(step)
-                if log_step or save_step or step % cfg.train.check_every == 0:
+                if log_step or c.checkpoints.due(step, last) or step % cfg.train.check_every == 0:
                     WHEREABOUTS.at("check")
                     # sync point: one small all-reduce and host read per check, never on the other steps
-                    stopping, count, first = agree(c.stop.signum, nonfinite_steps)
-                    skipped += settle_nonfinite(count, first, step, cfg.train.nan_policy)
+                    stopping, count, first_nonfinite = agree(c.stop.signum, nonfinite_steps)
+                    skipped += settle_nonfinite(count, first_nonfinite, step, cfg.train.nan_policy)
             sample, ratio = c.wrapped.take_sync_sample(env.world_size, meter.timer.active)
             meter.end_step(sample, ratio)
-            if cfg.train.compile and step == c.start + 1:
-                compile_s = device_clock(device) - first_step_start  # sync point (CUDA): the first step only
-                log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)", compile_s)
-                if not log_step:
-                    meter.restart_window()
+            first.after_step(step, sample, log_step)
             if measured_peak.slows(step) and not log_step:
                 meter.restart_window()  # the CPU memory tracker's step: kept out of throughput, like compilation
-            if step == c.start + 1:
-                log.info("%s", trainable_line(c.trainable, c.n_params, sample.payload_bytes if sample else None))
-                c.probe.after_step(c.optimizer)
-                # sync point: every rank's measured model state is gathered, once
-                model_state = report_model_state(
-                    c.probe, c.n_params, env.world_size, cfg.parallel.zero_stage,
-                    shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
-                    MIXED_BF16 if c.precision == Precision.bf16 else FP32, c.trainable)
             lr = c.scheduler.get_last_lr()[0]
             c.scheduler.step()
             profiler.step()
             WHEREABOUTS.at("after the update")
-            inject("step", step, env.rank)
-            if stopping or save_step:  # sync point: a save's barriers (all of its write, unless async)
-                WHEREABOUTS.at("save")
-                c.save(step, wait=bool(stopping) or step == cfg.train.steps)  # the last save is committed before exit
+            hooks.step_ended(step)
+            c.checkpoints.maybe_save(step, last=last, stop=bool(stopping))  # the last save is committed before exit
             if stopping:
                 c.stop.restore()
                 raise Stopped(f"stopped by {signal.Signals(stopping).name} after step {step}; checkpoint saved "
-                              f"in {c.checkpointer.root}; continue with train.resume=auto", stopping)
-            if not log_step:
-                continue
-            # sync points: the loss mean (an all-reduce), the gradient norm's host read, the straggler gather
-            WHEREABOUTS.at("loss mean")
-            metrics = meter.window(step, global_mean(loss), lr, float(grad_norm))
-            metrics["skipped_steps"] = skipped
-            if c.scaler is not None:
-                metrics.update(c.scaler.window())
-            metrics.update(c.stragglers.window(metrics))
-            if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
-                metrics["val_loss"] = evaluate(model, c.val, c.autocast, device)
-            c.sinks.log(metrics)
-            history.append(metrics)
-            meter.restart_window()
+                              f"in {c.checkpoints.root}; continue with train.resume=auto", stopping)
+            if log_step:
+                history.append(log_window(c, cfg, device, step, loss, lr, grad_norm, skipped))
     c.stop.restore()
     if cfg.checkpoint.export:
         export_model(c, cfg, run_dir)
-    summary = summarise(history, shape, c.n_params, c.flops_per_token, meter.peak, cfg, model_state,
+    return write_summary(c, cfg, env, device, run_dir, history, first, measured_peak)
+
+
+def forward_backward(c: Components, cfg: Config, step: int) -> torch.Tensor:
+    """Step ``step``'s micro batches through forward and backward, the gradient sync included; the mean loss."""
+    guard = poisoned if c.hooks.poisons_loss(step) else guard_loss
+    try:
+        return accumulate_gradients(c.wrapped.module, c.batches, c.shape.grad_accum, c.wrapped.maybe_sync,
+                                    c.autocast, c.meter.timer, c.token_weighted, guard, c.scale_loss)
+    except RuntimeError as exc:
+        if cfg.model.checkpoint_reentrant:
+            raise reentrant_failure(exc) from exc
+        raise
+
+
+def update(c: Components, cfg: Config, nonfinite_steps: NonFiniteSteps, step: int) -> torch.Tensor:
+    """Clip and apply the update, skipped on the device (alike on every rank) when the gradients are non-finite;
+    returns the gradient norm. No host read here: the non-finite verdict waits for the next check."""
+    model = c.model
+    if c.scaler is not None:
+        c.scaler.unscale(c.optimizer)  # fp16: true gradients before the norm and clipping
+    grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
+    nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
+    apply_update(c.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
+    if c.scaler is not None:
+        c.scaler.update(nonfinite)  # fp16: an overflow is a back-off of the scale, not a nan_policy event
+    else:
+        nonfinite_steps.record(nonfinite, step)
+    return grad_norm
+
+
+def log_window(c: Components, cfg: Config, device: torch.device, step: int, loss: torch.Tensor, lr: float,
+               grad_norm: torch.Tensor, skipped: int) -> dict[str, Any]:
+    """A logging step: the window's metrics (validation loss on evaluation steps) to the sinks; returns them."""
+    # sync points: the loss mean (an all-reduce), the gradient norm's host read, the straggler gather
+    WHEREABOUTS.at("loss mean")
+    metrics = c.meter.window(step, global_mean(loss), lr, float(grad_norm))
+    metrics["skipped_steps"] = skipped
+    if c.scaler is not None:
+        metrics.update(c.scaler.window())
+    metrics.update(c.stragglers.window(metrics))
+    if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
+        metrics["val_loss"] = evaluate(c.model, c.val, c.autocast, device)
+    c.sinks.log(metrics)
+    c.meter.restart_window()
+    return metrics
+
+
+def write_summary(c: Components, cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
+                  history: list[dict[str, Any]], first: FirstStep, measured_peak: MeasuredPeak) -> dict[str, Any]:
+    """The run's summary, with its own predicted step and memory peak; rank 0 writes ``summary.json``."""
+    meter = c.meter
+    summary = summarise(history, c.shape, c.n_params, c.flops_per_token, meter.peak, cfg, first.model_state,
                         c.wrapped.strategy, c.trainable, meter.buckets)
     summary["predicted"].update(predict_own_step(summary, cfg.plan, device.type, env.num_nodes))
-    if compile_s is not None:
-        summary["compile_s"] = compile_s
+    if first.compile_s is not None:
+        summary["compile_s"] = first.compile_s
     if c.scaler is not None:
         summary.update(c.scaler.window())  # this rank's final scale and back-offs (the same on every rank)
     if env.is_main:  # a trace of seconds for a small model; every rank plans the same, so rank 0 alone does
-        vocab = model.get_input_embeddings().weight.shape[0]
+        vocab = c.model.get_input_embeddings().weight.shape[0]
         planned = planned_peak(cfg, env.world_size, device, vocab, c.n_params)
         summary["memory_peak"] = memory_peak(planned, measured_peak, cfg.train.steps)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -167,8 +171,8 @@ def export_model(c: Components, cfg: Config, run_dir: Path) -> None:
         main_only(lambda: export_adapter_and_merged(c.model, cfg.model, c.tokenizer, run_dir),
                   cfg.checkpoint.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
     else:
-        c.checkpointer.export(c.model, lambda: AutoModelForCausalLM.from_config(c.model.config), c.tokenizer,
-                              run_dir / "model")
+        c.checkpoints.checkpointer.export(c.model, lambda: AutoModelForCausalLM.from_config(c.model.config),
+                                          c.tokenizer, run_dir / "model")
 
 
 def _every(step: int, period: int) -> bool:

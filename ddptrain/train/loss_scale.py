@@ -10,11 +10,14 @@ overflow is the scaler's normal back-off (the scale halves), counted in ``scaler
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch.amp import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+log = logging.getLogger("ddptrain")
 
 
 class LossScaler:
@@ -44,6 +47,9 @@ class LossScaler:
         return {**self.scaler.state_dict(), "backoffs": int(self.backoffs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            log.warning("the checkpoint has no loss scale (not trained in fp16): starting from the initial scale")
+            return
         state = dict(state)
         self.backoffs.fill_(state.pop("backoffs"))
         self.scaler.load_state_dict(state)

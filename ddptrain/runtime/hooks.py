@@ -1,0 +1,28 @@
+"""Points in a run where something outside training may act: a step's start and end, its loss, a save's commit.
+
+``StepHooks`` does nothing at each point; the loop and the checkpointer are given an instance and call it,
+without knowing what a subclass does there. Fault injection for the reliability tests
+(``ddptrain/testing/faults.py``) is the one subclass today.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+
+class StepHooks:
+    """Every point a no-op: what a run without hooks is given."""
+
+    def step_started(self, step: int, phase: Callable[[str], AbstractContextManager]) -> None:
+        """Before step ``step`` reads its data; ``phase`` is the step timer's (time spent here counts in it)."""
+
+    def poisons_loss(self, step: int) -> bool:
+        """True when this rank's loss of ``step`` must be made non-finite before its backward."""
+        return False
+
+    def step_ended(self, step: int) -> None:
+        """After step ``step``'s update and learning-rate step, before its checkpoint."""
+
+    def before_commit(self, step: int) -> None:
+        """While the checkpoint of ``step`` is written (or being written in the background) and not committed."""
