@@ -33,7 +33,10 @@ from ddptrain.plan.overlap import SyncTimeline, sync_timeline
 class HostTerms(Protocol):
     """What ranks sharing one host's cores change in a step beyond the α–β link and the measured compute."""
 
-    contention: float  # compute time with every rank computing at once / one rank alone
+    @property
+    def contention(self) -> float:
+        """Compute time with every rank computing at once over one rank's alone."""
+        ...
 
     def wait_s(self, compute_s: float) -> float:
         """The mean wait for the slowest rank, beyond the calibration's own skew, after ``compute_s`` of compute."""
