@@ -1,11 +1,12 @@
-"""Measure this process group for the what-if predictor: the α–β fit of its all-reduce and the host terms.
+"""Measure this process group for the what-if predictor: the α–β fit of its all-reduce and the CPU host fit.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 scripts/bench_collectives.py
 
-prints α and the bus bandwidth B, how much the ranks slow each other's compute (contention), what an in-flight
-collective takes from compute (steal), the wait for the slowest rank (skew) and α, B of all-reduces that run
-beside compute (the busy link), then the ``plan.*`` overrides that feed them to
-``launch.dry_run=true plan.from_run=...``. ``--json PATH`` also writes them as one record.
+prints α and the bus bandwidth B, then the ``plan.*`` overrides that feed the link to
+``launch.dry_run=true plan.from_run=...``. It also prints the CPU host fit (``cpu_host_fit.py``: how much the
+ranks slow each other's compute, what an in-flight collective takes from compute, the wait for the slowest rank
+and α, B of all-reduces that run beside compute), which only ``scripts/validate_predictor.py`` uses: ranks that
+share CPU cores with gloo need it, a GPU per rank does not. ``--json PATH`` also writes both as one record.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import json
 from pathlib import Path
 
 import torch.distributed as dist
+from cpu_host_fit import measure_host  # this directory's module (a script's directory is on sys.path)
 
-from ddptrain.comm.hostfit import measure_host
 from ddptrain.plan.linkfit import measure_link
 
 
@@ -32,12 +33,12 @@ def main() -> None:
     host = measure_host(repeats=args.host_repeats)
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks ({dist.get_backend()}): α {link.latency_us:.1f} µs per hop, "
-              f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s; contention x{host.contention:.2f}, "
+              f"bus bandwidth {link.bandwidth_gbps:.3f} GB/s; CPU host fit: contention x{host.contention:.2f}, "
               f"steal {host.steal_us_per_mb:.0f} µs/MB, wait {host.skew_us:.0f} µs + {host.skew:.1%} of compute; "
               f"beside compute: α "
               f"{host.busy_latency_us:.1f} µs, {host.busy_bandwidth_gbps:.3f} GB/s, queued behind one in flight α "
               f"{host.queued_latency_us:.1f} µs")
-        print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f} {host.overrides()}")
+        print(f"plan.latency_us={link.latency_us:.2f} plan.bandwidth_gbps={link.bandwidth_gbps:.4f}")
         if args.json:
             args.json.write_text(json.dumps({"link": dataclasses.asdict(link), "host": dataclasses.asdict(host)}))
     dist.barrier()

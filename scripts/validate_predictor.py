@@ -5,8 +5,9 @@ Weak scaling, as the predictor models it: the 2-rank runs keep each rank's work 
     PYTHONPATH=. python scripts/validate_predictor.py --repeats 3   # on a machine with nothing else running
 
 Each repeat measures the process group first (``scripts/bench_collectives.py`` on 2 gloo ranks: the α–β link
-and the host terms), then runs every configuration on 1 rank and on 2 ranks; each 2-rank run is predicted from
-that repeat's 1-rank run and measurement, never from its own communication times. Every worker gets one thread,
+and the CPU host fit of ``scripts/cpu_host_fit.py``, the predictor's host terms for ranks sharing 2 cores), then
+runs every configuration on 1 rank and on 2 ranks; each 2-rank run is predicted from that repeat's 1-rank run
+and measurement, never from its own communication times. Every worker gets one thread,
 as each of 2 ranks would on 2 cores. Prints a markdown table of medians (predicted vs measured step and exposed
 communication), what each modelled term added to the prediction, and each phase's time on 1 and 2 ranks.
 """
@@ -22,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ddptrain.comm.hostfit import HostFit
+from cpu_host_fit import HostFit  # this directory's module (a script's directory is on sys.path)
+
 from ddptrain.plan import Calibration, Layout, predict
 from ddptrain.plan.planner import Link
 

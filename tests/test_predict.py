@@ -1,18 +1,20 @@
-"""The what-if predictor: α–β all-reduce over node layouts, per-bucket overlap, the host terms, the link and host
-fits, calibration, every run's self-prediction, the dry run and the H100 anchor script."""
+"""The what-if predictor: α–β all-reduce over node layouts, per-bucket overlap, the rank skew from telemetry, the
+link fit, calibration, every run's self-prediction, the dry run, the H100 anchor script, and the validation
+scripts' CPU host fit (scripts/cpu_host_fit.py: the host terms of ranks sharing CPU cores)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import runpy
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import astuple, fields, replace
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from ddptrain.comm.hostfit import HostFit, measure_host
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
 from ddptrain.plan import Calibration, Layout, allreduce_seconds, predict, sync_timeline
@@ -24,6 +26,19 @@ from tests.dist import run_distributed
 from tests.runs import train_each
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script_module(name: str) -> ModuleType:
+    """A module of scripts/ under its own name (how the scripts import it; a HostFit pickles by that name)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cpu_host_fit = _script_module("cpu_host_fit")
+HostFit, contended_timeline = cpu_host_fit.HostFit, cpu_host_fit.contended_timeline
 NVLINK = Link("nvlink", 100.0, 2.0, "test")
 IB = Link("ib", 10.0, 10.0, "test")
 MB = 10**6
@@ -56,24 +71,28 @@ def test_collectives_beside_compute_steal_from_it_and_run_on_the_busy_link() -> 
     one_ms, two_ms = (lambda nbytes: 1e-3), (lambda nbytes: 2e-3)
     # one 1 ms all-reduce of 1 byte, 1 ms of compute per byte, ready 10 ms before the end; it takes 2 ms
     # beside compute: backward does 1 ms of work meanwhile, so it ends 1 ms late; nothing exposed
-    hidden = sync_timeline([(10e-3, 1)], one_ms, steal_s_per_byte=1e-3, busy_seconds=two_ms)
+    hidden = contended_timeline([(10e-3, 1)], one_ms, steal_s_per_byte=1e-3, busy_seconds=two_ms)
     assert (hidden.exposed_s, hidden.comm_s, hidden.stolen_s) == pytest.approx((0.0, 2e-3, 1e-3))
     # three ready 1.5 ms before the end: backward's last 1.5 ms take 3 ms, in which 1.5 ms of the 3 ms of
     # all-reduce get done; the other 1.5 ms run after backward at full speed
-    tail = sync_timeline([(1.5e-3, 1)] * 3, one_ms, steal_s_per_byte=1e-3, busy_seconds=two_ms)
+    tail = contended_timeline([(1.5e-3, 1)] * 3, one_ms, steal_s_per_byte=1e-3, busy_seconds=two_ms)
     assert (tail.exposed_s, tail.comm_s, tail.stolen_s) == pytest.approx((1.5e-3, 4.5e-3, 1.5e-3))
-
+    # without a busy link or steal it is the product's timeline
+    for buckets in ([(10e-3, 1)], [(1.5e-3, 1)] * 3, [(5e-3, 1), (0.0, 1)]):
+        for wait in (0.0, 2e-3):
+            got, product = contended_timeline(buckets, one_ms, wait=wait), sync_timeline(buckets, one_ms, wait=wait)
+            assert astuple(got) == pytest.approx(astuple(product), abs=1e-15)
 
 
 def test_only_a_collective_that_starts_on_an_idle_queue_pays_the_wake_up() -> None:
     one_ms, three_ms, two_ms = (lambda nbytes: 1e-3), (lambda nbytes: 3e-3), (lambda nbytes: 2e-3)
     # three buckets ready 10 ms before the end, beside compute: the first wakes the thread (3 ms), the two queued
     # behind it find it awake (2 ms each): 7 ms in flight, all hidden, instead of 9 ms for three lone ones
-    queued = sync_timeline([(10e-3, 1)] * 3, one_ms, busy_seconds=three_ms, queued_seconds=two_ms)
+    queued = contended_timeline([(10e-3, 1)] * 3, one_ms, busy_seconds=three_ms, queued_seconds=two_ms)
     assert (queued.exposed_s, queued.comm_s) == pytest.approx((0.0, 7e-3))
-    assert sync_timeline([(10e-3, 1)] * 3, one_ms, busy_seconds=three_ms).comm_s == pytest.approx(9e-3)
+    assert contended_timeline([(10e-3, 1)] * 3, one_ms, busy_seconds=three_ms).comm_s == pytest.approx(9e-3)
     # the second is ready 5 ms after the first, which finished at 3 ms: the queue was idle, it wakes it again
-    apart = sync_timeline([(10e-3, 1), (5e-3, 1)], one_ms, busy_seconds=three_ms, queued_seconds=two_ms)
+    apart = contended_timeline([(10e-3, 1), (5e-3, 1)], one_ms, busy_seconds=three_ms, queued_seconds=two_ms)
     assert apart.comm_s == pytest.approx(6e-3)
 
 
@@ -85,14 +104,10 @@ def test_the_predictor_charges_queued_buckets_the_idle_latency_on_the_busy_bandw
     # the first: 2 hops of the busy α + 100 kB at 0.05 GB/s = 12 ms; each queued one: 2 hops of the idle α + the
     # same bytes = 2.2 ms; 18.6 ms in all, hidden behind the 30 ms of backward left
     assert (got.exposed_s, got.comm_s) == pytest.approx((0.0, 18.6e-3))
-    # four lone ones (12 ms each) would leave half of the third's bytes and all of the fourth's after backward,
-    # at the idle 1.2 ms each: 1.8 ms exposed, which queueing saves
-    assert got.terms["queued_s"] == pytest.approx(-1.8e-3)
-    # a measured queued α as long as the busy one: queueing saves nothing
+    # a measured queued α as long as the busy one: four lone ones (12 ms each) leave half of the third's bytes and
+    # all of the fourth's after backward, at the idle 1.2 ms each: 1.8 ms exposed, which queueing saves
     same = predict(cal, Layout(2, 1, SLOW, SLOW), replace(host, queued_latency_us=5000.0))
-    assert same.terms["queued_s"] == 0.0 and same.exposed_s == pytest.approx(1.8e-3)
-
-
+    assert same.exposed_s == pytest.approx(1.8e-3)
 
 CAL = Calibration(1, 8, 4, 2, 64, micro_step_s=0.1, optimizer_s=0.01, buckets=[(0.05, 10**6), (0.0, 10**6)],
                   buckets_measured=True)
@@ -112,7 +127,7 @@ def test_contention_scales_compute_and_the_buckets_readiness() -> None:
     assert predict(late, Layout(2, 1, SLOW, SLOW), HostFit(contention=1.5)).exposed_s == 0.0
 
 
-# Every host term of the config, moved from a base with a busy link and four 100 kB buckets that queue, hidden
+# Every term of the CPU host fit, moved from a base with a busy link and four 100 kB buckets that queue, hidden
 # behind backward until a term grows.
 HOST_BASE = {"busy_latency_us": 5000.0, "busy_bandwidth_gbps": 0.05}
 HOST_MOVED = {"contention": 1.5, "steal_us_per_mb": 2000.0, "busy_latency_us": 10_000.0, "busy_bandwidth_gbps": 0.02,
@@ -120,30 +135,46 @@ HOST_MOVED = {"contention": 1.5, "steal_us_per_mb": 2000.0, "busy_latency_us": 1
 
 
 @pytest.mark.parametrize("term", sorted(HOST_MOVED))
-def test_every_plan_host_term_moves_the_predicted_step(term: str) -> None:
+def test_every_host_term_moves_the_predicted_step(term: str) -> None:
     assert {f.name for f in fields(HostFit)} == set(HOST_MOVED)  # a new host term is tested here too
     cal = replace(CAL, buckets=[(0.02, 10**5)] * 4)
-
-    def step(plan: PlanConfig, together: bool) -> float:
-        host = HostFit.from_plan(plan, compute_measured_together=together)
-        return predict(cal, Layout(2, 1, SLOW, SLOW), host).step_s
-
-    base, moved = PlanConfig(**HOST_BASE), PlanConfig(**{**HOST_BASE, term: HOST_MOVED[term]})
-    assert getattr(HostFit.from_plan(moved), term) == HOST_MOVED[term]
-    assert step(moved, together=False) > step(base, together=False)
-    if term in ("contention", "steal_us_per_mb"):  # a run's own compute already holds them: not applied twice
-        assert step(moved, together=True) == step(base, together=True)
-    else:
-        assert step(moved, together=True) > step(base, together=True)
+    base, moved = HostFit(**HOST_BASE), HostFit(**{**HOST_BASE, term: HOST_MOVED[term]})
+    assert predict(cal, Layout(2, 1, SLOW, SLOW), moved).step_s > predict(cal, Layout(2, 1, SLOW, SLOW), base).step_s
 
 
-def test_skew_waits_for_the_slowest_rank_in_the_exposed_sync() -> None:
+def test_no_host_terms_is_a_neutral_host_fit() -> None:
+    """The product predicts without host terms (a device per rank); the fit's defaults change nothing."""
+    for cal in (CAL, replace(CAL, skew=0.1), replace(CAL, buckets=[(0.02, 10**5)] * 4, hook_s=1e-3)):
+        for layout in (Layout(2, 1, SLOW, SLOW), Layout(16, 2, NVLINK, IB)):
+            plain, neutral = predict(cal, layout), predict(cal, layout, HostFit())
+            assert (plain.compute_s, plain.exposed_s, plain.comm_s) == pytest.approx(
+                (neutral.compute_s, neutral.exposed_s, neutral.comm_s), abs=1e-15)
+            assert plain.terms == pytest.approx(neutral.terms, abs=1e-15)
+
+
+def test_the_rank_skew_the_run_measured_waits_for_the_slowest_rank_in_the_exposed_sync() -> None:
     idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
-    skewed = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(skew=0.1))
+    skewed = predict(replace(CAL, skew=0.1), Layout(2, 1, SLOW, SLOW))
     # the wait is for the compute since the last sync point: the last micro-batch (DDP broadcasts buffers first);
     # the last bucket is ready at the end on an idle queue, so the mean wait over ranks adds to the tail
     assert skewed.exposed_s - idle.exposed_s == pytest.approx(0.1 * CAL.micro_step_s) == skewed.terms["skew_s"]
     assert skewed.compute_s == idle.compute_s
+    # the same on 8 ranks: the mean over ranks of one late rank's lag, 8/7 x the mean wait for the 7 waiting
+    eight = predict(replace(CAL, skew=0.1), Layout(8, 1, SLOW, SLOW))
+    assert eight.terms["skew_s"] == pytest.approx(0.1 * CAL.micro_step_s)
+    # from the summary's telemetry figure: percent of busy time; a summary without it (one rank) has none
+    summary = {"world_size": 2, "global_batch_size": 16, "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
+               "time_data_s": 0.0, "time_forward_s": 0.1, "time_backward_s": 0.1, "time_optimizer_s": 0.01,
+               "parameters": 500_000}
+    assert Calibration.from_summary({**summary, "rank_wait_for_slowest_pct": 10.0}).skew == pytest.approx(0.1)
+    assert Calibration.from_summary(summary).skew == 0.0
+
+
+def test_the_host_fits_wait_adds_to_the_measured_skew() -> None:
+    host = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(skew=0.1))
+    assert host.terms["skew_s"] == pytest.approx(0.1 * CAL.micro_step_s)
+    both = predict(replace(CAL, skew=0.1), Layout(2, 1, SLOW, SLOW), HostFit(skew=0.1))
+    assert both.terms["skew_s"] == pytest.approx(0.2 * CAL.micro_step_s)
     # the part that does not grow with the compute: the same 4 ms for a 10x longer micro-batch
     for micro in (0.1, 1.0):
         fixed = predict(replace(CAL, micro_step_s=micro), Layout(2, 1, SLOW, SLOW), HostFit(skew_us=4000.0))
@@ -172,8 +203,12 @@ def test_a_late_peer_shifts_the_all_reduces_start_rather_than_adding_to_the_tail
     assert sync_timeline([(0.0, 1)], one_ms, wait=1e-3).exposed_s == pytest.approx(2e-3)
     # ready 2 ms before the end, 4x slower beside compute: a quarter of it done by the end, 0.5 ms exposed; a
     # 1 ms lag leaves 1 ms beside compute, the rest runs after backward at idle speed: 0.75 ms, not 0.5 + 1
-    assert sync_timeline([(2e-3, 1)], one_ms, busy_seconds=four_ms).exposed_s == pytest.approx(0.5e-3)
-    assert sync_timeline([(2e-3, 1)], one_ms, busy_seconds=four_ms, wait=1e-3).exposed_s == pytest.approx(0.75e-3)
+    assert contended_timeline([(2e-3, 1)], one_ms, busy_seconds=four_ms).exposed_s == pytest.approx(0.5e-3)
+    assert contended_timeline([(2e-3, 1)], one_ms, busy_seconds=four_ms, wait=1e-3).exposed_s == pytest.approx(
+        0.75e-3)
+    # on the product's timeline a 1 ms lag behind a bucket ready 2 ms before the end, 1 ms long, hides; 2.5 ms shows
+    assert sync_timeline([(2e-3, 1)], one_ms, wait=1e-3).exposed_s == 0.0
+    assert sync_timeline([(2e-3, 1)], one_ms, wait=2.5e-3).exposed_s == pytest.approx(1.5e-3)
 
 
 def test_the_hook_cost_of_a_one_rank_run_is_charged_per_bucket() -> None:
@@ -187,8 +222,7 @@ def test_the_hook_cost_of_a_one_rank_run_is_charged_per_bucket() -> None:
 
 
 def test_the_busy_link_stays_a_link_when_wake_up_noise_inverts_the_sizes() -> None:
-    from ddptrain.comm.hostfit import _busy_link
-
+    _busy_link = cpu_host_fit._busy_link
     alpha, bandwidth = _busy_link((2**16, 2**22), [1e-3, 5e-3], 2)  # ordered: a line through both points
     assert alpha == pytest.approx((1e-3 - 2**16 * (4e-3 / (2**22 - 2**16))) / 2 * 1e6)
     alpha, bandwidth = _busy_link((2**16, 2**22), [6e-3, 5e-3], 2)  # the small one slower: no negative slope
@@ -252,18 +286,28 @@ def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) ->
     assert bad.returncode == 2 and "plan.from_run=" in bad.stderr and "summary.json" in bad.stderr
 
 
-def test_the_dry_run_predicts_with_the_configs_host_terms(calibration_run: Path) -> None:
+def test_the_dry_run_waits_for_the_slowest_rank_as_the_calibrating_run_measured(calibration_run: Path,
+                                                                                 tmp_path: Path) -> None:
     from ddptrain.plan import what_if
 
-    def rows(**host: float) -> list[str]:
-        text = what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=2, **host), 1)
-        return [line for line in text.splitlines() if " x 8 (" in line]  # the 8- and 16-rank rows
+    summary = json.loads((calibration_run / "summary.json").read_text())
+    assert "rank_wait_for_slowest_pct" in summary  # the one-rank run's telemetry: every rank the slowest
+    skewed = tmp_path / "skewed"
+    skewed.mkdir()
+    (skewed / "summary.json").write_text(json.dumps({**summary, "rank_wait_for_slowest_pct": 200.0}))
 
-    plain, shared = rows(), rows(contention=2.0)
-    assert len(plain) == 3 and all(a != b for a, b in zip(plain, shared, strict=True))
-    # the compute column doubles: "2 nodes x 8 ... | step | compute | ..."
-    compute = lambda row: float(row.split("│")[4].strip().removesuffix(" ms").replace(",", ""))  # noqa: E731
-    assert compute(shared[0]) == pytest.approx(2 * compute(plain[0]), rel=0.02)  # printed to 0.1 ms
+    def report(run: Path) -> tuple[str, list[str]]:
+        text = what_if(PlanConfig(from_run=str(run), world_size=16, nodes=2), 1)
+        return text, [line for line in text.splitlines() if " x 8 (" in line]  # the 8- and 16-rank rows
+
+    (plain_text, plain), (skewed_text, waits) = report(calibration_run), report(skewed)
+    assert "waited 0.0% of their busy time" in plain_text and "waited 200.0%" in skewed_text
+    # "2 nodes x 8 ... | step | compute | comm | exposed |": the compute stays, the exposed sync grows by the wait
+    column = lambda row, i: float(row.split("│")[i].strip().removesuffix(" ms").replace(",", ""))  # noqa: E731
+    micro_ms = Calibration.from_run(str(calibration_run)).micro_step_s * 1e3
+    assert len(plain) == len(waits) == 3
+    for a, b in zip(plain, waits, strict=True):
+        assert column(a, 4) == column(b, 4) and column(b, 6) >= column(a, 6) + micro_ms  # 2 x micro, less rounding
 
 
 def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
@@ -280,23 +324,21 @@ LATE_S = 0.2  # rank 1's extra time per unit of compute in the second host fit: 
 def _train_then_measure_host(rank: int, world_size: int, tmp: str) -> tuple[list[dict], HostFit, HostFit]:
     """One spawned group for three checks: a 2-rank training run, the host fit of the same group, and its fit again
     with rank 1 ``LATE_S`` late to every sync (each of its units of compute that long more)."""
-    import ddptrain.comm.hostfit as hostfit
-
     run = train_each(rank, world_size, tmp, BASE, [{}])
-    fit = measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
-    timed = hostfit._Kernel.timed
+    fit = cpu_host_fit.measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+    timed = cpu_host_fit._Kernel.timed
     if rank == 1:
-        def late(self: hostfit._Kernel, calls: int) -> float:
+        def late(self: object, calls: int) -> float:
             start = time.perf_counter()
             timed(self, calls)
             time.sleep(LATE_S)
             return time.perf_counter() - start
 
-        hostfit._Kernel.timed = late  # type: ignore[method-assign]
+        cpu_host_fit._Kernel.timed = late
     try:
-        return run, fit, measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
+        return run, fit, cpu_host_fit.measure_host(calls=2, repeats=2, sizes=(2**12, 2**20))
     finally:
-        hostfit._Kernel.timed = timed  # type: ignore[method-assign]
+        cpu_host_fit._Kernel.timed = timed
 
 
 @pytest.fixture(scope="module")
@@ -322,8 +364,6 @@ def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dic
         assert fit.busy_bandwidth_gbps is not None and fit.busy_bandwidth_gbps > 0
         assert 0.0 <= fit.skew < 1.0
         assert fit.queued_latency_us is not None and fit.queued_latency_us >= 0.0
-    overrides = two_ranks[0][1].overrides()
-    assert overrides.startswith("plan.contention=") and "plan.busy_bandwidth_gbps=" in overrides
 
 
 def test_every_run_logs_its_predicted_step_next_to_the_measured_one(two_rank_run: dict) -> None:
@@ -337,9 +377,14 @@ def test_every_run_logs_its_predicted_step_next_to_the_measured_one(two_rank_run
     tampered = {**two_rank_run, "time_exposed_comm_s": 9.0, "comm_time_s": 9.0, "time_step_s": 99.0}
     again = predict_own_step(tampered, PlanConfig(), "cpu", 1)
     assert again["step_s"] == pytest.approx(predicted["step_s"]) and again["step_error_pct"] < -50
-    # the configured host terms reach it: a 20 ms wait for the slowest rank at every sync lengthens the step
-    waiting = predict_own_step(two_rank_run, PlanConfig(skew_us=20_000.0), "cpu", 1)
-    assert waiting["step_s"] > predicted["step_s"] + 5e-3
+    # the rank skew is the run's own: its straggler telemetry's figure reaches the summary and the prediction;
+    # two real ranks are never busy for exactly as long
+    assert two_rank_run["rank_wait_for_slowest_pct"] > 0.0
+    level = predict_own_step({**two_rank_run, "rank_wait_for_slowest_pct": 0.0}, PlanConfig(), "cpu", 1)
+    assert level["step_s"] <= predicted["step_s"]
+    waiting = predict_own_step({**two_rank_run, "rank_wait_for_slowest_pct": 200.0}, PlanConfig(), "cpu", 1)
+    micro = Calibration.from_summary(two_rank_run).micro_step_s
+    assert waiting["step_s"] > predicted["step_s"] + micro  # a wait of 2 x the last micro-batch, less its own
     measured = predict_own_step(two_rank_run, PlanConfig(bandwidth_gbps=100.0, latency_us=1.0), "cpu", 1)
     assert measured["link"]["source"].startswith("measured")
     assert measured["exposed_comm_s"] < predicted["exposed_comm_s"]

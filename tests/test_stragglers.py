@@ -9,7 +9,7 @@ import pytest
 
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.topology import check_shared_run_dir
-from ddptrain.telemetry.stragglers import skew
+from ddptrain.telemetry.stragglers import skew, wait_for_slowest_pct
 from tests.dist import run_distributed
 from tests.runs import train_each
 
@@ -43,6 +43,11 @@ def test_a_delayed_rank_is_named_slowest_with_its_cause(tmp_path: Path, phase: s
     assert all(len(m["rank_step_s"]) == len(m["rank_data_s"]) == len(m["rank_compute_s"]) == 2 for m in metrics)
     named = [m["slowest_rank"] == 1 and m["rank_skew_pct"] > 10.0 for m in metrics]
     assert sum(named) > len(named) // 2, [(m["slowest_rank"], m["rank_skew_pct"]) for m in metrics]
+    # what the skew costs, for the predictor: the mean over ranks of the slowest's busy time less their own
+    for m in metrics:
+        busy = [c + d for c, d in zip(m["rank_compute_s"], m["rank_data_s"], strict=True)]
+        assert m["rank_wait_for_slowest_pct"] == pytest.approx(100 * (max(busy) - sum(busy) / 2) / (sum(busy) / 2))
+    assert sum(m["rank_wait_for_slowest_pct"] > 5.0 for m in metrics) > len(metrics) // 2
     # rank 0 waits for rank 1 at the step's first collective (DDP's buffer broadcast): its wait holds the delay
     assert sum(m["rank_wait_s"][0] for m in metrics) > sum(m["rank_wait_s"][1] for m in metrics)
     cause = "data" if phase == "data" else "compute"
@@ -58,6 +63,13 @@ def test_no_straggler_warning_without_a_delay(tmp_path: Path) -> None:
 def test_skew_is_the_slowest_rank_against_the_median() -> None:
     assert skew([1.0, 1.0, 1.5, 1.0]) == (2, 50.0)
     assert skew([2.0, 2.0]) == (0, 0.0)
+
+
+def test_the_wait_for_the_slowest_rank_is_the_mean_over_ranks_of_its_lead() -> None:
+    # three ranks busy 1 s wait 0.5 s each for the one busy 1.5 s, which waits for none: 0.375 s of 1.125 s
+    assert wait_for_slowest_pct([1.0, 1.0, 1.5, 1.0]) == pytest.approx(100 * 0.375 / 1.125)
+    assert wait_for_slowest_pct([1.0, 3.0]) == pytest.approx(50.0) and wait_for_slowest_pct([2.0, 2.0]) == 0.0
+    assert wait_for_slowest_pct([0.0, 0.0]) == 0.0
 
 
 def _check_storage(rank: int, world_size: int, shared: str, private: str) -> str:

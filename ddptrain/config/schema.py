@@ -336,23 +336,6 @@ class PlanConfig:
     nodes: int = 1  # nodes the plan.world_size ranks are spread over (equal ranks per node)
     inter_node: Interconnect = Interconnect.infiniband_ndr  # the link between nodes; plan.interconnect: within one
     hierarchical: bool = True  # multi-node all-reduce: within nodes, then across (false: one flat ring)
-    # Host terms of the what-if predictor, measured by scripts/bench_collectives.py; the defaults are a GPU per
-    # rank with NCCL on its own stream. Compute x contention when ranks share a host; compute speed lost while a
-    # collective is in flight; wait for the slowest rank per unit of compute; the all-reduce link beside compute.
-    contention: float = 1.0
-    steal_us_per_mb: float = 0.0  # compute lost per MB all-reduced beside it
-    skew: float = 0.0  # wait per second of compute since the last sync
-    skew_us: float = 0.0  # the wait's part that does not grow with the compute
-    busy_latency_us: float | None = None  # None: as idle
-    busy_bandwidth_gbps: float | None = None
-    queued_latency_us: float | None = None  # an all-reduce queued behind one in flight beside compute; None: as idle
-
-    def __post_init__(self) -> None:
-        _require(self.contention >= 1 and self.steal_us_per_mb >= 0 and self.skew >= 0 and self.skew_us >= 0
-                 and (self.busy_bandwidth_gbps is None or self.busy_bandwidth_gbps > 0)
-                 and (self.queued_latency_us is None or self.queued_latency_us >= 0),
-                 "expected plan.contention >= 1, plan.steal_us_per_mb, plan.skew, plan.skew_us >= 0, "
-                 "plan.busy_bandwidth_gbps > 0 and plan.queued_latency_us >= 0")
 
 
 @dataclass

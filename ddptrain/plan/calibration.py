@@ -26,6 +26,9 @@ class Calibration:
     # Per-bucket cost of the sync's own work beside the collective (DDP's hook: the division by the world size,
     # the future and its callback), timed where the collective itself is free: a 1-rank run. 0 otherwise.
     hook_s: float = 0.0
+    # The mean wait for the slowest rank per second of busy time, from the run's straggler telemetry
+    # (``rank_wait_for_slowest_pct``): 0 on one rank, or from a run that predates that figure.
+    skew: float = 0.0
 
     @classmethod
     def from_summary(cls, s: dict[str, Any]) -> Calibration:
@@ -38,7 +41,8 @@ class Calibration:
         alone = s["world_size"] == 1 and measured and s.get("comm_time_s") is not None
         return cls(s["world_size"], s["global_batch_size"], s["micro_batch_size"], s["grad_accum"], s["seq_len"],
                    micro, s["time_optimizer_s"], buckets, measured,
-                   s["comm_time_s"] / len(buckets) if alone else 0.0)
+                   s["comm_time_s"] / len(buckets) if alone else 0.0,
+                   float(s.get("rank_wait_for_slowest_pct", 0.0)) / 100)
 
     @classmethod
     def from_run(cls, run_dir: str) -> Calibration:

@@ -4,8 +4,8 @@ measured one, in ``summary.json``'s ``predicted`` record.
 The prediction reads the run's compute phases and bucket profile, never its measured communication times; the
 link is the measured one when ``plan.bandwidth_gbps`` (and ``plan.latency_us``) are set, otherwise the preset of
 ``plan.interconnect`` on GPUs or, for gloo on CPU, ``GLOO_LOOPBACK``. The compute was measured with the run's
-own ranks beside each other, so contention and steal are already in it; ``plan.skew``/``plan.skew_us`` and the busy link
-(``plan.busy_latency_us``/``plan.busy_bandwidth_gbps``) apply as configured.
+own ranks beside each other, so whatever they took from each other is already in it; the wait for the slowest
+rank is the one the run's own straggler telemetry measured.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ddptrain.comm.hostfit import HostFit
 from ddptrain.config.schema import PlanConfig
 from ddptrain.plan.calibration import Calibration
 from ddptrain.plan.layout import Layout
@@ -54,7 +53,7 @@ def predict_own_step(summary: dict[str, Any], plan: PlanConfig, device_type: str
     link, source = own_link(plan, device_type)
     layout = Layout(summary["world_size"], nodes, link, preset_link("plan.inter_node", plan.inter_node),
                     plan.hierarchical)
-    p = predict(cal, layout, HostFit.from_plan(plan, compute_measured_together=True))
+    p = predict(cal, layout)
     measured_exposed = summary.get("time_exposed_comm_s")
     return {
         "step_s": p.step_s,

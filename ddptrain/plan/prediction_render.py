@@ -7,7 +7,6 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from ddptrain.comm.hostfit import HostFit
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
 from ddptrain.plan.calibration import Calibration
@@ -16,27 +15,22 @@ from ddptrain.plan.planner import chosen_link, preset_link
 from ddptrain.plan.predictor import predict
 
 
-def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout], host: HostFit | None = None) -> str:
+def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout]) -> str:
     """A table of predicted step time, exposed communication, tokens/s and scaling efficiency per layout."""
-    host = host or HostFit()
     single = predict(cal, Layout(1, 1, layouts[0].intra, layouts[0].inter))
     out = Console(file=io.StringIO(), width=160, record=True, color_system=None)
     where = "measured" if cal.buckets_measured else "not measured: one bucket of 4 bytes/parameter, no overlap"
     out.print(f"Calibrated from {run_dir} ({cal.world_size} rank(s)): {cal.micro_step_s * 1e3:.1f} ms compute per "
               f"micro-batch, optimizer {cal.optimizer_s * 1e3:.1f} ms, {len(cal.buckets)} gradient bucket(s) "
               f"of {sum(n for _, n in cal.buckets) / 1e6:.2f} MB ({where}), hook {cal.hook_s * 1e3:.2f} ms per bucket")
-    busy = "the link's own" if host.busy_bandwidth_gbps is None else (
-        f"{host.busy_bandwidth_gbps:g} GB/s, α {host.busy_latency_us:g} µs, queued α "
-        f"{'as idle' if host.queued_latency_us is None else f'{host.queued_latency_us:g} µs'}")
-    out.print(f"Host terms: contention x{host.contention:g}, steal {host.steal_us_per_mb:g} µs/MB, wait "
-              f"{host.skew_us:g} µs + {host.skew:g} x compute, all-reduce beside compute {busy} "
-              "(plan.contention/steal_us_per_mb/skew/skew_us/busy_*)")
+    out.print(f"Rank skew: the ranks waited {cal.skew:.1%} of their busy time for the slowest one (the run's "
+              "straggler telemetry; none on one rank)")
     table = Table(title=f"Predicted with {cal.micro_batch_size} x {cal.grad_accum} sequences per rank per step "
                         "(weak scaling)")
     for column in ("layout", "global batch", "step", "compute", "comm", "exposed", "tokens/s", "efficiency"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for layout in layouts:
-        p = predict(cal, layout, host)
+        p = predict(cal, layout)
         table.add_row(layout.describe(), str(p.batch.global_batch_size), f"{p.step_s * 1e3:,.1f} ms",
                       f"{p.compute_s * 1e3:,.1f} ms", f"{p.comm_s * 1e3:,.2f} ms", f"{p.exposed_s * 1e3:,.2f} ms",
                       f"{p.tokens_per_s:,.0f}", f"{p.tokens_per_s / (layout.world_size * single.tokens_per_s):.1%}")
@@ -61,4 +55,4 @@ def what_if(cfg: PlanConfig, launch_world_size: int) -> str:
     layouts += [Layout(per_node * m, m, intra, inter, cfg.hierarchical) for m in nodes]
     if cfg.nodes > 1:
         layouts.append(Layout(world_size, cfg.nodes, intra, inter, not cfg.hierarchical))
-    return render_prediction(cal, cfg.from_run, layouts, HostFit.from_plan(cfg))
+    return render_prediction(cal, cfg.from_run, layouts)

@@ -7,7 +7,9 @@ the others spend that difference waiting in the gradient collectives. Each windo
 ``metrics.straggler_pct`` in most of the last ``metrics.straggler_windows`` windows gets one warning naming
 its rank, host, and the cause: data (its loader) or compute (its device), whichever exceeds the median more.
 Waiting is what the other ranks do meanwhile (``rank_wait_s``); when every rank waits alike, the skew stays
-low and the time lost is the network's, not a rank's.
+low and the time lost is the network's, not a rank's. ``rank_wait_for_slowest_pct`` is what the skew costs: the
+mean over ranks of the slowest rank's busy time less their own, in percent of their mean busy time; the what-if
+predictor takes its rank skew from it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ def skew(busy: list[float]) -> tuple[int, float]:
     return slowest, (100.0 * (busy[slowest] - median) / median if median > 0 else 0.0)
 
 
+def wait_for_slowest_pct(busy: list[float]) -> float:
+    """How long the ranks wait for the slowest one, on average, in percent of their mean busy time."""
+    mean = statistics.fmean(busy)
+    return 100.0 * (max(busy) - mean) / mean if mean > 0 else 0.0
+
+
 class StragglerMonitor:
     """Gathers every rank's window timing (a collective: call it on every rank) and names persistent stragglers."""
 
@@ -56,11 +64,13 @@ class StragglerMonitor:
         if any(t is None for t in every):  # every rank samples the same steps, so all or none are timed
             return {}
         step, compute, data, wait = (list(col) for col in zip(*every, strict=True))  # type: ignore[misc]
-        slowest, skew_pct = skew([c + d for c, d in zip(compute, data, strict=True)])
+        busy = [c + d for c, d in zip(compute, data, strict=True)]
+        slowest, skew_pct = skew(busy)
         self.recent.append(slowest if skew_pct > self.threshold_pct else None)
         self._maybe_warn(slowest, skew_pct, compute, data)
         return {"rank_step_s": step, "rank_compute_s": compute, "rank_data_s": data, "rank_wait_s": wait,
-                "rank_skew_pct": skew_pct, "slowest_rank": slowest}
+                "rank_skew_pct": skew_pct, "rank_wait_for_slowest_pct": wait_for_slowest_pct(busy),
+                "slowest_rank": slowest}
 
     def _maybe_warn(self, rank: int, skew_pct: float, compute: list[float], data: list[float]) -> None:
         persistent = self.recent.count(rank) > self.recent.maxlen // 2  # type: ignore[operator]

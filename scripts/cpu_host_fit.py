@@ -1,4 +1,7 @@
-"""How sharing a host changes a rank's compute: measured on the real process group, for the what-if predictor.
+"""The CPU host fit: how ranks that share a host's cores change a step, measured on the real process group and
+fed to the what-if predictor as its ``HostTerms``. Validation apparatus for this kind of machine (gloo ranks on
+shared CPU cores), used by ``scripts/bench_collectives.py`` and ``scripts/validate_predictor.py``; with a GPU per
+rank and NCCL on its own stream these terms are neutral, so the product's predictor has none.
 
 A 1-rank run times compute on a host that one rank has to itself. At N ranks three things change that an α–β
 fit of the all-reduce does not see, and each is measured here with one fixed compute kernel (an MLP's forward
@@ -18,7 +21,7 @@ and backward, the matmul-plus-elementwise mix of a transformer block):
 - ``skew_us``/``skew``: how long a rank waits at a collective for the slowest rank, ``skew_us`` plus ``skew`` x
   the compute since the last sync: a line through the waits after units of compute of two lengths (jitter
   does not grow in proportion to the compute). Equal work finishes at different times when ranks are jostled;
-  dedicated GPUs keep it small.
+  a 1-rank calibration run cannot measure it, so this fit supplies it for the 1 -> 2 rank validation.
 
 Means, not medians, for the times that a step pays in full however they are spread (waits, busy all-reduces,
 whose times on a busy CPU are mostly short and sometimes a scheduler slice long).
@@ -28,16 +31,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from ddptrain.plan.layout import Layout, allreduce_seconds
 from ddptrain.plan.linkfit import allreduce_median_s, fit_link
-
-if TYPE_CHECKING:
-    from ddptrain.config.schema import PlanConfig
+from ddptrain.plan.overlap import SyncTimeline
+from ddptrain.plan.planner import Link
 
 
 @dataclass(frozen=True)
@@ -52,24 +55,84 @@ class HostFit:
     queued_latency_us: float | None = None  # α of an all-reduce queued behind one in flight; None: the idle link's
     skew_us: float = 0.0  # that wait's part that does not grow with the compute
 
-    @classmethod
-    def from_plan(cls, plan: PlanConfig, *, compute_measured_together: bool = False) -> HostFit:
-        """The host terms a config carries (``plan.*``). ``compute_measured_together``: the compute was timed with
-        every rank running beside the others (a run predicting itself), so contention and steal are already in it."""
-        if compute_measured_together:
-            return cls(1.0, 0.0, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew, plan.queued_latency_us,
-                       plan.skew_us)
-        return cls(plan.contention, plan.steal_us_per_mb, plan.busy_latency_us, plan.busy_bandwidth_gbps, plan.skew,
-                   plan.queued_latency_us, plan.skew_us)
+    def wait_s(self, compute_s: float) -> float:
+        """The mean wait for the slowest rank at a sync after ``compute_s`` of compute."""
+        return self.skew_us * 1e-6 + self.skew * compute_s
 
-    def overrides(self) -> str:
-        """The ``plan.*`` overrides that carry the fit to ``launch.dry_run=true plan.from_run=...``."""
-        busy = "" if self.busy_bandwidth_gbps is None else (
-            f" plan.busy_latency_us={self.busy_latency_us:.1f} plan.busy_bandwidth_gbps={self.busy_bandwidth_gbps:.4f}")
-        if self.queued_latency_us is not None:
-            busy += f" plan.queued_latency_us={self.queued_latency_us:.1f}"
-        return (f"plan.contention={self.contention:.3f} plan.steal_us_per_mb={self.steal_us_per_mb:.1f} "
-                f"plan.skew={self.skew:.4f} plan.skew_us={self.skew_us:.1f}{busy}")
+    def sync_timeline(self, buckets: list[tuple[float, int]], layout: Layout, hook_s: float,
+                      wait: float) -> SyncTimeline:
+        """The sync on ``layout`` with collectives beside compute: on the busy link, stealing compute."""
+        busy = queued = None
+        if self.busy_bandwidth_gbps:
+            busy = _beside_compute(layout, self.busy_bandwidth_gbps, self.busy_latency_us or 0.0, hook_s)
+            queued_alpha = layout.intra.latency_us if self.queued_latency_us is None else self.queued_latency_us
+            queued = _beside_compute(layout, self.busy_bandwidth_gbps, queued_alpha, hook_s)
+        return contended_timeline(buckets, lambda n: allreduce_seconds(n, layout) + hook_s,
+                                  self.steal_us_per_mb * 1e-12, busy, queued, wait)
+
+
+def _beside_compute(layout: Layout, bandwidth_gbps: float, latency_us: float, hook: float) -> Callable[[float], float]:
+    """One bucket's all-reduce beside compute: the node's link replaced by one of ``bandwidth_gbps`` and
+    ``latency_us`` (between nodes the network's own), plus the hook."""
+    link = Link("beside compute", bandwidth_gbps, latency_us, "all-reduce beside compute")
+    shared = replace(layout, intra=link, inter=link if layout.nodes == 1 else layout.inter)
+    return lambda n: allreduce_seconds(n, shared) + hook
+
+
+def contended_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], float],
+                       steal_s_per_byte: float = 0.0, busy_seconds: Callable[[float], float] | None = None,
+                       queued_seconds: Callable[[float], float] | None = None, wait: float = 0.0) -> SyncTimeline:
+    """``ddptrain.plan.overlap.sync_timeline`` for ranks that share cores with their collectives (gloo on CPU).
+
+    Each all-reduce takes ``seconds(bytes)`` on an idle host, ``busy_seconds(bytes)`` beside compute when it
+    starts on an idle queue (its latency includes waking the collective's thread on a core busy with compute)
+    and ``queued_seconds(bytes)`` beside compute when it was ready before the previous one finished (that thread
+    is awake; defaults: the idle time, then the busy time), and takes ``steal_s_per_byte`` seconds of compute per
+    byte it reduces beside compute (its reduction and copies on the cores: a latency-bound small all-reduce takes
+    little, however long it is in flight). Without the three it is ``sync_timeline``."""
+    if not buckets:
+        return SyncTimeline(0.0, 0.0, 0.0)
+    length = max(lead for lead, _ in buckets)  # backward compute left when the first bucket is ready
+    ready = [length - lead for lead, _ in buckets]  # in compute-seconds done since then
+    left_total = [seconds(n) for _, n in buckets]
+    left = list(left_total)  # idle-host seconds of all-reduce still to do, per bucket
+    lone = left_total if busy_seconds is None else [busy_seconds(n) for _, n in buckets]
+    queued = lone if queued_seconds is None else [queued_seconds(n) for _, n in buckets]
+    busy = list(lone)  # beside compute, per bucket: lone until it is known to have queued
+    reached: list[float] = []  # when this rank's compute made each bucket ready, in order
+    now = done = comm = 0.0
+    compute_end = 0.0 if length <= 0 else None
+    i = 0
+    while i < len(buckets):
+        while len(reached) < len(buckets) and done >= ready[len(reached)]:
+            reached.append(now)
+        computing = compute_end is None
+        gate = reached[i] + wait if i < len(reached) else float("inf")  # every rank's bucket i is ready
+        active = now >= gate
+        comm_rate = (left_total[i] / busy[i] if busy[i] > 0 else 1.0) if computing else 1.0
+        # the compute this collective takes, spread over its time beside compute (at most all of it)
+        stolen = min(1.0, steal_s_per_byte * buckets[i][1] / busy[i]) if busy[i] > 0 else 0.0
+        compute_rate = (1.0 - stolen) if active else 1.0
+        target = ready[len(reached)] if len(reached) < len(buckets) else length  # the next readiness or the end
+        to_target = (target - done) / compute_rate if computing and compute_rate > 0 else float("inf")
+        to_gate = gate - now if not active else float("inf")
+        to_finish = left[i] / comm_rate if active else float("inf")
+        dt = min(to_target, to_gate, to_finish)
+        now += dt
+        if active:
+            comm += dt
+            left[i] -= dt * comm_rate
+        if computing:
+            done = target if to_target <= dt else done + dt * compute_rate
+            if done >= length:
+                compute_end = now
+        if active and to_finish <= dt:
+            i += 1
+            if i < len(buckets) and done >= ready[i]:  # ready while bucket i-1 was in flight: its thread is awake
+                busy[i] = queued[i]
+    if compute_end is None:  # every all-reduce finished before backward did
+        compute_end = now + (length - done)
+    return SyncTimeline(max(0.0, now - compute_end), comm, compute_end - length)
 
 
 class _Kernel:
