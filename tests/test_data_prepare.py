@@ -25,8 +25,9 @@ from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
 from ddptrain.data.dataset import split_documents
 from ddptrain.data.instruct import encode, generated_instructions
+from ddptrain.data.loader import MicroBatches
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
-from ddptrain.data.shards import finished_shards, open_tokens
+from ddptrain.data.shards import HEADER_BYTES, check_shard, finished_shards, open_tokens
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
@@ -153,6 +154,51 @@ def test_a_truncated_or_corrupt_shard_is_a_one_line_error_naming_the_file(tmp_pa
     shard.write_bytes(b"garbage!" + data[8:])
     with pytest.raises(ConfigError, match=rf"token shard {shard}: not a ddptrain token shard"):
         build_token_data(cfg)
+
+
+def _flip(path: Path, at: int) -> None:
+    """Damage a file in place, without changing its size."""
+    with path.open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_block_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same size, flipped bits: the header and size checks cannot see it, the per-block checksums do."""
+    monkeypatch.setattr("ddptrain.data.shards.CHECK_BLOCK", 64)  # 32 uint16 tokens per block: 2 windows of 16
+    cfg = _cfg(tmp_path)
+    intact = build_token_data(cfg)
+    shard = intact.train.shards[0]
+    assert shard.block_bytes == 64 and shard.blocks > 8
+    assert [intact.train[i]["input_ids"].shape for i in range(6)] == [torch.Size([16])] * 6
+    assert intact.train.opened(0)[2].tolist()[:4] == [True, True, True, False]  # read blocks were checked
+    check_shard(shard)
+
+    _flip(shard.path, HEADER_BYTES + 3 * 64 + 5)  # a byte of block 3: windows 6 and 7
+    damaged = build_token_data(cfg)  # start-up reads no token data
+    assert [damaged.train[i]["input_ids"].shape for i in range(6)] == [torch.Size([16])] * 6  # blocks 0-2 are whole
+    bytes_named = rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES + 192}-{HEADER_BYTES + 255} do not match"
+    with pytest.raises(ConfigError, match=bytes_named) as exc:
+        damaged.train[7]
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match=bytes_named):
+        check_shard(shard)
+    # read by a DataLoader worker process, the error is still one line (not torch's wrapped traceback)
+    batches = MicroBatches(damaged.train, BatchPlan.derive(2, 2, None, 1, 16), 0, 0, False, 1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=bytes_named) as exc:
+        for _ in range(len(damaged.train)):
+            next(batches)
+    assert "\n" not in str(exc.value)
+    del batches  # its worker process ends
+    # a damaged checksum table is damage too
+    _flip(shard.path, HEADER_BYTES + 3 * 64 + 5)
+    _flip(shard.path, HEADER_BYTES + shard.token_bytes)
+    with pytest.raises(ConfigError, match=rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES}-"):
+        build_token_data(cfg).train[0]
 
 
 def test_a_stale_temporary_of_a_killed_job_is_cleaned_up(tmp_path: Path) -> None:
