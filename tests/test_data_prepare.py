@@ -31,7 +31,7 @@ from ddptrain.data.shards import HEADER_BYTES, check_shard, finished_shards, ope
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
-from tests.cli import test_env
+from tests.cli import DDPTRAIN, test_env
 from tests.dist import run_distributed
 from tests.runs import train_each
 
@@ -247,6 +247,32 @@ def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Pa
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
     # one job prepared, the others waited for it and reused its shards
     assert sum(err.count("prepared:") for _, err in outs) == 1
+
+
+@pytest.mark.slow
+def test_two_training_jobs_started_together_on_a_new_corpus_both_train_from_one_shared_cache(tmp_path: Path) -> None:
+    """The real command, twice at once (as a sweep submits jobs): the BPE and the shards are built once, both
+    jobs train on them and see the same data (equal losses)."""
+    corpus = _jsonl(tmp_path, [d * 30 for d in DOCS])
+    cache = tmp_path / "cache"
+    args = ["data=files", f"data.paths=[{corpus}]", "data.vocab_size=300", "data.seq_len=32",
+            "data.global_batch_size=4", "data.micro_batch_size=2", "train.steps=2", "train.log_every=1",
+            "train.eval_every=0"]
+    jobs = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        jobs.append(subprocess.Popen([*DDPTRAIN, *args], cwd=tmp_path / name, env=test_env(cache),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.DEVNULL))
+    outs = [job.communicate(timeout=600)[0] for job in jobs]
+    for job, out in zip(jobs, outs, strict=True):
+        assert job.returncode == 0, out[-3000:]
+    assert len(list(cache.glob("tokens-*/DONE.json"))) == 1 and len(list(cache.glob("bpe-*/tokenizer.json"))) == 1
+    assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
+    assert sum(out.count("prepared:") for out in outs) == 1  # one job prepared, the other waited and reused it
+    losses = [[json.loads(line)["loss"] for line in next((tmp_path / name).glob("outputs/*/metrics.jsonl"))
+               .read_text().splitlines() if "loss" in line] for name in ("first", "second")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
 
 
 def _streamed(tmp_path: Path, rank: int = 0, dp: int = 1) -> StreamedBatches:
