@@ -169,21 +169,22 @@ def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_b
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same size, flipped bits: the header and size checks cannot see it, the per-block checksums do."""
-    monkeypatch.setattr("ddptrain.data.shards.CHECK_BLOCK", 64)  # 32 uint16 tokens per block: 2 windows of 16
+    # blocks of 48 bytes (24 uint16 tokens): windows of 16 tokens straddle two blocks every other time
+    monkeypatch.setattr("ddptrain.data.shards.CHECK_BLOCK", 48)
     cfg = _cfg(tmp_path)
     intact = build_token_data(cfg)
     shard = intact.train.shards[0]
-    assert shard.block_bytes == 64 and shard.blocks > 8
-    assert [intact.train[i]["input_ids"].shape for i in range(6)] == [torch.Size([16])] * 6
-    assert intact.train.opened(0)[2].tolist()[:4] == [True, True, True, False]  # read blocks were checked
+    assert shard.block_bytes == 48 and shard.blocks > 8
+    assert [intact.train[i]["input_ids"].shape for i in range(6)] == [torch.Size([16])] * 6  # tokens 0-95
+    assert intact.train.opened(0)[2].tolist()[:5] == [True, True, True, True, False]  # read blocks were checked
     check_shard(shard)
 
-    _flip(shard.path, HEADER_BYTES + 3 * 64 + 5)  # a byte of block 3: windows 6 and 7
+    _flip(shard.path, HEADER_BYTES + 5 * 48 + 2)  # block 5 (tokens 120-143): in window 7 (tokens 112-127)
     damaged = build_token_data(cfg)  # start-up reads no token data
-    assert [damaged.train[i]["input_ids"].shape for i in range(6)] == [torch.Size([16])] * 6  # blocks 0-2 are whole
-    bytes_named = rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES + 192}-{HEADER_BYTES + 255} do not match"
+    assert [damaged.train[i]["input_ids"].shape for i in range(7)] == [torch.Size([16])] * 7  # blocks 0-4 are whole
+    bytes_named = rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES + 240}-{HEADER_BYTES + 287} do not match"
     with pytest.raises(ConfigError, match=bytes_named) as exc:
-        damaged.train[7]
+        damaged.train[7]  # its first block (4) is whole, its second is not
     assert "\n" not in str(exc.value)
     with pytest.raises(ConfigError, match=bytes_named):
         check_shard(shard)
@@ -195,7 +196,7 @@ def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_b
     assert "\n" not in str(exc.value)
     del batches  # its worker process ends
     # a damaged checksum table is damage too
-    _flip(shard.path, HEADER_BYTES + 3 * 64 + 5)
+    _flip(shard.path, HEADER_BYTES + 5 * 48 + 2)
     _flip(shard.path, HEADER_BYTES + shard.token_bytes)
     with pytest.raises(ConfigError, match=rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES}-"):
         build_token_data(cfg).train[0]

@@ -221,8 +221,9 @@ class TokenWindows(torch.utils.data.Dataset):
         offset = (index - int(self.starts[shard])) * self.seq_len
         tokens, checksums, checked = self.opened(shard)
         info = self.shards[shard]
-        first, end = offset * info.itemsize // info.block_bytes, (offset + self.seq_len) * info.itemsize
-        for block in range(first, -(-end // info.block_bytes)):
+        first_block = offset * info.itemsize // info.block_bytes
+        end_block = -(-(offset + self.seq_len) * info.itemsize // info.block_bytes)  # rounded up
+        for block in range(first_block, end_block):
             if not checked[block]:
                 check_blocks(info, tokens, checksums, range(block, block + 1))
                 checked[block] = True
