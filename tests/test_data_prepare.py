@@ -24,13 +24,14 @@ from ddptrain.data import BatchShape, build_token_data
 from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
 from ddptrain.data.instruct import encode, generated_instructions
+from ddptrain.data.loader import MicroBatches
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
-from ddptrain.data.shards import finished_shards, open_tokens
+from ddptrain.data.shards import HEADER_BYTES, check_shard, finished_shards, open_tokens
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
-from tests.cli import test_env
+from tests.cli import DDPTRAIN, test_env
 from tests.dist import run_distributed
 from tests.runs import train_each
 
@@ -155,6 +156,52 @@ def test_a_truncated_or_corrupt_shard_is_a_one_line_error_naming_the_file(tmp_pa
         build_token_data(cfg)
 
 
+def _flip(path: Path, at: int) -> None:
+    """Damage a file in place, without changing its size."""
+    with path.open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_block_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same size, flipped bits: the header and size checks cannot see it, the per-block checksums do."""
+    # blocks of 48 bytes (24 uint16 tokens): windows of 16 tokens straddle two blocks every other time
+    monkeypatch.setattr("ddptrain.data.shards.CHECK_BLOCK", 48)
+    cfg = _cfg(tmp_path)
+    intact = build_token_data(cfg)
+    shard = intact.train.shards[0]
+    assert shard.block_bytes == 48 and shard.blocks > 8
+    assert [intact.train[i]["input_ids"].shape for i in range(6)] == [torch.Size([16])] * 6  # tokens 0-95
+    assert intact.train.opened(0)[2].tolist()[:5] == [True, True, True, True, False]  # read blocks were checked
+    check_shard(shard)
+
+    _flip(shard.path, HEADER_BYTES + 5 * 48 + 2)  # block 5 (tokens 120-143): in window 7 (tokens 112-127)
+    damaged = build_token_data(cfg)  # start-up reads no token data
+    assert [damaged.train[i]["input_ids"].shape for i in range(7)] == [torch.Size([16])] * 7  # blocks 0-4 are whole
+    bytes_named = rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES + 240}-{HEADER_BYTES + 287} do not match"
+    with pytest.raises(ConfigError, match=bytes_named) as exc:
+        damaged.train[7]  # its first block (4) is whole, its second is not
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match=bytes_named):
+        check_shard(shard)
+    # read by a DataLoader worker process, the error is still one line (not torch's wrapped traceback)
+    batches = MicroBatches(damaged.train, BatchPlan.derive(2, 2, None, 1, 16), 0, 0, False, 1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=bytes_named) as exc:
+        for _ in range(len(damaged.train)):
+            next(batches)
+    assert "\n" not in str(exc.value)
+    del batches  # its worker process ends
+    # a damaged checksum table is damage too
+    _flip(shard.path, HEADER_BYTES + 5 * 48 + 2)
+    _flip(shard.path, HEADER_BYTES + shard.token_bytes)
+    with pytest.raises(ConfigError, match=rf"token shard {shard.path}: corrupt \(bytes {HEADER_BYTES}-"):
+        build_token_data(cfg).train[0]
+
+
 def test_a_stale_temporary_of_a_killed_job_is_cleaned_up(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     cache = tmp_path / "cache"
@@ -201,6 +248,32 @@ def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Pa
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
     # one job prepared, the others waited for it and reused its shards
     assert sum(err.count("prepared:") for _, err in outs) == 1
+
+
+@pytest.mark.slow
+def test_two_training_jobs_started_together_on_a_new_corpus_both_train_from_one_shared_cache(tmp_path: Path) -> None:
+    """The real command, twice at once (as a sweep submits jobs): the BPE and the shards are built once, both
+    jobs train on them and see the same data (equal losses)."""
+    corpus = _jsonl(tmp_path, [d * 30 for d in DOCS])
+    cache = tmp_path / "cache"
+    args = ["data=files", f"data.paths=[{corpus}]", "data.vocab_size=300", "data.seq_len=32",
+            "data.global_batch_size=4", "data.micro_batch_size=2", "train.steps=2", "train.log_every=1",
+            "train.eval_every=0"]
+    jobs = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        jobs.append(subprocess.Popen([*DDPTRAIN, *args], cwd=tmp_path / name, env=test_env(cache),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.DEVNULL))
+    outs = [job.communicate(timeout=600)[0] for job in jobs]
+    for job, out in zip(jobs, outs, strict=True):
+        assert job.returncode == 0, out[-3000:]
+    assert len(list(cache.glob("tokens-*/DONE.json"))) == 1 and len(list(cache.glob("bpe-*/tokenizer.json"))) == 1
+    assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
+    assert sum(out.count("prepared:") for out in outs) == 1  # one job prepared, the other waited and reused it
+    losses = [[json.loads(line)["loss"] for line in next((tmp_path / name).glob("outputs/*/metrics.jsonl"))
+               .read_text().splitlines() if "loss" in line] for name in ("first", "second")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
 
 
 def _streamed(tmp_path: Path, rank: int = 0, dp: int = 1) -> StreamedBatches:

@@ -19,7 +19,7 @@ from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_finger
 from ddptrain.data.types import TokenData
 from ddptrain.errors import ConfigError
 
-FORMAT_VERSION = 2  # bump when the shard layout changes, to invalidate old caches
+FORMAT_VERSION = 3  # bump when the shard layout changes, to invalidate old caches
 VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the stream's first validation documents
 
 

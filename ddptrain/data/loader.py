@@ -114,6 +114,8 @@ class MicroBatches:
         except StopIteration:
             self.epoch, self.position, self._it = self.epoch + 1, 0, None
             return next(self)
+        except ConfigError as exc:  # a damaged shard, found by a DataLoader worker
+            raise worker_error(exc) from None
         self.position += self.per_micro_step
         batch = self.tokens.count(batch)
         if len(batch) == 1:  # packed blocks: the token ids are inputs and labels alike
@@ -155,6 +157,13 @@ def eval_batches(
         batch = TokenCount().count(batch)
         out.append(batch["input_ids"] if len(batch) == 1 else batch)
     return out
+
+
+def worker_error(exc: ConfigError) -> ConfigError:
+    """A ``ConfigError`` raised in a DataLoader worker process reaches this one as torch's text ("Caught
+    ConfigError in DataLoader worker process 0", the worker's traceback): keep its own one line."""
+    last = str(exc).rstrip().splitlines()[-1]
+    return ConfigError(last.split("ConfigError: ", 1)[-1])
 
 
 def _own_generator(seed: int) -> torch.Generator:
