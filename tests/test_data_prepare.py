@@ -189,7 +189,7 @@ def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_b
     with pytest.raises(ConfigError, match=bytes_named):
         check_shard(shard)
     # read by a DataLoader worker process, the error is still one line (not torch's wrapped traceback)
-    batches = MicroBatches(damaged.train, BatchPlan.derive(2, 2, None, 1, 16), 0, 0, False, 1, torch.device("cpu"))
+    batches = MicroBatches(damaged.train, BatchShape.derive(2, 2, None, 1, 16), 0, 0, False, 1, torch.device("cpu"))
     with pytest.raises(ConfigError, match=bytes_named) as exc:
         for _ in range(len(damaged.train)):
             next(batches)
