@@ -18,7 +18,7 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``model.pretrained`` as users load theirs."""
     from ddptrain.data.instruct import generated_instructions
     from ddptrain.data.tokenizer import train_bpe
-    from tests.pretrained import save_tiny_llama
+    from tests.helpers.pretrained import save_tiny_llama
 
     out = tmp_path_factory.mktemp("pretrained_base")
     tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(400)], 320)

@@ -21,8 +21,8 @@ from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.integrity import manifest
 from ddptrain.checkpoint.tool import run as ckpt_tool
 from ddptrain.data import BatchShape, MicroBatches
-from tests.dist import run_distributed
-from tests.runs import Overrides, make_config, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, make_config, train_each
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import torch
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.integrity import manifest
 from ddptrain.checkpoint.tool import run as ckpt_tool
-from tests.dist import run_distributed
-from tests.runs import Overrides, make_config, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, make_config, train_each
 
 BASE: Overrides = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 32},

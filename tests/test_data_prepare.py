@@ -30,9 +30,9 @@ from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
-from tests.cli import test_env
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.cli import test_env
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 7)}\n" * (1 + i % 5) for i in range(120)]
 

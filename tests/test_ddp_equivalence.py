@@ -13,7 +13,7 @@ from ddptrain.config.schema import Config, ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 VOCAB, SEQ, B = 256, 16, 4  # B sequences per rank
 

@@ -9,7 +9,7 @@ import pytest
 
 from ddptrain.config.compose import build_config, compose_config, job_config
 from ddptrain.errors import ConfigError
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "experiment").glob("*.yaml"))
 NEEDS_A_BASE = {"lora_quickstart", "qlora_4b"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.slow  # the real CLI, 2 or 3 worker processes, a collective timeout each
 

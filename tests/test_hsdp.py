@@ -18,8 +18,8 @@ from ddptrain.checkpoint import offline
 from ddptrain.config.checks import validate_config
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv
-from tests.dist import run_distributed
-from tests.runs import Overrides, make_config, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, make_config, train_each
 
 BASE: Overrides = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},

@@ -20,8 +20,8 @@ from ddptrain.app.help import config_groups, schema_keys
 from ddptrain.app.sweep import expand
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
-from tests.cli import run_cli as run_command
-from tests.cli import test_env
+from tests.helpers.cli import run_cli as run_command
+from tests.helpers.cli import test_env
 
 REPO = Path(__file__).parents[1]
 TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",

@@ -28,8 +28,8 @@ from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
 from ddptrain.kernels import triton_ops as ops
 from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.kernels.fallback import FallbackKernels, FirstLaunchError
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 TRITON = select_kernels("triton", torch.device("cpu"))
 SIZES = [1, 7, 1023, 1025, 10**6 + 3]

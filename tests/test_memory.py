@@ -92,7 +92,6 @@ def nccl_group() -> Iterator[None]:
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.usefixtures("nccl_group")
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_auto_precision_holds_fp32_shards_and_the_gathered_bf16_copy(stage: int) -> None:
     held, largest = _first_step(stage, "auto", torch.device("cuda", 0))  # auto: the bf16 policy on CUDA
     formula = model_state_by_dtype(N_PARAMS, 1, stage, MIXED_BF16, largest)

@@ -11,7 +11,7 @@ import torch
 from ddptrain.config.schema import Config
 from ddptrain.plan import own_peak
 from ddptrain.plan.own_peak import MeasuredPeak
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
         "model.hidden_size=64", "checkpoint.export=false", "checkpoint.every_n_steps=0", "logger.progress=false",

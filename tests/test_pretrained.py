@@ -19,8 +19,8 @@ from ddptrain.models import build_model
 from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
-from tests.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
+from tests.helpers.dist import run_distributed
+from tests.helpers.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -149,7 +149,7 @@ def _compiled_graphs(rank: int, world_size: int, backend: str, tmp: str) -> dict
     torch.compiler.reset()
     counters.clear()
     if backend == "loop":  # the real run: train.compile=true (Inductor) through the loop
-        from tests.runs import train_each
+        from tests.helpers.runs import train_each
 
         tiny = {"model": {"hidden_size": 32, "num_layers": 12, "num_heads": 2, "vocab_size": 256},
                 "data": {"source": "synthetic", "num_samples": 64, "vocab_size": 256, "seq_len": 16,
@@ -197,7 +197,7 @@ def _modules_after(rank: int, world_size: int, tmp: str, base: str, quantize: bo
         model = prepare_for_finetuning(build_model(cfg, 384), cfg)
         model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
     else:
-        from tests.runs import train_each
+        from tests.helpers.runs import train_each
 
         lora = _finetune(Path(base))
         lora["train"] = {"steps": 1, "eval_every": 0}
