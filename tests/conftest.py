@@ -1,15 +1,67 @@
-"""Session-wide test settings that must be in place before any test module imports its libraries."""
+"""Session-wide test settings (some must be in place before any test module imports its libraries), the one GPU
+skip, and the fixtures many tests share."""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from ddptrain.config.schema import Config, ModelConfig
 
 # Triton decides between compiling and interpreting when a kernel is first defined, and several libraries
 # the suite imports (transformers, bitsandbytes, torch's inductor) import Triton on their own: so the
 # interpreter, which runs our kernels on CPU tensors, is switched on here, before any of them.
 # tests/test_kernels_gpu.py runs its CUDA checks in a fresh interpreter without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["pytester"]  # tests/test_layout.py runs a small suite through this conftest's hooks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one GPU skip: a test marked ``gpu`` needs a CUDA device and is skipped without one (``pytest -m gpu``
+    runs them). Tests mark themselves; none checks for CUDA on its own."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> ModelConfig:
+    """The tiny model most tests train (``tests/helpers/tiny.py``), as the schema's typed section."""
+    from ddptrain.config.schema import ModelConfig
+    from tests.helpers.tiny import TINY_MODEL
+
+    return ModelConfig(**TINY_MODEL)
+
+
+@pytest.fixture
+def compose() -> Callable[..., Config]:
+    """Compose command-line overrides into the typed config a run gets, through the real path (Hydra's compose
+    with our config groups, the schema's checks), as ``ddptrain`` itself does."""
+    from ddptrain.config.compose import build_config, compose_config, job_config
+
+    def composed(*overrides: str) -> Config:
+        return build_config(job_config(compose_config(list(overrides))))
+
+    return composed
+
+
+@pytest.fixture
+def tiny_config(compose: Callable[..., Config]) -> Config:
+    """The default command's config, composed through the real path, with the tiny model."""
+    from tests.helpers.tiny import TINY_MODEL_ARGS
+
+    return compose(*TINY_MODEL_ARGS)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 
 
@@ -91,3 +93,41 @@ def test_no_test_module_imports_another() -> None:
     importing = {m: sorted(n for n in _imports(p) if n in tests)
                  for m, p in _modules("tests").items() if m in tests}
     assert {m: n for m, n in importing.items() if n} == {}
+
+
+def _calls_cuda_is_available(path: Path) -> bool:
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "is_available"
+               and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "cuda"
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_no_test_asks_for_cuda_itself_the_gpu_mark_does() -> None:
+    tests = _modules("tests")
+    assert sorted(m for m, p in tests.items() if _calls_cuda_is_available(p)) == ["tests.conftest"]
+
+
+GPU_AND_CPU_TESTS = """
+import pytest
+
+@pytest.mark.gpu
+def test_on_a_gpu():
+    pass
+
+def test_anywhere():
+    pass
+"""
+
+
+def test_a_gpu_marked_test_is_skipped_without_cuda_and_runs_with_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(GPU_AND_CPU_TESTS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    without = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
+    without.assert_outcomes(passed=1, skipped=1)
+    without.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: needs a CUDA device"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
