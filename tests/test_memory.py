@@ -19,10 +19,11 @@ from ddptrain.models import build_model
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan.planner import FP32, MIXED_BF16, model_state_by_dtype
 from ddptrain.telemetry.memory import ModelStateProbe, largest_gather
+from tests.helpers.tiny import TINY_MODEL
 
 WORLD, VOCAB = 2, 256
 CPU = torch.device("cpu")
-TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
+TINY = ModelConfig(**TINY_MODEL, max_position_embeddings=64)
 
 
 @pytest.fixture
