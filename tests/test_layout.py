@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,23 @@ def test_a_gpu_marked_test_is_skipped_without_cuda_and_runs_with_it(
     without.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: needs a CUDA device"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+LAUNCHER_IMPORTS = """
+import sys
+from ddptrain.app.launch import typed_config, validate_config
+from ddptrain.config.compose import compose_config
+run = typed_config(compose_config([]))
+validate_config(run.typed, run.typed.launch.nproc_per_node)
+print(sorted(m for m in ("datasets", "transformers", "torch.distributed.fsdp", "torch._dynamo") if m in sys.modules))
+"""
+
+
+def test_the_launcher_checks_a_config_without_importing_the_training_stack() -> None:
+    """The launcher composes and checks before it starts any worker, and every worker imports the training stack
+    itself: what the launcher imports beyond that check is seconds of start-up on every run's critical path."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_IMPORTS], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ddptrain.errors import ConfigError
+from ddptrain.telemetry.baseline import load_baseline
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
-from ddptrain.telemetry.metrics import load_baseline
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
 
