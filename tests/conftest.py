@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from ddptrain.config.schema import Config, ModelConfig
+    from ddptrain.config.schema import Config
 
 # Triton decides between compiling and interpreting when a kernel is first defined, and several libraries
 # the suite imports (transformers, bitsandbytes, torch's inductor) import Triton on their own: so the
@@ -35,15 +35,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> ModelConfig:
-    """The tiny model most tests train (``tests/helpers/tiny.py``), as the schema's typed section."""
-    from ddptrain.config.schema import ModelConfig
-    from tests.helpers.tiny import TINY_MODEL
-
-    return ModelConfig(**TINY_MODEL)
-
-
 @pytest.fixture
 def compose() -> Callable[..., Config]:
     """Compose command-line overrides into the typed config a run gets, through the real path (Hydra's compose
@@ -54,14 +45,6 @@ def compose() -> Callable[..., Config]:
         return build_config(job_config(compose_config(list(overrides))))
 
     return composed
-
-
-@pytest.fixture
-def tiny_config(compose: Callable[..., Config]) -> Config:
-    """The default command's config, composed through the real path, with the tiny model."""
-    from tests.helpers.tiny import TINY_MODEL_ARGS
-
-    return compose(*TINY_MODEL_ARGS)
 
 
 @pytest.fixture(scope="session")

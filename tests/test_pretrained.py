@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig, Qwen3Config
 
-from ddptrain.config.schema import LoraSettings, ModelConfig
+from ddptrain.config.schema import Config, LoraSettings, ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.attention import use_causal_attention
@@ -231,12 +232,10 @@ def test_a_4bit_base_whose_widths_the_cpu_kernels_cannot_pack_is_refused_naming_
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[1] / "configs/model").glob("*.yaml")))
-def test_every_model_preset_has_widths_the_cpu_4bit_kernels_accept(preset: str) -> None:
+def test_every_model_preset_has_widths_the_cpu_4bit_kernels_accept(preset: str, compose: Callable[..., Config]) -> None:
     """So that a model a preset trains (the quickstart's) fine-tunes under QLoRA on CPU: every quantizable layer
     takes inputs in multiples of 64 and gives outputs in multiples of 32."""
-    from ddptrain.config.compose import build_config, compose_config, job_config
-
-    cfg = build_config(job_config(compose_config([f"model={preset}"]))).model
+    cfg = compose(f"model={preset}").model
     with torch.device("meta"):
         model = build_model(cfg, cfg.vocab_size or 8192)
     widths = {name: tuple(m.weight.shape) for name, m in model.named_modules()
