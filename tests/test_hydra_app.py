@@ -48,7 +48,7 @@ def test_plain_install_finds_the_configs_and_trains(tmp_path: Path) -> None:
                     str(site), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
     assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
     env = {**test_env(tmp_path / "cache"), "PYTHONPATH": str(site)}  # the installed copy, not the checkout
-    where = subprocess.run([sys.executable, "-c", "import ddptrain, ddptrain.app.cli as c; print(c.config_dir())"],
+    where = subprocess.run([sys.executable, "-c", "import ddptrain.config.compose as c; print(c.config_dir())"],
                            env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert where.stdout.strip() == str(site / "ddptrain" / "configs")
     shown = subprocess.run([sys.executable, "-m", "ddptrain", "--cfg", "job", "+experiment=quickstart"], env=env,
