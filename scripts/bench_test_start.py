@@ -13,7 +13,7 @@ import multiprocessing as mp
 import statistics
 import time
 
-import tests.dist as dist_helper
+import tests.helpers.dist as dist_helper
 
 
 def trivial_rank(rank: int, world_size: int) -> int:

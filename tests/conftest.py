@@ -1,15 +1,50 @@
-"""Session-wide test settings that must be in place before any test module imports its libraries."""
+"""Session-wide test settings (some must be in place before any test module imports its libraries), the one GPU
+skip, and the fixtures many tests share."""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from ddptrain.config.schema import Config
 
 # Triton decides between compiling and interpreting when a kernel is first defined, and several libraries
 # the suite imports (transformers, bitsandbytes, torch's inductor) import Triton on their own: so the
 # interpreter, which runs our kernels on CPU tensors, is switched on here, before any of them.
 # tests/test_kernels_gpu.py runs its CUDA checks in a fresh interpreter without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["pytester"]  # tests/test_layout.py runs a small suite through this conftest's hooks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The one GPU skip: a test marked ``gpu`` needs a CUDA device and is skipped without one (``pytest -m gpu``
+    runs them). Tests mark themselves; none checks for CUDA on its own."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def compose() -> Callable[..., Config]:
+    """Compose command-line overrides into the typed config a run gets, through the real path (Hydra's compose
+    with our config groups, the schema's checks), as ``ddptrain`` itself does."""
+    from ddptrain.config.compose import build_config, compose_config, job_config
+
+    def composed(*overrides: str) -> Config:
+        return build_config(job_config(compose_config(list(overrides))))
+
+    return composed
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +53,7 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``model.pretrained`` as users load theirs."""
     from ddptrain.data.instruct import generated_instructions
     from ddptrain.data.tokenizer import train_bpe
-    from tests.pretrained import save_tiny_llama
+    from tests.helpers.pretrained import save_tiny_llama
 
     out = tmp_path_factory.mktemp("pretrained_base")
     tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(400)], 320)

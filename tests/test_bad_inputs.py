@@ -17,8 +17,8 @@ import torch
 from ddptrain.app.cli import run_cli as ddptrain_main
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv, pick_device
-from tests.cli import run_cli
-from tests.test_cli import BAD_INPUTS as UNDER_TORCHRUN
+from tests.helpers.bad_inputs import UNDER_TORCHRUN
+from tests.helpers.cli import run_cli
 
 README = Path(__file__).parents[1] / "README.md"
 

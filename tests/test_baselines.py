@@ -18,14 +18,15 @@ from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
+from tests.helpers.tiny import TINY_MODEL
 
 COMM_KEYS = ("comm_bytes", "comm_time_s", "time_exposed_comm_s", "overlap_pct", "algbw_gbps", "busbw_gbps")
-TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
+TINY = ModelConfig(**TINY_MODEL, max_position_embeddings=64)
 VOCAB = 256
 BASE = {
-    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "model": TINY_MODEL,
     "data": {"source": "synthetic", "vocab_size": VOCAB, "num_samples": 128, "seq_len": 32, "global_batch_size": 8,
              "micro_batch_size": 2},
     "train": {"steps": 4, "log_every": 2, "eval_every": 0},

@@ -21,14 +21,15 @@ from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.integrity import manifest
 from ddptrain.checkpoint.tool import run as ckpt_tool
 from ddptrain.data import BatchShape, MicroBatches
-from tests.dist import run_distributed
-from tests.runs import Overrides, make_config, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, make_config, train_each
+from tests.helpers.tiny import TINY_MODEL
 
 log = logging.getLogger(__name__)
 
 # Global batch 12: 2 micro batches of 2 per rank on 3 ranks, 3 on 2 ranks, 6 on 1 rank.
 BASE: Overrides = {
-    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 32},
+    "model": {**TINY_MODEL, "max_position_embeddings": 32},
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 96, "seq_len": 16, "global_batch_size": 12,
              "micro_batch_size": 2},
     "train": {"steps": 3, "log_every": 1, "eval_every": 0},

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_cli
+from tests.helpers.bad_inputs import UNDER_TORCHRUN
+from tests.helpers.cli import run_cli
 
 SMALL = ["data.max_documents=120", "train.log_every=5"]
 
@@ -56,19 +57,8 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     assert "hydra:" not in result.stdout
 
 
-BAD_INPUTS = [
-    (["optim.lrr=1"], "optim.lrr: Key 'lrr' not in 'OptimConfig'"),
-    (["train.steps=abc"], "train.steps: Value 'abc' of type 'str' could not be converted to Integer"),
-    (["data.global_batch_size=10", "data.micro_batch_size=4"],
-     "data.global_batch_size=10 is not divisible by data.micro_batch_size=4 x dp=2 = 8"),
-    (["data=files", "data.paths=[/nonexistent/corpus.txt]"], "data.paths: /nonexistent/corpus.txt: no such file"),
-    (["model=gpt5"], "Could not find 'model/gpt5'; available: gpt2_small, llama_1b, llama_tiny"),
-    (["data=hub", "data.name=nobody/no-such-dataset"], "data.name=nobody/no-such-dataset: cannot load the hub"),
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS, ids=[b[1][:30] for b in BAD_INPUTS])
+@pytest.mark.parametrize(("overrides", "message"), UNDER_TORCHRUN, ids=[b[1][:30] for b in UNDER_TORCHRUN])
 def test_bad_input_fails_fast_with_one_line_on_every_rank(tmp_path: Path, overrides: list[str], message: str) -> None:
     start = time.monotonic()
     result = run_cli([*overrides, *SMALL], cwd=tmp_path, cache=tmp_path / "cache", timeout=120, torchrun_nproc=2)

@@ -15,7 +15,7 @@ from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.compression import register_compression
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 IN, HIDDEN, OUT = 32, 64, 16
 NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT  # 3152 parameters: one DDP bucket

@@ -31,9 +31,10 @@ from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
-from tests.cli import DDPTRAIN, test_env
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.cli import DDPTRAIN, test_env
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
+from tests.helpers.tiny import TINY_MODEL
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 7)}\n" * (1 + i % 5) for i in range(120)]
 
@@ -316,7 +317,7 @@ def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(t
     tok_dir = tmp_path / "tok"
     train_bpe(DOCS, 300).save_pretrained(str(tok_dir))
     base = {
-        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+        "model": TINY_MODEL,
         "data": {"source": "files", "paths": [str(_jsonl(tmp_path))], "streaming": True, "tokenizer": str(tok_dir),
                  "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2, "val_fraction": 0.1},
         "train": {"steps": 4, "log_every": 1, "eval_every": 2},

@@ -13,14 +13,15 @@ from ddptrain.config.schema import Config, ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import TINY_MODEL
 
 VOCAB, SEQ, B = 256, 16, 4  # B sequences per rank
 
 
 def _tiny_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
+    cfg = ModelConfig(**TINY_MODEL, max_position_embeddings=64)
     return build_model(cfg, VOCAB, eos_id=0)
 
 

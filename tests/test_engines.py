@@ -22,7 +22,7 @@ from ddptrain.comm import all_reduce_bytes
 from ddptrain.engines import ENGINES, BucketedDDP, NaiveDDP, StreamBucketedDDP, build_engine
 from ddptrain.engines.buckets import assign_buckets
 from ddptrain.engines.graph import reachable_leaves
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 # An engine spec is a config name, optionally with ":ring" (collective=ring), ":view" (gradient_as_bucket_view)
 # and ":triton" (parallel.kernels=triton, through Triton's interpreter: slow, so on 2 ranks only).

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from ddptrain.config.compose import build_config, compose_config, job_config
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "experiment").glob("*.yaml"))
 NEEDS_A_BASE = {"lora_quickstart", "qlora_4b"}
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_shipped_experiment_composes_into_a_valid_config(name: str) -> None:
+def test_every_shipped_experiment_composes_into_a_valid_config(name: str, compose: Callable[..., Config]) -> None:
     base = ["model.pretrained=/models/base"] if name in NEEDS_A_BASE else []
-    build_config(job_config(compose_config([f"+experiment={name}", *base])))
+    compose(f"+experiment={name}", *base)
 
 
 def test_a_bpe_larger_than_the_models_vocabulary_is_refused_before_any_data_is_prepared() -> None:

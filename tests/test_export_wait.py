@@ -15,8 +15,8 @@ import torch.distributed as dist
 from ddptrain.checkpoint.checkpointer import Checkpointer
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import main_only
-from tests.dist import run_distributed
-from tests.runs import make_config
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import make_config
 
 COLLECTIVE_TIMEOUT_S = 2.0
 SLOW_SAVE_S = 5.0  # rank 0's save: longer than two collective timeouts

@@ -24,10 +24,10 @@ from ddptrain.parallel import wrap_model
 from ddptrain.plan.planner import Plan, build_plan
 from ddptrain.plan.planner_render import render_plan
 from ddptrain.train.step import accumulate_gradients
-from tests.cli import run_cli
-from tests.dist import run_distributed
-from tests.pretrained import count_checkpoint_calls, train_each_watched
-from tests.runs import make_config, train_each
+from tests.helpers.cli import run_cli
+from tests.helpers.dist import run_distributed
+from tests.helpers.pretrained import count_checkpoint_calls, train_each_watched
+from tests.helpers.runs import make_config, train_each
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
 # Completion lengths per sequence: rank 0's micro batches hold 1-2 loss tokens, rank 1's 20+ (mbs 2, accum 2).

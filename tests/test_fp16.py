@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from ddptrain.train.components import autocast_context
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 RUN = {
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_position_embeddings": 64},

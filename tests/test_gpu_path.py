@@ -80,7 +80,7 @@ def _two_rank_checks(rank: int, world_size: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    from tests.dist import run_distributed
+    from tests.helpers.dist import run_distributed
 
     return run_distributed(_two_rank_checks, 2, timeout=180)
 
@@ -381,7 +381,6 @@ def nccl_group() -> Iterator[None]:
                          ids=["torch-ddp", "bucketed-engine"])
 @pytest.mark.usefixtures("nccl_group")
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_nccl_sync_is_timed_by_events_and_takes_device_time(parallel: ParallelConfig) -> None:
     torch.cuda.set_device(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8))).cuda()
@@ -412,9 +411,8 @@ def test_nccl_sync_is_timed_by_events_and_takes_device_time(parallel: ParallelCo
 
 @pytest.mark.slow
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_offload_and_fp32_fsdp_train_and_evaluate_on_a_gpu(tmp_path: Path) -> None:
-    from tests.cli import run_cli
+    from tests.helpers.cli import run_cli
 
     for extra in (["parallel.cpu_offload=true", "optim.grad_clip=0"], ["train.precision=fp32"]):
         result = run_cli(["parallel.zero_stage=3", "train.steps=4", "train.eval_every=2", "train.log_every=2",
@@ -426,7 +424,7 @@ def test_cpu_offload_and_fp32_fsdp_train_and_evaluate_on_a_gpu(tmp_path: Path) -
 def test_a_wait_for_data_preparation_must_be_positive(tmp_path: Path) -> None:
     from ddptrain.config.checks import validate_config
     from ddptrain.errors import ConfigError
-    from tests.runs import make_config
+    from tests.helpers.runs import make_config
 
     with pytest.raises(ConfigError, match=r"^data.prepare_timeout_s=0.0: expected a positive number of seconds$"):
         validate_config(make_config(str(tmp_path), {"data": {"prepare_timeout_s": 0}}), 1)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.slow  # the real CLI, 2 or 3 worker processes, a collective timeout each
 
-TIMEOUT_S = 10
+TIMEOUT_S = 5  # as short as start-up allows: the first collectives and the group's own set-up wait this long too
 RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
        "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2", "train.steps=6",
        "train.log_every=2", "train.eval_every=0", "logger.progress=false", "checkpoint.every_n_steps=2",

@@ -19,9 +19,9 @@ from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, resolve_impl
 from ddptrain.train.control import NonFiniteSteps, guard_loss
 from ddptrain.train.step import apply_update
-from tests.dist import run_distributed
-from tests.host_reads import HostReads
-from tests.runs import Overrides, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.host_reads import HostReads
+from tests.helpers.runs import Overrides, train_each
 
 TINY: Overrides = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "vocab_size": 256},

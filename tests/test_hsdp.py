@@ -18,11 +18,12 @@ from ddptrain.checkpoint import offline
 from ddptrain.config.checks import validate_config
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv
-from tests.dist import run_distributed
-from tests.runs import Overrides, make_config, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, make_config, train_each
+from tests.helpers.tiny import TINY_MODEL
 
 BASE: Overrides = {
-    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "model": TINY_MODEL,
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 256, "seq_len": 16, "global_batch_size": 8,
              "micro_batch_size": 1},
     "train": {"steps": 3, "log_every": 1, "eval_every": 0},

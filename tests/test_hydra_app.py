@@ -20,8 +20,8 @@ from ddptrain.app.help import config_groups, schema_keys
 from ddptrain.app.sweep import expand
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
-from tests.cli import run_cli as run_command
-from tests.cli import test_env
+from tests.helpers.cli import run_cli as run_command
+from tests.helpers.cli import test_env
 
 REPO = Path(__file__).parents[1]
 TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
@@ -48,7 +48,7 @@ def test_plain_install_finds_the_configs_and_trains(tmp_path: Path) -> None:
                     str(site), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
     assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
     env = {**test_env(tmp_path / "cache"), "PYTHONPATH": str(site)}  # the installed copy, not the checkout
-    where = subprocess.run([sys.executable, "-c", "import ddptrain, ddptrain.app.cli as c; print(c.config_dir())"],
+    where = subprocess.run([sys.executable, "-c", "import ddptrain.config.compose as c; print(c.config_dir())"],
                            env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert where.stdout.strip() == str(site / "ddptrain" / "configs")
     shown = subprocess.run([sys.executable, "-m", "ddptrain", "--cfg", "job", "+experiment=quickstart"], env=env,

@@ -28,8 +28,9 @@ from ddptrain.kernels import TORCH_KERNELS, check_kernels, select_kernels
 from ddptrain.kernels import triton_ops as ops
 from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.kernels.fallback import FallbackKernels, FirstLaunchError
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
+from tests.helpers.tiny import TINY_MODEL
 
 TRITON = select_kernels("triton", torch.device("cpu"))
 SIZES = [1, 7, 1023, 1025, 10**6 + 3]
@@ -387,7 +388,7 @@ def test_triton_kernels_on_a_cpu_without_the_interpreter_is_a_one_line_startup_e
 
 
 LOOP = {
-    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "model": TINY_MODEL,
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 16, "global_batch_size": 4,
              "micro_batch_size": 2},
     "train": {"steps": 2, "log_every": 1, "eval_every": 0},

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (tests/conftest.py)
 
 
 def check_compiled_kernels(device_type: str = "cuda") -> None:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).parents[1]
 
@@ -91,3 +96,61 @@ def test_no_test_module_imports_another() -> None:
     importing = {m: sorted(n for n in _imports(p) if n in tests)
                  for m, p in _modules("tests").items() if m in tests}
     assert {m: n for m, n in importing.items() if n} == {}
+
+
+def _calls_cuda_is_available(path: Path) -> bool:
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "is_available"
+               and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "cuda"
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_no_test_asks_for_cuda_itself_the_gpu_mark_does() -> None:
+    tests = _modules("tests")
+    assert sorted(m for m, p in tests.items() if _calls_cuda_is_available(p)) == ["tests.conftest"]
+
+
+GPU_AND_CPU_TESTS = """
+import pytest
+
+@pytest.mark.gpu
+def test_on_a_gpu():
+    pass
+
+def test_anywhere():
+    pass
+"""
+
+
+def test_a_gpu_marked_test_is_skipped_without_cuda_and_runs_with_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    pytester.makeconftest((REPO / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(GPU_AND_CPU_TESTS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    without = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
+    without.assert_outcomes(passed=1, skipped=1)
+    without.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: needs a CUDA device"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+LAUNCHER_IMPORTS = """
+import sys
+from ddptrain.app.launch import typed_config, validate_config
+from ddptrain.config.compose import compose_config
+run = typed_config(compose_config([]))
+validate_config(run.typed, run.typed.launch.nproc_per_node)
+print(sorted(m for m in ("datasets", "transformers", "torch.distributed.fsdp", "torch._dynamo") if m in sys.modules))
+"""
+
+
+def test_the_launcher_checks_a_config_without_importing_the_training_stack() -> None:
+    """The launcher composes and checks before it starts any worker, and every worker imports the training stack
+    itself: what the launcher imports beyond that check is seconds of start-up on every run's critical path."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", LAUNCHER_IMPORTS], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -19,10 +19,11 @@ from ddptrain.models import build_model
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan.planner import FP32, MIXED_BF16, model_state_by_dtype
 from ddptrain.telemetry.memory import ModelStateProbe, largest_gather
+from tests.helpers.tiny import TINY_MODEL
 
 WORLD, VOCAB = 2, 256
 CPU = torch.device("cpu")
-TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
+TINY = ModelConfig(**TINY_MODEL, max_position_embeddings=64)
 
 
 @pytest.fixture
@@ -92,7 +93,6 @@ def nccl_group() -> Iterator[None]:
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.usefixtures("nccl_group")
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_auto_precision_holds_fp32_shards_and_the_gathered_bf16_copy(stage: int) -> None:
     held, largest = _first_step(stage, "auto", torch.device("cuda", 0))  # auto: the bf16 policy on CUDA
     formula = model_state_by_dtype(N_PARAMS, 1, stage, MIXED_BF16, largest)

@@ -46,8 +46,8 @@ from ddptrain.plan.memory_trace import (
     training_model,
 )
 from ddptrain.plan.planner import build_plan
-from tests.cli import run_cli
-from tests.dist import run_distributed
+from tests.helpers.cli import run_cli
+from tests.helpers.dist import run_distributed
 
 VOCAB, BATCH, SEQ = 2048, 4, 64
 REPO = Path(__file__).parents[1]

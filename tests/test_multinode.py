@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_cli, test_env
+from tests.helpers.cli import run_cli, test_env
 
 pytestmark = pytest.mark.slow
 

@@ -15,25 +15,32 @@ from ddptrain.plan import own_peak
 from ddptrain.plan.memory_plan import compute_dtype, target_device, this_machine
 from ddptrain.plan.own_peak import MeasuredPeak
 from ddptrain.runtime.process_group import device_precision
-from tests.cli import run_cli
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, train_each
 
-TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
-        "model.hidden_size=64", "checkpoint.export=false", "checkpoint.every_n_steps=0", "logger.progress=false",
-        "launch.nproc_per_node=1", "data.global_batch_size=4"]
+# Each run trains through the real loop, which writes summary.json; ranks are forked (tests/helpers/dist.py), and
+# one rank group trains every variant of a test in turn, so no run pays a fresh interpreter's imports.
+TINY: Overrides = {
+    "data": {"max_documents": 40, "global_batch_size": 4},
+    "model": {"num_layers": 1, "hidden_size": 64},
+    "train": {"steps": 2, "log_every": 1, "eval_every": 0},
+    "checkpoint": {"every_n_steps": 0},
+}
 
 
-def memory_peak(tmp_path: Path, micro_batch: int) -> dict:
-    run_dir = tmp_path / f"run{micro_batch}"
-    result = run_cli([*TINY, f"data.micro_batch_size={micro_batch}", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                     cache=tmp_path / "cache")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((run_dir / "summary.json").read_text())["memory_peak"]
+def _written_peaks(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides]) -> list[dict]:
+    """For ``run_distributed``: train each variant; rank 0 returns the memory peaks each run wrote to summary.json."""
+    runs = train_each(rank, world_size, tmp, base, variants)
+    if rank != 0:
+        return []
+    return [json.loads((Path(run["dir"]) / "summary.json").read_text())["memory_peak"] for run in runs]
 
 
 def test_a_one_rank_cpu_run_records_its_planned_and_measured_peak_within_2_percent(tmp_path: Path) -> None:
-    peaks = {m: memory_peak(tmp_path, m) for m in (4, 2)}
+    micro_batches = (4, 2)
+    written = run_distributed(_written_peaks, 1, str(tmp_path), TINY,
+                              [{"data": {"micro_batch_size": m}} for m in micro_batches])[0]
+    peaks = dict(zip(micro_batches, written, strict=True))
     for peak in peaks.values():
         assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
         assert "PeakTracker" in peak["measured_by"] and "traced step" in peak["planned_by"]
@@ -85,18 +92,14 @@ def test_the_cpu_measurement_tracks_one_steady_step_only() -> None:
     assert sizes[2] < 4096 * 64 * 4  # the small step's peak, not a large step's activations
 
 
-@pytest.mark.slow  # 2 ranks
-@pytest.mark.parametrize("bucket_view", [False, True])
-def test_a_two_rank_ddp_run_plans_its_gradient_buckets_too(tmp_path: Path, bucket_view: bool) -> None:
-    run_dir = tmp_path / "run"
-    args = [*(o for o in TINY if not o.startswith("launch.nproc_per_node")), "launch.nproc_per_node=2",
-            "data.global_batch_size=8", "data.micro_batch_size=4",
-            f"parallel.gradient_as_bucket_view={str(bucket_view).lower()}", f"hydra.run.dir={run_dir}"]
-    result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache")
-    assert result.returncode == 0, result.stderr[-3000:]
-    peak = json.loads((run_dir / "summary.json").read_text())["memory_peak"]
-    assert "DDP's gradient buckets" in peak["planned_by"]
-    assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
+def test_a_two_rank_ddp_run_plans_its_gradient_buckets_too(tmp_path: Path) -> None:
+    two_ranks: Overrides = {"data": {"max_documents": 40, "global_batch_size": 8, "micro_batch_size": 4}}
+    peaks = run_distributed(_written_peaks, 2, str(tmp_path), {**TINY, **two_ranks},
+                            [{"parallel": {"gradient_as_bucket_view": view}} for view in (False, True)])[0]
+    assert len(peaks) == 2  # one run with gradients as views into DDP's buckets, one without
+    for peak in peaks:
+        assert "DDP's gradient buckets" in peak["planned_by"]
+        assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
 
 
 @pytest.mark.parametrize(("gpu", "capability", "expected"), [

@@ -22,8 +22,8 @@ from ddptrain.models import build_model
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
-from tests.runs import make_config, train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import make_config, train_each
 
 VOCAB, SEQ_LEN, MBS, ACCUM = 384, 40, 4, 2
 # (prompt, completion) lengths: most examples short, a few near seq_len (the skew that makes padding costly)

@@ -21,9 +21,9 @@ from ddptrain.plan import Calibration, Layout, allreduce_seconds, predict, sync_
 from ddptrain.plan.linkfit import fit_link
 from ddptrain.plan.own_run import GLOO_LOOPBACK, predict_own_step
 from ddptrain.plan.planner import Link
-from tests.cli import run_cli
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.cli import run_cli
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig, Qwen3Config
 
-from ddptrain.config.schema import LoraSettings, ModelConfig
+from ddptrain.config.schema import Config, LoraSettings, ModelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
-from tests.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
+from tests.helpers.dist import run_distributed
+from tests.helpers.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -149,7 +150,7 @@ def _compiled_graphs(rank: int, world_size: int, backend: str, tmp: str) -> dict
     torch.compiler.reset()
     counters.clear()
     if backend == "loop":  # the real run: train.compile=true (Inductor) through the loop
-        from tests.runs import train_each
+        from tests.helpers.runs import train_each
 
         tiny = {"model": {"hidden_size": 32, "num_layers": 12, "num_heads": 2, "vocab_size": 256},
                 "data": {"source": "synthetic", "num_samples": 64, "vocab_size": 256, "seq_len": 16,
@@ -197,7 +198,7 @@ def _modules_after(rank: int, world_size: int, tmp: str, base: str, quantize: bo
         model = prepare_for_finetuning(build_model(cfg, 384), cfg)
         model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
     else:
-        from tests.runs import train_each
+        from tests.helpers.runs import train_each
 
         lora = _finetune(Path(base))
         lora["train"] = {"steps": 1, "eval_every": 0}
@@ -231,12 +232,10 @@ def test_a_4bit_base_whose_widths_the_cpu_kernels_cannot_pack_is_refused_naming_
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[1] / "configs/model").glob("*.yaml")))
-def test_every_model_preset_has_widths_the_cpu_4bit_kernels_accept(preset: str) -> None:
+def test_every_model_preset_has_widths_the_cpu_4bit_kernels_accept(preset: str, compose: Callable[..., Config]) -> None:
     """So that a model a preset trains (the quickstart's) fine-tunes under QLoRA on CPU: every quantizable layer
     takes inputs in multiples of 64 and gives outputs in multiples of 32."""
-    from ddptrain.config.compose import build_config, compose_config, job_config
-
-    cfg = build_config(job_config(compose_config([f"model={preset}"]))).model
+    cfg = compose(f"model={preset}").model
     with torch.device("meta"):
         model = build_model(cfg, cfg.vocab_size or 8192)
     widths = {name: tuple(m.weight.shape) for name, m in model.named_modules()

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.cli import DDPTRAIN, run_cli, test_env
+from tests.helpers.cli import DDPTRAIN, run_cli, test_env
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 

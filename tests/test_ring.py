@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.comm import all_reduce_bytes, all_reduce_sum, ring_all_reduce
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 SIZES = (1, 7, 1000, 10**6)
 

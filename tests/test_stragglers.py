@@ -10,8 +10,8 @@ import pytest
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry.stragglers import skew, wait_for_slowest_pct
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 BASE = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},

@@ -16,7 +16,7 @@ from ddptrain.app.submit import executor_parameters, submit
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import SweepConfig
 from ddptrain.errors import ConfigError
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 pytest.importorskip("submitit")  # an optional extra: pip install 'ddptrain[submitit]'
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from ddptrain.errors import ConfigError
+from ddptrain.telemetry.baseline import load_baseline
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
-from ddptrain.telemetry.metrics import load_baseline
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 BREAKDOWN = ("time_data_s", "time_forward_sync_s", "time_forward_s", "time_backward_s", "time_exposed_comm_s",
              "time_optimizer_s")

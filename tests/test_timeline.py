@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.telemetry.timeline import read_step, render_timeline
-from tests.dist import run_distributed
+from tests.helpers.dist import run_distributed
 
 
 def profile_ddp_steps(rank: int, world_size: int, trace_path: str) -> None:

@@ -98,7 +98,7 @@ def _collectives(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_the_flight_recorder_is_on_by_default_and_records_gloo_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddptrain.config.schema import DistConfig
     from ddptrain.diagnose.evidence import enable_flight_recorder
-    from tests.dist import run_distributed
+    from tests.helpers.dist import run_distributed
 
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     enable_flight_recorder(DistConfig().flight_recorder)  # what every worker does before its process group exists

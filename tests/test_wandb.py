@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_cli
+from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 

@@ -16,8 +16,8 @@ from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
-from tests.dist import run_distributed
-from tests.runs import train_each
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
 
 VOCAB, SEQ, B = 256, 16, 4
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)

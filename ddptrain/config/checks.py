@@ -13,7 +13,7 @@ from ddptrain.data import BatchShape, validate_source
 from ddptrain.errors import ConfigError
 from ddptrain.kernels import check_kernels
 from ddptrain.models.lora import validate_finetune_config
-from ddptrain.telemetry.metrics import load_baseline
+from ddptrain.telemetry.baseline import load_baseline
 
 
 def validate_config(cfg: Config, world_size: int) -> BatchShape:

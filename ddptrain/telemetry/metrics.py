@@ -9,9 +9,7 @@ window, never ``seq_len`` per sequence. ``padding_pct`` is the share of computed
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,31 +17,11 @@ import torch.distributed as dist
 
 from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
-from ddptrain.errors import ConfigError
+from ddptrain.telemetry.baseline import load_baseline as load_baseline  # the loop's builder imports it from here
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
 from ddptrain.telemetry.memory import device_memory
 from ddptrain.telemetry.peak import mfu, peak_tflops
 from ddptrain.telemetry.timers import StepTimer, device_clock
-
-
-def load_baseline(value: str | None) -> float | None:
-    """Single-rank tokens/s: a number, or a run directory whose summary.json holds ``tokens_per_s_per_rank``."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    summary = Path(value) / "summary.json"
-    try:
-        tps = json.loads(summary.read_text())["tokens_per_s_per_rank"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(
-            f"metrics.baseline={value}: expected tokens/s or a run directory with a summary.json ({exc})"
-        ) from exc
-    if not tps or tps <= 0:
-        raise ConfigError(f"metrics.baseline={value}: {summary} holds no positive tokens_per_s_per_rank")
-    return float(tps)
 
 
 class StepMetrics:

@@ -14,7 +14,7 @@ DDPTRAIN = [sys.executable, "-m", "ddptrain"]
 def test_env(cache: Path, extra_env: dict | None = None) -> dict[str, str]:
     """The environment of a CLI run under test: offline, its own data cache, no inherited run dir or fault."""
     env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[1])}
+           "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[2])}
     for key in ("DDPTRAIN_RUN_DIR", "DDPTRAIN_FAULT"):
         env.pop(key, None)
     return {**env, **(extra_env or {})}

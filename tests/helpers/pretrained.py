@@ -65,7 +65,7 @@ def train_each_watched(rank: int, world_size: int, tmp: str, base: dict, variant
 
     import ddptrain.train.components as components
     import ddptrain.train.loop as loop
-    from tests.runs import train_each
+    from tests.helpers.runs import train_each
 
     runs: list[dict[str, Any]] = []
     prepare, accumulate = components.prepare_for_finetuning, loop.accumulate_gradients

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 # What the ranks of almost every test import; a module missing here is imported by each rank that needs it.
-PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train", "tests.runs"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train", "tests.helpers.runs"]
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(PRELOAD)
 
