@@ -92,15 +92,19 @@ def pick_backend(cfg: DistConfig, device: torch.device, cpu_collectives: bool = 
 
 
 def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_collectives: bool = False) -> None:
-    """Join the job's process group (a one-rank group when run in-process) with the configured timeout."""
-    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    """Join the job's process group (a one-rank group when run in-process) with the configured timeout.
+
+    A one-rank group outside torchrun keeps its store in memory: a TCP store would need a port, and two runs
+    started at once on one machine could both be handed the same free one (a port is only free until bound).
+    """
+    in_process = env.world_size == 1 and "MASTER_ADDR" not in os.environ
     dist.init_process_group(
         backend=pick_backend(cfg, device, cpu_collectives),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=cfg.timeout_s),
         device_id=device if device.type == "cuda" else None,
+        **({"store": dist.HashStore()} if in_process else {}),
     )
 
 
@@ -248,14 +252,6 @@ def shared_run_dir(configured: str) -> Path:
     if failed[0]:
         raise ConfigError(error or f"hydra.run.dir={path}: not writable on every rank")
     return path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def apply_debug_level(debug: str) -> None:
