@@ -52,16 +52,18 @@ def build_model(
 
     Pretrained weights load straight onto ``device`` (this rank's device only: a whole replica per rank), in
     ``model.dtype``, 4-bit quantized when ``model.quantize=nf4``.
+    Transformers' progress bars are off from here on (per-rank "Loading weights", the export's "Writing model
+    shards"): a run's log carries ddptrain's lines, not a library's bars.
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     if cfg.pretrained is not None:
         return _load_pretrained(cfg, vocab_size, device)
     return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eos_id), attn_implementation="sdpa")
 
 
 def _load_pretrained(cfg: ModelConfig, data_vocab: int, device: torch.device | None) -> PreTrainedModel:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-rank "Loading weights" bars would interleave on the console
     name = cfg.pretrained
     assert name is not None
     local = Path(name).exists()
