@@ -26,7 +26,6 @@ from transformers.quantizers import AutoHfQuantizer
 from ddptrain.config.schema import ModelConfig
 from ddptrain.models.lora import DTYPES, nf4_quantization_config
 
-
 SETTINGS = ("blocksize", "compress_statistics", "quant_type", "quant_storage")  # of a Params4bit, as loaded
 
 
@@ -77,7 +76,7 @@ def _gemm_4bit_dequantizing(keep_scales: bool) -> Callable[..., torch.Tensor]:
     default kernel); CUDA runs it above 1536 rows (``_dequant_linear_fallback``), which keeps the dequantized
     scales alive beside their offset-added copy until it returns (``keep_scales``)."""
 
-    def gemm_4bit(A: torch.Tensor, B: torch.Tensor, shapeB: Any, absmax: torch.Tensor, blocksize: int,  # noqa: N803
+    def gemm_4bit(A: torch.Tensor, B: torch.Tensor, shapeB: Any, absmax: torch.Tensor, blocksize: int,
                   quant_type: str, bias: torch.Tensor | None = None, absmax_8bit: torch.Tensor | None = None,
                   absmax_code: torch.Tensor | None = None, absmax_offset: torch.Tensor | None = None) -> torch.Tensor:
         scales = None

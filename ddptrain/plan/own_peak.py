@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ddptrain.config.choices import Engine, Quantize
+from ddptrain.config.choices import Engine
 from ddptrain.config.schema import Config
 from ddptrain.plan.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
-from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors
+from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors, step_tracker
 from ddptrain.runtime.process_group import device_precision
 
 log = logging.getLogger("ddptrain")
@@ -39,8 +39,6 @@ def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | Non
         return "train.compile=true: the trace runs the eager step"
     if cfg.parallel.cpu_offload:
         return "parallel.cpu_offload=true: the trace keeps every tensor on the device"
-    if cfg.model.quantize != Quantize.none:
-        return f"model.quantize={cfg.model.quantize}: the trace holds the base in model.dtype"
     if cfg.parallel.engine != Engine.torch and world_size > 1:
         return f"parallel.engine={cfg.parallel.engine}: only torch DDP's gradient buckets are planned"
     if cfg.parallel.zero_stage == 1 and world_size > 1:
@@ -119,7 +117,7 @@ class MeasuredPeak:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self.tracker = PeakTracker()
+        self.tracker = step_tracker(self.model, "cpu")
         self.tracker.__enter__()
         params, state = model_state_tensors(self.model, self.optimizer)
         self.tracker.mark(params, "parameters")
