@@ -29,27 +29,30 @@ from ddptrain.models.lora import DTYPES, nf4_quantization_config
 SETTINGS = ("blocksize", "compress_statistics", "quant_type", "quant_storage")  # of a Params4bit, as loaded
 
 
-def convert_to_4bit_layers(model: PreTrainedModel, cfg: ModelConfig) -> None:
+def convert_to_4bit_layers(model: PreTrainedModel) -> None:
     """Swap the Linear layers that a 4-bit load quantizes for ``bnb.nn.Linear4bit`` (on ``meta``): transformers'
     own quantizer decides which (the output embeddings and tied weights stay in ``model.dtype``).
 
-    Each layer's weight becomes a plain meta parameter in ``model.dtype``, as the checkpoint's weight before
-    quantization, so that the model can be given fake storage; its ``Params4bit`` settings (block size, double
-    quantization, type, storage) stay on the layer for ``quantize_4bit_layers``.
+    Each layer's weight becomes a plain meta parameter carrying its ``Params4bit`` settings (block size, double
+    quantization, type, storage: what peft reads when it wraps the layer), so that the model can be given fake
+    storage and then quantized by ``quantize_4bit_layers``.
     """
     quantizer = AutoHfQuantizer.from_config(nf4_quantization_config(), pre_quantized=False)
     quantizer.preprocess_model(model=model, device_map={"": "cpu"})
     model.is_loaded_in_4bit = True  # what the load sets afterwards; peft reads it
     for layer in model.modules():
         if isinstance(layer, bnb.nn.Linear4bit):
-            layer.params4bit_settings = {name: getattr(layer.weight, name) for name in SETTINGS}
-            layer.weight = torch.nn.Parameter(
-                torch.empty(layer.out_features, layer.in_features, dtype=DTYPES[cfg.dtype], device="meta"),
-                requires_grad=False)
+            settings = {name: getattr(layer.weight, name) for name in SETTINGS}
+            weight = torch.nn.Parameter(torch.empty(layer.out_features, layer.in_features, device="meta"),
+                                        requires_grad=False)
+            for name, value in settings.items():
+                setattr(weight, name, value)
+            layer.weight, layer.params4bit_settings = weight, settings
 
 
-def quantize_4bit_layers(model: torch.nn.Module) -> None:
-    """Quantize every ``Linear4bit`` weight of a fake model as a load does: a packed weight and its state.
+def quantize_4bit_layers(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Quantize every ``Linear4bit`` weight of a fake model as a load does, from a weight in ``model.dtype``: a
+    packed weight and its quantization state.
 
     Call under the ``FakeTensorMode`` that holds the model. bitsandbytes caches its 8-bit code for the block
     scales on first use: it is created here on real tensors first, so the cache never holds a fake tensor.
@@ -60,7 +63,8 @@ def quantize_4bit_layers(model: torch.nn.Module) -> None:
         if not isinstance(layer, bnb.nn.Linear4bit):
             continue
         settings = layer.params4bit_settings
-        packed, state = bnb.functional.quantize_4bit(layer.weight, **settings)
+        weight = torch.empty(layer.out_features, layer.in_features, dtype=DTYPES[cfg.dtype])
+        packed, state = bnb.functional.quantize_4bit(weight, **settings)
         param = torch.nn.Parameter(packed, requires_grad=False)
         # what Linear4bit.forward and peft's 4-bit LoRA layer read from a Params4bit
         for name, value in settings.items():

@@ -268,17 +268,19 @@ def fake_training_state(
     if nf4:
         from ddptrain.plan.memory_nf4 import convert_to_4bit_layers, quantize_4bit_layers
     with torch.device("meta"):
-        model = pretrained_shape(cfg.model, vocab_size) if nf4 else training_model(cfg.model, vocab_size)
         if nf4:
-            convert_to_4bit_layers(model, cfg.model)
+            model = pretrained_shape(cfg.model, vocab_size)
+            convert_to_4bit_layers(model)
+            model = prepare_for_finetuning(model, cfg.model)
+        else:
+            model = training_model(cfg.model, vocab_size)
         if param_dtype is not None:
             model.to(param_dtype)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()
         if nf4:
-            quantize_4bit_layers(model)
-            model = prepare_for_finetuning(model, cfg.model)
+            quantize_4bit_layers(model, cfg.model)
         model.train()
         kwargs = impl_kwargs(cfg.optim.impl, torch.device(device_type))
         optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr,
