@@ -81,12 +81,12 @@ def nf4_quantization_config() -> Any:
     again (double quantization), compute in bf16. The memory trace builds its NF4 base from the same config."""
     from transformers import BitsAndBytesConfig
 
-    _quiet_bitsandbytes()
+    quiet_bitsandbytes()
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.bfloat16)
 
 
-def _quiet_bitsandbytes() -> None:
+def quiet_bitsandbytes() -> None:
     """Drop bitsandbytes' import-time warning that an optional CPU kernel package is missing (each rank prints it;
     the run is correct without it)."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_missing_cpu_kernel)

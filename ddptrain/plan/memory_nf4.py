@@ -18,13 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import bitsandbytes as bnb
 import torch
 from transformers import PreTrainedModel
 from transformers.quantizers import AutoHfQuantizer
 
 from ddptrain.config.schema import ModelConfig
-from ddptrain.models.lora import DTYPES, nf4_quantization_config
+from ddptrain.models.lora import DTYPES, nf4_quantization_config, quiet_bitsandbytes
+
+quiet_bitsandbytes()  # before bitsandbytes' first import, which warns on CPU about an optional kernel package
+import bitsandbytes as bnb  # noqa: E402
 
 SETTINGS = ("blocksize", "compress_statistics", "quant_type", "quant_storage")  # of a Params4bit, as loaded
 
