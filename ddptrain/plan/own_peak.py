@@ -8,7 +8,9 @@ fragmentation, NCCL) are not added, since ``max_memory_allocated`` does not see 
 
 Measured: on CUDA, ``torch.cuda.max_memory_allocated`` over the steady steps (reset after the first step);
 on CPU, which has no allocator statistics, ``PeakTracker`` around one steady step of the run (the second), on
-the run's real tensors, with the model state marked at its start. The tracker counts every storage the step's
+the run's real tensors, with the model state marked at its start (a 4-bit base's quantization state
+included; its matmuls run as the same ops bitsandbytes' CPU kernel runs, so that the tracker sees the
+dequantized weight the kernel holds). The tracker counts every storage the step's
 ops create and free; the trace tests check it equals the CPU allocator's peak from ``torch.profiler`` on the
 same step. It sees what the step allocates: DDP rebuilds its gradient buckets in the second step (in the
 order the gradients arrived), so that step holds them too, as the plan counts them. The tracker slows that one
