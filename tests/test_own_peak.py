@@ -16,6 +16,7 @@ from ddptrain.plan.memory_plan import compute_dtype, target_device, this_machine
 from ddptrain.plan.own_peak import MeasuredPeak
 from ddptrain.runtime.process_group import device_precision
 from tests.helpers.dist import run_distributed
+from tests.helpers.pretrained import TINY_LLAMA
 from tests.helpers.runs import Overrides, train_each
 
 # Each run trains through the real loop, which writes summary.json; ranks are forked (tests/helpers/dist.py), and
@@ -147,4 +148,21 @@ def test_the_run_and_its_own_plan_both_follow_the_devices_resolution_of_auto(tmp
     assert "loss_scale" in summary  # the run computed in fp16, with its loss scaler
     peak = summary["memory_peak"]
     assert peak["planned_by"].endswith("fp16")  # and the plan traced fp16: planned as run
+    assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
+
+
+def test_a_qlora_cpu_run_plans_its_4bit_base_and_measures_within_2_percent(pretrained_base: Path, tmp_path: Path
+                                                                           ) -> None:
+    shape = {"arch": "llama", "hidden_size": TINY_LLAMA["hidden_size"], "num_heads": TINY_LLAMA["num_attention_heads"],
+             "intermediate_size": TINY_LLAMA["intermediate_size"], "num_layers": TINY_LLAMA["num_hidden_layers"],
+             "num_kv_heads": TINY_LLAMA["num_key_value_heads"], "tie_embeddings": False,
+             "max_position_embeddings": TINY_LLAMA["max_position_embeddings"]}  # model.* describing the saved base
+    run: Overrides = {
+        "model": {**shape, "pretrained": str(pretrained_base), "quantize": "nf4", "lora": {"enabled": True, "r": 4}},
+        "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 64,
+                 "global_batch_size": 8, "micro_batch_size": 8},
+        "train": {"steps": 2, "log_every": 1, "eval_every": 0}, "checkpoint": {"every_n_steps": 0},
+    }
+    (peak,) = run_distributed(_written_peaks, 1, str(tmp_path), run, [{}])[0]
+    assert "traced step" in peak["planned_by"] and "PeakTracker" in peak["measured_by"]  # planned, not skipped
     assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)

@@ -72,17 +72,21 @@ def load_kwargs(cfg: ModelConfig, device: torch.device | None) -> dict[str, Any]
     kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype],
                               "device_map": {"": device.index if device.type == "cuda" else device.type}}
     if cfg.quantize == Quantize.nf4:
-        from transformers import BitsAndBytesConfig
-
-        _quiet_bitsandbytes()
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
+        kwargs["quantization_config"] = nf4_quantization_config()
     return kwargs
 
 
-def _quiet_bitsandbytes() -> None:
+def nf4_quantization_config() -> Any:
+    """The 4-bit load (QLoRA): NF4 weights in blocks of 64 (bitsandbytes' default), their block scales quantized
+    again (double quantization), compute in bf16. The memory trace builds its NF4 base from the same config."""
+    from transformers import BitsAndBytesConfig
+
+    quiet_bitsandbytes()
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def quiet_bitsandbytes() -> None:
     """Drop bitsandbytes' import-time warning that an optional CPU kernel package is missing (each rank prints it;
     the run is correct without it)."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_missing_cpu_kernel)

@@ -149,13 +149,11 @@ def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan
     in stage 3 (``plan.memory``'s figures). Under mixed precision the step is traced on a working copy in the
     compute dtype (``working_copy``), so activations and temporaries are FSDP2's; its low-precision
     gradients count at fp32. With gradient accumulation (``accumulating``) FSDP2 keeps the gradients
-    unsharded, in fp32, until the last micro batch reduce-scatters them. An NF4 base's parameters are the
-    planner's formula too (the trace holds the base in ``model.dtype``).
+    unsharded, in fp32, until the last micro batch reduce-scatters them. An NF4 base is traced as bitsandbytes
+    holds it (packed weights and their quantization state), so its parameters come from the trace.
     """
     out = dict(by_category)
     n = world_size
-    if plan.frozen_note.startswith("frozen base in nf4"):  # traced in model.dtype; held as 4-bit blocks
-        out["parameters"] = plan.memory[stage].params
     if stage >= 1:
         out["optimizer"] = by_category["optimizer"] / n
     if stage >= 2:

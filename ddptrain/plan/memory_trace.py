@@ -3,15 +3,17 @@
 The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMode``); one real step (forward,
 backward, clipping, the optimizer update) then runs with every op's output shapes and dtypes but no data.
 ``PeakTracker`` follows each tensor storage from the op that creates it to the moment it is freed, sums the live
-bytes by category and keeps the category split at the global peak.
+bytes by category and keeps the category split at the global peak. An NF4 base is held as bitsandbytes holds
+it (``ddptrain/plan/memory_nf4.py``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Any
 from unittest import mock
 
 import torch
@@ -21,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode  # torch documents dispatch modes at this path
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
-from transformers import AutoModelForCausalLM, masking_utils
+from transformers import AutoModelForCausalLM, PreTrainedModel, masking_utils
 
 from ddptrain.config.choices import Quantize
 from ddptrain.config.schema import Config, ModelConfig
@@ -56,8 +58,11 @@ class PeakTracker(TorchDispatchMode):
     and count once. Only the global peak is kept (no per-module peaks), which keeps a step cheap to trace.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compositions: Mapping[Any, Callable[..., Any]] | None = None) -> None:
+        """``compositions``: ops to run as their kernels compose them, so that their temporaries count (a fake
+        kernel shows only its output)."""
         super().__init__()
+        self.compositions = dict(compositions or {})
         self.phase = "forward"
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
@@ -106,6 +111,10 @@ class PeakTracker(TorchDispatchMode):
                 self.peak = self.phase_peaks[self.phase]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        composed = self.compositions.get(func)
+        if composed is not None:
+            with self:  # the composition's ops come back through this mode, one by one
+                return composed(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if func in FLASH_OPS:
             self.flash_calls += 1
@@ -127,11 +136,33 @@ class StepSetup:
 
 
 def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list]:
-    """(parameters and buffers, optimizer state) of a model and its optimizer."""
-    params = [*model.parameters(), *model.buffers()]
+    """(parameters, buffers and 4-bit quantization state, optimizer state) of a model and its optimizer."""
+    params = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     inner = getattr(optimizer, "optim", optimizer)
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     return params, state
+
+
+def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What bitsandbytes keeps beside each 4-bit weight, outside parameters and buffers: the block scales (8-bit
+    under double quantization), their own scales and offset, and the code tables."""
+    tensors = []
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            tensors += [t for t in (state.absmax, state.code, state.offset) if torch.is_tensor(t)]
+            state = state.state2
+    return tensors
+
+
+def step_tracker(model: torch.nn.Module, device_type: str) -> PeakTracker:
+    """A tracker for a step of ``model`` on ``device_type``; a 4-bit model's matmuls run as bitsandbytes' kernel
+    on that device composes them, dequantized weight included."""
+    if not any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+        return PeakTracker()
+    from ddptrain.plan.memory_nf4 import kernel_compositions
+
+    return PeakTracker(kernel_compositions(device_type))
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
@@ -168,7 +199,7 @@ def trace_step(
     """
     from ddptrain.kernels.clip import clip_grad_norm
 
-    tracker = PeakTracker()
+    tracker = step_tracker(model, setup.device_type)
     params, state = model_state_tensors(model, optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], "gradients")) for p in trainable]
@@ -204,16 +235,22 @@ def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     """The model as a run trains it, built from ``model.*`` on the current default device (``meta`` for a trace):
     a pretrained base in ``model.dtype``, checkpointing and LoRA adapters as configured.
 
-    A pretrained model is planned from the shape in ``model.*``; an NF4 base is traced in ``model.dtype``
-    (4-bit storage is accounted for by the planner, not traced).
+    A pretrained model is planned from the shape in ``model.*``. An NF4 base is built by ``fake_training_state``
+    (its 4-bit weights exist on fake tensors only).
     """
-    base = replace(cfg, pretrained=None, quantize=Quantize.none)
-    model = AutoModelForCausalLM.from_config(hf_config(base, vocab_size, None), attn_implementation="sdpa")
-    if cfg.pretrained is not None:
-        model.to(DTYPES[cfg.dtype])
+    base = replace(cfg, quantize=Quantize.none)
+    model = pretrained_shape(base, vocab_size)
     if cfg.lora.enabled:  # peft's k-bit preparation freezes the base; a plain LoRA base is frozen by get_peft_model
         model.requires_grad_(False)
     return prepare_for_finetuning(model, base)
+
+
+def pretrained_shape(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
+    """The model ``model.*`` describes, initialised as from scratch; a pretrained base in ``model.dtype``."""
+    model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, None), attn_implementation="sdpa")
+    if cfg.pretrained is not None:
+        model.to(DTYPES[cfg.dtype])
+    return model
 
 
 def fake_training_state(
@@ -224,15 +261,26 @@ def fake_training_state(
 
     The optimizer takes the implementation the run would use on ``device_type`` (fused and foreach differ by a
     parameter-sized temporary). ``param_dtype``: compute on parameters of that dtype, as FSDP2's gathered
-    working copy under a mixed-precision policy.
+    working copy under a mixed-precision policy. An NF4 base (``model.quantize=nf4``) is built as the 4-bit load
+    builds it, quantized on fake tensors, then prepared (k-bit preparation, LoRA) as a run prepares it.
     """
+    nf4 = cfg.model.quantize == Quantize.nf4
+    if nf4:
+        from ddptrain.plan.memory_nf4 import convert_to_4bit_layers, quantize_4bit_layers
     with torch.device("meta"):
-        model = training_model(cfg.model, vocab_size)
+        if nf4:
+            model = pretrained_shape(cfg.model, vocab_size)
+            convert_to_4bit_layers(model)
+            model = prepare_for_finetuning(model, cfg.model)
+        else:
+            model = training_model(cfg.model, vocab_size)
         if param_dtype is not None:
             model.to(param_dtype)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()
+        if nf4:
+            quantize_4bit_layers(model, cfg.model)
         model.train()
         kwargs = impl_kwargs(cfg.optim.impl, torch.device(device_type))
         optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr,

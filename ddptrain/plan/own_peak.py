@@ -8,7 +8,9 @@ fragmentation, NCCL) are not added, since ``max_memory_allocated`` does not see 
 
 Measured: on CUDA, ``torch.cuda.max_memory_allocated`` over the steady steps (reset after the first step);
 on CPU, which has no allocator statistics, ``PeakTracker`` around one steady step of the run (the second), on
-the run's real tensors, with the model state marked at its start. The tracker counts every storage the step's
+the run's real tensors, with the model state marked at its start (a 4-bit base's quantization state
+included; its matmuls run as the same ops bitsandbytes' CPU kernel runs, so that the tracker sees the
+dequantized weight the kernel holds). The tracker counts every storage the step's
 ops create and free; the trace tests check it equals the CPU allocator's peak from ``torch.profiler`` on the
 same step. It sees what the step allocates: DDP rebuilds its gradient buckets in the second step (in the
 order the gradients arrived), so that step holds them too, as the plan counts them. The tracker slows that one
@@ -24,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ddptrain.config.choices import Engine, Quantize
+from ddptrain.config.choices import Engine
 from ddptrain.config.schema import Config
 from ddptrain.plan.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
-from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors
+from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors, step_tracker
 from ddptrain.runtime.process_group import device_precision
 
 log = logging.getLogger("ddptrain")
@@ -39,8 +41,6 @@ def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | Non
         return "train.compile=true: the trace runs the eager step"
     if cfg.parallel.cpu_offload:
         return "parallel.cpu_offload=true: the trace keeps every tensor on the device"
-    if cfg.model.quantize != Quantize.none:
-        return f"model.quantize={cfg.model.quantize}: the trace holds the base in model.dtype"
     if cfg.parallel.engine != Engine.torch and world_size > 1:
         return f"parallel.engine={cfg.parallel.engine}: only torch DDP's gradient buckets are planned"
     if cfg.parallel.zero_stage == 1 and world_size > 1:
@@ -119,7 +119,7 @@ class MeasuredPeak:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self.tracker = PeakTracker()
+        self.tracker = step_tracker(self.model, "cpu")
         self.tracker.__enter__()
         params, state = model_state_tensors(self.model, self.optimizer)
         self.tracker.mark(params, "parameters")
