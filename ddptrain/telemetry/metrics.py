@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
-from ddptrain.telemetry.baseline import load_baseline as load_baseline  # the loop's builder imports it from here
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
 from ddptrain.telemetry.memory import device_memory
 from ddptrain.telemetry.peak import mfu, peak_tflops

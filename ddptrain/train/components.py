@@ -36,8 +36,9 @@ from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
 from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
+from ddptrain.telemetry.baseline import load_baseline
 from ddptrain.telemetry.memory import ModelStateProbe
-from ddptrain.telemetry.metrics import StepMetrics, load_baseline
+from ddptrain.telemetry.metrics import StepMetrics
 from ddptrain.telemetry.stragglers import StragglerMonitor
 from ddptrain.testing.faults import step_hooks
 from ddptrain.train.control import StopRequest
