@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.bad_inputs import UNDER_TORCHRUN
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import run_cli, test_env
 
 SMALL = ["data.max_documents=120", "train.log_every=5"]
 
@@ -56,6 +58,43 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "bucket_cap_mb: 50.0" in result.stdout and "nproc_per_node: 2" in result.stdout
     assert "hydra:" not in result.stdout
+
+
+# ``ddptrain`` with an exit handler registered during the run, a log handler, and an object whose finalizer
+# speaks at module teardown.
+TEARDOWN_PROBE = """
+import atexit, logging, os, sys
+import ddptrain.app.cli as cli
+class Probe:
+    def __del__(self, write=os.write):  # bound now: print and even os may be gone by then
+        write(1, b"module teardown ran")
+class Handler(logging.Handler):
+    def close(self):
+        print("log handler closed", flush=True)
+        super().close()
+logging.getLogger("ddptrain").addHandler(Handler())
+run_cli = cli.run_cli
+def run_registering_a_handler(argv):
+    atexit.register(print, "exit handler ran", flush=True)  # as torch, W&B and multiprocessing do during a run
+    return run_cli(argv)
+cli.run_cli = run_registering_a_handler
+cli.probe = Probe()  # freed when the interpreter clears the modules
+sys.argv = ["ddptrain", *sys.argv[1:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize(("args", "code"), [(["--cfg", "job"], 0), (["train.steps=oops"], 2)])
+def test_the_command_ends_after_its_exit_handlers_without_the_interpreters_teardown(
+    tmp_path: Path, args: list[str], code: int
+) -> None:
+    # With torch and transformers loaded, module teardown is a second or more per process (every rank, every run).
+    result = subprocess.run([sys.executable, "-c", TEARDOWN_PROBE, *args], cwd=tmp_path, capture_output=True,
+                            text=True, env=test_env(tmp_path / "cache"), timeout=60)
+    assert result.returncode == code, result.stderr[-2000:]
+    assert "exit handler ran" in result.stdout and "log handler closed" in result.stdout
+    assert "module teardown ran" not in result.stdout
+    assert ("train:" in result.stdout) if code == 0 else ("ddptrain: error: " in result.stderr)
 
 
 @pytest.mark.slow

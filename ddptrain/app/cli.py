@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -82,4 +84,23 @@ def run_cli(argv: list[str]) -> int:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(run_cli(sys.argv[1:]))
+    exit_code: list[int] = []
+    atexit.register(end_without_teardown, exit_code)  # registered first, so it runs after every other handler
+    exit_code.append(run_cli(sys.argv[1:]))
+    sys.exit(exit_code[0])
+
+
+def end_without_teardown(exit_code: list[int]) -> None:
+    """End the process once every exit handler has run (logging, W&B, multiprocessing, temporary files), without
+    the interpreter's teardown of every module: with torch and transformers loaded that teardown is a second or
+    more of garbage collection in every rank of every run (and in the launcher), and it has nothing left to do —
+    our files are closed and the process group is destroyed by then. After an exception escaped ``main`` no code
+    was recorded and Python ends as usual. The one handler registered before this one is logging's (imported with
+    this module), so it is called here."""
+    if not exit_code:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            stream.flush()
+    os._exit(exit_code[0])
