@@ -1,4 +1,4 @@
-"""Nothing lost, nothing hung: exact resume after kills, elastic restarts, preemption, dead ranks, NaNs, export."""
+"""Nothing lost: exact resume after kills, elastic restarts, preemption, NaNs; an export (hangs: test_hangs.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from safetensors.torch import load_file
 
@@ -113,28 +112,6 @@ def test_sigterm_of_the_launcher_leaves_a_loadable_checkpoint(tmp_path: Path, ca
     resumed = run_cli([*RUN, f"train.steps={step + 1}", "train.resume=auto", f"hydra.run.dir={tmp_path}"],
                       cwd=tmp_path, cache=cache)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr, resumed.stderr[-3000:]
-
-
-def _survivors(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(marker in part for part in proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
-
-
-@pytest.mark.parametrize("fault", ["kill@step:3:1", "hang@step:3:1"], ids=["rank-dies", "rank-hangs"])
-def test_a_dead_or_hung_rank_ends_the_whole_job_within_the_timeout(tmp_path: Path, cache: Path, fault: str) -> None:
-    timeout_s = 10
-    args = [*RUN, "train.steps=50", f"dist.timeout_s={timeout_s}", "launch.stop_grace_s=5",
-            f"hydra.run.dir={tmp_path}"]
-    start = time.monotonic()
-    result = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": fault}, timeout=timeout_s + 90)
-    elapsed = time.monotonic() - start
-    assert result.returncode != 0
-    assert elapsed < timeout_s + 30 + 15, f"took {elapsed:.0f}s"  # + start-up and 3 training steps
-    assert result.stderr.strip().splitlines()[-1].startswith("ddptrain: error: rank 1 (host "), result.stderr[-2000:]
-    assert not _survivors(str(tmp_path)), "no worker process may outlive the job"
 
 
 @pytest.mark.parametrize("policy", ["skip", "abort"])
