@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +21,10 @@ RUN = ["launch.nproc_per_node=2", "train.steps=5", "train.log_every=1", "train.e
        "data.max_documents=60", "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_len=64",
        "model.num_layers=2", "model.hidden_size=64", "checkpoint.every_n_steps=2"]
 STRATEGIES = {"ddp": [], "zero1": ["parallel.zero_stage=1"], "zero3": ["parallel.zero_stage=3"]}
-KILLS = [  # (strategy, fault): every strategy is killed mid-save, the hardest case; DDP and ZeRO-3 also between steps
-    ("ddp", "kill@step:3"), ("ddp", "kill@save:4"), ("zero1", "kill@save:4"),
-    ("zero3", "kill@step:3"), ("zero3", "kill@save:4"),
-]
+KILLS = {  # strategy -> faults, one per run, each run resuming the last: every strategy is killed mid-save (the
+    # hardest case); DDP and ZeRO-3 first between steps, then mid-save in the run that resumed from that kill
+    "ddp": ["kill@step:3", "kill@save:4"], "zero1": ["kill@save:4"], "zero3": ["kill@step:3", "kill@save:4"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +54,20 @@ def _assert_bitwise_equal(a: Path, b: Path) -> None:
     assert not different, f"weights differ after resume: {different[:5]}"
 
 
-@pytest.mark.parametrize(("strategy", "fault"), KILLS, ids=[f"{s}-{f}" for s, f in KILLS])
+@pytest.mark.parametrize("strategy", list(KILLS), ids=[f"{s}-{'-then-'.join(f)}" for s, f in KILLS.items()])
 def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
-    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path], strategy: str, fault: str
+    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path], strategy: str
 ) -> None:
     args = [*RUN, *STRATEGIES[strategy], f"hydra.run.dir={tmp_path}"]
-    killed = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": fault})
-    assert killed.returncode != 0 and "ddptrain: error: rank 0 (host " in killed.stderr
-    assert "died of SIGKILL" in killed.stderr
-    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints[-1] in ("step_000002", ".tmp-step_000004"), checkpoints
+    for attempt, fault in enumerate(KILLS[strategy]):
+        resume = ["train.resume=auto"] if attempt else []
+        killed = run_cli([*args, *resume], cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": fault})
+        assert killed.returncode != 0 and "ddptrain: error: rank 0 (host " in killed.stderr, killed.stderr[-3000:]
+        assert "died of SIGKILL" in killed.stderr
+        assert not attempt or "step_000002 at step 2" in killed.stderr  # the kill before cost only steps 3, 4
+        checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+        assert checkpoints == (["step_000002"] if fault.startswith("kill@step") else
+                               [".tmp-step_000004", "step_000002"]), (fault, checkpoints)
     resumed = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
@@ -144,10 +149,12 @@ def test_export_loads_with_transformers_alone(uninterrupted: dict[str, Path]) ->
     assert int(out.stdout.strip()) >= 8192 // 2
 
 
-def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path: Path, cache: Path) -> None:
-    first = run_cli([*RUN, "train.steps=2", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, cache=cache)
-    assert first.returncode == 0, first.stderr[-3000:]
-    more = run_cli([*RUN, "launch.nproc_per_node=1", "train.steps=4", "train.resume=auto",
-                    f"hydra.run.dir={tmp_path}"], cwd=tmp_path, cache=cache)
+def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path: Path, cache: Path,
+                                                             uninterrupted: dict[str, Path]) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted["ddp"], run)  # 5 steps on 2 ranks, checkpoints of steps 4 and 5
+    more = run_cli([*RUN, "launch.nproc_per_node=1", "train.steps=6", "train.resume=auto", f"hydra.run.dir={run}"],
+                   cwd=tmp_path, cache=cache)
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resuming on 1 ranks from a checkpoint of 2: grad_accum 4 keeps the global batch of 8" in more.stderr
+    assert "step_000005 at step 5" in more.stderr
