@@ -60,3 +60,19 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_tiny_llama(out, eos_id=tok.eos_token_id)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A finished 2-step run of 2 ranks under plain torchrun, with no ``hydra.run.dir`` (rank 0's clock names the
+    one run dir, under ``outputs/``) and a checkpoint: (its run dir, its data cache). Tests must not change it."""
+    from tests.helpers.cli import run_cli
+
+    cwd, cache = tmp_path_factory.mktemp("torchrun_run"), tmp_path_factory.mktemp("torchrun_cache")
+    args = ["train.steps=2", "train.log_every=1", "data.max_documents=60", "data.global_batch_size=4",
+            "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false", "checkpoint.export=false"]
+    result = run_cli(args, cwd=cwd, cache=cache, torchrun_nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((cwd / "outputs").rglob("summary.json"))
+    assert len(runs) == 1, f"expected one run dir shared by both ranks, got {runs}"
+    return runs[0].parent, cache

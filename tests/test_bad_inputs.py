@@ -100,12 +100,10 @@ SMALL = ["train.steps=2", "train.log_every=1", "data.max_documents=60", "data.gl
          "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false", "checkpoint.export=false"]
 
 
-@pytest.fixture(scope="module")
-def good_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    run, cache = tmp_path_factory.mktemp("good"), tmp_path_factory.mktemp("cache")
-    result = run_cli([*SMALL, f"hydra.run.dir={run}"], cwd=run, cache=cache, torchrun_nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run, cache
+@pytest.fixture
+def good_run(torchrun_run: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A finished 2-rank run with a checkpoint of a 1-layer model, and its data cache."""
+    return torchrun_run
 
 
 def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) -> None:
@@ -128,7 +126,8 @@ def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None
 
 @pytest.mark.slow
 def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
-    run, cache = good_run
+    run, cache = tmp_path / "run", good_run[1]
+    shutil.copytree(good_run[0], run)  # the shared run stays as it was
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
     _fails_on_both_ranks([*SMALL, "model.num_layers=2", f"train.resume={run}", f"hydra.run.dir={run}"], tmp_path,
                          cache, "was saved for a different model")
