@@ -56,6 +56,17 @@ def test_a_rank_killed_by_a_signal_is_named_with_it_and_where_it_was(tmp_path: P
                     "waited in all_reduce #30 (forward of step 7, 8 bytes) for 15 s (dist.timeout_s)")
 
 
+def test_a_rank_killed_after_it_recorded_its_own_timeout_is_not_the_cause(tmp_path: Path) -> None:
+    # Both ranks timed out in mismatched collectives; rank 1 was still leaving when rank 0 exited, and the agent
+    # SIGKILLed it after launch.stop_grace_s: the mismatch is the cause, not that kill.
+    folder = _folder(tmp_path)
+    _record(folder, 0, "collective timed out", 4, "forward", [(38, "all_reduce", 1024), (39, "broadcast", 64)])
+    _record(folder, 1, "collective timed out", 3, "after the update", [(38, "all_reduce", 1024),
+                                                                     (39, "all_reduce", 12)])
+    line = verdict(tmp_path, [Failure(0, 1, None), Failure(1, -9, "SIGKILL")], 2, 5, "vm")
+    assert line is not None and line.startswith("mismatched collectives: as collective #39 the ranks called"), line
+
+
 def test_a_rank_that_aborted_inside_a_collective_is_a_mismatch(tmp_path: Path) -> None:
     folder = _folder(tmp_path)
     (folder / "rank1.stacks").write_text(
