@@ -8,7 +8,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -216,13 +215,17 @@ def test_a_stale_temporary_of_a_killed_job_is_cleaned_up(tmp_path: Path) -> None
 
 
 RACE = textwrap.dedent("""
-    import logging, sys, time
+    import logging, os, sys, time
+    from pathlib import Path
     from ddptrain.config.schema import DataConfig
     if __name__ == "__main__":
         from ddptrain.data import BatchShape, build_token_data
         logging.basicConfig(level=logging.INFO)
-        start = float(sys.argv[3])
-        time.sleep(max(0.0, start - time.time()))
+        ready, jobs = Path(sys.argv[3]), int(sys.argv[4])  # start together, once every job has imported
+        (ready / str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(ready.iterdir())) < jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
         cfg = DataConfig(source="files", paths=[sys.argv[1]], cache_dir=sys.argv[2], vocab_size=300, seq_len=16,
                          val_fraction=0.1)
         data = build_token_data(cfg)
@@ -237,8 +240,9 @@ def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Pa
     script.write_text(RACE)
     corpus = _jsonl(tmp_path, [d * 30 for d in DOCS])
     cache = tmp_path / "cache"
-    start = time.time() + 8  # after every interpreter has started
-    jobs = [subprocess.Popen([sys.executable, str(script), str(corpus), str(cache), str(start)],
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    jobs = [subprocess.Popen([sys.executable, str(script), str(corpus), str(cache), str(ready), "3"],
                              env=test_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(3)]
     outs = [job.communicate(timeout=300) for job in jobs]
