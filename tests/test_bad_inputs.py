@@ -100,12 +100,6 @@ SMALL = ["train.steps=2", "train.log_every=1", "data.max_documents=60", "data.gl
          "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false", "checkpoint.export=false"]
 
 
-@pytest.fixture
-def good_run(torchrun_run: tuple[Path, Path]) -> tuple[Path, Path]:
-    """A finished 2-rank run with a checkpoint of a 1-layer model, and its data cache."""
-    return torchrun_run
-
-
 def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) -> None:
     result = run_cli(args, cwd=cwd, cache=cache, torchrun_nproc=2, timeout=120)
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("ddptrain: error:")]
@@ -114,8 +108,8 @@ def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) 
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
-    run, cache = good_run
+def test_corrupt_checkpoint(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
+    run, cache = torchrun_run
     (ckpt,) = (run / "checkpoints").glob("step_*")
     broken = tmp_path / "broken" / ckpt.name
     shutil.copytree(ckpt, broken)  # a whole checkpoint whose trainer state was overwritten
@@ -125,9 +119,9 @@ def test_corrupt_checkpoint(tmp_path: Path, good_run: tuple[Path, Path]) -> None
 
 
 @pytest.mark.slow
-def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
-    run, cache = tmp_path / "run", good_run[1]
-    shutil.copytree(good_run[0], run)  # the shared run stays as it was
+def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
+    run, cache = tmp_path / "run", torchrun_run[1]
+    shutil.copytree(torchrun_run[0], run)  # the shared run stays as it was
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
     _fails_on_both_ranks([*SMALL, "model.num_layers=2", f"train.resume={run}", f"hydra.run.dir={run}"], tmp_path,
                          cache, "was saved for a different model")
@@ -135,15 +129,15 @@ def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, g
 
 
 @pytest.mark.slow
-def test_resume_path_that_does_not_exist(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
-    _, cache = good_run
+def test_resume_path_that_does_not_exist(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
+    _, cache = torchrun_run
     _fails_on_both_ranks([*SMALL, f"train.resume={tmp_path}/nope", f"hydra.run.dir={tmp_path}/run"], tmp_path, cache,
                          f"train.resume={tmp_path}/nope: no such checkpoint or run directory")
 
 
 @pytest.mark.slow
-def test_unwritable_run_directory(tmp_path: Path, good_run: tuple[Path, Path]) -> None:
-    _, cache = good_run
+def test_unwritable_run_directory(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
+    _, cache = torchrun_run
     (tmp_path / "a-file").write_text("x")
     _fails_on_both_ranks([*SMALL, f"hydra.run.dir={tmp_path}/a-file/run"], tmp_path, cache,
                          f"hydra.run.dir={tmp_path}/a-file/run: cannot write there")

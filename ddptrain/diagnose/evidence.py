@@ -32,6 +32,7 @@ from ddptrain.diagnose.whereabouts import WHEREABOUTS
 
 log = logging.getLogger(__name__)
 HANG_DIR = "hang"
+TIMED_OUT = "collective timed out"  # the reason a rank records when one of its collectives timed out or lost a peer
 FLIGHT_RECORDS = 8  # collectives kept in a rank's record (the flight recorder's own buffer is larger)
 _PACKAGE = Path(__file__).resolve().parents[1]
 _NOT_WHERE = (_PACKAGE / "testing", _PACKAGE / "diagnose")  # fault injection and this package are never "where"
@@ -89,7 +90,7 @@ class Evidence:
         """For a collective that timed out or lost its peer: record it and return the record; else None."""
         if not _LOST_PEER.search(str(error)):
             return None
-        self.record("collective timed out", error)
+        self.record(TIMED_OUT, error)
         return json.loads((self.dir / f"rank{self.rank}.json").read_text())
 
 

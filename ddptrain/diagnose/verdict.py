@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddptrain.diagnose.evidence import HANG_DIR
+from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT
 from ddptrain.diagnose.whereabouts import read_whereabouts
 
 PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
@@ -44,13 +44,12 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     folder = run_dir / HANG_DIR
     records = _records(folder)
     where = {r: w for r in range(world_size) if (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
-    waiters = {r: rec for r, rec in records.items() if rec["reason"] == "collective timed out"}
-    # A rank that recorded its own timeout or the launcher's SIGTERM was alive when the job began to fail: a
-    # SIGKILL after that is the agent ending a rank that did not stop within launch.stop_grace_s, not a cause.
-    stopped_late = {r for r, rec in records.items() if rec["reason"] in ("collective timed out",
-                                                                        "SIGTERM from the launcher")}
+    waiters = {r: rec for r, rec in records.items() if rec["reason"] == TIMED_OUT}
+    # A rank writes a record only while alive, on its own timeout or the launcher's stop: it was alive when the job
+    # began to fail, so a SIGKILL after that is the agent ending a rank that did not stop within
+    # launch.stop_grace_s, not a cause.
     dead = [f for f in failures
-            if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None) and f.rank not in stopped_late]
+            if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None) and f.rank not in records]
     if dead:
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
