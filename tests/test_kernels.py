@@ -96,18 +96,41 @@ def test_the_triton_kernels_under_test_are_tritons() -> None:
     assert TRITON.name == "triton" and type(TRITON).__module__ == ops.__name__
 
 
-def test_pack_and_unpack_are_bitwise_copies_in_one_launch(sources: list[torch.Tensor],
-                                                          launches: dict[str, _Launches]) -> None:
+def _kinds(tensors: list[torch.Tensor]) -> int:
+    """Launches a list takes: one per dtype and addressing (contiguous or strided) among the kernels' tensors."""
+    return len({(t.dtype, t.is_contiguous()) for t in tensors if t.numel() and t.dtype in ops.TL_DTYPES})
+
+
+def test_pack_and_unpack_are_bitwise_copies_in_one_launch_per_addressing(sources: list[torch.Tensor],
+                                                                         launches: dict[str, _Launches]) -> None:
+    """Contiguous pairs launch apart from strided ones: one transposed gradient does not put a whole bucket on
+    strided addressing (nor off vector accesses)."""
     flat, views = _bucket(sources)
     TRITON.copy_(views, sources)
-    assert _launched(launches) == {"_copy_kernel": 1}
+    assert _launched(launches) == {"_copy_kernel": 2}
+    assert [c["STRIDED"] for c in launches["_copy_kernel"].constants] == [False, True]
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]))
     back = [torch.empty_like(t) for t in sources]
     back[6] = torch.empty(24, 40).t()  # a strided destination too
     TRITON.copy_(back, views)
-    assert _launched(launches) == {"_copy_kernel": 2}
+    assert _launched(launches) == {"_copy_kernel": 4}
     for got, want in zip(back, sources, strict=True):
         assert torch.equal(got, want)
+
+
+def test_strided_tensors_over_many_chunks_copy_bitwise_from_chunks_that_start_mid_dimension(
+    launches: dict[str, _Launches],
+) -> None:
+    """A strided chunk starts from its first element's index over the sizes (from the chunk table) and carries
+    each element's offset from it in 32 bits: chunks past the first start inside every dimension here."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(64, 48, 70, generator=g)[:, ::2].transpose(0, 2)  # 107,520 elements: two interpreter chunks
+    dst = torch.empty(70, 64, 24).transpose(1, 2)  # strided the other way
+    TRITON.copy_([dst], [src])
+    assert _launched(launches) == {"_copy_kernel": 1} and launches["_copy_kernel"].constants[0]["STRIDED"]
+    assert launches["_copy_kernel"].grids[0] == (2,)
+    assert torch.equal(dst, src)
+    torch.testing.assert_close(TRITON.squared_norm([src]), TORCH_KERNELS.squared_norm([src]), rtol=1e-6, atol=0)
 
 
 def test_five_hundred_tensors_pack_in_one_launch(launches: dict[str, _Launches]) -> None:
@@ -127,7 +150,7 @@ def test_average_fused_with_unpack_matches_torch_within_one_ulp(sources: list[to
         summed = [t.to(dtype) for t in sources]
     got, want = [torch.empty_like(t) for t in summed], [torch.empty_like(t) for t in summed]
     TRITON.copy_(got, summed, 1 / 3)
-    assert _launched(launches) == {"_copy_kernel": 1}
+    assert _launched(launches) == {"_copy_kernel": _kinds(summed)}
     TORCH_KERNELS.copy_(want, summed, 1 / 3)
     for g, w in zip(got, want, strict=True):
         ulp = torch.finfo(dtype).eps
@@ -139,7 +162,7 @@ def test_average_in_place_when_the_gradient_is_the_bucket_view(sources: list[tor
     flat, views = _bucket(sources)
     TRITON.copy_(views, sources)
     TRITON.copy_(views, views, 0.5)  # destination == source: each element read, then written, by one program
-    assert _launched(launches) == {"_copy_kernel": 2}
+    assert _launched(launches) == {"_copy_kernel": 3}  # the sources' contiguous and strided launches, then one
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]) * 0.5)
 
 
@@ -156,8 +179,7 @@ def test_squared_norm_is_within_1e6_of_torch_and_summed_by_one_program(sources: 
         got = TRITON.squared_norm(tensors)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, TORCH_KERNELS.squared_norm(tensors), rtol=1e-6, atol=0)
-        dtypes = {t.dtype for t in tensors if t.numel() and t.dtype in ops.TL_DTYPES}
-        assert launches["_square_sum_kernel"].count - before == len(dtypes)  # one launch per dtype
+        assert launches["_square_sum_kernel"].count - before == _kinds(tensors)
         assert launches["_sum_kernel"].grids[-1] == (1,)
     assert torch.equal(TRITON.squared_norm([torch.empty(0)]), torch.tensor(0.0))
 
@@ -261,8 +283,9 @@ def test_auto_runs_triton_on_cuda_only_and_triton_where_it_cannot_run_is_refused
 def test_rows_aligned_to_16_bytes_take_the_vector_variant_and_give_the_same_bits(
     launches: dict[str, _Launches],
 ) -> None:
-    """The variant the compiler vectorizes (tests/test_kernels_ptx.py) is chosen only when every address and
-    size is a multiple of 16 bytes; one odd row keeps the whole launch on the scalar variant."""
+    """The variant the compiler vectorizes (tests/test_kernels_ptx.py) is chosen when every address is a multiple
+    of 16 bytes; sizes that are too (``EVEN``) make each tensor's last chunk vectors as well. An odd size keeps
+    the vector variant for whole chunks; one unaligned address keeps the whole launch on the scalar variant."""
     g = torch.Generator().manual_seed(4)
     aligned = [torch.randn(n, generator=g) for n in (8, 64, 4096 + 8)]  # multiples of 16 bytes in fp32 and bf16
     for dtype, vec in ((torch.float32, 4), (torch.bfloat16, 8)):
@@ -271,11 +294,16 @@ def test_rows_aligned_to_16_bytes_take_the_vector_variant_and_give_the_same_bits
         views = [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in srcs]), srcs, strict=True)]
         TRITON.copy_(views, srcs)
         assert torch.equal(flat, torch.cat(srcs))
-        assert launches["_copy_kernel"].constants[-1]["VEC"] == vec
+        assert launches["_copy_kernel"].constants[-1]["VEC"] == vec and launches["_copy_kernel"].constants[-1]["EVEN"]
         TRITON.squared_norm(views)
         assert launches["_square_sum_kernel"].constants[-1]["VEC"] == vec
-    TRITON.copy_([torch.empty(3), torch.empty(8)], [torch.ones(3), torch.ones(8)])  # 12 bytes: not aligned
-    assert launches["_copy_kernel"].constants[-1]["VEC"] == 1
+    odd = [torch.empty(3), torch.empty(5000)]  # 12 bytes: an odd size, at an aligned address of its own
+    TRITON.copy_(odd, [torch.ones(3), torch.full((5000,), 2.0)])
+    assert (launches["_copy_kernel"].constants[-1]["VEC"], launches["_copy_kernel"].constants[-1]["EVEN"]) == (4, False)
+    assert torch.equal(odd[0], torch.ones(3)) and torch.equal(odd[1], torch.full((5000,), 2.0))
+    flat = torch.zeros(3 + 8)
+    TRITON.copy_([flat[:3], flat[3:]], [torch.ones(3), torch.ones(8)])  # the second view starts 12 bytes in
+    assert launches["_copy_kernel"].constants[-1]["VEC"] == 1 and torch.equal(flat, torch.ones(11))
 
 
 def test_address_tables_reach_the_gpu_from_pinned_memory_without_a_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,10 +324,11 @@ def test_address_tables_reach_the_gpu_from_pinned_memory_without_a_host_sync(mon
     pairs = [(torch.ones(5), torch.empty(5)), (torch.ones(3, 4).t(), torch.empty(4, 3))]
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    table = ops._table(pairs, torch.device("cuda", 0))
+    plain, strided = ops._table(pairs[:1], torch.device("cuda", 0)), ops._table(pairs[1:], torch.device("cuda", 0))
     monkeypatch.undo()
-    assert copies == [(True, "cuda:0", True)]
-    assert table.rows.tolist()[:3] == [pairs[0][0].data_ptr(), pairs[0][1].data_ptr(), 5] and table.strided
+    assert copies == [(True, "cuda:0", True)] * 2
+    assert plain.rows.tolist()[:3] == [pairs[0][0].data_ptr(), pairs[0][1].data_ptr(), 5] and not plain.strided
+    assert strided.strided and strided.sizes == ((1, 1, 4, 3),)
 
 
 class _NoCompiler:
