@@ -23,27 +23,36 @@ ALIGNED = [["tt.divisibility", 16]]
 TABLE_ARGS = {"table": "*i64", "chunks": "*i64"}
 
 
-def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
-    """name -> (kernel, signature, compile-time constants) of every variant the tests read."""
+Variant = tuple[str, dict[str, str], dict[str, object], tuple[str, ...]]
+
+
+def _variants() -> dict[str, Variant]:
+    """name -> (kernel, signature, compile-time constants, the integer arguments that are multiples of 16) of
+    every variant the tests read. Triton's launcher marks an integer argument divisible by 16 when it is, so a
+    cast of a bucket whose size is not is the variant without the mark on ``n``."""
     import triton.language as tl
 
     cast = {"src": "*fp32", "dst": "*bf16", "n": "i64", "scale": "fp32", "seed": "i32"}
+    widen = {"src": "*bf16", "dst": "*fp32", "n": "i64", "scale": "fp32"}
     copy = {**TABLE_ARGS, "scale": "fp32", "scale_ptr": "*fp32"}
     square = {**TABLE_ARGS, "partials": "*fp32"}
-    variants: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {
-        "to_bf16": ("_to_bf16_kernel", cast, {"STOCHASTIC": False, "BLOCK": 2048}),
-        "to_bf16_stochastic": ("_to_bf16_kernel", cast, {"STOCHASTIC": True, "BLOCK": 2048}),
-        "from_bf16": ("_from_bf16_kernel", {"src": "*bf16", "dst": "*fp32", "n": "i64", "scale": "fp32"},
-                      {"BLOCK": 2048}),
-        "sum": ("_sum_kernel", {"partials": "*fp32", "n": "i32", "out": "*fp32"}, {"BLOCK": 1024}),
+    variants: dict[str, Variant] = {
+        "sum": ("_sum_kernel", {"partials": "*fp32", "n": "i32", "out": "*fp32"}, {"BLOCK": 1024}, ()),
     }
+    for size, even in (("", ()), ("_n16", ("n",))):  # any size | a multiple of 16
+        variants["to_bf16" + size] = ("_to_bf16_kernel", cast, {"STOCHASTIC": False, "BLOCK": 2048}, even)
+        variants["to_bf16_stochastic" + size] = ("_to_bf16_kernel", cast, {"STOCHASTIC": True, "BLOCK": 2048}, even)
+        variants["from_bf16" + size] = ("_from_bf16_kernel", widen, {"BLOCK": 2048}, even)
     for dtype, vec in ((tl.float32, 4), (tl.bfloat16, 8)):
-        for v, kind in ((vec, "aligned"), (1, "unaligned")):
+        # aligned: every address and size a multiple of 16 bytes | odd: aligned addresses, some size is not |
+        # unaligned: some address is not | strided
+        for v, even, strided, kind in ((vec, True, False, "aligned"), (vec, False, False, "odd"),
+                                       (1, False, False, "unaligned"), (1, False, True, "strided")):
+            layout = {"STRIDED": strided, "VEC": v, "EVEN": even, "BLOCK": 2048}
             for scale in (0, 2):  # no scale (packing) | the device coefficient (the clip)
                 variants[f"copy_{dtype}_{kind}_scale{scale}"] = (
-                    "_copy_kernel", copy, {"DTYPE": dtype, "SCALE": scale, "STRIDED": False, "VEC": v, "BLOCK": 2048})
-            variants[f"square_{dtype}_{kind}"] = (
-                "_square_sum_kernel", square, {"DTYPE": dtype, "STRIDED": False, "VEC": v, "BLOCK": 2048})
+                    "_copy_kernel", copy, {"DTYPE": dtype, "SCALE": scale, **layout}, ())
+            variants[f"square_{dtype}_{kind}"] = ("_square_sum_kernel", square, {"DTYPE": dtype, **layout}, ())
     return variants
 
 
@@ -57,20 +66,20 @@ def emit() -> None:
 
     target = GPUTarget("cuda", 90, 32)
     out = {}
-    for name, (kernel, signature, constants) in _variants().items():
+    for name, (kernel, signature, constants, multiples) in _variants().items():
         fn = getattr(triton_ops, kernel)
-        pointers = {(i,): ALIGNED for i, arg in enumerate(signature) if signature[arg].startswith("*")}
+        attrs = {(i,): ALIGNED for i, arg in enumerate(signature) if signature[arg].startswith("*") or arg in multiples}
         source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constants, "constexpr")},
-                           constexprs=constants, attrs=pointers)
-        out[name] = triton.compile(source, target=target).asm["ptx"]
+                           constexprs=constants, attrs=attrs)
+        # the options every launch passes (FP fusion chosen, not left to Triton's default)
+        out[name] = triton.compile(source, target=target, options=triton_ops.LAUNCH_OPTIONS).asm["ptx"]
     print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")),
-               TRITON_DEFAULT_FP_FUSION="1")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")))
     code = "from tests.test_kernels_ptx import emit; emit()"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -82,15 +91,60 @@ def _accesses(ptx: str) -> set[str]:
     return set(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)+", ptx))
 
 
+def _scalar(ptx: str) -> set[str]:
+    """The global loads and stores of data narrower than 16 bytes, leaving out the 8-byte table reads."""
+    return {a for a in _accesses(ptx) if ".v" not in a and a != "ld.global.b64"}
+
+
+VECTORS = {"ld.global.v4.b32", "st.global.v4.b32"}
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_table_kernels_on_aligned_rows_load_and_store_16_byte_vectors(ptx: dict[str, str], dtype: str) -> None:
+    """Aligned rows: vectors only. Aligned addresses with an odd size: whole chunks are vectors (unmasked), the
+    chunk that ends a tensor is masked element by element."""
     for scale in (0, 2):
         aligned, unaligned = ptx[f"copy_{dtype}_aligned_scale{scale}"], ptx[f"copy_{dtype}_unaligned_scale{scale}"]
-        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= _accesses(aligned), _accesses(aligned)
+        # all vectors but the clip's coefficient (one scalar load)
+        assert _accesses(aligned) >= VECTORS and _scalar(aligned) <= ({"ld.global.b32"} if scale else set())
+        assert not {a for a in _scalar(aligned) if a.startswith("st.")}, _accesses(aligned)
+        odd = ptx[f"copy_{dtype}_odd_scale{scale}"]
+        assert _accesses(odd) >= VECTORS and _scalar(odd), _accesses(odd)
         # the variant for unaligned rows cannot vectorize: it is the one the hints make the difference against
         assert not any(".v" in a for a in _accesses(unaligned)), _accesses(unaligned)
     assert "ld.global.v4.b32" in _accesses(ptx[f"square_{dtype}_aligned"])
+    assert "ld.global.v4.b32" in _accesses(ptx[f"square_{dtype}_odd"])
     assert not any(".v" in a for a in _accesses(ptx[f"square_{dtype}_unaligned"]))
+
+
+@pytest.mark.parametrize("kernel", ["to_bf16", "to_bf16_stochastic", "from_bf16"])
+def test_cast_kernels_load_and_store_16_byte_vectors_whatever_the_bucket_size(ptx: dict[str, str],
+                                                                              kernel: str) -> None:
+    """A DDP bucket's size is the sum of its parameters' sizes, a multiple of 16 or not. Every block but the last
+    is whole and unmasked, so its fp32 loads and bf16 stores (or the reverse) are 16-byte vectors either way;
+    only the last block of a size that is not a multiple of 16 is masked element by element."""
+    any_size, multiple = ptx[kernel], ptx[f"{kernel}_n16"]
+    assert _accesses(any_size) >= VECTORS, _accesses(any_size)
+    assert _accesses(multiple) >= VECTORS and not _scalar(multiple), _accesses(multiple)
+
+
+@pytest.mark.parametrize("kernel", ["copy_fp32_strided_scale0", "copy_fp32_strided_scale2", "square_fp32_strided",
+                                    "copy_bf16_strided_scale0", "square_bf16_strided"])
+def test_strided_kernels_divide_in_32_bits(ptx: dict[str, str], kernel: str) -> None:
+    """A 64-bit division or remainder is a long emulated sequence per element on a GPU; the strided offsets carry
+    each element's index from its chunk's first element in 32 bits (that index comes from the chunk table)."""
+    divisions = re.findall(r"\b(?:div|rem)\.[su](?:32|64)\b", ptx[kernel])
+    assert divisions, "no division left: the strided variant was not compiled"
+    assert not [d for d in divisions if d.endswith("64")], sorted(set(divisions))
+
+
+def test_the_squared_norm_rounds_each_square_on_its_own(ptx: dict[str, str]) -> None:
+    """Every launch passes ``enable_fp_fusion=False``: no multiply-add fuses x * x into the sum, as in the
+    interpreter and in torch, and Triton 3.10 flipping its default changes no bit. (With fusion on, the same
+    kernel compiles to 16 ``fma.rn.f32`` per thread, and to ``mul.f32``/``add.f32`` that ptxas may contract.)"""
+    for name in ("square_fp32_aligned", "square_fp32_odd", "square_bf16_strided"):
+        assert "mul.rn.f32" in ptx[name], "no explicitly rounded multiply"
+        assert not re.search(r"\bfma\.|\b(?:mul|add)\.f32\b", ptx[name]), f"{name} may fuse its squares into the sum"
 
 
 def _first_use_of_program_id(ptx: str) -> str:
@@ -103,7 +157,7 @@ def _first_use_of_program_id(ptx: str) -> str:
     return first.group(0).strip()
 
 
-@pytest.mark.parametrize("kernel", ["to_bf16", "to_bf16_stochastic", "from_bf16"])
+@pytest.mark.parametrize("kernel", ["to_bf16", "to_bf16_stochastic", "from_bf16", "to_bf16_n16"])
 def test_cast_kernels_compute_offsets_in_64_bits_from_the_program_id(ptx: dict[str, str], kernel: str) -> None:
     """A bucket over 2^31 elements: the program id times the block must be widened before it can overflow."""
     use = _first_use_of_program_id(ptx[kernel])
@@ -114,5 +168,5 @@ def test_the_squared_norm_reduces_in_a_fixed_order_on_the_gpu(ptx: dict[str, str
     """Determinism by construction: each program writes its own partial, one program sums them in a loop; no
     atomic (whose order the GPU's scheduler picks) in either kernel. Triton's interpreter runs programs one after
     another, so a run there cannot show this."""
-    for name in ("square_fp32_aligned", "square_fp32_unaligned", "square_bf16_aligned", "sum"):
+    for name in ("square_fp32_aligned", "square_fp32_unaligned", "square_bf16_aligned", "square_fp32_strided", "sum"):
         assert not re.search(r"\b(atom|red)\.", ptx[name]), f"{name} accumulates with atomics"

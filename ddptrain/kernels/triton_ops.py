@@ -71,32 +71,34 @@ def _offset(row, digits, j, STRIDES: tl.constexpr):
 
 
 @triton.jit
-def _chunk(table, chunks, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk(table, chunks, STRIDED: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
     """This program's tensor row, its entry in the chunk table, its first element and the tensor's element count.
 
     A chunk starts at a multiple of ``BLOCK`` within its tensor. A strided launch's chunk entries also hold the
-    index of that first element over the tensor's sizes (``_offset`` reads it two columns in)."""
+    index of that first element over the tensor's sizes (``_offset`` reads it two columns in). With ``EVEN``
+    every element count is a multiple of ``VEC``, which the compiler is told: a tensor's last chunk is masked, and
+    that mask is then constant over runs of ``VEC`` elements, so its accesses can be vectors too."""
     entry = chunks + (_CHUNK_COLS_STRIDED if STRIDED else 2) * tl.program_id(0)
     row = table + tl.load(entry) * _COLS
     start = tl.multiple_of(tl.load(entry + 1), BLOCK)
-    return row, entry, start, tl.load(row + 2)
+    n = tl.load(row + 2)
+    if EVEN:
+        n = tl.multiple_of(n, VEC)
+    return row, entry, start, n
 
 
 @triton.jit
-def _offsets(row, entry, start, n, STRIDES: tl.constexpr, STRIDED: tl.constexpr, EVEN: tl.constexpr,
-             VEC: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
-    """Offsets of a chunk's elements under the strides at column ``STRIDES``, and their mask (None for a chunk
-    that is whole). A whole chunk needs no mask, so its accesses are vectors whenever the addresses allow; a
-    chunk that ends the tensor is masked, and the mask is constant over runs of ``VEC`` elements (so accesses
-    can still be vectors) only when every tensor's element count is a multiple of ``VEC`` (``EVEN``)."""
+def _offsets(row, entry, start, STRIDES: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets of a chunk's elements under the strides at column ``STRIDES``."""
     j = tl.arange(0, BLOCK)
-    off = _offset(row, entry + 2, j, STRIDES) if STRIDED else start + j.to(tl.int64)
-    mask = None
-    if MASKED:
-        if EVEN:
-            n = tl.multiple_of(n, VEC)
-        mask = start + j.to(tl.int64) < n
-    return off, mask
+    return _offset(row, entry + 2, j, STRIDES) if STRIDED else start + j.to(tl.int64)
+
+
+@triton.jit
+def _mask(start, n, BLOCK: tl.constexpr):
+    """The mask of a chunk that ends its tensor; a whole chunk needs none, so its accesses are vectors whenever
+    the addresses allow."""
+    return start + tl.arange(0, BLOCK).to(tl.int64) < n
 
 
 @triton.jit
@@ -111,15 +113,13 @@ def _address(row, column, DTYPE: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _copy_chunk(row, entry, start, n, scale, scale_ptr, DTYPE: tl.constexpr, SCALE: tl.constexpr,
-                STRIDED: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr, MASKED: tl.constexpr,
-                BLOCK: tl.constexpr):
+                STRIDED: tl.constexpr, VEC: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of ``_copy_kernel``: ``MASKED`` for the chunk that ends a tensor."""
     src = _address(row, 0, DTYPE, VEC)
     dst = _address(row, 1, DTYPE, VEC)
-    src_off, mask = _offsets(row, entry, start, n, _SRC_STRIDES, STRIDED, EVEN, VEC, MASKED, BLOCK)
-    if STRIDED:
-        dst_off, mask = _offsets(row, entry, start, n, _DST_STRIDES, STRIDED, EVEN, VEC, MASKED, BLOCK)
-    else:
-        dst_off = src_off
+    src_off = _offsets(row, entry, start, _SRC_STRIDES, STRIDED, BLOCK)
+    dst_off = _offsets(row, entry, start, _DST_STRIDES, STRIDED, BLOCK) if STRIDED else src_off
+    mask = _mask(start, n, BLOCK) if MASKED else None
     x = tl.load(src + src_off, mask=mask, other=0.0 if MASKED else None)
     if SCALE == 1:
         x = (x.to(tl.float32) * scale).to(DTYPE)
@@ -132,18 +132,20 @@ def _copy_chunk(row, entry, start, n, scale, scale_ptr, DTYPE: tl.constexpr, SCA
 def _copy_kernel(table, chunks, scale, scale_ptr, DTYPE: tl.constexpr, SCALE: tl.constexpr,
                  STRIDED: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr, BLOCK: tl.constexpr):
     """dst[i] = src[i] (times a scale, computed in fp32) for every tensor pair in the table."""
-    row, entry, start, n = _chunk(table, chunks, STRIDED, BLOCK)
+    row, entry, start, n = _chunk(table, chunks, STRIDED, EVEN, VEC, BLOCK)
     if start + BLOCK <= n:
-        _copy_chunk(row, entry, start, n, scale, scale_ptr, DTYPE, SCALE, STRIDED, VEC, EVEN, False, BLOCK)
+        _copy_chunk(row, entry, start, n, scale, scale_ptr, DTYPE, SCALE, STRIDED, VEC, False, BLOCK)
     else:
-        _copy_chunk(row, entry, start, n, scale, scale_ptr, DTYPE, SCALE, STRIDED, VEC, EVEN, True, BLOCK)
+        _copy_chunk(row, entry, start, n, scale, scale_ptr, DTYPE, SCALE, STRIDED, VEC, True, BLOCK)
 
 
 @triton.jit
 def _square_sum_chunk(row, entry, start, n, DTYPE: tl.constexpr, STRIDED: tl.constexpr, VEC: tl.constexpr,
-                      EVEN: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+                      MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk's sum of squares: ``MASKED`` for the chunk that ends a tensor."""
     src = _address(row, 0, DTYPE, VEC)
-    off, mask = _offsets(row, entry, start, n, _SRC_STRIDES, STRIDED, EVEN, VEC, MASKED, BLOCK)
+    off = _offsets(row, entry, start, _SRC_STRIDES, STRIDED, BLOCK)
+    mask = _mask(start, n, BLOCK) if MASKED else None
     x = tl.load(src + off, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
     return tl.sum(x * x, axis=0)
 
@@ -152,11 +154,11 @@ def _square_sum_chunk(row, entry, start, n, DTYPE: tl.constexpr, STRIDED: tl.con
 def _square_sum_kernel(table, chunks, partials, DTYPE: tl.constexpr, STRIDED: tl.constexpr, VEC: tl.constexpr,
                        EVEN: tl.constexpr, BLOCK: tl.constexpr):
     """partials[chunk] = the fp32 sum of squares of this program's elements."""
-    row, entry, start, n = _chunk(table, chunks, STRIDED, BLOCK)
+    row, entry, start, n = _chunk(table, chunks, STRIDED, EVEN, VEC, BLOCK)
     if start + BLOCK <= n:
-        total = _square_sum_chunk(row, entry, start, n, DTYPE, STRIDED, VEC, EVEN, False, BLOCK)
+        total = _square_sum_chunk(row, entry, start, n, DTYPE, STRIDED, VEC, False, BLOCK)
     else:
-        total = _square_sum_chunk(row, entry, start, n, DTYPE, STRIDED, VEC, EVEN, True, BLOCK)
+        total = _square_sum_chunk(row, entry, start, n, DTYPE, STRIDED, VEC, True, BLOCK)
     tl.store(partials + tl.program_id(0), total)
 
 
@@ -173,6 +175,7 @@ def _sum_kernel(partials, n, out, BLOCK: tl.constexpr):
 @triton.jit
 def _to_bf16_block(src, dst, start, n, scale, seed, STOCHASTIC: tl.constexpr, MASKED: tl.constexpr,
                    BLOCK: tl.constexpr):
+    """One block of ``_to_bf16_kernel``: ``MASKED`` for the last one."""
     idx = start + tl.arange(0, BLOCK)
     mask = idx < n if MASKED else None
     x = tl.load(src + idx, mask=mask, other=0.0 if MASKED else None) * scale
@@ -203,6 +206,7 @@ def _to_bf16_kernel(src, dst, n, scale, seed, STOCHASTIC: tl.constexpr, BLOCK: t
 
 @triton.jit
 def _from_bf16_block(src, dst, start, n, scale, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of ``_from_bf16_kernel``: ``MASKED`` for the last one."""
     idx = start + tl.arange(0, BLOCK)
     mask = idx < n if MASKED else None
     half = tl.load(src + idx, mask=mask, other=0.0 if MASKED else None)
@@ -223,7 +227,7 @@ def _from_bf16_kernel(src, dst, n, scale, BLOCK: tl.constexpr):
 
 def _layout(shape: Sequence[int], *strides: Sequence[int]) -> list[tuple[int, ...]] | None:
     """(size, stride per tensor) over ``MAX_DIMS`` dimensions, merging those contiguous in every tensor; None
-    when more remain."""
+    when more remain, or when a size passes ``MAX_STRIDED_SIZE`` (the strided index math is 32-bit)."""
     merged: list[tuple[int, ...]] = []
     for dim, size in enumerate(shape):
         if size == 1:
