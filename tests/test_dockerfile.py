@@ -1,4 +1,5 @@
-"""The Dockerfile lints clean (no Docker engine runs here, so it is linted, not built)."""
+"""The Dockerfile lints clean and is laid out as its comments say (no Docker engine runs here, so it is linted and
+read, not built)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions in order, as (keyword, arguments), continuation lines joined, comments out."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = "\n".join(lines).replace("\\\n", " ")
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"^([A-Z]+)\s+(.*)$", joined, re.M)]
+
+
+def _apt_packages() -> set[str]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return {word for line in re.findall(r"apt-get install ([^&\n]*)", text) for word in line.split()}
 
 
 def _hadolint() -> str:
@@ -35,7 +48,7 @@ def test_the_image_is_checked_for_a_cuda_torch_and_runs_unprivileged() -> None:
     text = (ROOT / "Dockerfile").read_text()
     base = re.search(r"^FROM (\S+)", text, re.M)
     assert base and "-base-" in base.group(1), "a -runtime/-cudnn base duplicates the wheel's CUDA libraries"
-    install = text.index("pip install .")
+    install = text.index("pip install --no-deps .")
     assert text.index("COPY configs ./configs") < install and text.index("COPY ddptrain ./ddptrain") < install
     assert "assert torch.version.cuda" in text[install:], "no build-time check that torch is a CUDA build"
     users = re.findall(r"^USER (\S+)", text, re.M)
@@ -49,10 +62,55 @@ def test_the_image_can_compile_what_triton_and_inductor_compile_at_run_time() ->
     installs a C and C++ compiler, the C library's headers and the headers of the Python the venv is made from,
     and the build compiles against Python.h once, so a missing header fails the build, not step 1 on a GPU."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    packages = {word for line in re.findall(r"apt-get install ([^&\n]*)", text) for word in line.split()}
+    packages = _apt_packages()
     venv = re.search(r"\b(python3\.\d+) -m venv\b", text)
     assert venv, "no venv made from a versioned Python"
     missing = {"gcc", "g++", "libc6-dev", f"{venv.group(1)}-dev"} - packages
     assert not missing, f"the image lacks {sorted(missing)}"
-    probe = text[text.index("pip install ."):]
+    probe = text[text.index("pip install --no-deps ."):]
     assert "#include <Python.h>" in probe and "'gcc'" in probe and "sysconfig.get_paths()['include']" in probe
+
+
+def test_the_dependencies_install_from_pyproject_before_any_source_is_copied() -> None:
+    """Docker reuses a layer until an instruction's inputs change: the dependencies install in a layer whose only
+    input is pyproject.toml, so a change to the source rebuilds the package alone, not the dependencies."""
+    steps = _instructions()
+    copies = {i: args.split() for i, (key, args) in enumerate(steps) if key == "COPY"}
+    pyproject = [i for i, args in copies.items() if "pyproject.toml" in args]
+    assert pyproject and copies[pyproject[0]] == ["pyproject.toml", "./"], "pyproject.toml is copied with others"
+    first_source = min(i for i in copies if i != pyproject[0])
+    deps = [i for i, (key, args) in enumerate(steps) if key == "RUN" and "pip install -r" in args]
+    assert deps and pyproject[0] < deps[0] < first_source, "the dependencies do not install before the source"
+    package = [i for i, (key, args) in enumerate(steps) if key == "RUN" and "pip install --no-deps ." in args]
+    assert package and package[0] > max(copies), "the package installs before all of it is copied"
+    runs = [args for key, args in steps[first_source:] if key == "RUN"]
+    reinstalls = [args for args in runs if re.search(r"pip install (?!--no-deps)", args)]
+    assert not reinstalls, "a pip install after the source is copied resolves dependencies again"
+
+def test_the_dependency_list_the_image_installs_is_pyprojects(tmp_path: Path) -> None:
+    """The very command the image runs on pyproject.toml (run here with this Python) lists its dependencies."""
+    run = next(args for key, args in _instructions() if key == "RUN" and "pip install -r" in args)
+    command = re.search(r'python -c "([^"]+)"', run)
+    assert command and "pyproject.toml" in command.group(1)
+    listed = subprocess.run([sys.executable, "-c", command.group(1)], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    declared = re.search(r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert declared
+    assert listed == re.findall(r'^\s*"([^"]+)"', declared.group(1), re.M)
+    assert "torch==" + re.search(r"ARG TORCH_VERSION=([\d.]+)", (ROOT / "Dockerfile").read_text()).group(1) in listed
+
+
+def test_the_image_has_the_infiniband_userspace_nccl_needs_and_checks_it_loads() -> None:
+    """Without libibverbs and its providers NCCL quietly uses TCP sockets on an InfiniBand/RoCE cluster; the
+    build loads the verbs library and the ConnectX (mlx5) provider, so a missing one fails the build."""
+    missing = {"rdma-core", "libibverbs1", "ibverbs-providers", "ibverbs-utils"} - _apt_packages()
+    assert not missing, f"the image lacks {sorted(missing)}"
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ctypes.CDLL('libibverbs.so.1')" in text and "ctypes.CDLL('libmlx5.so.1')" in text
+
+
+def test_the_container_docs_give_what_a_multi_node_run_needs() -> None:
+    docs = (ROOT / "docs" / "multinode.md").read_text()
+    for needed in ("--network=host", "--ipc=host", "--shm-size", "--device=/dev/infiniband", "--ulimit memlock=-1",
+                   "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NET/IB", "NCCL_DEBUG=INFO"):
+        assert needed in docs, f"docs/multinode.md does not mention {needed}"
