@@ -75,6 +75,14 @@ def check_compiled_kernels(device_type: str = "cuda") -> None:
             fused.cast_(up, down, 0.5)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    odd = [torch.empty_like(t) for t in got]
+    fused.copy_(odd, got)  # aligned addresses, odd sizes: vector accesses but in each tensor's masked last chunk
+    assert all(torch.equal(a, b) for a, b in zip(odd, got, strict=True))
+    # a strided tensor over many chunks, each starting mid-dimension: the 32-bit carried index of each element
+    strided = torch.randn(63, 48, 70, device=device, generator=g)[:, ::2].transpose(0, 2)
+    out = torch.empty(70, 63, 24, device=device).transpose(1, 2)
+    fused.copy_([out], [strided])
+    assert torch.equal(out, strided)
     aligned = [torch.randn(n, device=device, generator=g) for n in (8, 4096, 10**6 + 8)]
     flat = torch.empty(sum(t.numel() for t in aligned), device=device)
     views = [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in aligned]), aligned, strict=True)]
