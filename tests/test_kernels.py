@@ -133,6 +133,14 @@ def test_strided_tensors_over_many_chunks_copy_bitwise_from_chunks_that_start_mi
     torch.testing.assert_close(TRITON.squared_norm([src]), TORCH_KERNELS.squared_norm([src]), rtol=1e-6, atol=0)
 
 
+def test_a_strided_tensor_whose_sizes_pass_the_32_bit_index_math_goes_to_torch() -> None:
+    """The strided index math is 32-bit; a dimension near 2^31 elements (an expanded tensor: no memory) is left
+    to torch, a smaller one is the kernels'."""
+    huge, small = torch.empty(1).expand(2**31), torch.empty(1).expand(2**20)
+    assert ops._groups([(huge, huge)]) == ({}, [(huge, huge)])
+    assert list(ops._groups([(small, small)])[0]) == [(torch.float32, True)]
+
+
 def test_five_hundred_tensors_pack_in_one_launch(launches: dict[str, _Launches]) -> None:
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn(int(n), generator=g) for n in torch.randint(0, 300, (500,), generator=g)]
