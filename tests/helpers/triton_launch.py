@@ -1,10 +1,13 @@
 """Our Triton kernels launched through Triton's own JIT path up to compilation, on a machine without a GPU.
 
-``main`` runs in a fresh interpreter without ``TRITON_INTERPRET``. A stand-in driver answers Triton's questions
-about the current device (device 0, stream 0, an H100: ``sm_90``), so ``kernel[grid](...)`` binds its arguments,
-parses its options (where Triton 3.9 warns about FP fusion) and reaches its compile step; a ``jit_cache_hook``
-records each launch's options there and returns True, which tells Triton to skip compiling, so nothing runs.
-It prints one JSON object: the kernels reached with their ``enable_fp_fusion``, and every warning raised.
+``probe_launches`` runs in a fresh interpreter without ``TRITON_INTERPRET``. A stand-in driver answers Triton's
+questions about the current device (device 0, stream 0, an H100: ``sm_90``), so ``kernel[grid](...)`` binds its
+arguments, parses its options (where Triton 3.9 warns about FP fusion) and reaches its compile step; a
+``jit_cache_hook`` records each launch's options there and returns True, which tells Triton to skip compiling,
+so nothing runs.
+It returns the kernels reached with their ``enable_fp_fusion``, and every warning raised. The hook is removed
+afterwards and the stand-in driver stays (a machine without a GPU has no other), so the same process can go on
+compiling for an explicit target (``tests/test_kernels_ptx.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class SM90Driver:
         return GPUTarget("cuda", 90, 32)
 
 
-def main() -> None:
+def probe_launches() -> dict[str, list]:
     import torch
     import triton
     from triton.runtime.driver import driver
@@ -42,18 +45,25 @@ def main() -> None:
 
     driver.set_active(SM90Driver())
     triton.knobs.runtime.jit_cache_hook = record
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from ddptrain.kernels.triton_ops import TritonKernels
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from ddptrain.kernels.triton_ops import TritonKernels
 
-        kernels = TritonKernels()
-        x = torch.randn(1000)
-        kernels.copy_([torch.empty(1000)], [x], 0.5)
-        kernels.scale_([torch.empty(10, 3).t()], torch.tensor(0.5))
-        kernels.cast_(torch.empty(1000, dtype=torch.bfloat16), x)
-        kernels.cast_(torch.empty(1000), torch.empty(1000, dtype=torch.bfloat16))
-        kernels.squared_norm([x])
-    print(json.dumps({"reached": reached, "warnings": [str(w.message) for w in caught]}))
+            kernels = TritonKernels()
+            x = torch.randn(1000)
+            kernels.copy_([torch.empty(1000)], [x], 0.5)
+            kernels.scale_([torch.empty(10, 3).t()], torch.tensor(0.5))
+            kernels.cast_(torch.empty(1000, dtype=torch.bfloat16), x)
+            kernels.cast_(torch.empty(1000), torch.empty(1000, dtype=torch.bfloat16))
+            kernels.squared_norm([x])
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    return {"reached": reached, "warnings": [str(w.message) for w in caught]}
+
+
+def main() -> None:
+    print(json.dumps(probe_launches()))
 
 
 if __name__ == "__main__":
