@@ -11,8 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from ddptrain.config.choices import Precision
-from ddptrain.data.packing import REAL_TOKENS, PackCollate
-from ddptrain.models.attention import use_varlen_attention
+from ddptrain.data.packing import REAL_TOKENS, VARLEN_KEYS, PackCollate, to_device
+from ddptrain.errors import ConfigError
+from ddptrain.models.attention import block_causal_mask, mask_packed_rows, use_varlen_attention
+from ddptrain.models.packed_attention import check_packed_attention, leak_share
 from tests.helpers.flash_attn_twin import Calls, install
 
 VOCAB = 128
@@ -77,3 +79,92 @@ def test_the_second_example_of_each_packed_row_sees_only_itself_under_flash_atte
         n = LENGTHS[i]
         worst = max(worst, (got[rows[i], starts[i] : starts[i] + n] - alone).abs().max().item())
     assert worst < 0.01, f"packed examples' logits moved by {worst:.3f} from running each alone"
+
+
+def test_the_twin_refuses_fp32_and_computes_per_row_or_per_cu_seqlens_segment(twin: Calls) -> None:
+    """The twin itself: flash-attn's refusals, the dense kernel per row, the varlen kernel within segments."""
+    from tests.helpers.flash_attn_twin import REFUSAL, flash_attn_func, flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 4, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(RuntimeError, match=f"^{REFUSAL}$"):
+        flash_attn_func(q.float(), k.float(), v.float(), causal=True)
+    dense = flash_attn_func(q, k, v, causal=True)
+    row = torch.nn.functional.scaled_dot_product_attention(
+        q[1:].transpose(1, 2), k[1:].transpose(1, 2), v[1:].transpose(1, 2), is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(dense[1:], row)
+    cu = torch.tensor([0, 3, 5, 10], dtype=torch.int32)  # the two rows flattened: segments of 3, 2 and 5
+    flat = [t.reshape(10, 4, 8) for t in (q, k, v)]
+    varlen = flash_attn_varlen_func(*flat, cu, cu, 5, 5, causal=True)
+    for a, b in ((0, 3), (3, 5), (5, 10)):
+        alone = flash_attn_func(*(t[None, a:b] for t in flat), causal=True)[0]
+        torch.testing.assert_close(varlen[a:b], alone, rtol=1.6e-2, atol=4e-3)  # bf16: a rounding apart
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must have dtype int32"):
+        flash_attn_varlen_func(*flat, cu.long(), cu, 5, 5, causal=True)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a Python int"):
+        flash_attn_varlen_func(*flat, cu, cu, torch.tensor(5), 5, causal=True)
+    assert (twin.dense, twin.varlen) == (4, 1)  # refused calls computed nothing
+
+
+class _WithoutVarlenArguments(torch.nn.Module):
+    """A model called without the collate's varlen arguments: transformers' FA2 path then finds packed examples
+    only in a single row, and runs causal flash per row otherwise (what a collate without them gave)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.model(**{k: v for k, v in kwargs.items() if k not in VARLEN_KEYS})
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_startup_check_packs_two_rows_and_refuses_flash_attention_run_per_row(arch: str, twin: Calls) -> None:
+    model = _model(arch).to(torch.bfloat16)
+    assert use_varlen_attention(model, torch.device("cpu"), Precision.bf16)
+    check_packed_attention(model, VOCAB)  # the varlen arguments given: examples kept apart
+    assert twin.dense == 0 and [0, 6, 12, 18, 24] in [cu.tolist() for cu, _ in twin.segments]  # two rows of two
+    twin.reset()
+    per_row = _WithoutVarlenArguments(model)
+    assert leak_share(per_row, VOCAB) > 0.2
+    assert max(twin.rows) == 2, "the check ran a micro batch of two rows"
+    with pytest.raises(ConfigError, match=r"^data\.packing=true: .*flash_attention_2.*set data\.packing=false$"):
+        check_packed_attention(per_row, VOCAB)
+
+
+def test_sdpa_packed_rows_read_nothing_back_with_the_ready_mask_and_match_transformers_own() -> None:
+    """transformers' packed-sequence detection reads the device once per forward; the block mask built on the
+    device from position_ids gives the same logits with no read (the hot-path detector, ``host_reads.py``)."""
+    from tests.helpers.host_reads import HostReads
+
+    model = _model("llama")
+    batch = _inputs(PackCollate(pad_id=0, seq_len=16)(_examples()))
+    device = torch.device("cpu")
+    batch = to_device(batch, device)
+
+    def forward() -> tuple[torch.Tensor, list[str]]:
+        reads: list[str] = []
+        with torch.no_grad(), HostReads(device, lambda name, why: reads.append(name)):
+            out = model(**batch, use_cache=False).logits
+        return out, reads
+
+    own, own_reads = forward()
+    assert own_reads, "transformers' own detection reads the device (the read this removes)"
+    assert mask_packed_rows(model)
+    ready, reads = forward()
+    assert reads == []
+    torch.testing.assert_close(ready, own, rtol=0, atol=1e-5)
+    alone = model(**_inputs(PackCollate(0, 16)([_examples()[1]])), use_cache=False).logits[0]
+    torch.testing.assert_close(ready[0, 9:16], alone, rtol=0, atol=1e-5)  # the second example saw only itself
+
+
+def test_a_ready_mask_only_for_sdpa_and_the_same_segments_as_transformers_finds() -> None:
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    mask = block_causal_mask(positions)
+    segments = find_packed_sequence_indices(positions)
+    expected = (segments[:, :, None] == segments[:, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
+    assert mask.shape == (2, 1, 6, 6) and torch.equal(mask[:, 0], expected)
+    eager = AutoModelForCausalLM.from_config(ARCHS["gpt2"], attn_implementation="eager")
+    assert not mask_packed_rows(eager)  # eager wants an additive mask: transformers builds its own
