@@ -5,8 +5,8 @@ What it emulates: the two entry points transformers' lazy import resolves for ``
 ``from flash_attn.bert_padding import pad_input, unpad_input``), with flash-attn 2's signatures (transformers
 inspects them to decide which keyword arguments to pass), its layouts (``[batch, seq, heads, dim]`` for the dense
 kernel, ``[tokens, heads, dim]`` plus int32 ``cu_seqlens`` and Python-int ``max_seqlen`` for varlen) and its
-refusals: anything but fp16/bf16 ("FlashAttention only support fp16 and bf16 data type"), ``cu_seqlens`` not int32,
-a ``max_seqlen`` that is not a Python int. Each call computes SDPA in the inputs' dtype: the dense kernel per row
+refusals: anything but fp16/bf16 ("FlashAttention only support fp16 and bf16 data type"), ``cu_seqlens`` not int32;
+a ``max_seqlen`` given as a tensor is read back to an int, as the kernel's launch does. Each call computes SDPA in the inputs' dtype: the dense kernel per row
 (causal or not), the varlen kernel within each ``cu_seqlens`` segment (a block-diagonal mask, built on the device
 from ``cu_seqlens`` without reading it back, as the real kernel never reads it back either).
 
@@ -39,7 +39,7 @@ class Calls:
     dense: int = 0
     varlen: int = 0
     rows: list[int] = field(default_factory=list)  # batch size of each dense call
-    # (cu_seqlens, max_seqlen) of each varlen call; the tensor as passed (the twin reads nothing back)
+    # (cu_seqlens, max_seqlen) of each varlen call, as passed: an int, or a tensor the launch reads back
     segments: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -104,13 +104,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             raise RuntimeError(f"{name} must have dtype int32")
         if cu.device != q.device:
             raise RuntimeError(f"{name} must be on the device of q")
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int):
-            raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
     if block_table is not None:
         raise NotImplementedError("the flash-attn twin has no paged KV cache")
     CALLS.varlen += 1
     CALLS.segments.append((cu_seqlens_q, max_seqlen_q))
+    # The kernel's launch takes the maximum lengths as ints: a device tensor (what transformers infers from
+    # position_ids) is read back here, in every layer, as the real binding reads it.
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     seg_q, seg_k = _segment_of(cu_seqlens_q, q.shape[0]), _segment_of(cu_seqlens_k, k.shape[0])
     mask = seg_q[:, None] == seg_k[None, :]
     if causal:  # bottom-right: query i of a segment of lq sees keys j <= i + (lk - lq)
