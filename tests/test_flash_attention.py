@@ -174,7 +174,8 @@ def test_a_ready_mask_only_for_sdpa_and_the_same_segments_as_transformers_finds(
 
 STARTUP: Overrides = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
-    "data": {"source": "instructions", "format": "prompt_completion", "num_samples": 64, "seq_len": 48, "global_batch_size": 8, "micro_batch_size": 8},
+    "data": {"source": "instructions", "format": "prompt_completion", "num_samples": 64, "seq_len": 48,
+             "global_batch_size": 8, "micro_batch_size": 8},
     "train": {"steps": 2, "log_every": 1, "eval_every": 0}, "optim": {"warmup_steps": 0},
 }
 

@@ -5,10 +5,11 @@ What it emulates: the two entry points transformers' lazy import resolves for ``
 ``from flash_attn.bert_padding import pad_input, unpad_input``), with flash-attn 2's signatures (transformers
 inspects them to decide which keyword arguments to pass), its layouts (``[batch, seq, heads, dim]`` for the dense
 kernel, ``[tokens, heads, dim]`` plus int32 ``cu_seqlens`` and Python-int ``max_seqlen`` for varlen) and its
-refusals: anything but fp16/bf16 ("FlashAttention only support fp16 and bf16 data type"), ``cu_seqlens`` not int32;
-a ``max_seqlen`` given as a tensor is read back to an int, as the kernel's launch does. Each call computes SDPA in the inputs' dtype: the dense kernel per row
-(causal or not), the varlen kernel within each ``cu_seqlens`` segment (a block-diagonal mask, built on the device
-from ``cu_seqlens`` without reading it back, as the real kernel never reads it back either).
+refusals: anything but fp16/bf16 ("FlashAttention only support fp16 and bf16 data type"), ``cu_seqlens`` not
+int32; a ``max_seqlen`` given as a tensor is read back to an int, as the kernel's launch does. Each call computes
+SDPA in the inputs' dtype: the dense kernel per row (causal or not), the varlen kernel within each ``cu_seqlens``
+segment (a block-diagonal mask, built on the device from ``cu_seqlens`` without reading it back, as the real
+kernel does not read it back either).
 
 What it does not emulate: the real kernel's numerics (tiling, its own softmax rescaling and rounding), its memory
 (no T x T matrix) and its speed; sliding windows, softcap and ALiBi are refused rather than imitated.
