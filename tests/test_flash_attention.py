@@ -4,6 +4,7 @@ catches a leak, fp32 keeps sdpa, and sdpa's packed path reads nothing back from 
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,32 @@ def test_fp32_without_half_weights_keeps_sdpa_for_packed_rows_with_one_line(
     assert len(run["losses"]) == 2 and all(loss == loss for loss in run["losses"])
     assert run["varlen"] == run["dense"] == 0, "flash-attn was never called"
     assert len(run["said"]) == 1 and run["said"][0].startswith("data.packing: FlashAttention-2 computes in bf16/fp16")
+
+
+@pytest.mark.slow
+def test_a_packed_fine_tuning_run_from_the_command_line_goes_through_flash_attentions_varlen_kernel(
+    pretrained_base: Path, tmp_path: Path
+) -> None:
+    """Two torchrun workers on an "H100" (the twin installed by ``tests/helpers/flash_attn_cli.py``), LoRA on the
+    tiny pretrained Llama, bf16, packed prompt/completion rows: every attention call is the varlen kernel."""
+    import json
+
+    from tests.helpers.cli import TORCHRUN, test_env
+
+    report = tmp_path / "twin"
+    report.mkdir()
+    args = [f"model.pretrained={pretrained_base}", "model.lora.enabled=true", "data.source=instructions",
+            "data.format=prompt_completion", f"data.tokenizer={pretrained_base}", "data.num_samples=96",
+            "data.seq_len=48", "data.global_batch_size=16", "data.micro_batch_size=8", "train.steps=2",
+            "train.log_every=1", "train.eval_every=2", "train.precision=bf16", "logger.progress=false",
+            "checkpoint.export=false"]
+    env = test_env(tmp_path / "cache", {"DDPTRAIN_TWIN_REPORT": str(report)})
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node=2", "-m", "tests.helpers.flash_attn_cli", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data.packing: FlashAttention-2 varlen kernels for the packed rows" in proc.stderr + proc.stdout
+    for rank in (0, 1):
+        calls = json.loads((report / f"rank{rank}.json").read_text())
+        assert calls["varlen"] > 0 and calls["dense"] == 0, calls
+        assert calls["most_segments"] >= 4 and calls["int_lengths"], calls  # several rows of several examples
