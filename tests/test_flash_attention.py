@@ -161,6 +161,31 @@ def test_sdpa_packed_rows_read_nothing_back_with_the_ready_mask_and_match_transf
     torch.testing.assert_close(ready[0, 9:16], alone, rtol=0, atol=1e-5)  # the second example saw only itself
 
 
+def test_flash_attention_with_the_varlen_arguments_reads_the_device_once_per_forward_not_per_layer(
+    twin: Calls,
+) -> None:
+    """What remains on the FA2 path: transformers' mask builder still runs its packed-sequence detection (one read
+    per forward, answer discarded). Without the arguments a single packed row is found per layer, from the
+    position_ids: a read, a nonzero and the maximum lengths read back in every layer."""
+    from tests.helpers.host_reads import HostReads
+
+    model = _model("llama").to(torch.bfloat16)
+    assert use_varlen_attention(model, torch.device("cpu"), Precision.bf16)
+    device = torch.device("cpu")
+
+    def reads(batch: dict[str, Any]) -> list[str]:
+        seen: list[str] = []
+        with torch.no_grad(), HostReads(device, lambda name, why: seen.append(name)):
+            model(**batch, use_cache=False)
+        return seen
+
+    assert reads(_inputs(PackCollate(pad_id=0, seq_len=16)(_examples()))) == ["__bool__"]
+    one_row = {k: v for k, v in _inputs(PackCollate(pad_id=0, seq_len=32)(_examples()[:3])).items()
+               if k not in VARLEN_KEYS}
+    per_layer = ["__bool__", "nonzero", "__int__", "__int__"]
+    assert reads(one_row) == ["__bool__", *per_layer * ARCHS["llama"].num_hidden_layers]
+
+
 def test_a_ready_mask_only_for_sdpa_and_the_same_segments_as_transformers_finds() -> None:
     from transformers.masking_utils import find_packed_sequence_indices
 
