@@ -18,7 +18,7 @@ import torch
 from ddptrain.data.packing import REAL_TOKENS, PackCollate, to_device
 from ddptrain.errors import ConfigError
 
-LEAK_SHARE = 0.05  # the packed logits may move by this share of an unseparated row's shift (bf16 rounding: ~1%)
+LEAK_SHARE = 0.05  # the packed logits may move by this share of an unseparated row's shift (bf16 rounding: <1%)
 
 
 @torch.no_grad()
