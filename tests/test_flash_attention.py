@@ -104,8 +104,7 @@ def _lora_grads(path: Path, flash: bool, batches: list[dict[str, Any]]) -> torch
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    if not flash:
-        mask_packed_rows(model)
+    assert flash or mask_packed_rows(model)  # on the adapted model, as the loop installs it
     model.train()
     accumulate_gradients(model, iter(batches), len(batches), lambda _: nullcontext(),
                          torch.autocast("cpu", dtype=torch.bfloat16), token_weighted=True)

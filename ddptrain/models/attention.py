@@ -80,8 +80,8 @@ def _with_block_mask(module: torch.nn.Module, args: tuple[Any, ...],
 def mask_packed_rows(model: torch.nn.Module) -> bool:
     """SDPA on packed rows: hand every forward a ready block-diagonal causal mask (no per-forward host read in
     transformers' detection). Only for ``sdpa``: FlashAttention takes the varlen arguments, and eager attention
-    wants an additive mask, so both keep transformers' own path. Install on the model as called (after any
-    adapter wrapping: peft calls the inner model's ``forward`` directly, past its hooks). True when installed."""
+    wants an additive mask, so both keep transformers' own path. Installed on the model as the run calls it
+    (after adapter wrapping; peft forwards the keyword arguments). True when installed."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
     model.register_forward_pre_hook(_with_block_mask, with_kwargs=True)
