@@ -346,3 +346,11 @@ def test_a_packed_fine_tuning_run_from_the_command_line_goes_through_flash_atten
         calls = json.loads((report / f"rank{rank}.json").read_text())
         assert calls["varlen"] > 0 and calls["dense"] == 0, calls
         assert calls["most_segments"] >= 4 and calls["int_lengths"], calls  # several rows of several examples
+
+
+def test_a_packed_batch_carries_the_varlen_arguments_and_moves_them_once() -> None:
+    batch = PackCollate(pad_id=0, seq_len=16)(_examples())
+    assert batch["cu_seq_lens_q"] is batch["cu_seq_lens_k"] and batch["max_length_q"] == batch["max_length_k"] == 9
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["cu_seq_lens_q"].is_meta and moved["cu_seq_lens_q"] is moved["cu_seq_lens_k"]
+    assert moved["max_length_q"] == 9 and moved["input_ids"].is_meta

@@ -102,6 +102,8 @@ def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = 
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
-            v = moved.setdefault(id(v), v.to(device, non_blocking=non_blocking))
+            if id(v) not in moved:
+                moved[id(v)] = v.to(device, non_blocking=non_blocking)
+            v = moved[id(v)]
         out[k] = v
     return out
