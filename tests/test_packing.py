@@ -222,21 +222,32 @@ def test_throughput_counts_the_real_tokens_of_each_step_and_padding_is_logged(
     assert world_runs[(1, True)][0]["padding_pct"] < world_runs[(1, False)][0]["padding_pct"]
 
 
-def test_packed_rows_take_flashattention_varlen_only_on_cuda_with_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA with ``flash_attn`` installed, packed prompt/completion rows switch to FlashAttention-2 (varlen kernels
-    from the restarting position_ids); on CPU, or without the package, they keep sdpa's block-diagonal mask."""
+def test_packed_rows_take_flashattention_varlen_only_on_cuda_with_flash_attn_in_half_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA with ``flash_attn`` installed and the attention in bf16/fp16 (autocast or half weights), packed
+    prompt/completion rows switch to FlashAttention-2 (varlen kernels from the collate's cu_seq_lens); on CPU,
+    without the package, or in fp32 (flash-attn refuses it), they keep sdpa's block-diagonal mask."""
+    from ddptrain.config.choices import Precision
     from ddptrain.models import attention
 
     class Model:
-        def __init__(self) -> None:
+        def __init__(self, dtype: torch.dtype) -> None:
             self.implementations: list[str] = []
+            self.dtype = dtype
 
         def set_attn_implementation(self, name: str) -> None:
             self.implementations.append(name)
 
-    for device, installed, expected in [("cuda", True, ["flash_attention_2"]), ("cuda", False, []),
-                                        ("cpu", True, [])]:
+    fp32, bf16 = torch.float32, torch.bfloat16
+    for device, installed, precision, dtype, expected in [
+        ("cuda", True, Precision.bf16, fp32, ["flash_attention_2"]),
+        ("cuda", True, Precision.fp16, fp32, ["flash_attention_2"]),
+        ("cuda", True, Precision.fp32, bf16, ["flash_attention_2"]), ("cuda", True, Precision.fp32, fp32, []),
+        ("cuda", False, Precision.bf16, fp32, []), ("cpu", True, Precision.bf16, fp32, []),
+    ]:
         monkeypatch.setattr(attention, "is_flash_attn_2_available", lambda installed=installed: installed)
-        model = Model()
-        assert attention.use_varlen_attention(model, torch.device(device)) is bool(expected)  # type: ignore[arg-type]
+        model = Model(dtype)
+        switched = attention.use_varlen_attention(model, torch.device(device), precision)  # type: ignore[arg-type]
+        assert switched is bool(expected)
         assert model.implementations == expected

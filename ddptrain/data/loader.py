@@ -11,7 +11,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ddptrain.data.batch import BatchShape
-from ddptrain.data.packing import REAL_TOKENS
+from ddptrain.data.packing import REAL_TOKENS, to_device
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class MicroBatches:
         batch = self.tokens.count(batch)
         if len(batch) == 1:  # packed blocks: the token ids are inputs and labels alike
             return batch["input_ids"].to(self.device, non_blocking=True)
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return to_device(batch, self.device, non_blocking=True)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -9,6 +9,12 @@ the config default); the training and evaluation forwards pass neither.
 
 Labels are -100 on prompts (as padded) and on each example's first token, so the last token of one example is
 never trained to predict the first of the next; the loss tokens of a micro batch are those of the padded path.
+
+Each batch also carries FlashAttention's varlen arguments, computed here on the host where the lengths are known:
+``cu_seq_lens_q/k`` (int32 offsets of every segment in the row-major flattened tokens) and ``max_length_q/k``
+(Python ints). transformers' FlashAttention-2 path takes its varlen kernel whenever they are given, for any number
+of rows; without them it infers segments from ``position_ids`` only for a single row and runs causal attention
+per row otherwise, letting the examples of a row see each other. Other attention implementations ignore them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from ddptrain.data.types import IGNORE
 
 REAL_TOKENS = "real_tokens"  # a collate's count of the non-padding tokens it holds; popped before the forward
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # transformers' FA2 kwargs
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -47,20 +54,22 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 class PackCollate:
     """Packs one micro batch's examples into rows of at most ``seq_len`` tokens, padded to the fullest row.
 
-    Returns ``input_ids``, ``position_ids`` and ``labels`` (no ``attention_mask``), and the count of real tokens
-    under ``REAL_TOKENS``. A row's padding tail is a segment of its own (positions from 0, labels -100).
+    Returns ``input_ids``, ``position_ids`` and ``labels`` (no ``attention_mask``), FlashAttention's varlen
+    arguments (``VARLEN_KEYS``), and the count of real tokens under ``REAL_TOKENS``. A row's padding tail is a
+    segment of its own (positions from 0, labels -100).
     """
 
     pad_id: int
     seq_len: int
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(r["input_ids"]) for r in rows]
         bins = best_fit_decreasing(lengths, self.seq_len)
         width = max(sum(lengths[i] for i in b) for b in bins)
         ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(bins), width), IGNORE, dtype=torch.long)
         positions = torch.zeros((len(bins), width), dtype=torch.long)
+        segments: list[int] = []  # every segment's length, row after row: the flattened tokens' layout
         for r, members in enumerate(bins):
             start = 0
             for i in members:
@@ -70,6 +79,31 @@ class PackCollate:
                 labels[r, start] = IGNORE  # the previous example's last token must not learn to predict it
                 positions[r, start : start + n] = torch.arange(n)
                 start += n
+                segments.append(n)
             positions[r, start:] = torch.arange(width - start)
-        return {"input_ids": ids, "position_ids": positions, "labels": labels,
+            if start < width:
+                segments.append(width - start)
+        return {"input_ids": ids, "position_ids": positions, "labels": labels, **varlen_arguments(segments),
                 REAL_TOKENS: torch.tensor(sum(lengths))}
+
+
+def varlen_arguments(segments: Sequence[int]) -> dict[str, Any]:
+    """transformers' FlashAttention varlen kwargs for consecutive segments of these lengths (on the host)."""
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
+    longest = max(segments)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = False) -> dict[str, Any]:
+    """A micro batch on ``device``: its tensors moved (a tensor under two keys, once), its Python values (the
+    varlen maximum lengths) kept."""
+    moved: dict[int, torch.Tensor] = {}
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            if id(v) not in moved:
+                moved[id(v)] = v.to(device, non_blocking=non_blocking)
+            v = moved[id(v)]
+        out[k] = v
+    return out

@@ -1,5 +1,5 @@
-"""Attention for packed rows: causal SDPA without a mask for pretraining blocks; FlashAttention's varlen kernels
-for packed prompt/completion rows on a GPU that has them.
+"""Attention for packed rows: causal SDPA without a mask for pretraining blocks; for packed prompt/completion rows,
+FlashAttention-2's varlen kernel where it serves, else SDPA with a block-diagonal causal mask built on the device.
 
 Training forwards run without a KV cache (``use_cache=False``). Without a cache and without a padding mask,
 transformers' mask builder (``create_causal_mask``) first looks for several sequences packed into one row
@@ -7,22 +7,34 @@ transformers' mask builder (``create_causal_mask``) first looks for several sequ
 forward, a stall on a GPU. A packed block is one causal sequence per row and needs no mask. transformers skips
 mask building for an attention function registered without a mask function (as for external backends), so
 its own SDPA attention registered under a second name runs with ``attn_mask=None, is_causal=True``: the same
-result, no host read, and SDPA's fused causal kernels. Padded prompt/completion batches keep ``sdpa`` with
-their masks. The name is not saved with the model (``save_pretrained`` writes no attention implementation).
+result, no host read, and SDPA's fused causal kernels. The name is not saved with the model (``save_pretrained``
+writes no attention implementation).
+
+Packed prompt/completion rows hold several examples each. FlashAttention-2 (CUDA, ``flash-attn`` installed, the
+attention computed in bf16 or fp16) runs its varlen kernel from the ``cu_seq_lens``/``max_length`` arguments the
+collate computed on the host (``data/packing.py``), for any number of rows. SDPA gets a ready 4-D block-diagonal
+causal mask, built on the device from the restarting ``position_ids`` by a forward pre-hook: transformers takes a
+4-D mask as it is, so its packed-sequence detection and the host read it costs are skipped (the mask is the one
+it would have built). Either way the start-up check (``packed_attention.py``) measures that examples stay apart.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
+from ddptrain.config.choices import Precision
+
 log = logging.getLogger(__name__)
 
 CAUSAL_SDPA = "ddptrain_causal_sdpa"
+FLASH_ATTENTION_DEVICES = frozenset({"cuda"})  # device types flash-attn's kernels run on
+HALF = (torch.float16, torch.bfloat16)
 
 
 def use_causal_attention(model: PreTrainedModel) -> None:
@@ -31,13 +43,46 @@ def use_causal_attention(model: PreTrainedModel) -> None:
     model.set_attn_implementation(CAUSAL_SDPA)
 
 
-def use_varlen_attention(model: PreTrainedModel, device: torch.device) -> bool:
-    """Packed prompt/completion rows: on CUDA with ``flash_attn`` installed, FlashAttention-2, whose varlen
-    kernels attend within each example from the restarting ``position_ids`` (no T x T mask, no attention to
-    padding); elsewhere ``sdpa`` with the block-diagonal mask transformers builds from them. Either way the
-    start-up check (``packed_attention.py``) measures that examples stay apart. True when switched."""
-    if device.type != "cuda" or not is_flash_attn_2_available():
+def use_varlen_attention(model: PreTrainedModel, device: torch.device, precision: Precision) -> bool:
+    """Packed prompt/completion rows: FlashAttention-2's varlen kernels on a device that has them (CUDA with
+    ``flash_attn`` installed) when the attention computes in half precision (bf16/fp16 autocast, or half weights):
+    flash-attn refuses fp32, so fp32 without autocast keeps ``sdpa``, with one line saying so. True when switched."""
+    if device.type not in FLASH_ATTENTION_DEVICES or not is_flash_attn_2_available():
+        return False
+    if precision not in (Precision.bf16, Precision.fp16) and model.dtype not in HALF:
+        log.warning("data.packing: FlashAttention-2 computes in bf16/fp16 only and this run is fp32 "
+                    "(train.precision=%s, %s weights): packed rows use sdpa with a block-diagonal mask", precision,
+                    str(model.dtype).removeprefix("torch."))
         return False
     model.set_attn_implementation("flash_attention_2")
     log.info("data.packing: FlashAttention-2 varlen kernels for the packed rows")
+    return True
+
+
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1, T, T]`` bool: a token sees the tokens before it in its own segment, a segment starting wherever
+    positions do not go up by one (transformers' own rule), computed on the device without a read back."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    segment = (step != 1).cumsum(-1)
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    causal = index[None, :] <= index[:, None]
+    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+
+
+def _with_block_mask(module: torch.nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    positions = kwargs.get("position_ids")
+    if positions is None or kwargs.get("attention_mask") is not None:
+        return None
+    return args, {**kwargs, "attention_mask": block_causal_mask(positions)}
+
+
+def mask_packed_rows(model: torch.nn.Module) -> bool:
+    """SDPA on packed rows: hand every forward a ready block-diagonal causal mask (no per-forward host read in
+    transformers' detection). Only for ``sdpa``: FlashAttention takes the varlen arguments, and eager attention
+    wants an additive mask, so both keep transformers' own path. Installed on the model as the run calls it
+    (after adapter wrapping; peft forwards the keyword arguments). True when installed."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    model.register_forward_pre_hook(_with_block_mask, with_kwargs=True)
     return True

@@ -25,7 +25,7 @@ from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
-from ddptrain.models.attention import use_causal_attention, use_varlen_attention
+from ddptrain.models.attention import mask_packed_rows, use_causal_attention, use_varlen_attention
 from ddptrain.models.flops import flops_per_token
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
 from ddptrain.models.packed_attention import check_packed_attention
@@ -94,19 +94,22 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     # checked against the data's vocabulary as it loads.
     vocab = data.vocab_size if cfg.model.pretrained else model_vocab_size(cfg.model, data.vocab_size)
     model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
+    precision = device_precision(cfg.train.precision, device)
+    autocast = autocast_context(precision, device)
+    packed_examples = cfg.data.format == DataFormat.prompt_completion and cfg.data.packing
     if cfg.data.format == DataFormat.packed:
         use_causal_attention(model)  # one causal sequence per row: no mask to build, no host read per forward
-    elif cfg.data.packing:
-        use_varlen_attention(model, device)  # examples packed in a row: FlashAttention's varlen path where it runs
+    elif packed_examples:  # examples packed in rows: FlashAttention's varlen kernel where it serves, else sdpa
+        use_varlen_attention(model, device, precision)
     model = prepare_for_finetuning(model.to(device), cfg.model)
-    if cfg.data.format == DataFormat.prompt_completion and cfg.data.packing:
-        check_packed_attention(model, data.vocab_size)  # before compiling and wrapping: a bare forward
+    if packed_examples:
+        mask_packed_rows(model)  # sdpa: a ready block-diagonal mask (no host read per forward)
+        check_packed_attention(model, data.vocab_size, autocast)  # before compiling and wrapping; as training runs
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
     if cfg.train.compile:
         log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
-    precision = device_precision(cfg.train.precision, device)
     if cfg.train.precision == Precision.auto:
         log.info("train.precision=auto: %s on this %s device", precision, device.type)
     wrapped = wrap_model(model, cfg.parallel, device, precision, env.local_world_size)
@@ -148,7 +151,7 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
         shape=shape, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
         token_weighted=token_weighted, val=val,
-        autocast=autocast_context(precision, device), checkpoints=checkpoints, start=start,
+        autocast=autocast, checkpoints=checkpoints, start=start,
         meter=meter, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
         stop=StopRequest(cfg.launch.stop_grace_s), scaler=scaler, precision=precision, hooks=hooks,

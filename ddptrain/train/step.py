@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ddptrain.data.packing import to_device
 from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.optim import is_fused
 from ddptrain.telemetry.timers import StepTimer
@@ -103,7 +104,7 @@ def evaluate(
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for batch in batches:
         if isinstance(batch, dict):
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = to_device(batch, device)
             with autocast:  # num_items_in_batch=1: the model returns the summed token loss; no cache (packing)
                 total[0] += model(**batch, num_items_in_batch=1, use_cache=False).loss.double()
             total[1] += loss_tokens(batch["labels"])

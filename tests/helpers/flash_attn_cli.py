@@ -1,0 +1,35 @@
+"""``ddptrain`` with the flash-attn twin installed: ``torchrun ... -m tests.helpers.flash_attn_cli <overrides>``.
+
+A CLI run on CPU that takes transformers' FlashAttention-2 path as a run on an H100 with ``flash-attn`` installed
+takes it: each worker installs the twin (``flash_attn_twin.install``: the package, transformers' availability
+checks, and the CPU among ddptrain's flash devices) before ``ddptrain`` runs; nothing else about the run changes.
+With ``DDPTRAIN_TWIN_REPORT`` set to a directory, each rank writes there what the twin was asked
+(``rank<N>.json``: dense and varlen calls, the most segments in one call, whether every maximum length was an int).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    from tests.helpers.flash_attn_twin import Permanent, install
+
+    calls = install(Permanent())
+    from ddptrain.app.cli import run_cli
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    code = run_cli(sys.argv[1:])
+    if report := os.environ.get("DDPTRAIN_TWIN_REPORT"):
+        record = {"dense": calls.dense, "varlen": calls.varlen,
+                  "most_segments": max((cu.numel() - 1 for cu, _ in calls.segments), default=0),
+                  "int_lengths": all(type(n) is int for _, n in calls.segments)}
+        (Path(report) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
