@@ -49,8 +49,8 @@ def test_a_run_with_eval_and_checkpoints_reports_goodput_and_buckets_that_add_up
     assert sum(m["step_time_s"] for m in run["metrics"]) < g["wall_clock_s"] < elapsed
     written = json.loads((Path(run["dir"]) / "summary.json").read_text())
     assert written["goodput_pct"] == summary["goodput_pct"]
-    record = json.loads((Path(run["dir"]) / "goodput.json").read_text())["attempts"]
-    assert [(a["resumed_from"], a["last_step"], sorted(a["productive_at"])) for a in record] == [(0, 6, ["2", "4", "6"])]
+    (record,) = json.loads((Path(run["dir"]) / "goodput.json").read_text())["attempts"]
+    assert (record["resumed_from"], record["last_step"], sorted(record["productive_at"])) == (0, 6, ["2", "4", "6"])
     assert goodput_line(summary).startswith(f"goodput {summary['goodput_pct']:.1f}% of ")
 
 
