@@ -104,8 +104,9 @@ def _listens(pid: int, port: int) -> bool:
         return False
 
 
-# the survivor re-forms after the last call (5 s) once the lost node's heartbeat has lapsed (1 s x 5); torch's
-# defaults (30 s, 5 s x 3) made a shrink about a minute longer
+# the survivor re-forms once the lost node's heartbeat has lapsed (1 s x 5) and the last call (5 s) has passed:
+# about 10 s from the failure to the new worker here (15 s with torch's default heartbeat, 5 s x 3; its default
+# last call is 30 s)
 ELASTIC_RDZV = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 

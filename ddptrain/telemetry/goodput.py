@@ -210,5 +210,6 @@ def goodput_line(report: dict[str, Any]) -> str:
     names = {"startup": "start-up", "compile": "compile", "checkpoint": "checkpoints", "eval": "eval",
              "restart": "restarts", "redone_steps": "redone steps", "other": "other"}
     rest = ", ".join(f"{names[k]} {g[f'{k}_pct']:.1f}%" for k in REPORTED)
-    attempts = f" over {g['attempts']} attempts ({g['redone_steps']} steps redone)" if g["attempts"] > 1 else ""
+    redone = f"{g['redone_steps']} step{'' if g['redone_steps'] == 1 else 's'} redone"
+    attempts = f" over {g['attempts']} attempts ({redone})" if g["attempts"] > 1 else ""
     return f"goodput {report['goodput_pct']:.1f}% of {g['wall_clock_s']:.1f} s wall-clock{attempts}: {rest}"
