@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.telemetry.goodput import REPORTED, Attempt, account, goodput_line
+from ddptrain.telemetry.goodput import REPORTED, Attempt, account, goodput_line, read_attempts
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
 
@@ -94,3 +94,12 @@ def test_an_attempt_that_resumed_before_every_step_of_an_earlier_one_loses_all_o
     g = report["goodput"]
     assert g["redone_steps"] == (6 - 2) + (7 - 6)
     assert g["redone_steps_s"] == pytest.approx((4.0 - 1.0) + 4.0)
+
+
+def test_an_unreadable_record_starts_the_account_again_instead_of_stopping_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    record = tmp_path / "goodput.json"
+    record.write_text('{"attempts": [{"started": 1.0}]}')  # an attempt without its fields
+    assert read_attempts(record) == [] and "unreadable" in caplog.text
+    assert read_attempts(tmp_path / "absent.json") == []

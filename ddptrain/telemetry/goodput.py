@@ -29,6 +29,7 @@ buckets and ``goodput_pct`` add up to 100 % of it exactly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 RECORD_FILE = "goodput.json"
 LAUNCH_START_ENV = "DDPTRAIN_LAUNCH_START"  # the launcher's process start, for its first attempt's workers
@@ -93,11 +96,12 @@ def continuing(resume: str | None, start: int) -> bool:
 class Goodput:
     """This attempt's time by bucket, recorded by rank 0; ``report()`` accounts for every attempt of the run."""
 
-    def __init__(self, run_dir: Path, is_main: bool, world_size: int, resumed_from: int, earlier: bool,
-                 compiles: bool) -> None:
+    def __init__(self, started: float, run_dir: Path, is_main: bool, world_size: int, resumed_from: int,
+                 earlier: bool, compiles: bool) -> None:
+        """``started``: ``attempt_start()``, taken as the run began; ``earlier``: ``continuing(...)``."""
         self.path, self.is_main, self.compiles = run_dir / RECORD_FILE, is_main, compiles
         self.earlier = read_attempts(self.path) if is_main and earlier else []
-        self.attempt = Attempt(attempt_start(), os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        self.attempt = Attempt(started, os.environ.get("TORCHELASTIC_RUN_ID", ""),
                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), world_size, resumed_from,
                                last_step=resumed_from)
         self._first_step = True
@@ -150,10 +154,15 @@ class Goodput:
 
 
 def read_attempts(path: Path) -> list[Attempt]:
-    """The attempts recorded in ``path`` (none when there is no record)."""
+    """The attempts recorded in ``path`` (none when there is no record; an unreadable one is reported and the
+    account starts again: goodput never stops a run)."""
     if not path.is_file():
         return []
-    return [Attempt.load(a) for a in json.loads(path.read_text())["attempts"]]
+    try:
+        return [Attempt.load(a) for a in json.loads(path.read_text())["attempts"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s: unreadable (%s); goodput counts from this attempt only", path, exc)
+        return []
 
 
 def account(attempts: list[Attempt]) -> dict[str, Any]:

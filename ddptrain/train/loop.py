@@ -24,7 +24,7 @@ from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentran
 from ddptrain.plan.own_peak import MeasuredPeak, memory_peak, planned_peak
 from ddptrain.plan.own_run import predict_own_step
 from ddptrain.runtime.process_group import DistEnv, main_only
-from ddptrain.telemetry.goodput import Goodput, continuing, goodput_line
+from ddptrain.telemetry.goodput import Goodput, attempt_start, continuing, goodput_line
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.train.components import Components, build_components
 from ddptrain.train.control import NonFiniteError, NonFiniteSteps, Stopped, agree, guard_loss, poisoned
@@ -38,6 +38,7 @@ log = logging.getLogger("ddptrain")
 def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]) -> dict[str, Any]:
     """Train on this rank (every rank runs this alike); returns the run's summary, which rank 0 also writes to
     ``summary.json``."""
+    started = attempt_start()  # goodput's wall-clock: this attempt's start (the launcher's, or this process's)
     c = build_components(cfg, env, device, run_dir, resolved)
     meter, hooks = c.meter, c.hooks
     history: list[dict[str, Any]] = []
@@ -45,8 +46,8 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     nonfinite_steps = NonFiniteSteps(device)
     measured_peak = MeasuredPeak(device, c.model, c.optimizer, c.start + 1, cfg.parallel.zero_stage)
     first = FirstStep(c, cfg, env, device)
-    goodput = Goodput(run_dir, env.is_main, env.world_size, c.start, continuing(cfg.train.resume, c.start),
-                      cfg.train.compile)
+    goodput = Goodput(started, run_dir, env.is_main, env.world_size, c.start,
+                      continuing(cfg.train.resume, c.start), cfg.train.compile)
     with closing(c.sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(c.start + 1, cfg.train.steps + 1):
             goodput.step_started()
