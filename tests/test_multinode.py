@@ -2,7 +2,8 @@
 
 They meet through a c10d rendezvous on a loopback endpoint; each "node" has its own data cache (as nodes
 without a shared filesystem would) and both write one run directory. Losses equal a single-agent run of the
-same world size; a run killed mid-way resumes from its checkpoint after both agents restart.
+same world size; a run killed mid-way resumes from its checkpoint after both agents restart; an elastic job
+(``--nnodes=1:2``) that loses a node goes on alone with the same losses.
 """
 
 from __future__ import annotations
