@@ -2,7 +2,8 @@
 
 They meet through a c10d rendezvous on a loopback endpoint; each "node" has its own data cache (as nodes
 without a shared filesystem would) and both write one run directory. Losses equal a single-agent run of the
-same world size; a run killed mid-way resumes from its checkpoint after both agents restart.
+same world size; a run killed mid-way resumes from its checkpoint after both agents restart; an elastic job
+(``--nnodes=1:2``) that loses a node goes on alone with the same losses.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers.cli import run_cli, test_env
@@ -92,3 +95,84 @@ def test_two_nodes_of_two_ranks_write_one_run_dir_and_match_one_node_of_four(tmp
     assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoints"} <= {p.name for p in run.iterdir()}
     _assert_same_losses(_losses(run), _losses(reference))
     assert json.loads((run / "summary.json").read_text())["world_size"] == 4
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections("tcp"))
+    except psutil.Error:
+        return False
+
+
+# the survivor re-forms once the lost node's heartbeat has lapsed (1 s x 5) and the last call (5 s) has passed:
+# about 10 s from the failure to the new worker here (15 s with torch's default heartbeat, 5 s x 3; its default
+# last call is 30 s)
+ELASTIC_RDZV = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
+
+
+def _kill_node(pid: int) -> None:
+    """The node is gone: SIGKILL its agent and the agent's workers (each in a session of its own) at once."""
+    agent = psutil.Process(pid)
+    for proc in (agent, *agent.children(recursive=True)):
+        proc.kill()
+
+
+def elastic_agent(args: list[str], port: int, cwd: Path, cache: Path, fault: str) -> subprocess.Popen[str]:
+    """One torchrun agent of an elastic job of 1 to 2 nodes, one worker each."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+               "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id=elastic-{port}", f"--rdzv-conf={ELASTIC_RDZV}",
+               "-m", "ddptrain", *args]
+    # gloo workers were not restarted by the agent without TORCH_DISABLE_SHARE_RDZV_TCP_STORE (torch 2.13)
+    env = test_env(cache, {"DDPTRAIN_FAULT": fault, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+
+
+def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_same_losses(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    args = [*RUN, "train.steps=6", "checkpoint.every_n_steps=2", "checkpoint.export=false"]
+    reference = tmp_path / "reference"
+    single = run_cli([*args, "launch.nproc_per_node=2", f"hydra.run.dir={reference}"], cwd=tmp_path, cache=cache)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    run, port = tmp_path / "run", _free_port()
+    # the first attempt's rank 1 takes 1 s more per step (its data phase): time to lose a node after step 3
+    slow = "delay@data:1:1:1000"
+    agents = [elastic_agent([*args, f"hydra.run.dir={run}"], port, tmp_path, cache, slow) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (hosts := [a for a in agents if _listens(a.pid, port)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (survivor,) = hosts  # the agent that hosts the rendezvous store survives (the job cannot re-form without it)
+        (lost,) = (a for a in agents if a is not survivor)
+        record = run / "goodput.json"
+        while time.monotonic() < deadline:  # step 3 recorded; the next checkpoint (step 4) is a second away
+            if record.is_file() and json.loads(record.read_text())["attempts"][-1]["last_step"] >= 3:
+                break
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        _kill_node(lost.pid)
+        lost.communicate(timeout=60)
+        _, err = survivor.communicate(timeout=150)
+        (tmp_path / "survivor.err").write_text(err)
+    finally:  # nothing left behind when the test fails
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_node(agent.pid)
+    shrink_s = time.monotonic() - killed_at
+    assert survivor.returncode == 0, err[-4000:]
+    assert "restarted by the elastic agent" in err and "step_000002 at step 2" in err, err[-4000:]
+    assert "resuming on 1 ranks from a checkpoint of 2: grad_accum 4 keeps the global batch of 8" in err
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["world_size"], summary["grad_accum"]) == (1, 4)
+    assert json.loads((reference / "summary.json").read_text())["grad_accum"] == 2
+    got, expected = _losses(run), _losses(reference)  # a redone step's later line replaces its first
+    assert got.keys() == expected.keys()
+    worst = max(abs(got[s] - expected[s]) / expected[s] for s in expected)
+    assert worst < 1e-5, (got, expected)
+    g = summary["goodput"]  # the restart and the redone step 3 are in the account
+    assert (g["attempts"], g["restarts"], g["world_sizes"], g["redone_steps"]) == (2, 1, [2, 1], 1), g
+    assert g["restart_s"] > 0 and g["redone_steps_s"] > 0
+    print(f"shrink: killed -> survivor done in {shrink_s:.1f} s; worst loss difference {worst:.1e}; goodput {g}")

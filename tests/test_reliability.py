@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -73,6 +75,11 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
     assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
     assert not list((tmp_path / "checkpoints").glob(".tmp-*")), "a partial save must be cleaned"
     _assert_bitwise_equal(uninterrupted[strategy], tmp_path)
+    # goodput: each launch an attempt; step 3, computed by the attempt killed saving step 4, was redone
+    goodput = json.loads((tmp_path / "summary.json").read_text())["goodput"]
+    launches = len(KILLS[strategy]) + 1
+    assert (goodput["attempts"], goodput["relaunches"], goodput["restarts"]) == (launches, launches - 1, 0)
+    assert goodput["redone_steps"] == 1 and goodput["redone_steps_s"] > 0, goodput
 
 
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_latest(
@@ -98,6 +105,12 @@ def test_sigkilled_worker_is_restarted_and_the_run_completes(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restarted by the elastic agent" in result.stderr and "resumed from" in result.stderr
     _assert_bitwise_equal(uninterrupted["ddp"], tmp_path)
+    # goodput: the restart's gap counts; rank 0 never recorded step 3 (its loss mean waited for the dead rank)
+    goodput = json.loads((tmp_path / "summary.json").read_text())["goodput"]
+    assert (goodput["attempts"], goodput["restarts"], goodput["redone_steps"]) == (2, 1, 0), goodput
+    assert goodput["restart_s"] > 0 and goodput["restart_pct"] > 0
+    logged = [line for line in result.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line)]
+    assert logged[-1][9:].startswith("goodput "), logged[-3:]  # the run's last log line
 
 
 def test_sigterm_of_the_launcher_leaves_a_loadable_checkpoint(tmp_path: Path, cache: Path) -> None:

@@ -40,6 +40,12 @@ def test_offline_wandb_run_holds_the_jsonl_metrics_and_resolved_config(tmp_path:
     config = next(r["run"]["config"]["update"] for r in records if r["type"] == "run")
     assert config["data"]["cache_dir"] == str(tmp_path / "cache")  # resolved, not "${oc.env:...}"
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0 only
+    # the run's goodput and its breakdown, as summary.json has them, in the W&B run's summary
+    updates = [r["summary"]["update"] for r in records if r["type"] == "summary" and "update" in r["summary"]]
+    (reported,) = [u for u in updates if "goodput_pct" in u]
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert reported["goodput_pct"] == pytest.approx(written["goodput_pct"])
+    assert reported["goodput"]["startup_pct"] == pytest.approx(written["goodput"]["startup_pct"])
 
 
 def test_unreachable_wandb_warns_and_the_run_completes(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from ddptrain.errors import ConfigError, PeerLost, one_line
 from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
 from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
+from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
 
 log = logging.getLogger("ddptrain")
 
@@ -102,6 +103,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     typed = run.typed
     validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
+    os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
     threads = max(1, (os.cpu_count() or 1) // typed.launch.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
     if typed.launch.max_restarts > 0:

@@ -20,6 +20,7 @@ Metrics = dict[str, Any]
 
 class Sink(Protocol):
     def log(self, metrics: Metrics) -> None: ...
+    def summary(self, figures: Metrics) -> None: ...  # the run's end-of-run figures (goodput)
     def close(self) -> None: ...
 
 
@@ -53,6 +54,9 @@ class ConsoleSink:
         ]
         log.info(" | ".join(parts))
 
+    def summary(self, figures: Metrics) -> None:
+        pass  # the loop logs the run's last line itself
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
@@ -67,6 +71,9 @@ class JsonlSink:
     def log(self, metrics: Metrics) -> None:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
+
+    def summary(self, figures: Metrics) -> None:
+        pass  # per-step records only; summary.json holds the run's figures
 
     def close(self) -> None:
         self.file.close()
@@ -97,6 +104,9 @@ class WandbSink:
     def log(self, metrics: Metrics) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
+    def summary(self, figures: Metrics) -> None:
+        self.run.summary.update(figures)  # the run's summary panel: goodput_pct and its breakdown
+
     def close(self) -> None:
         self.run.finish()
 
@@ -123,6 +133,10 @@ class Sinks:
     def log(self, metrics: Metrics) -> None:
         for sink in self.sinks:
             sink.log(metrics)
+
+    def summary(self, figures: Metrics) -> None:
+        for sink in self.sinks:
+            sink.summary(figures)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -24,6 +24,7 @@ from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentran
 from ddptrain.plan.own_peak import MeasuredPeak, memory_peak, planned_peak
 from ddptrain.plan.own_run import predict_own_step
 from ddptrain.runtime.process_group import DistEnv, main_only
+from ddptrain.telemetry.goodput import Goodput, attempt_start, continuing, goodput_line
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.train.components import Components, build_components
 from ddptrain.train.control import NonFiniteError, NonFiniteSteps, Stopped, agree, guard_loss, poisoned
@@ -37,6 +38,7 @@ log = logging.getLogger("ddptrain")
 def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]) -> dict[str, Any]:
     """Train on this rank (every rank runs this alike); returns the run's summary, which rank 0 also writes to
     ``summary.json``."""
+    started = attempt_start()  # goodput's wall-clock: this attempt's start (the launcher's, or this process's)
     c = build_components(cfg, env, device, run_dir, resolved)
     meter, hooks = c.meter, c.hooks
     history: list[dict[str, Any]] = []
@@ -44,8 +46,11 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     nonfinite_steps = NonFiniteSteps(device)
     measured_peak = MeasuredPeak(device, c.model, c.optimizer, c.start + 1, cfg.parallel.zero_stage)
     first = FirstStep(c, cfg, env, device)
+    goodput = Goodput(started, run_dir, env.is_main, env.world_size, c.start,
+                      continuing(cfg.train.resume, c.start), cfg.train.compile)
     with closing(c.sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(c.start + 1, cfg.train.steps + 1):
+            goodput.step_started()
             meter.start_step(step)
             measured_peak.begin(step)
             hooks.step_started(step, meter.timer.phase)
@@ -72,17 +77,20 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             profiler.step()
             WHEREABOUTS.at("after the update")
             hooks.step_ended(step)
-            c.checkpoints.maybe_save(step, last=last, stop=bool(stopping))  # the last save is committed before exit
+            with goodput.blocking("checkpoint"):  # the last save is committed before exit
+                saved = c.checkpoints.maybe_save(step, last=last, stop=bool(stopping))
             if stopping:
+                goodput.step_ended(step, saved, record=True)
                 c.stop.restore()
                 raise Stopped(f"stopped by {signal.Signals(stopping).name} after step {step}; checkpoint saved "
                               f"in {c.checkpoints.root}; continue with train.resume=auto", stopping)
             if log_step:
-                history.append(log_window(c, cfg, device, step, loss, lr, grad_norm, skipped))
-    c.stop.restore()
-    if cfg.checkpoint.export:
-        export_model(c, cfg, run_dir)
-    return write_summary(c, cfg, env, device, run_dir, history, first, measured_peak)
+                history.append(log_window(c, cfg, device, step, loss, lr, grad_norm, skipped, goodput))
+            goodput.step_ended(step, saved, record=log_step)
+        c.stop.restore()
+        if cfg.checkpoint.export:
+            export_model(c, cfg, run_dir)
+        return write_summary(c, cfg, env, device, run_dir, history, first, measured_peak, goodput)  # sinks open
 
 
 def forward_backward(c: Components, cfg: Config, step: int) -> torch.Tensor:
@@ -114,7 +122,7 @@ def update(c: Components, cfg: Config, nonfinite_steps: NonFiniteSteps, step: in
 
 
 def log_window(c: Components, cfg: Config, device: torch.device, step: int, loss: torch.Tensor, lr: float,
-               grad_norm: torch.Tensor, skipped: int) -> dict[str, Any]:
+               grad_norm: torch.Tensor, skipped: int, goodput: Goodput) -> dict[str, Any]:
     """A logging step: the window's metrics (validation loss on evaluation steps) to the sinks; returns them."""
     # sync points: the loss mean (an all-reduce), the gradient norm's host read, the straggler gather
     WHEREABOUTS.at("loss mean")
@@ -124,15 +132,18 @@ def log_window(c: Components, cfg: Config, device: torch.device, step: int, loss
         metrics.update(c.scaler.window())
     metrics.update(c.stragglers.window(metrics))
     if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
-        metrics["val_loss"] = evaluate(c.model, c.val, c.autocast, device)
+        with goodput.blocking("eval"):
+            metrics["val_loss"] = evaluate(c.model, c.val, c.autocast, device)
     c.sinks.log(metrics)
     c.meter.restart_window()
     return metrics
 
 
 def write_summary(c: Components, cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
-                  history: list[dict[str, Any]], first: FirstStep, measured_peak: MeasuredPeak) -> dict[str, Any]:
-    """The run's summary, with its own predicted step and memory peak; rank 0 writes ``summary.json``."""
+                  history: list[dict[str, Any]], first: FirstStep, measured_peak: MeasuredPeak,
+                  goodput: Goodput) -> dict[str, Any]:
+    """The run's summary, with its own predicted step and memory peak and (rank 0) the run's goodput, the last
+    figure taken; rank 0 writes ``summary.json``, reports goodput to the sinks and logs it last."""
     meter = c.meter
     summary = summarise(history, c.shape, c.n_params, c.flops_per_token, meter.peak, cfg, first.model_state,
                         c.wrapped.strategy, c.trainable, meter.buckets)
@@ -145,7 +156,11 @@ def write_summary(c: Components, cfg: Config, env: DistEnv, device: torch.device
         vocab = c.model.get_input_embeddings().weight.shape[0]
         planned = planned_peak(cfg, env.world_size, device, vocab, c.n_params)
         summary["memory_peak"] = memory_peak(planned, measured_peak, cfg.train.steps)
+        report = goodput.report()  # the wall-clock ends here
+        summary.update(report)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        c.sinks.summary(report)
+        log.info("%s", goodput_line(report))
     return summary
 
 

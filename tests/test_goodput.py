@@ -1,0 +1,105 @@
+"""Goodput: the share of the wall-clock in productive steps, and where the rest went, adding up to 100 %; lost work
+of killed attempts is counted from the attempts' records (kill/resume runs: test_reliability.py, test_elastic.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from ddptrain.telemetry.goodput import REPORTED, Attempt, account, goodput_line, read_attempts
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
+
+BASE = {
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 256, "seq_len": 32, "global_batch_size": 8,
+             "micro_batch_size": 2},
+    "train": {"steps": 6, "log_every": 1, "eval_every": 3, "eval_batches": 2},
+    "checkpoint": {"every_n_steps": 2},
+}
+
+
+def _adds_up(report: dict) -> None:
+    g = report["goodput"]
+    parts = report["goodput_pct"] + sum(g[f"{k}_pct"] for k in REPORTED)
+    assert parts == pytest.approx(100.0, abs=1e-9), g
+    seconds = g["productive_s"] + sum(g[f"{k}_s"] for k in REPORTED)
+    assert seconds == pytest.approx(g["wall_clock_s"], rel=1e-12), g
+    assert all(g[f"{k}_s"] >= 0 for k in ("productive", *REPORTED)), g
+
+
+def test_a_run_with_eval_and_checkpoints_reports_goodput_and_buckets_that_add_up_to_its_wall_clock(
+    tmp_path: Path,
+) -> None:
+    started = time.time()
+    (run,) = run_distributed(train_each, 2, str(tmp_path), BASE, [{}])[0]
+    elapsed = time.time() - started
+    summary = run["summary"]
+    _adds_up(summary)
+    g = summary["goodput"]
+    assert 0 < summary["goodput_pct"] < 100
+    assert g["eval_s"] > 0 and g["checkpoint_s"] > 0 and g["startup_s"] > 0, g  # measured, not left over
+    assert g["compile_s"] == 0 and g["restart_s"] == 0 and g["redone_steps_s"] == 0, g
+    assert (g["attempts"], g["restarts"], g["redone_steps"], g["world_sizes"]) == (1, 0, 0, [2])
+    # the wall-clock is the ranks' own (from rank 0's process start), inside what the test saw from outside,
+    # and holds every logged step's time
+    assert sum(m["step_time_s"] for m in run["metrics"]) < g["wall_clock_s"] < elapsed
+    written = json.loads((Path(run["dir"]) / "summary.json").read_text())
+    assert written["goodput_pct"] == summary["goodput_pct"]
+    (record,) = json.loads((Path(run["dir"]) / "goodput.json").read_text())["attempts"]
+    assert (record["resumed_from"], record["last_step"], sorted(record["productive_at"])) == (0, 6, ["2", "4", "6"])
+    assert goodput_line(summary).startswith(f"goodput {summary['goodput_pct']:.1f}% of ")
+
+
+def _attempt(started: float, span: float, resumed_from: int, last_step: int, restart: int = 0, launch: str = "a",
+             productive: float = 4.0, productive_at: dict[str, float] | None = None) -> Attempt:
+    """An attempt of ``span`` seconds: 1 s start-up, ``productive`` seconds of steps, 0.5 s saving."""
+    seconds = {"startup": 1.0, "compile": 0.0, "checkpoint": 0.5, "eval": 0.0, "productive": productive}
+    return Attempt(started, launch, restart, 2, resumed_from, last_step, started + span, seconds,
+                   productive_at or {})
+
+
+def test_steps_after_the_checkpoint_a_later_attempt_resumed_from_are_redone_work() -> None:
+    # attempt 0: steps 1..6 (1 s each), saved at 4, recorded up to 6, then killed; an elastic restart resumes from 4
+    first = _attempt(100.0, 8.0, 0, 6, productive=6.0, productive_at={"4": 4.0})
+    second = _attempt(110.0, 4.0, 4, 8, restart=1, productive=2.0)
+    report = account([first, second])
+    _adds_up(report)
+    g = report["goodput"]
+    assert (g["redone_steps"], g["redone_steps_s"]) == (2, pytest.approx(2.0))  # steps 5 and 6, computed twice
+    assert g["productive_s"] == pytest.approx(6.0)  # steps 1..4 of the first, 5..8 of the second
+    assert (g["restarts"], g["restart_s"]) == (1, pytest.approx(2.0))  # 108 -> 110: recorded end to restart
+    assert g["wall_clock_s"] == pytest.approx(14.0) and g["other_s"] == pytest.approx(0.5 + 0.5)
+
+
+def test_a_manual_relaunch_leaves_the_time_between_launches_out_and_an_unrecorded_save_is_prorated() -> None:
+    first = _attempt(100.0, 8.0, 0, 6, launch="a", productive=6.0)  # saved at 4, killed before recording it
+    second = _attempt(1000.0, 4.0, 4, 8, launch="b", productive=2.0)
+    report = account([first, second])
+    _adds_up(report)
+    g = report["goodput"]
+    assert (g["restarts"], g["relaunches"], g["restart_s"]) == (0, 1, 0.0)
+    assert g["between_launches_s"] == pytest.approx(892.0) and g["wall_clock_s"] == pytest.approx(12.0)
+    assert g["redone_steps_s"] == pytest.approx(2.0)  # 2 of its 6 steps, in proportion
+
+
+def test_an_attempt_that_resumed_before_every_step_of_an_earlier_one_loses_all_of_it() -> None:
+    attempts = [_attempt(0.0, 7.0, 0, 6, productive_at={"2": 1.0}), _attempt(8.0, 6.0, 6, 7, restart=1),
+                _attempt(15.0, 9.0, 2, 10, restart=2)]  # the checkpoint of 6 was lost: back to 2
+    report = account(attempts)
+    _adds_up(report)
+    g = report["goodput"]
+    assert g["redone_steps"] == (6 - 2) + (7 - 6)
+    assert g["redone_steps_s"] == pytest.approx((4.0 - 1.0) + 4.0)
+
+
+def test_an_unreadable_record_starts_the_account_again_instead_of_stopping_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    record = tmp_path / "goodput.json"
+    record.write_text('{"attempts": [{"started": 1.0}]}')  # an attempt without its fields
+    assert read_attempts(record) == [] and "unreadable" in caplog.text
+    assert read_attempts(tmp_path / "absent.json") == []
