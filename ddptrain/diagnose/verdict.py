@@ -5,7 +5,8 @@ worker. Three shapes:
 
 - a rank died of a signal (SIGKILL: the OOM killer or kill -9; SIGSEGV): named with the signal, its step and
   phase; a rank that aborted (SIGABRT) inside a collective is a mismatch (gloo aborts a rank whose peer sent a
-  different size);
+  different size); but a rank that aborted while its NCCL dump shows a collective it was still waiting in was
+  aborted by NCCL's watchdog at ``dist.timeout_s``: a waiter, like a rank that recorded its own timeout;
 - ranks in the same collective number with different kinds or sizes: a mismatch, both sides named;
 - otherwise the rank(s) whose last collective number is below the one the others timed out in: late (hung),
   named with their step, phase and innermost ddptrain frame.
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT
+from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT, nccl_dump_prefix, read_nccl_dump
 from ddptrain.diagnose.whereabouts import read_whereabouts
 
+NCCL_WATCHDOG = "aborted by NCCL's watchdog"  # the reason the verdict gives a waiter that NCCL aborted
 PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
           "save": "a checkpoint save", "loss mean": "the loss mean of a logging step",
           "check": "the stop and non-finite check", "evaluation": "evaluation", "export": "the model export",
@@ -44,7 +46,19 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     folder = run_dir / HANG_DIR
     records = _records(folder)
     where = {r: w for r in range(world_size) if (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
+    prefix = nccl_dump_prefix(folder)
+    dumps = {r: d for r in range(world_size) if (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
+    for r, rec in records.items():  # a record written on NCCL by an older reader holds no collectives
+        if not rec.get("collectives") and dumps.get(r):
+            rec["collectives"] = dumps[r]
     waiters = {r: rec for r, rec in records.items() if rec["reason"] == TIMED_OUT}
+    # On NCCL the watchdog aborts a rank whose collective timed out (SIGABRT, no record of its own): its dump
+    # shows the collective it still waited in. It waited, as a rank that recorded its own timeout did.
+    for f in failures:
+        if f.signal == "SIGABRT" and f.rank not in records and _unfinished(dumps.get(f.rank)):
+            step, phase = where.get(f.rank, (0, "start-up"))
+            waiters[f.rank] = records[f.rank] = {"rank": f.rank, "host": host, "reason": NCCL_WATCHDOG, "step": step,
+                                                 "phase": phase, "where": None, "collectives": dumps[f.rank]}
     # A rank writes a record only while alive, on its own timeout or the launcher's stop: it was alive when the job
     # began to fail, so a SIGKILL after that is the agent ending a rank that did not stop within
     # launch.stop_grace_s, not a cause.
@@ -68,6 +82,7 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     if not waiters:
         return None
     last = {r: _last(rec) for r, rec in records.items()}
+    last.update({r: _current(d) for r, d in dumps.items() if r not in records})  # e.g. a rank stuck in native code
     top = max((s for r in waiters if (s := last[r]) is not None), key=lambda c: c["seq"], default=None)
     if top is not None:
         same_seq = {r: c for r, c in last.items() if c is not None and c["seq"] == top["seq"]}
@@ -103,7 +118,19 @@ def _records(folder: Path) -> dict[int, dict[str, Any]]:
 
 
 def _last(record: dict[str, Any]) -> dict[str, Any] | None:
-    return record["collectives"][-1] if record.get("collectives") else None
+    """The collective a rank was in, or last finished (``_current``)."""
+    return _current(record.get("collectives") or [])
+
+
+def _current(collectives: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The collective a rank was in: on gloo its last one (a collective blocks its caller); on NCCL, whose
+    collectives return at enqueue, its first unfinished one (the host may have enqueued more before it blocked);
+    when all finished, its last."""
+    return next((c for c in collectives if c.get("completed") is False), collectives[-1] if collectives else None)
+
+
+def _unfinished(collectives: list[dict[str, Any]] | None) -> bool:
+    return any(c.get("completed") is False for c in collectives or [])
 
 
 def _waited(waiters: dict[int, dict[str, Any]], timeout_s: float, exclude: int | None) -> str:

@@ -33,6 +33,7 @@ backend (its name: ``nccl_twin``). The product never names it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
@@ -120,7 +121,8 @@ class TwinGroup(dist.ProcessGroup):
         super().__init__(opts.group_rank, opts.group_size)
         self.timeout = opts.timeout
         # gloo's own timeout far out: the watchdog acts first, at the configured timeout, as NCCL's does
-        self._inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout * 4 + timedelta(seconds=30))
+        far = opts.timeout * 4 + timedelta(seconds=30)
+        self._inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, far)
         self._store = opts.store
         self._pg_id = len(RECORDER.status)
         self._pg_name = (str(opts.group_id), "default_pg" if self._pg_id == 0 else "undefined")
@@ -132,8 +134,12 @@ class TwinGroup(dist.ProcessGroup):
                                              "ranks": str(list(range(opts.group_size)))}
         WATCHDOG.watch(self)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return BACKEND
+
+    @staticmethod
+    def _seq_of(entry: dict[str, Any]) -> int:
+        return int(entry["collective_seq_id"])
 
     def _enqueue(self, name: str, args: tuple, kwargs: dict) -> Any:
         op, inner, inputs = _OPS[name] if name in _OPS else (_P2P[name], name, lambda a: list(a[0]))
@@ -164,7 +170,7 @@ class TwinGroup(dist.ProcessGroup):
             entry["state"], entry["retired"] = "completed", True
             entry["time_discovered_completed_ns"] = time.time_ns()
             if not p2p:
-                status["last_completed_collective"] = max(status["last_completed_collective"], entry["collective_seq_id"])
+                status["last_completed_collective"] = max(status["last_completed_collective"], self._seq_of(entry))
             done.set_result(value)
 
         WATCHDOG.pending(entry, time.monotonic() + self.timeout.total_seconds(), self)
@@ -252,10 +258,8 @@ class _Watchdog:
               f"WorkNCCL(SeqNum={entry['collective_seq_id']}, OpType={entry['profiling_name'].split(':')[1].upper()}, "
               f"Timeout(ms)={entry['timeout_ms']}) ran for {ran_ms} milliseconds before timing out.",
               file=sys.stderr, flush=True)
-        try:
+        with contextlib.suppress(Exception):  # best effort, as NCCL's
             group._store.set(DUMP_SIGNAL, str(rank))
-        except Exception:  # noqa: BLE001 - best effort, as NCCL's
-            pass
         self._dump(rank)
         print(f"[rank{rank}]:[F nccl_twin] [Rank {rank}] Terminating the process after attempting to dump debug "
               "info, due to collective timeout or exception.", file=sys.stderr, flush=True)
