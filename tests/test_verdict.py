@@ -182,8 +182,15 @@ def test_on_nccl_watchdog_aborts_in_different_collectives_of_one_number_are_a_mi
                                                 "different ones: rank 0 broadcast of 64 bytes"), line
 
 
-def test_a_sigabrt_without_an_unfinished_collective_in_its_dump_is_still_a_death(tmp_path: Path) -> None:
+def test_on_nccl_a_rank_that_died_before_any_dump_is_the_cause_and_the_aborted_one_its_waiter(tmp_path: Path) -> None:
+    # rank 1 crashed (a device-side assert aborts too) before any timeout: no dump of its own; rank 0 then timed
+    # out waiting for it and was aborted by the watchdog
     folder = _folder(tmp_path)
-    _nccl_dump(folder, 1, [(40, "all_reduce", 1024, "completed")])
-    line = verdict(tmp_path, [Failure(1, -6, "SIGABRT")], 2, 15, "vm")
-    assert line is not None and line.startswith("rank 1 (host vm) died of SIGABRT"), line
+    where = Whereabouts()
+    where.open(folder / "rank1.where")
+    where.at("backward", 5)
+    _nccl_dump(folder, 0, [(50, "all_reduce", 4096, "started")])
+    _aborted_by_the_watchdog(folder, 0)
+    line = verdict(tmp_path, [Failure(1, -6, "SIGABRT"), Failure(0, -6, "SIGABRT")], 2, 15, "vm")
+    assert line is not None and line.startswith("rank 1 (host vm) died of SIGABRT at step 5 in backward; rank 0 "
+                                                "waited in all_reduce #50"), line

@@ -5,8 +5,9 @@ worker. Three shapes:
 
 - a rank died of a signal (SIGKILL: the OOM killer or kill -9; SIGSEGV): named with the signal, its step and
   phase; a rank that aborted (SIGABRT) inside a collective is a mismatch (gloo aborts a rank whose peer sent a
-  different size); but a rank that aborted while its NCCL dump shows a collective it was still waiting in was
-  aborted by NCCL's watchdog at ``dist.timeout_s``: a waiter, like a rank that recorded its own timeout;
+  different size). On NCCL a rank whose dump (``nccl_trace_rank_{r}``) or record shows a collective it had not
+  finished was waiting: NCCL's watchdog aborted it (SIGABRT) at ``dist.timeout_s``, or the agent stopped it;
+  it is a waiter, like a rank that recorded its own timeout;
 - ranks in the same collective number with different kinds or sizes: a mismatch, both sides named;
 - otherwise the rank(s) whose last collective number is below the one the others timed out in: late (hung),
   named with their step, phase and innermost ddptrain frame.
@@ -51,19 +52,21 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     for r, rec in records.items():  # a record written on NCCL by an older reader holds no collectives
         if not rec.get("collectives") and dumps.get(r):
             rec["collectives"] = dumps[r]
-    waiters = {r: rec for r, rec in records.items() if rec["reason"] == TIMED_OUT}
-    # On NCCL the watchdog aborts a rank whose collective timed out (SIGABRT, no record of its own): its dump
-    # shows the collective it still waited in. It waited, as a rank that recorded its own timeout did.
-    for f in failures:
-        if f.signal == "SIGABRT" and f.rank not in records and _unfinished(dumps.get(f.rank)):
-            step, phase = where.get(f.rank, (0, "start-up"))
-            waiters[f.rank] = records[f.rank] = {"rank": f.rank, "host": host, "reason": NCCL_WATCHDOG, "step": step,
-                                                 "phase": phase, "where": None, "collectives": dumps[f.rank]}
-    # A rank writes a record only while alive, on its own timeout or the launcher's stop: it was alive when the job
-    # began to fail, so a SIGKILL after that is the agent ending a rank that did not stop within
-    # launch.stop_grace_s, not a cause.
-    dead = [f for f in failures
-            if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None) and f.rank not in records]
+    # On NCCL a waiting rank raises nothing: the watchdog aborts it (SIGABRT) at dist.timeout_s, or the agent
+    # stops it first; its dump (or its record) shows the collective it had not finished. It waited, as a rank
+    # that recorded its own timeout did.
+    for r, dump in dumps.items():
+        if r not in records and _unfinished(dump):
+            step, phase = where.get(r, (0, "start-up"))
+            records[r] = {"rank": r, "host": host, "reason": NCCL_WATCHDOG, "step": step, "phase": phase,
+                          "where": None, "collectives": dump}
+    waiters = {r: rec for r, rec in records.items()
+               if rec["reason"] in (TIMED_OUT, NCCL_WATCHDOG) or _unfinished(rec.get("collectives"))}
+    # A rank writes a record (or, on NCCL, a dump) only while alive, on its own timeout or the launcher's stop
+    # (NCCL: or another rank's timeout): it was alive when the job began to fail, so a SIGKILL after that is the
+    # agent ending a rank that did not stop within launch.stop_grace_s, not a cause.
+    dead = [f for f in failures if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None)
+            and f.rank not in records and f.rank not in dumps]
     if dead:
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
