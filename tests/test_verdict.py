@@ -194,3 +194,41 @@ def test_on_nccl_a_rank_that_died_before_any_dump_is_the_cause_and_the_aborted_o
     line = verdict(tmp_path, [Failure(1, -6, "SIGABRT"), Failure(0, -6, "SIGABRT")], 2, 15, "vm")
     assert line is not None and line.startswith("rank 1 (host vm) died of SIGABRT at step 5 in backward; rank 0 "
                                                 "waited in all_reduce #50"), line
+
+
+def test_a_record_takes_its_collectives_from_the_nccl_trace_when_it_holds_the_default_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from ddptrain.diagnose.evidence import flight_record
+    from tests.helpers.nccl_twin import nccl_dump
+
+    c10d = torch._C._distributed_c10d
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda: nccl_dump([(7, "broadcast", 64, "scheduled")]), raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda: nccl_dump([(40, "all_reduce", 8, "completed"),
+                                                                     (41, "all_reduce_barrier", 4, "started")]),
+                        raising=False)
+    assert [(c["seq"], c["op"], c["completed"]) for c in flight_record()] == [(40, "all_reduce", True),
+                                                                                (41, "barrier", False)]
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda: nccl_dump([]), raising=False)  # a CUDA build on gloo
+    assert [(c["seq"], c["op"]) for c in flight_record()] == [(7, "broadcast")]
+    assert "completed" not in flight_record()[0]  # gloo's entries stay "scheduled": their state says nothing
+
+
+def test_nccls_dump_is_pointed_into_the_run_dir_unless_the_user_pointed_it_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ddptrain.diagnose.evidence import nccl_dump_prefix, point_nccl_dump
+
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / HANG_DIR).mkdir()
+    (tmp_path / HANG_DIR / "nccl_trace_rank_1").write_bytes(b"a previous attempt's")
+    point_nccl_dump(tmp_path / HANG_DIR, 1)  # what each worker's evidence does once the run dir is known
+    expected = str(tmp_path / HANG_DIR / "nccl_trace_rank_")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == expected
+    assert not (tmp_path / HANG_DIR / "nccl_trace_rank_1").exists()
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace_")
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    assert nccl_dump_prefix(tmp_path / HANG_DIR) == "/elsewhere/trace_"

@@ -66,10 +66,12 @@ def nccl_dump_prefix(hang_dir: Path) -> str:
     return str(hang_dir / NCCL_DUMP)
 
 
-def point_nccl_dump(hang_dir: Path) -> None:
-    """Point NCCL's dump into ``hang_dir`` unless the user pointed it elsewhere. torch reads the prefix when it
-    first dumps (at a timeout), not when the group is created, so setting it once the run dir is known works."""
+def point_nccl_dump(hang_dir: Path, rank: int) -> None:
+    """Point NCCL's dump into ``hang_dir`` unless the user pointed it elsewhere, and remove this rank's dump of a
+    previous attempt. torch reads the prefix when it first dumps (at a timeout), not when the group is created,
+    so setting it once the run dir is known works."""
     prefix = nccl_dump_prefix(hang_dir)
+    Path(f"{prefix}{rank}").unlink(missing_ok=True)
     for var in _DUMP_PREFIX_VARS:
         os.environ[var] = prefix
 
@@ -82,8 +84,7 @@ class Evidence:
         self.dir = run_dir / HANG_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / f"rank{rank}.json").unlink(missing_ok=True)  # a previous attempt's
-        Path(f"{nccl_dump_prefix(self.dir)}{rank}").unlink(missing_ok=True)
-        point_nccl_dump(self.dir)
+        point_nccl_dump(self.dir, rank)
         self._stacks: IO[str] = (self.dir / f"rank{rank}.stacks").open("w")
         faulthandler.enable(self._stacks, all_threads=True)
         WHEREABOUTS.open(self.dir / f"rank{rank}.where")

@@ -153,8 +153,11 @@ class TwinGroup(dist.ProcessGroup):
         entry = {"pg_id": self._pg_id, "process_group": self._pg_name, "collective_seq_id": self._seq,
                  "p2p_seq_id": self._p2p_seq, "op_id": self._seq, "profiling_name": f"nccl:{op}",
                  "time_created_ns": now, "input_sizes": [list(t.shape) for t in tensors],
-                 "input_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors], "output_sizes": [],
-                 "output_dtypes": [], "state": "started", "time_discovered_started_ns": now,
+                 "input_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors],
+                 # in place, as the ops here mostly are (gathers and scatters have other outputs: not recorded)
+                 "output_sizes": [list(t.shape) for t in tensors],
+                 "output_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors], "state": "started",
+                 "time_discovered_started_ns": now,
                  "time_discovered_completed_ns": None, "retired": False,
                  "timeout_ms": int(self.timeout.total_seconds() * 1000), "is_p2p": p2p,
                  "frames": [{"name": f.name, "filename": f.filename, "line": f.lineno}
@@ -301,8 +304,9 @@ def nccl_dump(collectives: list[tuple[int, str, int, str]]) -> bytes:
     for seq, op, nbytes, state in collectives:
         recorder.record({"pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq, "p2p_seq_id": 0,
                          "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": 0,
-                         "input_sizes": [[nbytes // 4]], "input_dtypes": ["Float"], "output_sizes": [],
-                         "output_dtypes": [], "state": state, "time_discovered_started_ns": None,
+                         "input_sizes": [[nbytes // 4]], "input_dtypes": ["Float"],
+                         "output_sizes": [[nbytes // 4]], "output_dtypes": ["Float"], "state": state,
+                         "time_discovered_started_ns": None,
                          "time_discovered_completed_ns": None, "retired": state == "completed", "timeout_ms": 0,
                          "is_p2p": False, "frames": []})
     return recorder.dump()
