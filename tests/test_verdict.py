@@ -232,3 +232,29 @@ def test_nccls_dump_is_pointed_into_the_run_dir_unless_the_user_pointed_it_elsew
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace_")
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
     assert nccl_dump_prefix(tmp_path / HANG_DIR) == "/elsewhere/trace_"
+
+
+def _dump_to_file(rank: int, world_size: int, folder: str) -> list[dict[str, Any]] | None:
+    import torch
+    import torch.distributed as dist
+
+    from ddptrain.diagnose.evidence import read_nccl_dump
+
+    dist.all_reduce(torch.zeros(3))
+    dist.barrier()
+    path = Path(folder) / f"nccl_trace_rank_{rank}"
+    path.write_bytes(torch._C._distributed_c10d._dump_fr_trace())  # the writer NCCL's dump uses too
+    return read_nccl_dump(path)
+
+
+def test_torchs_own_flight_recorder_dump_reads_without_running_code_from_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers.dist import run_distributed
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
+    for read in run_distributed(_dump_to_file, 2, str(tmp_path)):
+        assert read is not None and [c["op"] for c in read[-2:]] == ["all_reduce", "barrier"], read
+    (tmp_path / "evil").write_bytes(b"cos\nsystem\n(S'true'\ntR.")  # a pickle that would call os.system
+    from ddptrain.diagnose.evidence import read_nccl_dump
+
+    assert read_nccl_dump(tmp_path / "evil") is None

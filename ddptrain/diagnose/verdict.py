@@ -49,7 +49,7 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     where = {r: w for r in range(world_size) if (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
     prefix = nccl_dump_prefix(folder)
     dumps = {r: d for r in range(world_size) if (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
-    for r, rec in records.items():  # a record written on NCCL by an older reader holds no collectives
+    for r, rec in records.items():  # a record whose own read of the recorder found nothing takes the dump's
         if not rec.get("collectives") and dumps.get(r):
             rec["collectives"] = dumps[r]
     # On NCCL a waiting rank raises nothing: the watchdog aborts it (SIGABRT) at dist.timeout_s, or the agent

@@ -105,7 +105,8 @@ class _Recorder:
         for e in entries:
             if not include_stack_traces:
                 e.pop("frames", None)
-        trace: dict[str, Any] = {"version": "2.10", "pg_config": dict(self.config), "pg_status": dict(self.status)}
+        trace: dict[str, Any] = {"version": "2.10", "comm_lib_version": "nccl_twin", "pg_config": dict(self.config),
+                                 "pg_status": dict(self.status)}
         if include_collectives:
             trace["entries"] = entries
         return pickle.dumps(trace, protocol=2)
@@ -150,7 +151,8 @@ class TwinGroup(dist.ProcessGroup):
             self._seq += 1
         tensors = inputs(args)
         now = time.time_ns()
-        entry = {"pg_id": self._pg_id, "process_group": self._pg_name, "collective_seq_id": self._seq,
+        entry = {"pg_id": self._pg_id, "process_group": self._pg_name, "thread_name": threading.current_thread().name,
+                 "thread_id": str(threading.get_ident()), "collective_seq_id": self._seq,
                  "p2p_seq_id": self._p2p_seq, "op_id": self._seq, "profiling_name": f"nccl:{op}",
                  "time_created_ns": now, "input_sizes": [list(t.shape) for t in tensors],
                  "input_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors],
