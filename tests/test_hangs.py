@@ -1,6 +1,10 @@
 """A hang or a death is named: the job ends within dist.timeout_s + 45 s with one last line saying which rank,
 at which step, in which phase, and what the others waited in; no worker outlives it; the raw evidence stays in
-<run dir>/hang/."""
+<run dir>/hang/.
+
+Each case runs on gloo and on the NCCL-semantics twin (``tests/helpers/nccl_twin.py``: no Python exception from a
+collective, a watchdog that dumps NCCL's trace and aborts the waiting rank at dist.timeout_s), and names the same
+rank on both."""
 
 from __future__ import annotations
 
@@ -12,6 +16,13 @@ import psutil
 import pytest
 
 from tests.helpers.cli import run_cli
+from tests.helpers.nccl_twin import ENV as TWIN_ENV
+
+ROOT = Path(__file__).parents[1]
+BACKENDS = {  # what the real command runs on: gloo itself, or the twin installed into every process
+    "gloo": {},
+    "nccl_twin": {TWIN_ENV: "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'nccl_twin_site'}:{ROOT}"},
+}
 
 pytestmark = pytest.mark.slow  # the real CLI, 2 or 3 worker processes, a collective timeout each
 
@@ -37,19 +48,21 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path, cache: Path, case: str) -> None:
+def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path, cache: Path, case: str,
+                                                                   backend: str) -> None:
     fault, ranks, expected = CASES[case]
     start = time.monotonic()
     result = run_cli([*RUN, f"launch.nproc_per_node={ranks}", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
-                     cache=cache, extra_env={"DDPTRAIN_FAULT": fault}, timeout=TIMEOUT_S + 120)
+                     cache=cache, extra_env={"DDPTRAIN_FAULT": fault, **BACKENDS[backend]}, timeout=TIMEOUT_S + 120)
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-3000:]
-    assert elapsed < TIMEOUT_S + 45, f"took {elapsed:.0f} s"  # start-up, 3 steps, the timeout, the agent's stop
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ddptrain: error: "), result.stderr[-3000:]
     for part in expected:
         assert part in last, (part, last)
+    assert elapsed < TIMEOUT_S + 45, f"took {elapsed:.0f} s"  # start-up, 3 steps, the timeout, the agent's stop
     if case != "mismatch":  # gloo's abort prints its own C++ message; every Python rank says one line
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not _survivors(str(tmp_path)), "no worker process may outlive the job"
@@ -59,6 +72,11 @@ def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path
         hung = json.loads((evidence / "rank1.json").read_text())
         assert hung["reason"] == "SIGTERM from the launcher" and hung["collectives"], hung
         assert "Current thread" in (evidence / "rank1.stacks").read_text()  # every thread's stack, dumped
+        if backend == "nccl_twin":  # read from the NCCL trace, which says whether each collective finished
+            assert all(c["completed"] for c in hung["collectives"]), hung
+    if backend == "nccl_twin" and case != "dead":  # the watchdog's dump, where the product pointed it
+        assert "Watchdog caught collective operation timeout" in result.stderr, result.stderr[-3000:]
+        assert (evidence / "nccl_trace_rank_0").is_file(), sorted(p.name for p in evidence.iterdir())
 
 
 def _survivors(marker: str) -> list[psutil.Process]:

@@ -6,7 +6,11 @@
   the launcher's SIGTERM.
 - ``rank{r}.json``: on a collective timeout or SIGTERM: step, phase, the innermost ddptrain frame, the error,
   and the last collectives of the default process group from torch's flight recorder (``dist.flight_recorder``
-  entries; gloo and NCCL both record).
+  entries; gloo and NCCL both record, NCCL into its own trace).
+- ``nccl_trace_rank_{r}``: on NCCL, torch's own flight-recorder dump, written by NCCL's watchdog when a collective
+  times out (on this rank, or on another that signalled it). NCCL's collectives return at enqueue and its
+  watchdog aborts a waiting rank (SIGABRT from a native thread, no Python exception), so a waiting rank writes
+  no ``rank{r}.json``: this dump is what says it was waiting, and in which collective.
 
 The launcher reads them after a failure (``diagnose.verdict``) and prints one sentence.
 """
@@ -34,6 +38,10 @@ log = logging.getLogger(__name__)
 HANG_DIR = "hang"
 TIMED_OUT = "collective timed out"  # the reason a rank records when one of its collectives timed out or lost a peer
 FLIGHT_RECORDS = 8  # collectives kept in a rank's record (the flight recorder's own buffer is larger)
+NCCL_DUMP = "nccl_trace_rank_"  # + global rank: torch's dump file name is a prefix and the rank
+# torch's variables for the dump's file prefix: the current name first, then the older one it still reads
+_DUMP_PREFIX_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+_OP_NAMES = {"all_reduce_barrier": "barrier"}  # NCCL records a barrier as a 1-element all-reduce
 _PACKAGE = Path(__file__).resolve().parents[1]
 _NOT_WHERE = (_PACKAGE / "testing", _PACKAGE / "diagnose")  # fault injection and this package are never "where"
 _LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
@@ -42,9 +50,30 @@ _BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4
 
 
 def enable_flight_recorder(entries: int) -> None:
-    """Turn on torch's flight recorder for the process groups created from now on (``dist.flight_recorder``)."""
+    """Turn on torch's flight recorder for the process groups created from now on (``dist.flight_recorder``),
+    and NCCL's dump of it on a timeout (read when a group is created; torch 2.13's default is on already)."""
     if entries > 0:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+
+def nccl_dump_prefix(hang_dir: Path) -> str:
+    """Where NCCL's watchdog dumps each rank's flight recorder (the file is this prefix + the global rank): the
+    user's ``TORCH_FR_DUMP_TEMP_FILE`` (or the older ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``), else ``hang_dir``."""
+    for var in _DUMP_PREFIX_VARS:
+        if os.environ.get(var):
+            return os.environ[var]
+    return str(hang_dir / NCCL_DUMP)
+
+
+def point_nccl_dump(hang_dir: Path, rank: int) -> None:
+    """Point NCCL's dump into ``hang_dir`` unless the user pointed it elsewhere, and remove this rank's dump of a
+    previous attempt. torch reads the prefix when it first dumps (at a timeout), not when the group is created,
+    so setting it once the run dir is known works."""
+    prefix = nccl_dump_prefix(hang_dir)
+    Path(f"{prefix}{rank}").unlink(missing_ok=True)
+    for var in _DUMP_PREFIX_VARS:
+        os.environ[var] = prefix
 
 
 class Evidence:
@@ -55,6 +84,7 @@ class Evidence:
         self.dir = run_dir / HANG_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / f"rank{rank}.json").unlink(missing_ok=True)  # a previous attempt's
+        point_nccl_dump(self.dir, rank)
         self._stacks: IO[str] = (self.dir / f"rank{rank}.stacks").open("w")
         faulthandler.enable(self._stacks, all_threads=True)
         WHEREABOUTS.open(self.dir / f"rank{rank}.where")
@@ -123,21 +153,59 @@ def innermost(tb: TracebackType | None, frame: FrameType | None) -> str | None:
 
 
 def flight_record() -> list[dict[str, Any]]:
-    """The last collectives of the default process group that torch's flight recorder holds (empty when off)."""
-    try:
-        import torch
+    """The last collectives of the default process group that torch's flight recorder holds (empty when off).
 
-        trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    except Exception:  # noqa: BLE001 - no recorder (off, or a build without it): no entries, not an error
-        return []
-    entries = [e for e in trace.get("entries", []) if tuple(e.get("process_group", ()))[:1] == ("0",)]
+    NCCL records into its own trace (``_dump_nccl_trace``, in a CUDA build of torch), gloo into the other
+    (``_dump_fr_trace``); the NCCL trace is read when it holds the default group's collectives.
+    """
+    import torch
+
+    c10d = torch._C._distributed_c10d
+    for dump, nccl in ((getattr(c10d, "_dump_nccl_trace", None), True), (getattr(c10d, "_dump_fr_trace", None), False)):
+        if dump is None:
+            continue
+        try:
+            found = collectives(pickle.loads(dump()), nccl)
+        except Exception:  # noqa: BLE001 - no recorder (off, or a build without it): no entries, not an error
+            continue
+        if found:
+            return found
+    return []
+
+
+def collectives(trace: dict[str, Any], nccl: bool) -> list[dict[str, Any]]:
+    """The default group's last collectives in a flight-recorder dump: sequence number, kind, sizes, bytes, and
+    on NCCL whether each completed (gloo leaves every entry's state at ``scheduled``, so it says nothing)."""
+    entries = [e for e in trace.get("entries", []) if tuple(e.get("process_group", ()))[:1] == ("0",)
+               and not e.get("is_p2p")]
     out = []
     for e in entries[-FLIGHT_RECORDS:]:
         sizes, dtypes = e.get("input_sizes") or [], e.get("input_dtypes") or []
         nbytes = sum(_numel(s) * _BYTES.get(d, 4) for s, d in zip(sizes, dtypes, strict=False))
-        out.append({"seq": e.get("collective_seq_id"), "op": str(e.get("profiling_name", "")).split(":")[-1],
-                    "sizes": sizes, "bytes": nbytes})
+        op = str(e.get("profiling_name", "")).split(":")[-1]
+        entry = {"seq": e.get("collective_seq_id"), "op": _OP_NAMES.get(op, op), "sizes": sizes, "bytes": nbytes}
+        if nccl:
+            entry["completed"] = e.get("state") == "completed"
+        out.append(entry)
     return out
+
+
+def read_nccl_dump(path: Path) -> list[dict[str, Any]] | None:
+    """The default group's last collectives in NCCL's dump at ``path``; None when there is none or it cannot be
+    read. The dump is a pickle of plain dicts, lists and strings: it is read without running code from it."""
+    try:
+        with path.open("rb") as stream:
+            trace = _PlainUnpickler(stream).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
+        return None
+    return collectives(trace, nccl=True) if isinstance(trace, dict) else None
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Refuses every class and function: a flight-recorder dump holds only plain values."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a flight-recorder dump")
 
 
 def _numel(shape: list[int]) -> int:

@@ -5,7 +5,9 @@ worker. Three shapes:
 
 - a rank died of a signal (SIGKILL: the OOM killer or kill -9; SIGSEGV): named with the signal, its step and
   phase; a rank that aborted (SIGABRT) inside a collective is a mismatch (gloo aborts a rank whose peer sent a
-  different size);
+  different size). On NCCL a rank whose dump (``nccl_trace_rank_{r}``) or record shows a collective it had not
+  finished was waiting: NCCL's watchdog aborted it (SIGABRT) at ``dist.timeout_s``, or the agent stopped it;
+  it is a waiter, like a rank that recorded its own timeout;
 - ranks in the same collective number with different kinds or sizes: a mismatch, both sides named;
 - otherwise the rank(s) whose last collective number is below the one the others timed out in: late (hung),
   named with their step, phase and innermost ddptrain frame.
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT
+from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT, nccl_dump_prefix, read_nccl_dump
 from ddptrain.diagnose.whereabouts import read_whereabouts
 
+NCCL_WATCHDOG = "aborted by NCCL's watchdog"  # the reason the verdict gives a waiter that NCCL aborted
 PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
           "save": "a checkpoint save", "loss mean": "the loss mean of a logging step",
           "check": "the stop and non-finite check", "evaluation": "evaluation", "export": "the model export",
@@ -44,12 +47,26 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     folder = run_dir / HANG_DIR
     records = _records(folder)
     where = {r: w for r in range(world_size) if (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
-    waiters = {r: rec for r, rec in records.items() if rec["reason"] == TIMED_OUT}
-    # A rank writes a record only while alive, on its own timeout or the launcher's stop: it was alive when the job
-    # began to fail, so a SIGKILL after that is the agent ending a rank that did not stop within
-    # launch.stop_grace_s, not a cause.
-    dead = [f for f in failures
-            if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None) and f.rank not in records]
+    prefix = nccl_dump_prefix(folder)
+    dumps = {r: d for r in range(world_size) if (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
+    for r, rec in records.items():  # a record whose own read of the recorder found nothing takes the dump's
+        if not rec.get("collectives") and dumps.get(r):
+            rec["collectives"] = dumps[r]
+    # On NCCL a waiting rank raises nothing: the watchdog aborts it (SIGABRT) at dist.timeout_s, or the agent
+    # stops it first; its dump (or its record) shows the collective it had not finished. It waited, as a rank
+    # that recorded its own timeout did.
+    for r, dump in dumps.items():
+        if r not in records and _unfinished(dump):
+            step, phase = where.get(r, (0, "start-up"))
+            records[r] = {"rank": r, "host": host, "reason": NCCL_WATCHDOG, "step": step, "phase": phase,
+                          "where": None, "collectives": dump}
+    waiters = {r: rec for r, rec in records.items()
+               if rec["reason"] in (TIMED_OUT, NCCL_WATCHDOG) or _unfinished(rec.get("collectives"))}
+    # A rank writes a record (or, on NCCL, a dump) only while alive, on its own timeout or the launcher's stop
+    # (NCCL: or another rank's timeout): it was alive when the job began to fail, so a SIGKILL after that is the
+    # agent ending a rank that did not stop within launch.stop_grace_s, not a cause.
+    dead = [f for f in failures if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None)
+            and f.rank not in records and f.rank not in dumps]
     if dead:
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
@@ -68,6 +85,7 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     if not waiters:
         return None
     last = {r: _last(rec) for r, rec in records.items()}
+    last.update({r: _current(d) for r, d in dumps.items() if r not in records})  # e.g. a rank stuck in native code
     top = max((s for r in waiters if (s := last[r]) is not None), key=lambda c: c["seq"], default=None)
     if top is not None:
         same_seq = {r: c for r, c in last.items() if c is not None and c["seq"] == top["seq"]}
@@ -103,7 +121,19 @@ def _records(folder: Path) -> dict[int, dict[str, Any]]:
 
 
 def _last(record: dict[str, Any]) -> dict[str, Any] | None:
-    return record["collectives"][-1] if record.get("collectives") else None
+    """The collective a rank was in, or last finished (``_current``)."""
+    return _current(record.get("collectives") or [])
+
+
+def _current(collectives: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The collective a rank was in: on gloo its last one (a collective blocks its caller); on NCCL, whose
+    collectives return at enqueue, its first unfinished one (the host may have enqueued more before it blocked);
+    when all finished, its last."""
+    return next((c for c in collectives if c.get("completed") is False), collectives[-1] if collectives else None)
+
+
+def _unfinished(collectives: list[dict[str, Any]] | None) -> bool:
+    return any(c.get("completed") is False for c in collectives or [])
 
 
 def _waited(waiters: dict[int, dict[str, Any]], timeout_s: float, exclude: int | None) -> str:
