@@ -135,9 +135,14 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     fpt = (flops_per_token(cfg.model, vocab, shape.seq_len) if cfg.model.pretrained is None
            else 4.0 * n_params + 2.0 * trainable)
     token_weighted = cfg.data.format == DataFormat.prompt_completion
-    # Fixed blocks hold seq_len real tokens each, so the tokens before a resumed step are known; variable-length
-    # examples are counted from this run's start only.
-    counted = 0 if token_weighted else shape.tokens_per_step * start
+    # tokens_seen continues from the real tokens before the data position (the checkpoint's count, carried by the
+    # data part); a streamed run resumed from an earlier version's checkpoint, which has none, counts whole steps
+    # of fixed windows.
+    if isinstance(batches, StreamedBatches) and batches.tokens_seen is None:
+        batches.tokens_seen = shape.tokens_per_step * start
+        log.info("the checkpoint records no token count (an earlier version's): tokens_seen continues from "
+                 "%d steps x %d tokens", start, shape.tokens_per_step)
+    counted = batches.tokens_seen
     meter = StepMetrics(shape, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
                         cfg.metrics.sample_every, batches.tokens, counted)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
