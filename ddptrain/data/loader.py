@@ -11,7 +11,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ddptrain.data.batch import BatchShape
-from ddptrain.data.packing import REAL_TOKENS
+from ddptrain.data.packing import REAL_TOKENS, SEGMENT_SQUARES
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,28 +47,34 @@ class GlobalOrderSampler(Sampler[int]):
 
 
 class TokenCount:
-    """Real (non-padding) tokens and computed positions of the micro batches seen, counted on the host from
-    the CPU batch before it moves to the device: no sync."""
+    """Real (non-padding) tokens, computed positions and the sum of squared sequence lengths (each packed example a
+    sequence of its own) of the micro batches seen, counted on the host from the CPU batch before it moves to the
+    device: no sync. The squares are what attention's FLOPs grow with."""
 
     def __init__(self) -> None:
-        self.real = self.computed = 0
+        self.real = self.computed = self.squares = 0
 
     def count(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Adds ``batch``'s tokens; returns the model's inputs (a packed batch's own count removed)."""
-        self.computed += batch["input_ids"].numel()
+        """Adds ``batch``'s tokens; returns the model's inputs (a packed batch's own counts removed)."""
+        ids = batch["input_ids"]
+        self.computed += ids.numel()
         if REAL_TOKENS in batch:  # packed prompt/completion rows
             batch = dict(batch)
             self.real += int(batch.pop(REAL_TOKENS))
-        elif "attention_mask" in batch:  # padded prompt/completion rows
-            self.real += int(batch["attention_mask"].sum())
+            self.squares += int(batch.pop(SEGMENT_SQUARES))
+        elif "attention_mask" in batch:  # padded prompt/completion rows: one example per row
+            lengths = batch["attention_mask"].sum(dim=1)
+            self.real += int(lengths.sum())
+            self.squares += int((lengths * lengths).sum())
         else:  # fixed blocks of seq_len tokens: no padding
-            self.real += batch["input_ids"].numel()
+            self.real += ids.numel()
+            self.squares += ids.numel() * ids.shape[-1]
         return batch
 
-    def take(self) -> tuple[int, int]:
-        """(real, computed) since the last take."""
-        out = (self.real, self.computed)
-        self.real = self.computed = 0
+    def take(self) -> tuple[int, int, int]:
+        """(real, computed, squares) since the last take."""
+        out = (self.real, self.computed, self.squares)
+        self.real = self.computed = self.squares = 0
         return out
 
 

@@ -22,6 +22,9 @@ import torch
 from ddptrain.data.types import IGNORE
 
 REAL_TOKENS = "real_tokens"  # a collate's count of the non-padding tokens it holds; popped before the forward
+# ... and the sum of its examples' squared lengths: the token pairs causal attention relates within each example
+# (the FLOPs counted for attention, never seq_len² per row); popped before the forward too
+SEGMENT_SQUARES = "segment_squares"
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -47,8 +50,9 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 class PackCollate:
     """Packs one micro batch's examples into rows of at most ``seq_len`` tokens, padded to the fullest row.
 
-    Returns ``input_ids``, ``position_ids`` and ``labels`` (no ``attention_mask``), and the count of real tokens
-    under ``REAL_TOKENS``. A row's padding tail is a segment of its own (positions from 0, labels -100).
+    Returns ``input_ids``, ``position_ids`` and ``labels`` (no ``attention_mask``), the count of real tokens
+    under ``REAL_TOKENS`` and the sum of the examples' squared lengths under ``SEGMENT_SQUARES``. A row's padding
+    tail is a segment of its own (positions from 0, labels -100), counted in neither.
     """
 
     pad_id: int
@@ -72,4 +76,4 @@ class PackCollate:
                 start += n
             positions[r, start:] = torch.arange(width - start)
         return {"input_ids": ids, "position_ids": positions, "labels": labels,
-                REAL_TOKENS: torch.tensor(sum(lengths))}
+                REAL_TOKENS: torch.tensor(sum(lengths)), SEGMENT_SQUARES: torch.tensor(sum(n * n for n in lengths))}
