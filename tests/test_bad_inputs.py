@@ -7,7 +7,9 @@ ranks have met (checkpoints, the run directory) run under torchrun below.
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -101,7 +103,10 @@ SMALL = ["train.steps=2", "train.log_every=1", "data.max_documents=60", "data.gl
 
 
 def _fails_on_both_ranks(args: list[str], cwd: Path, cache: Path, message: str) -> None:
-    result = run_cli(args, cwd=cwd, cache=cache, torchrun_nproc=2, timeout=120)
+    _fails_on_both_ranks_with(run_cli(args, cwd=cwd, cache=cache, torchrun_nproc=2, timeout=120), message)
+
+
+def _fails_on_both_ranks_with(result: subprocess.CompletedProcess[str], message: str) -> None:
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("ddptrain: error:")]
     assert result.returncode != 0 and len(errors) == 2, result.stderr[-3000:]
     assert all(message in line for line in errors), errors
@@ -141,6 +146,23 @@ def test_unwritable_run_directory(tmp_path: Path, torchrun_run: tuple[Path, Path
     (tmp_path / "a-file").write_text("x")
     _fails_on_both_ranks([*SMALL, f"hydra.run.dir={tmp_path}/a-file/run"], tmp_path, cache,
                          f"hydra.run.dir={tmp_path}/a-file/run: cannot write there")
+
+
+@pytest.mark.slow
+def test_a_malformed_prompt_completion_record_is_one_line_on_every_rank(tmp_path: Path, pretrained_base: Path) -> None:
+    """The data build raises inside ``datasets``' generator, which wraps it (a ``DatasetGenerationError``
+    traceback per rank before): the command prints the record's one line on both ranks instead."""
+    records = tmp_path / "pc.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(20)]
+    lines[6] = json.dumps({"prompt": "q6", "completion": ["a", "list"]})
+    records.write_text("\n".join(lines) + "\n")
+    args = [*SMALL, "data=instruct", "data.source=files", f"data.paths=[{records}]",
+            f"data.tokenizer={pretrained_base}", f"model.pretrained={pretrained_base}", f"hydra.run.dir={tmp_path}/run",
+            "launch.nproc_per_node=2"]  # ddptrain's own launcher: torchrun's adds its own traceback of the failure
+    result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", timeout=180)
+    assert "Traceback" not in result.stderr and "DatasetGenerationError" not in result.stderr, result.stderr[-3000:]
+    _fails_on_both_ranks_with(result, f"ddptrain: error: data.paths: {records}: line 7: 'completion' "
+                                      "(data.completion_field) is a list, expected a string")
 
 
 def test_readme_table_lists_every_case() -> None:

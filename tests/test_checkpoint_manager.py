@@ -64,7 +64,7 @@ class Part:
 
 
 def _parts(scaler: bool = True) -> dict[str, Part]:
-    parts = {"scheduler": Part({"last_epoch": 7}), "data": Part({"epoch": 1, "position": 48}),
+    parts = {"scheduler": Part({"last_epoch": 7}), "data": Part({"epoch": 1, "position": 48, "tokens_seen": 1536}),
              "run": Part({"world_size": 2, "global_batch_size": 16, "zero_stage": 1})}
     return {**parts, "grad_scaler": Part({"scale": 1024.0, "backoffs": 2})} if scaler else parts
 
@@ -94,19 +94,20 @@ def test_each_part_gives_its_own_state_into_trainer_pt_laid_out_as_before() -> N
     # trainer.pt's fields, as format 2 has always written them
     assert record == {"step": 5, "scheduler": {"last_epoch": 7}, "epoch": 1, "samples_in_epoch": 48, "world_size": 2,
                       "global_batch_size": 16, "zero_stage": 1, "grad_scaler": {"scale": 1024.0, "backoffs": 2},
-                      "stream": None}
+                      "stream": None, "tokens_seen": 1536}
     fp32 = FakeCheckpointer()
     _manager(fp32, _parts(scaler=False), every=1).maybe_save(5)
     assert fp32.saves[0][2]["grad_scaler"] is None
 
 
 def test_resume_gives_each_part_its_own_state_and_an_empty_one_where_the_checkpoint_has_none() -> None:
-    saved = TrainState(6, {"last_epoch": 6}, 2, 32, 4, 16, 0, grad_scaler=None, stream='[{"reader": 3}]')
+    saved = TrainState(6, {"last_epoch": 6}, 2, 32, 4, 16, 0, grad_scaler=None, stream='[{"reader": 3}]',
+                       tokens_seen=4096)
     parts = _parts()
     step = _manager(FakeCheckpointer(Path("step_000006"), saved), parts, every=1).resume("auto")
     assert step == 6
     assert parts["scheduler"].taken == [{"last_epoch": 6}]
-    assert parts["data"].taken == [{"epoch": 2, "position": 32, "stream": '[{"reader": 3}]'}]
+    assert parts["data"].taken == [{"epoch": 2, "position": 32, "stream": '[{"reader": 3}]', "tokens_seen": 4096}]
     assert parts["run"].taken == [{"world_size": 4, "global_batch_size": 16, "zero_stage": 0}]
     assert parts["grad_scaler"].taken == [{}]  # not trained in fp16
     fresh = _parts()

@@ -331,6 +331,8 @@ def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(t
     runs = run_distributed(train_each, 2, str(tmp_path), base, [{}, {"train": {"resume": resumed_from}}])[0]
     straight, resumed = ([m["loss"] for m in run["metrics"] if "loss" in m] for run in runs)
     assert len(straight) == 4 and straight[2:] == resumed
+    seen = [[m["tokens_seen"] for m in run["metrics"] if "loss" in m] for run in runs]
+    assert seen[0] == [8 * 32 * step for step in (1, 2, 3, 4)] and seen[1] == seen[0][2:]  # fixed windows of 32
 
 
 def test_prompt_completion_records_stream_into_cached_rows_equal_to_encoding_the_list(tmp_path: Path) -> None:

@@ -79,3 +79,51 @@ def test_flops_per_token_is_six_per_matmul_weight_plus_attention() -> None:
     cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=False)
     matmul_weights = count_params(cfg, VOCAB).non_embedding + VOCAB * 64
     assert flops_per_token(cfg, VOCAB, seq_len=32) == 6 * matmul_weights + 12 * 2 * 4 * 16 * 32
+
+
+def _examples(lengths: list[int]) -> list[dict[str, list[int]]]:
+    return [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in lengths]
+
+
+def test_a_packed_micro_batch_counts_attention_per_example_not_per_row() -> None:
+    """Examples of 5, 3, 7 and 2 tokens packed into rows of 10 (7+3 and 5+2): attention relates
+    5² + 3² + 7² + 2² = 87 token pairs, where seq_len² per row would say 2 x 100 and seq_len per token 170."""
+    from ddptrain.data.batch import BatchShape
+    from ddptrain.data.instruct import PadCollate
+    from ddptrain.data.loader import TokenCount
+    from ddptrain.data.packing import PackCollate
+    from ddptrain.telemetry.metrics import StepMetrics
+
+    rows = _examples([5, 3, 7, 2])
+    for collate, computed in ((PackCollate(0, 10), 2 * 10), (PadCollate(0), 4 * 7)):
+        count = TokenCount()
+        inputs = count.count(collate(rows))
+        assert set(inputs) <= {"input_ids", "position_ids", "labels", "attention_mask"}  # the counts are popped
+        assert count.take() == (17, computed, 87)
+    blocks = TokenCount()
+    blocks.count({"input_ids": torch.zeros(2, 10, dtype=torch.long)})
+    assert blocks.take() == (20, 20, 200)  # fixed blocks: every row one sequence of seq_len
+
+    dense, attention = 1000.0, 10.0  # FLOPs per token outside attention; 12·L·H·Q
+    count = TokenCount()
+    meter = StepMetrics(BatchShape.derive(4, 4, 1, 1, 10), torch.device("cpu"), dense + attention * 10, None, None,
+                        None, count, attention_flops=attention)
+    meter.start_step(1)
+    count.count(PackCollate(0, 10)(rows))
+    meter.end_step(None, None)
+    m = meter.window(1, 0.0, 0.0, 0.0)
+    flops = m["tflops_per_rank"] * 1e12 * m["step_time_s"]
+    assert flops == pytest.approx(dense * 17 + attention * 87)  # 17,870
+    assert flops != pytest.approx((dense + attention * 10) * 17)  # 18,700: seq_len per token, the old figure
+    assert m["attended_tokens"] == pytest.approx(87 / 17) and m["tokens_per_sequence"] == pytest.approx(17 / 4)
+
+
+def test_a_pretrained_models_attention_flops_come_from_its_own_config() -> None:
+    from transformers import LlamaConfig
+
+    from ddptrain.models.flops import attention_flops, pretrained_attention_flops
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=32)
+    assert pretrained_attention_flops(config) == attention_flops(3, 4, 32) == 12 * 3 * 4 * 32
+    assert pretrained_attention_flops(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)) == (
+        12 * 2 * 4 * 16)

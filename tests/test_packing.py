@@ -222,6 +222,19 @@ def test_throughput_counts_the_real_tokens_of_each_step_and_padding_is_logged(
     assert world_runs[(1, True)][0]["padding_pct"] < world_runs[(1, False)][0]["padding_pct"]
 
 
+def test_each_step_logs_the_real_tokens_per_sequence_and_attention_over_each_example_not_each_row(
+    world_runs: dict, tokenized_base: Path, tmp_path: Path
+) -> None:
+    cfg = make_config(str(tmp_path), _run(tokenized_base))
+    lengths = [len(ids) for ids in build_token_data(cfg.data).train["input_ids"]]
+    for key, metrics in world_runs.items():
+        for m in metrics:
+            step = lengths[8 * (m["step"] - 1) : 8 * m["step"]]  # shuffle off: step s trains on these 8 examples
+            assert m["tokens_per_sequence"] == pytest.approx(sum(step) / 8), key
+            assert m["attended_tokens"] == pytest.approx(sum(n * n for n in step) / sum(step)), key
+            assert m["attended_tokens"] < cfg.data.seq_len  # packed rows of up to seq_len: fewer pairs than seq_len²
+
+
 def test_packed_rows_take_flashattention_varlen_only_on_cuda_with_flash_attn_in_half_precision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
@@ -133,6 +136,24 @@ def test_70b_on_8_gpus_planned_by_params_alone_renders() -> None:
         "hides under backward",
     ):
         assert line in text
+
+
+def test_a_prompt_completion_plan_counts_the_real_tokens_and_attention_its_measured_run_saw(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({"tokens_per_sequence": 20.0, "attended_tokens": 25.0}))
+    shape = {"model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 4, "data.seq_len": 64,
+             "data.micro_batch_size": 4, "data.global_batch_size": 8, "metrics.peak_tflops": 100.0}
+    blocks = build_plan(config(**shape), world_size=2, device_name=None)
+    rows = build_plan(config(**shape, **{"data.format": "prompt_completion", "plan.from_run": str(tmp_path)}),
+                      world_size=2, device_name=None)
+    attention = 12 * 2 * 4 * 16  # 12·L·H·Q, per token per token attended over
+    assert blocks.flops_per_token - rows.flops_per_token == attention * (64 - 25)
+    assert (blocks.sequence_tokens, rows.sequence_tokens) == (64, 20)
+    assert blocks.backward_s is not None and rows.backward_s is not None
+    assert rows.backward_s == pytest.approx(blocks.backward_s * (20 * rows.flops_per_token)
+                                            / (64 * blocks.flops_per_token))
+    assert "Σ T² / Σ T = 25.0" in " ".join(render_plan(rows).split())  # the rule says what it counted
+    unmeasured = build_plan(config(**shape, **{"data.format": "prompt_completion"}), world_size=2, device_name=None)
+    assert (unmeasured.flops_per_token, unmeasured.sequence_tokens) == (blocks.flops_per_token, 64)
 
 
 def test_cpu_plan_of_the_default_model_uses_fp32_and_a_measured_bandwidth() -> None:

@@ -114,6 +114,18 @@ CAL = Calibration(1, 8, 4, 2, 64, micro_step_s=0.1, optimizer_s=0.01, buckets=[(
 SLOW = Link("slow", 0.1, 100.0, "test")  # 10 ms per MB
 
 
+def test_predicted_tokens_per_second_count_the_real_tokens_a_prompt_completion_run_measured() -> None:
+    summary = {"world_size": 1, "global_batch_size": 8, "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
+               "time_data_s": 0.0, "time_forward_s": 0.05, "time_backward_s": 0.15, "time_optimizer_s": 0.01,
+               "parameters": 1000, "tokens_per_sequence": 23.5}
+    packed = Calibration.from_summary(summary)
+    assert packed.tokens_per_sequence == 23.5
+    got = predict(packed, Layout(1, 1, SLOW, SLOW))  # 2 micro-steps of 0.1 s + 0.01 s: 0.21 s per step
+    assert got.tokens_per_s == pytest.approx(8 * 23.5 / 0.21)  # 895 real tokens/s, not 8 x 64 / 0.21 = 2,438
+    blocks = predict(Calibration.from_summary({**summary, "tokens_per_sequence": None}), Layout(1, 1, SLOW, SLOW))
+    assert blocks.tokens_per_s == pytest.approx(8 * 64 / 0.21)  # a run without the figure: seq_len each
+
+
 def test_contention_scales_compute_and_the_buckets_readiness() -> None:
     idle = predict(CAL, Layout(2, 1, SLOW, SLOW))
     shared = predict(CAL, Layout(2, 1, SLOW, SLOW), HostFit(contention=1.5))

@@ -1,11 +1,11 @@
 """Checkpoints in one logical format that any strategy and world size can resume, and the offline tools.
 
-Layout of ``<run dir>/<checkpoint.dir>/step_000010/``: ``COMMITTED`` (JSON, written last: step, strategy,
-world size, parameter count, model fingerprint), ``trainer.pt`` (step, LR schedule, global data position,
-batch), ``config.yaml`` (the run's config), ``hf/`` (the model's ``config.json`` and the tokenizer, so the
-model can be rebuilt without the run), ``rng/rank{r}.pt`` (every rank's RNG states) and ``state/``: one
-torch.distributed.checkpoint directory holding model and optimizer state keyed by parameter name, whatever
-the strategy (torch DDP, our engines, ZeRO-1, FSDP2 ZeRO-2/3) that wrote it.
+Layout of ``<run dir>/<checkpoint.dir>/step_000010/``: ``COMMITTED`` (JSON, written last: step, strategy, world
+size, parameter count, model fingerprint), ``trainer.pt`` (step, LR schedule, global data position, the real tokens
+trained on before it, batch), ``config.yaml`` (the run's config), ``hf/`` (the model's ``config.json`` and the
+tokenizer, so the model can be rebuilt without the run), ``rng/rank{r}.pt`` (every rank's RNG states) and
+``state/``: one torch.distributed.checkpoint directory holding model and optimizer state keyed by parameter name,
+whatever the strategy (torch DDP, our engines, ZeRO-1, FSDP2 ZeRO-2/3) that wrote it.
 
 A directory without ``COMMITTED`` is a save that died half way: it is ignored and removed.
 ``CheckpointManager`` (``manager.py``) holds a run's stateful parts by key and decides when to save them;

@@ -56,20 +56,23 @@ class TrainState:
     zero_stage: int
     grad_scaler: dict[str, Any] | None = None  # train.precision=fp16: the loss scale and its growth tracker
     stream: str | None = None  # data.streaming=true: every rank's reader position, as JSON text
+    tokens_seen: int | None = None  # real tokens trained on by all ranks up to this step; None: an earlier version
 
     @classmethod
     def from_parts(cls, step: int, parts: dict[str, dict[str, Any]]) -> TrainState:
-        """The record of ``step`` from the state dicts of the parts ``scheduler``, ``data`` (epoch, position and,
-        streaming, stream), ``run`` (world_size, global_batch_size, zero_stage) and, in fp16, ``grad_scaler``."""
+        """The record of ``step`` from the state dicts of the parts ``scheduler``, ``data`` (epoch, position,
+        tokens_seen and, streaming, stream), ``run`` (world_size, global_batch_size, zero_stage) and, in fp16,
+        ``grad_scaler``."""
         data, run = parts["data"], parts["run"]
         return cls(step, parts["scheduler"], data["epoch"], data["position"], run["world_size"],
                    run["global_batch_size"], run["zero_stage"], grad_scaler=parts.get("grad_scaler"),
-                   stream=data.get("stream"))
+                   stream=data.get("stream"), tokens_seen=data.get("tokens_seen"))
 
     def parts(self) -> dict[str, dict[str, Any]]:
         """Each part's state dict, as ``from_parts`` took it (``grad_scaler`` empty when not trained in fp16)."""
         return {"scheduler": self.scheduler,
-                "data": {"epoch": self.epoch, "position": self.samples_in_epoch, "stream": self.stream},
+                "data": {"epoch": self.epoch, "position": self.samples_in_epoch, "stream": self.stream,
+                         "tokens_seen": self.tokens_seen},
                 "run": {"world_size": self.world_size, "global_batch_size": self.global_batch_size,
                         "zero_stage": self.zero_stage},
                 "grad_scaler": self.grad_scaler or {}}

@@ -120,9 +120,10 @@ def _text_file(path: Path, _field: str) -> Iterator[str]:
     yield path.read_bytes().decode("utf-8", errors="replace")
 
 
-def records_of(path: Path, columns: list[str]) -> Iterator[dict[str, object]]:
-    """The records of a JSON Lines or parquet file, one at a time (parquet: only ``columns``, read in Arrow
-    record batches)."""
+def records_of(path: Path, columns: list[str]) -> Iterator[tuple[str, dict[str, object]]]:
+    """The records of a JSON Lines or parquet file, one at a time, each with where it is (``line 7`` of a JSON
+    Lines file, ``record 7`` of a parquet file, counted from 1); parquet: only ``columns``, read in Arrow record
+    batches. Blank lines between JSON records are skipped."""
     if FILE_LOADERS[path.suffix.lower()] == "parquet":
         yield from _parquet_records(path, columns)
         return
@@ -132,16 +133,36 @@ def records_of(path: Path, columns: list[str]) -> Iterator[dict[str, object]]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"data.paths: {path}: line {number} is not a JSON object ({exc.msg}); expected "
-                                  "JSON Lines, one record per line") from exc
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+                raise ConfigError(f"data.paths: {path}: line {number} is not JSON ({why}); expected JSON Lines, one "
+                                  "object per line") from None
             if not isinstance(record, dict):
-                raise ConfigError(f"data.paths: {path}: line {number} is a {type(record).__name__}, expected a "
-                                  "JSON object per line")
-            yield record
+                array = " (JSON Lines, not one JSON array)" if isinstance(record, list) else ""
+                raise ConfigError(f"data.paths: {path}: line {number} is {json_kind(record)}, expected a JSON object "
+                                  f"per line{array}")
+            yield f"line {number}", record
 
 
-def _parquet_records(path: Path, columns: list[str], batch_rows: int = 1024) -> Iterator[dict[str, object]]:
+def json_kind(value: object) -> str:
+    """What a decoded value is, in JSON's words: ``null``, ``a number``, ``a list``..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def _parquet_records(path: Path, columns: list[str],
+                     batch_rows: int = 1024) -> Iterator[tuple[str, dict[str, object]]]:
     import pyarrow.parquet as pq
 
     try:
@@ -150,14 +171,17 @@ def _parquet_records(path: Path, columns: list[str], batch_rows: int = 1024) -> 
         raise ConfigError(f"data.paths: cannot read as parquet: {path}: {flat(str(exc), 200)}") from exc
     present = [c for c in columns if c in parquet.schema_arrow.names]
     if len(present) < len(columns):  # a record without the column: the caller names the key
-        yield {name: None for name in parquet.schema_arrow.names}
+        yield "record 1", {name: None for name in parquet.schema_arrow.names}
         return
+    number = 0
     for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):
-        yield from batch.to_pylist()
+        for record in batch.to_pylist():
+            number += 1
+            yield f"record {number}", record
 
 
 def _field_of(path: Path, field: str) -> Iterator[object]:
-    for record in records_of(path, [field]):
+    for _, record in records_of(path, [field]):
         if field not in record:
             raise ConfigError(f"data.text_field={field!r}: not a column of {path}; columns: {sorted(record)}")
         yield record[field]

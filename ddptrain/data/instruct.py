@@ -27,13 +27,14 @@ from transformers import PreTrainedTokenizerBase
 
 from ddptrain.config.schema import DataConfig
 from ddptrain.data.cache import cache_lock
-from ddptrain.data.corpus import records_of
+from ddptrain.data.corpus import json_kind, records_of
 from ddptrain.data.prepare import first_validation_index, is_validation
 from ddptrain.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from ddptrain.data.types import IGNORE, TokenData
 from ddptrain.errors import ConfigError
 
-FORMAT_VERSION = 1  # bump when the encoding of a record changes, to invalidate cached rows
+FORMAT_VERSION = 2  # bump when the encoding or the accepted records change, to invalidate cached rows (2: a
+# record whose prompt or completion is not a string stops the run instead of being skipped)
 log = logging.getLogger(__name__)
 
 
@@ -69,9 +70,7 @@ def build_instruct_data(cfg: DataConfig) -> TokenData:
                                      cfg.completion_field, cfg.max_documents]).encode()).hexdigest()[:16]
     entry = Path(cfg.cache_dir) / f"instruct-{key}"
     with cache_lock(entry, cfg.prepare_timeout_s):
-        encoded = [Dataset.from_generator(_encoded_rows, cache_dir=str(entry), fingerprint=f"{key}-{split}",
-                                          gen_kwargs={"cfg": cfg, "tok": tok, "holdout": split == "val"})
-                   for split in ("train", "val")]
+        encoded = [_generated(entry, f"{key}-{split}", cfg, tok, split == "val") for split in ("train", "val")]
     if len(encoded[0]) == 0:
         raise ConfigError(f"data.seq_len={cfg.seq_len}: no record's completion fits; raise it")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -80,6 +79,22 @@ def build_instruct_data(cfg: DataConfig) -> TokenData:
 
         return TokenData(encoded[0], encoded[1], len(tok), tok, collate=PackCollate(pad, cfg.seq_len))
     return TokenData(encoded[0], encoded[1], len(tok), tok, collate=PadCollate(pad))
+
+
+def _generated(entry: Path, fingerprint: str, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+               holdout: bool) -> Dataset:
+    """The encoded rows of one split as an Arrow data set in ``entry``. ``datasets`` wraps an error raised while
+    generating in its own ``DatasetGenerationError`` (a traceback on every rank): a bad record's one-line
+    ``ConfigError`` is raised as it is."""
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return Dataset.from_generator(_encoded_rows, cache_dir=str(entry), fingerprint=fingerprint,
+                                      gen_kwargs={"cfg": cfg, "tok": tok, "holdout": holdout})
+    except DatasetGenerationError as exc:
+        if isinstance(exc.__cause__, ConfigError):
+            raise exc.__cause__ from None
+        raise
 
 
 def encode(records: list[tuple[str, str]], tok: PreTrainedTokenizerBase, cfg: DataConfig) -> Dataset:
@@ -151,26 +166,21 @@ def _source_fingerprint(cfg: DataConfig) -> str:
 
 
 def _records(cfg: DataConfig) -> Iterator[tuple[str, str]]:
-    """The (prompt, completion) pairs with a non-empty completion, read as a stream, at most max_documents."""
+    """The (prompt, completion) pairs with a non-empty completion, read as a stream, at most max_documents. A
+    record without either field, or with one that is not a string, stops the run with one line naming where."""
     if cfg.source == "instructions":
-        pairs: Iterator[tuple[object, object]] = iter(generated_instructions(cfg.num_samples))
+        pairs: Iterator[tuple[str, str]] = iter(generated_instructions(cfg.num_samples))
     else:
         pairs = _field_pairs(cfg)
-    kept = ((p, c) for p, c in pairs if isinstance(p, str) and isinstance(c, str) and c.strip())
-    return itertools.islice(kept, cfg.max_documents)
+    return itertools.islice(((p, c) for p, c in pairs if c.strip()), cfg.max_documents)
 
 
-def _field_pairs(cfg: DataConfig) -> Iterator[tuple[object, object]]:
-    fields = [cfg.prompt_field, cfg.completion_field]
-    keys = ("prompt_field", "completion_field")
+def _field_pairs(cfg: DataConfig) -> Iterator[tuple[str, str]]:
+    fields = {"prompt_field": cfg.prompt_field, "completion_field": cfg.completion_field}
     if cfg.source == "files":
         for path in map(Path, cfg.paths):
-            for record in records_of(path, fields):
-                missing = [k for k, f in zip(keys, fields, strict=True) if f not in record]
-                if missing:
-                    raise ConfigError(f"data.{missing[0]}={getattr(cfg, missing[0])!r}: not a column of {path}; "
-                                      f"columns: {sorted(record)}")
-                yield record[cfg.prompt_field], record[cfg.completion_field]
+            for where, record in records_of(path, list(fields.values())):
+                yield _pair(record, fields, f"data.paths: {path}: {where}")
         return
     from datasets import load_dataset
 
@@ -178,11 +188,26 @@ def _field_pairs(cfg: DataConfig) -> Iterator[tuple[object, object]]:
         ds = load_dataset(cfg.name, cfg.subset, split=cfg.split)
     except Exception as exc:
         raise ConfigError(f"data.name={cfg.name}: cannot load the hub data set ({type(exc).__name__})") from exc
-    for key, field in zip(keys, fields, strict=True):
+    for key, field in fields.items():
         if field not in ds.column_names:
             raise ConfigError(f"data.{key}={field!r}: not a column of {_what(cfg)}; columns: {ds.column_names}")
-    for batch in ds.select_columns(fields).iter(batch_size=1024):
-        yield from zip(batch[cfg.prompt_field], batch[cfg.completion_field], strict=True)
+    number = 0
+    for batch in ds.select_columns(list(fields.values())).iter(batch_size=1024):
+        for prompt, completion in zip(batch[cfg.prompt_field], batch[cfg.completion_field], strict=True):
+            number += 1
+            yield _pair({cfg.prompt_field: prompt, cfg.completion_field: completion}, fields,
+                        f"data.name={cfg.name}: record {number}")
+
+
+def _pair(record: dict[str, object], fields: dict[str, str], where: str) -> tuple[str, str]:
+    """The record's (prompt, completion), or the one-line error that says what ``where`` holds instead."""
+    for key, field in fields.items():
+        if field not in record:
+            raise ConfigError(f"{where} has no {field!r} (data.{key}); expected a string there; its fields: "
+                              f"{', '.join(map(str, record)) or 'none'}")
+        if not isinstance(value := record[field], str):
+            raise ConfigError(f"{where}: {field!r} (data.{key}) is {json_kind(value)}, expected a string")
+    return record[fields["prompt_field"]], record[fields["completion_field"]]  # type: ignore[return-value]
 
 
 def generated_instructions(n: int, seed: int = 0) -> list[tuple[str, str]]:

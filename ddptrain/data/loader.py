@@ -11,7 +11,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ddptrain.data.batch import BatchShape
-from ddptrain.data.packing import REAL_TOKENS, to_device
+from ddptrain.data.packing import REAL_TOKENS, SEGMENT_SQUARES, to_device
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,28 +47,34 @@ class GlobalOrderSampler(Sampler[int]):
 
 
 class TokenCount:
-    """Real (non-padding) tokens and computed positions of the micro batches seen, counted on the host from
-    the CPU batch before it moves to the device: no sync."""
+    """Real (non-padding) tokens, computed positions and the sum of squared sequence lengths (each packed example a
+    sequence of its own) of the micro batches seen, counted on the host from the CPU batch before it moves to the
+    device: no sync. The squares are what attention's FLOPs grow with."""
 
     def __init__(self) -> None:
-        self.real = self.computed = 0
+        self.real = self.computed = self.squares = 0
 
     def count(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Adds ``batch``'s tokens; returns the model's inputs (a packed batch's own count removed)."""
-        self.computed += batch["input_ids"].numel()
+        """Adds ``batch``'s tokens; returns the model's inputs (a packed batch's own counts removed)."""
+        ids = batch["input_ids"]
+        self.computed += ids.numel()
         if REAL_TOKENS in batch:  # packed prompt/completion rows
             batch = dict(batch)
             self.real += int(batch.pop(REAL_TOKENS))
-        elif "attention_mask" in batch:  # padded prompt/completion rows
-            self.real += int(batch["attention_mask"].sum())
+            self.squares += int(batch.pop(SEGMENT_SQUARES))
+        elif "attention_mask" in batch:  # padded prompt/completion rows: one example per row
+            lengths = batch["attention_mask"].sum(dim=1)
+            self.real += int(lengths.sum())
+            self.squares += int((lengths * lengths).sum())
         else:  # fixed blocks of seq_len tokens: no padding
-            self.real += batch["input_ids"].numel()
+            self.real += ids.numel()
+            self.squares += ids.numel() * ids.shape[-1]
         return batch
 
-    def take(self) -> tuple[int, int]:
-        """(real, computed) since the last take."""
-        out = (self.real, self.computed)
-        self.real = self.computed = 0
+    def take(self) -> tuple[int, int, int]:
+        """(real, computed, squares) since the last take."""
+        out = (self.real, self.computed, self.squares)
+        self.real = self.computed = self.squares = 0
         return out
 
 
@@ -101,6 +107,11 @@ class MicroBatches:
         self.position = 0  # global samples of this epoch consumed by all ranks together: the data position
         self.tokens = TokenCount()  # this rank's real and computed token positions since the last take()
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
+        self._seq_len = shape.seq_len
+        # prompt/completion rows (a collate) vary in length; fixed blocks hold seq_len real tokens each
+        self._lengths: torch.Tensor | None = None if collate is None else real_lengths(dataset)
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its order): the last one summed over
+        self._tokens_offset = 0  # tokens_seen = offset + the real tokens of this epoch before the position
 
     def __iter__(self) -> MicroBatches:
         return self
@@ -112,6 +123,7 @@ class MicroBatches:
         try:
             batch = next(self._it)
         except StopIteration:
+            self._tokens_offset = self.tokens_seen
             self.epoch, self.position, self._it = self.epoch + 1, 0, None
             return next(self)
         except ConfigError as exc:  # a damaged shard, found by a DataLoader worker
@@ -122,13 +134,29 @@ class MicroBatches:
             return batch["input_ids"].to(self.device, non_blocking=True)
         return to_device(batch, self.device, non_blocking=True)
 
+    @property
+    def tokens_seen(self) -> int:
+        """Real tokens of every sample before the data position, all ranks together: what the run has trained on.
+        Known on every rank without a collective: the global sample order and each sample's length are."""
+        return self._tokens_offset + self._tokens_of(self.epoch, self.position)
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue at a position saved on any world size. It always starts a micro-step here unless the global
-        batch changed; then the samples it cannot continue from exactly are counted in a warning."""
+        batch changed; then the samples it cannot continue from exactly are counted in a warning.
+
+        The token count continues from the checkpoint's ``tokens_seen``; one saved before the count was recorded
+        gets the count its data position implies (exact unless the global batch, hence the epoch's length,
+        changed in an earlier epoch)."""
         epoch, position = state["epoch"], state["position"]
+        seen = state.get("tokens_seen")
+        if seen is None:
+            seen = sum(self._tokens_of(e, self.epoch_len) for e in range(epoch))
+            seen += self._tokens_of(epoch, min(position, self.epoch_len))
+            log.info("the checkpoint records no token count (an earlier version's): tokens_seen continues from %d, "
+                     "the real tokens before its data position", seen)
         if position >= self.epoch_len:
             if position > self.epoch_len:
                 log.warning("data position %d is past the end of epoch %d here (%d samples with this global batch): "
@@ -139,6 +167,25 @@ class MicroBatches:
                         "before it are seen again", position, self.per_micro_step, excess)
             position -= excess
         self.epoch, self.position, self._it = epoch, position, None
+        self._tokens_offset = seen - self._tokens_of(epoch, position)  # samples seen again count again
+
+    def _tokens_of(self, epoch: int, count: int) -> int:
+        """Real tokens of the first ``count`` samples of ``epoch``'s global order."""
+        if self._lengths is None:
+            return count * self._seq_len
+        if count == 0:
+            return 0
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, torch.as_tensor(self.sampler.order(epoch), dtype=torch.long))
+        return int(self._lengths[self._order[1][:count]].sum())
+
+
+def real_lengths(dataset: Dataset) -> torch.Tensor:
+    """Each prompt/completion row's length (its real tokens), read from the Arrow column without decoding rows."""
+    import pyarrow.compute as pc
+
+    column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+    return torch.from_numpy(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype("int64"))
 
 
 def eval_batches(

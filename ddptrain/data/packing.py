@@ -29,6 +29,9 @@ from ddptrain.data.types import IGNORE
 
 REAL_TOKENS = "real_tokens"  # a collate's count of the non-padding tokens it holds; popped before the forward
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # transformers' FA2 kwargs
+# ... and the sum of its examples' squared lengths: the token pairs causal attention relates within each example
+# (the FLOPs counted for attention, never seq_len² per row); popped before the forward too
+SEGMENT_SQUARES = "segment_squares"
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -55,8 +58,9 @@ class PackCollate:
     """Packs one micro batch's examples into rows of at most ``seq_len`` tokens, padded to the fullest row.
 
     Returns ``input_ids``, ``position_ids`` and ``labels`` (no ``attention_mask``), FlashAttention's varlen
-    arguments (``VARLEN_KEYS``), and the count of real tokens under ``REAL_TOKENS``. A row's padding tail is a
-    segment of its own (positions from 0, labels -100).
+    arguments (``VARLEN_KEYS``), the count of real tokens under ``REAL_TOKENS`` and the sum of the examples'
+    squared lengths under ``SEGMENT_SQUARES``. A row's padding tail is a segment of its own (positions from 0,
+    labels -100), counted in neither.
     """
 
     pad_id: int
@@ -84,7 +88,7 @@ class PackCollate:
             if start < width:
                 segments.append(width - start)
         return {"input_ids": ids, "position_ids": positions, "labels": labels, **varlen_arguments(segments),
-                REAL_TOKENS: torch.tensor(sum(lengths))}
+                REAL_TOKENS: torch.tensor(sum(lengths)), SEGMENT_SQUARES: torch.tensor(sum(n * n for n in lengths))}
 
 
 def varlen_arguments(segments: Sequence[int]) -> dict[str, Any]:

@@ -106,6 +106,9 @@ class StreamedBatches:
         self.position = 0  # global windows of this epoch consumed by all ranks together
         self.packer = Packer(tok, cfg.seq_len)
         self.tokens = TokenCount()  # fixed windows: every position is a real token
+        # real tokens every rank has trained on (each window is seq_len of them); None: resumed from a checkpoint
+        # of an earlier version, which did not record it (the loop then counts steps x tokens per step)
+        self.tokens_seen: int | None = 0
         self.reader: dict[str, Any] | None = None  # the data set's state after the last document read
         self._examples: Iterator[dict[str, Any]] | None = None
 
@@ -133,6 +136,8 @@ class StreamedBatches:
             self.packer.add(example["text"])
             self.reader = self.dataset.state_dict()
         self.position += self.shape.micro_batch_size * self.shape.dp
+        if self.tokens_seen is not None:
+            self.tokens_seen += self.shape.micro_batch_size * self.shape.dp * self.cfg.seq_len
         batch = torch.stack(rows)
         self.tokens.count({"input_ids": batch})
         return batch.to(self.device, non_blocking=True)
@@ -145,7 +150,8 @@ class StreamedBatches:
         if dist.is_initialized() and dist.get_world_size() > 1:
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, mine)
-        return {"epoch": self.epoch, "position": self.position, "stream": json.dumps(states)}
+        return {"epoch": self.epoch, "position": self.position, "stream": json.dumps(states),
+                "tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         stream = state.get("stream")
@@ -159,5 +165,6 @@ class StreamedBatches:
                               f"resume on {len(states)} ranks (or use prepared data, data.streaming=false)")
         mine = states[self.rank]
         self.epoch, self.position = state["epoch"], state["position"]
+        self.tokens_seen = state.get("tokens_seen")
         self.reader, self._examples = mine["reader"], None
         self.packer = Packer(self.tok, self.cfg.seq_len, mine["pending"])

@@ -7,6 +7,7 @@ what ``transformers`` actually builds, which ``tests/test_flops.py`` checks para
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ddptrain.config.schema import ModelConfig
 
@@ -63,7 +64,23 @@ def flops_per_token(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> fl
     tied; embedding lookups cost no FLOPs.
     """
     matmul_params = count_params(model_cfg, vocab_size).non_embedding + vocab_size * model_cfg.hidden_size
-    return 6.0 * matmul_params + 12.0 * model_cfg.num_layers * model_cfg.num_heads * head_dim(model_cfg) * seq_len
+    attention = attention_flops(model_cfg.num_layers, model_cfg.num_heads, head_dim(model_cfg))
+    return 6.0 * matmul_params + attention * seq_len
+
+
+def attention_flops(layers: int, heads: int, width: int) -> float:
+    """Attention's training FLOPs per pair of tokens it relates, 12·L·H·Q (forward: QKᵀ and the weighted sum of
+    V, 2·2·H·Q per pair and layer; backward twice that), counted over every pair of a sequence as PaLM and
+    torchtitan count it: a sequence of T tokens costs 12·L·H·Q·T², a token of it 12·L·H·Q·T. Rows packed with
+    several examples relate only the pairs within each example, so they cost 12·L·H·Q·Σ Tᵢ², not ·seq_len²."""
+    return 12.0 * layers * heads * width
+
+
+def pretrained_attention_flops(config: Any) -> float:
+    """``attention_flops`` for a loaded ``transformers`` config (its layers, heads and head width)."""
+    heads = config.num_attention_heads
+    width = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return attention_flops(config.num_hidden_layers, heads, width)
 
 
 def linear_shapes(model_cfg: ModelConfig) -> list[tuple[str, int, int]]:

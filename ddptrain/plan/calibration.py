@@ -29,6 +29,14 @@ class Calibration:
     # The mean wait for the slowest rank per second of busy time, from the run's straggler telemetry
     # (``rank_wait_for_slowest_pct``): 0 on one rank, or from a run that predates that figure.
     skew: float = 0.0
+    # Real tokens per sequence, as the run measured them (``tokens_per_sequence``): below seq_len for
+    # prompt/completion rows; None (seq_len) for a run that predates the figure.
+    tokens_per_sequence: float | None = None
+
+    @property
+    def sequence_tokens(self) -> float:
+        """Real tokens per sequence: the measured figure, else seq_len (fixed blocks)."""
+        return self.tokens_per_sequence or float(self.seq_len)
 
     @classmethod
     def from_summary(cls, s: dict[str, Any]) -> Calibration:
@@ -42,7 +50,7 @@ class Calibration:
         return cls(s["world_size"], s["global_batch_size"], s["micro_batch_size"], s["grad_accum"], s["seq_len"],
                    micro, s["time_optimizer_s"], buckets, measured,
                    s["comm_time_s"] / len(buckets) if alone else 0.0,
-                   float(s.get("rank_wait_for_slowest_pct", 0.0)) / 100)
+                   float(s.get("rank_wait_for_slowest_pct", 0.0)) / 100, s.get("tokens_per_sequence"))
 
     @classmethod
     def from_run(cls, run_dir: str) -> Calibration:
@@ -52,3 +60,15 @@ class Calibration:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"plan.from_run={run_dir}: expected a finished run directory with a summary.json "
                               f"holding the step breakdown ({type(exc).__name__}: {exc})") from exc
+
+
+def measured_lengths(run_dir: str | None) -> tuple[float, float] | None:
+    """A finished run's real tokens per sequence and attended tokens (Σ T² / Σ T) from its ``summary.json``; None
+    without a run or the figures (a run that predates them)."""
+    if not run_dir:
+        return None
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        return float(summary["tokens_per_sequence"]), float(summary["attended_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -19,7 +19,7 @@ def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
     on_gpu = device.device_type == "cuda"
     plan = build_plan(cfg, world_size, device.name.upper() if on_gpu else None, bf16_capable=device.bf16)
     if on_gpu and plan.peak_tflops is None:  # a GPU without bf16, which telemetry/peak.py does not list
-        micro_tokens = plan.batch.micro_batch_size * plan.batch.seq_len
+        micro_tokens = plan.batch.micro_batch_size * plan.sequence_tokens
         plan = replace(plan, peak_tflops=device.peak_tflops, backward_s=backward_seconds(
             plan.flops_per_token, micro_tokens, device.peak_tflops, plan.assumed_mfu))
     record: dict = {"world_size": plan.batch.dp, "device": device.name, "precision": plan.precision.name,

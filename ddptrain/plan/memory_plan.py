@@ -252,13 +252,13 @@ def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool
     and what runs after the update."""
     if not device.peak_tflops:
         return None
-    tokens = micro_batch * grad_accum * plan.batch.seq_len
+    tokens = micro_batch * grad_accum * plan.sequence_tokens  # real tokens: prompt/completion rows are shorter
     compute = plan.flops_per_token * tokens / (device.peak_tflops * 1e12 * plan.assumed_mfu)
     compute *= 4 / 3 if checkpointing else 1.0
     if ranks == 1:
         return compute
     comm = step_collectives(plan, stage)
-    backward = backward_seconds(plan.flops_per_token, micro_batch * plan.batch.seq_len, device.peak_tflops,
+    backward = backward_seconds(plan.flops_per_token, micro_batch * plan.sequence_tokens, device.peak_tflops,
                                 plan.assumed_mfu)
     exposed = (grad_accum * max(0.0, plan.link.seconds(comm.gathers) - compute / grad_accum)
                + max(0.0, plan.link.seconds(comm.sync) - backward) + plan.link.seconds(comm.after))

@@ -13,12 +13,13 @@ from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig
 
-from ddptrain.config.choices import ZERO_STAGES, resolve_precision
+from ddptrain.config.choices import ZERO_STAGES, DataFormat, resolve_precision
 from ddptrain.config.schema import Config, PlanConfig
 from ddptrain.data.batch import BatchShape
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
-from ddptrain.models.flops import count_params, flops_per_token, lora_param_count
+from ddptrain.models.flops import attention_flops, count_params, flops_per_token, head_dim, lora_param_count
+from ddptrain.plan.calibration import measured_lengths
 from ddptrain.telemetry.peak import peak_tflops
 
 GB = 1e9
@@ -183,7 +184,7 @@ def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
     return link.seconds(Comm(2 * (world_size - 1) / world_size * nbytes, 2 * (world_size - 1)))
 
 
-def backward_seconds(flops_per_token: float, tokens: int, peak_tflops: float, mfu: float = ASSUMED_MFU) -> float:
+def backward_seconds(flops_per_token: float, tokens: float, peak_tflops: float, mfu: float = ASSUMED_MFU) -> float:
     """Backward ≈ 2× forward, so it does 4/6 of the training FLOPs, here at ``mfu`` of the peak."""
     return (4 / 6) * flops_per_token * tokens / (peak_tflops * 1e12 * mfu)
 
@@ -208,6 +209,9 @@ class Plan:
     peak_tflops: float | None
     assumed_mfu: float
     backward_s: float | None  # one micro-batch's backward, which the gradient sync can hide under
+    # real tokens per sequence: seq_len for fixed blocks; for prompt/completion rows the plan.from_run run's
+    # measured figure, else seq_len (an upper bound: rows are shorter)
+    sequence_tokens: float
 
     @property
     def comm_s(self) -> float:
@@ -231,6 +235,9 @@ def build_plan(
     """
     batch = BatchShape.from_config(cfg, cfg.plan.world_size or world_size)
     n = batch.dp
+    # prompt/completion rows hold fewer real tokens than seq_len: the lengths a run of this data measured
+    lengths = measured_lengths(cfg.plan.from_run) if cfg.data.format == DataFormat.prompt_completion else None
+    sequence_tokens = lengths[0] if lengths is not None else float(batch.seq_len)
     lora = cfg.model.lora.enabled
     if cfg.plan.params:
         params, source = float(cfg.plan.params), "plan.params"
@@ -245,6 +252,10 @@ def build_plan(
         counts = count_params(cfg.model, vocab)
         params, source = float(counts.total), f"model {cfg.model.name}"
         flops, rule = flops_per_token(cfg.model, vocab, batch.seq_len), "6·matmul params + 12·L·H·Q·T"
+        if lengths is not None:  # attention over each sequence's own length: 12·L·H·Q per token of Σ T² / Σ T
+            flops += attention_flops(cfg.model.num_layers, cfg.model.num_heads, head_dim(cfg.model)) * (
+                lengths[1] - batch.seq_len)
+            rule = f"6·matmul params + 12·L·H·Q·(Σ T² / Σ T = {lengths[1]:.1f}, measured by plan.from_run)"
         adapters, embedding = float(lora_param_count(cfg.model)), float(counts.embedding)
         # ZeRO-3 gathers the root's parameters (embeddings, head, final norm) and one block at a time in forward
         gathered = counts.embedding + counts.non_embedding / cfg.model.num_layers
@@ -260,7 +271,7 @@ def build_plan(
     link = chosen_link(cfg.plan)
     links = {**INTERCONNECTS, link.name: link}  # the chosen link replaces its preset, or joins as "measured"
     peak = cfg.metrics.peak_tflops or (peak_tflops(device_name) if on_gpu else None)
-    micro_tokens = batch.micro_batch_size * batch.seq_len
+    micro_tokens = batch.micro_batch_size * sequence_tokens
     return Plan(
         params=params,
         params_source=source,
@@ -279,4 +290,5 @@ def build_plan(
         peak_tflops=peak,
         assumed_mfu=assumed_mfu,
         backward_s=backward_seconds(flops, micro_tokens, peak, assumed_mfu) if peak else None,
+        sequence_tokens=sequence_tokens,
     )

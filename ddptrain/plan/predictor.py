@@ -57,6 +57,7 @@ class Prediction:
     exposed_s: float  # the sync past the end of backward's compute: waiting for the slowest rank + the tail
     comm_s: float  # time with an all-reduce in flight
     terms: dict[str, float]  # seconds per step each modelled effect adds, for the record
+    sequence_tokens: float  # real tokens per sequence (the calibrating run's; seq_len for fixed blocks)
 
     @property
     def step_s(self) -> float:
@@ -64,7 +65,8 @@ class Prediction:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch.tokens_per_step / self.step_s
+        """Real tokens per second: prompt/completion rows count their own tokens, not seq_len each."""
+        return self.batch.global_batch_size * self.sequence_tokens / self.step_s
 
 
 def predict(cal: Calibration, layout: Layout, host: HostTerms | None = None) -> Prediction:
@@ -75,7 +77,7 @@ def predict(cal: Calibration, layout: Layout, host: HostTerms | None = None) -> 
                              cal.seq_len)
     measured = cal.micro_step_s * batch.grad_accum + cal.optimizer_s
     if layout.world_size == 1:
-        return Prediction(layout, batch, measured, 0.0, 0.0, {})
+        return Prediction(layout, batch, measured, 0.0, 0.0, {}, cal.sequence_tokens)
     contention = 1.0 if host is None else host.contention
     compute = measured * contention
     buckets = [(lead * contention, n) for lead, n in cal.buckets]
@@ -93,4 +95,4 @@ def predict(cal: Calibration, layout: Layout, host: HostTerms | None = None) -> 
     exposed, stolen = mean(lambda t: t.exposed_s), mean(lambda t: t.stolen_s)
     terms = {"contention_s": compute - measured, "steal_s": stolen, "skew_s": exposed - late.exposed_s,
              "hook_s": cal.hook_s * len(buckets), "tail_s": late.exposed_s}
-    return Prediction(layout, batch, compute + stolen, exposed, late.comm_s, terms)
+    return Prediction(layout, batch, compute + stolen, exposed, late.comm_s, terms, cal.sequence_tokens)

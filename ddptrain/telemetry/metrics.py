@@ -29,12 +29,14 @@ class StepMetrics:
     def __init__(
         self, shape: BatchShape, device: torch.device, flops_per_token: float, peak: float | None,
         baseline: float | None, sample_every: int | None, tokens: TokenCount, tokens_seen: int = 0,
+        attention_flops: float = 0.0,
     ) -> None:
         self.shape, self.device = shape, device
         self.tokens = tokens  # this rank's real and computed positions, counted as the micro batches are drawn
         self.tokens_seen = tokens_seen  # real tokens trained on by all ranks, up to the last window
         self._untimed = 0  # this rank's real tokens of steps left out of the windows (compilation)
-        self.flops_per_token = flops_per_token
+        self.flops_per_token = flops_per_token  # at seq_len tokens per sequence: its attention term is 12·L·H·Q·T
+        self.attention_flops = attention_flops  # 12·L·H·Q: FLOPs per pair of tokens attention relates
         self.peak = peak if peak is not None else (
             peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
@@ -63,8 +65,11 @@ class StepMetrics:
         """The record for the steps since the last window (wall clock, evaluation excluded)."""
         elapsed = self._clock() - self._start
         dp = self.shape.dp
-        real, computed = self._take_tokens()
+        real, computed, squares = self._take_tokens()
         tokens_per_s = real / elapsed
+        # attention over the sequences trained (each packed example its own): Σ T², not seq_len² per row
+        flops = self.flops_per_token * real - self.attention_flops * (self.shape.seq_len * real - squares)
+        sequences = self._steps * self.shape.global_batch_size
         metrics: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "step_time_s": elapsed / self._steps,
@@ -72,7 +77,9 @@ class StepMetrics:
             "tokens_per_s_per_rank": tokens_per_s / dp,
             "padding_pct": 100.0 * (1 - real / computed) if computed else 0.0,
             "tokens_seen": self.tokens_seen,
-            "tflops_per_rank": self.flops_per_token * tokens_per_s / dp / 1e12,
+            "tflops_per_rank": flops / elapsed / dp / 1e12,
+            "tokens_per_sequence": real / sequences,  # real tokens per sequence (seq_len for fixed blocks)
+            "attended_tokens": squares / real if real else 0.0,  # Σ T² / Σ T: attention's FLOPs per token grow with it
         }
         if (utilisation := mfu(metrics["tflops_per_rank"], self.peak)) is not None:
             metrics["mfu_pct"] = 100.0 * utilisation
@@ -93,15 +100,16 @@ class StepMetrics:
         self.timer.window()  # drops the phase times of steps left out of the window
         self._untimed += self.tokens.take()[0]  # ... and their tokens from its throughput, not from tokens_seen
 
-    def _take_tokens(self) -> tuple[int, int]:
-        """All ranks' (real, computed) token positions since the last take; sync point: one small all-reduce."""
+    def _take_tokens(self) -> tuple[int, int, int]:
+        """All ranks' (real, computed, squared sequence lengths) since the last take; sync point: one small
+        all-reduce."""
         counts = torch.tensor([*self.tokens.take(), self._untimed], dtype=torch.float64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(counts)
-        real, computed, untimed = (int(v) for v in counts.tolist())
+        real, computed, squares, untimed = (int(v) for v in counts.tolist())
         self.tokens_seen += real + untimed
         self._untimed = 0
-        return real, computed
+        return real, computed, squares
 
     def _clock(self) -> float:
         return device_clock(self.device)

@@ -26,7 +26,7 @@ from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batch
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import mask_packed_rows, use_causal_attention, use_varlen_attention
-from ddptrain.models.flops import flops_per_token
+from ddptrain.models.flops import attention_flops, flops_per_token, head_dim, pretrained_attention_flops
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
 from ddptrain.models.packed_attention import check_packed_attention
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -134,15 +134,25 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     checkpoints = CheckpointManager(checkpointer, model, optimizer, parts, cfg.checkpoint.every_n_steps)
     start = checkpoints.resume(resume_target(cfg.train.resume))
     val = eval_batches(data.val, shape.micro_batch_size, shape.dp, env.rank, cfg.train.eval_batches, data.collate)
-    # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight.
-    fpt = (flops_per_token(cfg.model, vocab, shape.seq_len) if cfg.model.pretrained is None
-           else 4.0 * n_params + 2.0 * trainable)
+    # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight, and
+    # attention (no weights: the same frozen or not) from its own config.
+    if cfg.model.pretrained is None:
+        fpt = flops_per_token(cfg.model, vocab, shape.seq_len)
+        attention = attention_flops(cfg.model.num_layers, cfg.model.num_heads, head_dim(cfg.model))
+    else:
+        attention = pretrained_attention_flops(model.config)
+        fpt = 4.0 * n_params + 2.0 * trainable + attention * shape.seq_len
     token_weighted = cfg.data.format == DataFormat.prompt_completion
-    # Fixed blocks hold seq_len real tokens each, so the tokens before a resumed step are known; variable-length
-    # examples are counted from this run's start only.
-    counted = 0 if token_weighted else shape.tokens_per_step * start
+    # tokens_seen continues from the real tokens before the data position (the checkpoint's count, carried by the
+    # data part); a streamed run resumed from an earlier version's checkpoint, which has none, counts whole steps
+    # of fixed windows.
+    if isinstance(batches, StreamedBatches) and batches.tokens_seen is None:
+        batches.tokens_seen = shape.tokens_per_step * start
+        log.info("the checkpoint records no token count (an earlier version's): tokens_seen continues from "
+                 "%d steps x %d tokens", start, shape.tokens_per_step)
+    counted = batches.tokens_seen
     meter = StepMetrics(shape, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
-                        cfg.metrics.sample_every, batches.tokens, counted)
+                        cfg.metrics.sample_every, batches.tokens, counted, attention)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)

@@ -90,6 +90,7 @@ def summarise(
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
         "final_val_loss": next((m["val_loss"] for m in reversed(history) if "val_loss" in m), None),
+        "tokens_seen": history[-1]["tokens_seen"] if history else None,  # since step 1, a resumed run's included
         **(steady_medians(history) if history else {}),
         "flops_per_token": fpt,
         "peak_tflops": peak,
