@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from ddptrain.config.choices import Precision
-from ddptrain.data.packing import REAL_TOKENS, VARLEN_KEYS, PackCollate, to_device
+from ddptrain.data.packing import COUNTS, VARLEN_KEYS, PackCollate, to_device
 from ddptrain.errors import ConfigError
 from ddptrain.models.attention import block_causal_mask, mask_packed_rows, use_varlen_attention
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
@@ -51,7 +51,7 @@ def _examples() -> list[dict[str, Any]]:
 
 
 def _inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in batch.items() if k not in (REAL_TOKENS, "labels")}
+    return {k: v for k, v in batch.items() if k not in (*COUNTS, "labels")}
 
 
 @torch.no_grad()
@@ -130,7 +130,7 @@ def test_lora_gradients_through_flash_attention_on_packed_rows_equal_the_padded_
         rows.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]})
 
     def batches(collate: Any, drop: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-        return [{k: v for k, v in collate(rows[i : i + 4]).items() if k not in (REAL_TOKENS, *drop)}
+        return [{k: v for k, v in collate(rows[i : i + 4]).items() if k not in (*COUNTS, *drop)}
                 for i in (0, 4)]
 
     packed = batches(PackCollate(pad_id=0, seq_len=20))

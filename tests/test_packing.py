@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Con
 from ddptrain.config.schema import LoraSettings, ModelConfig
 from ddptrain.data import build_token_data
 from ddptrain.data.instruct import PadCollate, generated_instructions
-from ddptrain.data.packing import REAL_TOKENS, PackCollate, best_fit_decreasing
+from ddptrain.data.packing import COUNTS, REAL_TOKENS, PackCollate, best_fit_decreasing
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.data.types import IGNORE
 from ddptrain.errors import ConfigError
@@ -61,7 +61,7 @@ def _examples() -> list[dict[str, list[int]]]:
 def _micro_batches(collate: Any) -> list[dict[str, torch.Tensor]]:
     rows = _examples()
     batches = [collate(rows[i * MBS : (i + 1) * MBS]) for i in range(ACCUM)]
-    return [{k: v for k, v in b.items() if k != REAL_TOKENS} for b in batches]
+    return [{k: v for k, v in b.items() if k not in COUNTS} for b in batches]
 
 
 def _adapted(path: Path, checkpointing: bool) -> torch.nn.Module:

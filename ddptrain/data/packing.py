@@ -32,6 +32,7 @@ VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # ... and the sum of its examples' squared lengths: the token pairs causal attention relates within each example
 # (the FLOPs counted for attention, never seq_len² per row); popped before the forward too
 SEGMENT_SQUARES = "segment_squares"
+COUNTS = (REAL_TOKENS, SEGMENT_SQUARES)  # what a collate counts for the metrics, not model inputs
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

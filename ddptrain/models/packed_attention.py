@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from ddptrain.data.packing import REAL_TOKENS, SEGMENT_SQUARES, PackCollate, to_device
+from ddptrain.data.packing import COUNTS, PackCollate, to_device
 from ddptrain.errors import ConfigError
 
 LEAK_SHARE = 0.05  # the packed logits may move by this share of an unseparated row's shift (bf16 rounding: <1%)
@@ -40,7 +40,7 @@ def leak_share(model: torch.nn.Module, vocab_size: int, length: int = 6,
     model.eval()
     try:
         def logits(batch: dict) -> torch.Tensor:
-            inputs = to_device({k: v for k, v in batch.items() if k not in (REAL_TOKENS, SEGMENT_SQUARES, "labels")}, device)
+            inputs = to_device({k: v for k, v in batch.items() if k not in (*COUNTS, "labels")}, device)
             with autocast or nullcontext():
                 return model(**inputs, use_cache=False).logits[:, -length:].float()
 
