@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from ddptrain.config.compose import build_config
-from ddptrain.config.schema import ModelConfig
-from ddptrain.models.build import hf_config
+from ddptrain.config.schema import Config, ModelConfig
+from ddptrain.models.build import build_model, hf_config
 from ddptrain.models.flops import count_params, flops_per_token, llama_intermediate_size
 
 VOCAB = 96
@@ -79,3 +80,17 @@ def test_flops_per_token_is_six_per_matmul_weight_plus_attention() -> None:
     cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=False)
     matmul_weights = count_params(cfg, VOCAB).non_embedding + VOCAB * 64
     assert flops_per_token(cfg, VOCAB, seq_len=32) == 6 * matmul_weights + 12 * 2 * 4 * 16 * 32
+
+
+def test_the_qwen3_presets_rope_theta_sets_the_built_models_rotary_frequencies(
+    compose: Callable[..., Config],
+) -> None:
+    """``rope_theta: 1e6`` in configs/model/qwen3_tiny.yaml reaches the model (transformers' default is 1e4)."""
+    cfg = compose("model=qwen3_tiny").model
+    assert cfg.rope_theta == 1e6
+    model = build_model(cfg, VOCAB)
+    assert model.config.rope_parameters["rope_theta"] == 1e6
+    dim = cfg.head_dim
+    assert dim is not None
+    expected = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
