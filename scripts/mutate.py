@@ -141,9 +141,9 @@ MUTANTS = [
              "    checkpoint = find_checkpoint(path, \"checkpoints\", \"PATH\")\n"
              "    meta, state = read_trainer_state(checkpoint, \"PATH\")\n    lines = ["),),
            ("tests/test_checkpoint_safety.py", "-k", "info or export")),
-    Mutant("ckpt-export-skips-sizes", "ddptrain-ckpt export reads a checkpoint without the recorded-size check",
-           (("ddptrain/checkpoint/offline.py", "    checkpoint, _, _ = open_checkpoint(path)\n",
-             "    checkpoint = find_checkpoint(path, \"checkpoints\", \"PATH\")\n"),),
+    Mutant("ckpt-export-skips-sizes", "ckpt export reads a checkpoint without its recorded sizes and checksums",
+           (("ddptrain/checkpoint/offline.py", "    checkpoint, _, _ = open_checkpoint(path, checksums=True)",
+             "    checkpoint = find_checkpoint(path, \"checkpoints\", \"PATH\")"),),
            ("tests/test_checkpoint_safety.py", "-k", "info or export")),
     Mutant("verdict-lowest-waiter", "the hang verdict takes the lowest collective a waiter sits in, not the highest",
            (("ddptrain/diagnose/verdict.py", "top = max((s for r in waiters", "top = min((s for r in waiters"),),
