@@ -382,28 +382,6 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
             assert measured == pytest.approx(predicted, rel=0.02)
 
 
-def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    result = run_cli(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
-                      "data.global_batch_size=16", "data.micro_batch_size=4", f"hydra.run.dir={run_dir}"],
-                     cwd=tmp_path, cache=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
-    assert "DDP gradient buckets" in result.stdout and "Precision: fp16 compute, loss-scaled" in result.stdout
-    plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["device"] == "t4" and plan["compute_dtype"] == "float16"  # what train.precision=auto runs on a T4
-    # the step was traced under fp16 autocast: its parameters' fp16 copies are held for backward
-    assert plan["by_category"]["parameter copies"] > 0
-    assert plan["peak_bytes_per_rank"] == sum(plan["by_category"].values()) > 0
-    assert set(plan["by_category"]) == set(CATEGORIES)
-    best = plan["recommendation"]
-    assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
-    # a tiny model on a T4: the step and the recommendation, allowances included, fit its memory
-    assert plan["fits"] is True and plan["total_bytes_per_rank"] <= plan["device_memory_bytes"]
-    assert best["total_bytes_per_rank"] <= plan["device_memory_bytes"]
-    assert abs(plan["fit_gap"]) < 0.02
-
-
 def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fit_are_recommended(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -448,6 +426,28 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
             assert best is not None and best["gradient_checkpointing"]
             assert best["total_bytes_per_rank"] <= memory < out["total_bytes_per_rank"]
     assert len(traces) == traced  # each shape traced once, not once per device
+
+
+def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_cli(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
+                      "data.global_batch_size=16", "data.micro_batch_size=4", f"hydra.run.dir={run_dir}"],
+                     cwd=tmp_path, cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
+    assert "DDP gradient buckets" in result.stdout and "Precision: fp16 compute, loss-scaled" in result.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["device"] == "t4" and plan["compute_dtype"] == "float16"  # what train.precision=auto runs on a T4
+    # the step was traced under fp16 autocast: its parameters' fp16 copies are held for backward
+    assert plan["by_category"]["parameter copies"] > 0
+    assert plan["peak_bytes_per_rank"] == sum(plan["by_category"].values()) > 0
+    assert set(plan["by_category"]) == set(CATEGORIES)
+    best = plan["recommendation"]
+    assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
+    # a tiny model on a T4: the step and the recommendation, allowances included, fit its memory
+    assert plan["fits"] is True and plan["total_bytes_per_rank"] <= plan["device_memory_bytes"]
+    assert best["total_bytes_per_rank"] <= plan["device_memory_bytes"]
+    assert abs(plan["fit_gap"]) < 0.02
 
 
 def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dict[int, float]:
