@@ -223,6 +223,24 @@ def test_damaged_checkpoints_are_named_by_verify_refused_explicitly_and_skipped_
         assert not different, f"{name}: not bitwise equal to the uninterrupted run: {different[:3]}"
 
 
+def test_info_and_export_name_each_damaged_checkpoint_in_one_line_and_export_nothing(
+    tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``info`` checks the recorded sizes (a stat per file: it reads no tensor); ``export``, which reads the model's
+    tensors, also checks the recorded checksums, so a bit flip is not exported as weights."""
+    for name, damage in DAMAGE.items():
+        damaged = _copy(source, tmp_path / name) / "checkpoints" / "step_000004"
+        expected = damage(damaged)
+        out = tmp_path / f"export-{name}"
+        commands = [["export", str(damaged), str(out)]] + ([["info", str(damaged)]] if name != "bit-flipped" else [])
+        for command in commands:
+            assert ckpt_tool(command) == 2, (name, command)
+            captured = capsys.readouterr()
+            assert captured.err == f"ddptrain-ckpt: error: PATH: {damaged} is damaged: {expected}\n", (name, command)
+            assert captured.out == "", (name, command)
+        assert not out.exists() or not any(out.iterdir()), name
+
+
 def test_export_refuses_a_file_or_a_non_empty_directory_and_reads_back_what_it_wrote(
     tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

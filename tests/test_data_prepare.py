@@ -22,6 +22,7 @@ from ddptrain.config.schema import DataConfig
 from ddptrain.data import BatchShape, build_token_data
 from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
+from ddptrain.data.encode import encode_documents
 from ddptrain.data.instruct import encode, generated_instructions
 from ddptrain.data.loader import MicroBatches
 from ddptrain.data.prepare import DONE, is_validation, prepared_shards
@@ -115,10 +116,23 @@ def test_an_interrupted_preparation_resumes_after_its_last_finished_shard(
             read.append(i)
             yield doc
 
+    encoded: list[str] = []
+
+    def encode_counted(texts: list[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        encoded.extend(texts)
+        return encode_documents(texts, dtype)
+
+    # a document before its split's last finished shard is in that shard: read again, not encoded again
+    done_before = {split: shards[-1].end_document if (shards := finished_shards(target, split)) else 0
+                   for split in ("train", "val")}
+    assert done_before["train"] > 0
+    unfinished = [d for i, d in enumerate(DOCS) if i >= done_before["val" if is_validation(i, 0.1) else "train"]]
+    monkeypatch.setattr("ddptrain.data.prepare.encode_documents", encode_counted)  # num_proc=1: in this process
     with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
         resumed = prepared_shards(target, Corpus(counted, "fp", 0), *args)
     assert "continuing the preparation" in caplog.text
     assert read[0] == 0 and len(read) == len(DOCS)  # skipped documents are read again, not tokenized again
+    assert encoded == unfinished  # counted where the tokenizer runs
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # finished shards were not written again
     assert list(target.glob(".*.tmp")) == []
     for split in ("train", "val"):
@@ -313,6 +327,16 @@ def test_a_streamed_run_resumes_exactly_on_the_same_world_size_and_refuses_anoth
     assert torch.cat([b.flatten() for b in seen[:10]]).tolist() == ids[: 10 * 32]
     with pytest.raises(ConfigError, match=r"reader positions are for 1 ranks and this run has 2; .* resume on 1"):
         _streamed(tmp_path, rank=0, dp=2).load_state_dict(state)
+
+
+def test_the_streaming_position_on_two_ranks_advances_by_the_micro_batch_times_the_ranks(tmp_path: Path) -> None:
+    """``position`` counts the global windows all ranks consumed (as ``MicroBatches`` does): each rank's micro batch
+    of 2 windows moves it by 2 x 2 on 2 ranks, while each rank reads its own half of the stream."""
+    ranks = [_streamed(tmp_path, rank=r, dp=2) for r in range(2)]
+    drawn = [[next(stream) for _ in range(3)] for stream in ranks]
+    assert [stream.position for stream in ranks] == [3 * 2 * 2] * 2
+    assert all(stream.epoch == 0 for stream in ranks)  # still the first epoch: no reset of the position
+    assert not any(torch.equal(a, b) for a, b in zip(*drawn, strict=True))  # two different parts of the stream
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from ddptrain.config.compose import build_config
-from ddptrain.config.schema import ModelConfig
-from ddptrain.models.build import hf_config
+from ddptrain.config.schema import Config, ModelConfig
+from ddptrain.models.build import build_model, hf_config
 from ddptrain.models.flops import count_params, flops_per_token, llama_intermediate_size
 
 VOCAB = 96
@@ -91,14 +92,15 @@ def test_a_packed_micro_batch_counts_attention_per_example_not_per_row() -> None
     from ddptrain.data.batch import BatchShape
     from ddptrain.data.instruct import PadCollate
     from ddptrain.data.loader import TokenCount
-    from ddptrain.data.packing import PackCollate
+    from ddptrain.data.packing import VARLEN_KEYS, PackCollate
     from ddptrain.telemetry.metrics import StepMetrics
 
     rows = _examples([5, 3, 7, 2])
     for collate, computed in ((PackCollate(0, 10), 2 * 10), (PadCollate(0), 4 * 7)):
         count = TokenCount()
         inputs = count.count(collate(rows))
-        assert set(inputs) <= {"input_ids", "position_ids", "labels", "attention_mask"}  # the counts are popped
+        model_inputs = {"input_ids", "position_ids", "labels", "attention_mask", *VARLEN_KEYS}
+        assert set(inputs) <= model_inputs  # the counts are popped
         assert count.take() == (17, computed, 87)
     blocks = TokenCount()
     blocks.count({"input_ids": torch.zeros(2, 10, dtype=torch.long)})
@@ -127,3 +129,17 @@ def test_a_pretrained_models_attention_flops_come_from_its_own_config() -> None:
     assert pretrained_attention_flops(config) == attention_flops(3, 4, 32) == 12 * 3 * 4 * 32
     assert pretrained_attention_flops(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)) == (
         12 * 2 * 4 * 16)
+
+
+def test_the_qwen3_presets_rope_theta_sets_the_built_models_rotary_frequencies(
+    compose: Callable[..., Config],
+) -> None:
+    """``rope_theta: 1e6`` in configs/model/qwen3_tiny.yaml reaches the model (transformers' default is 1e4)."""
+    cfg = compose("model=qwen3_tiny").model
+    assert cfg.rope_theta == 1e6
+    model = build_model(cfg, VOCAB)
+    assert model.config.rope_parameters["rope_theta"] == 1e6
+    dim = cfg.head_dim
+    assert dim is not None
+    expected = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)

@@ -18,7 +18,7 @@ RUN = {
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 256, "seq_len": 32, "global_batch_size": 8,
              "micro_batch_size": 2},
     "train": {"steps": 4, "log_every": 1, "eval_every": 0, "precision": "fp16", "nan_policy": "abort"},
-    "optim": {"lr": 1e-2, "warmup_steps": 0},
+    "optim": {"lr": 1e-2, "warmup_steps": 0, "grad_clip": 0.5},  # clipping acts on every step
     "checkpoint": {"every_n_steps": 2, "export": True},
 }
 
@@ -29,6 +29,41 @@ def test_fp16_autocast_computes_matmuls_in_half_precision() -> None:
         assert (a @ a).dtype == torch.float16
     with autocast_context("fp32", torch.device("cpu")):
         assert (a @ a).dtype == torch.float32
+
+
+def _train_with_an_overflow_in_one_shard(rank: int, world_size: int, tmp: str, base: dict, variants: list) -> list:
+    """``train_each`` with one value of rank 1's gradient shard made infinite at step 1, after the gradient sync
+    and before the scaler's unscale: an overflow only rank 1 can see in its own shard."""
+    from torch.distributed.tensor import DTensor
+
+    from ddptrain.train.loss_scale import LossScaler
+
+    unscale, steps = LossScaler.unscale, [0]
+
+    def overflowing(self: LossScaler, optimizer: torch.optim.Optimizer) -> None:
+        steps[0] += 1
+        if steps[0] == 1 and rank == 1:
+            grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+            assert isinstance(grad, DTensor)  # ZeRO-2: each rank holds its shard of the gradient
+            grad.to_local().view(-1)[0] = float("inf")
+        unscale(self, optimizer)
+
+    LossScaler.unscale = overflowing  # type: ignore[method-assign]  # this forked rank only
+    return train_each(rank, world_size, tmp, base, variants)
+
+
+def test_zero2_fp16_an_overflow_in_one_ranks_shard_backs_off_every_ranks_scale(tmp_path: Path) -> None:
+    """ZeRO-2 shards the gradients: the scaler's inf check must be all-reduced over the shards (torch's
+    ShardedGradScaler), or only the rank whose shard overflowed halves its scale and the ranks' scales part."""
+    run = {**RUN, "train": {**RUN["train"], "steps": 2}, "checkpoint": {"export": False}}
+    ranks = run_distributed(_train_with_an_overflow_in_one_shard, 2, str(tmp_path), run,
+                            [{"parallel": {"zero_stage": 2}}], timeout=300)
+    for r in (0, 1):
+        (result,) = ranks[r]
+        assert (result["summary"]["loss_scale"], result["summary"]["scaler_backoffs"]) == (32768.0, 1), r
+    metrics = ranks[0][0]["metrics"]
+    assert [(m["loss_scale"], m["scaler_backoffs"], m["skipped_steps"]) for m in metrics] == [(32768.0, 1, 0)] * 2
+    assert metrics[0]["grad_norm"] == float("inf")  # the overflow was seen (in the norm over all shards)
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +106,15 @@ def test_fp16_resume_continues_the_scale_and_the_weights_bitwise(fp16_runs: tupl
         [(m["loss"], m["loss_scale"], m["scaler_backoffs"]) for m in straight[2:]]
     a, b = (load_file(tmp / f"w2-run{i}" / "model" / "model.safetensors") for i in (0, 1))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp16_logs_the_unscaled_gradient_norm_of_the_fp32_run(fp16_runs: tuple) -> None:
+    """Step 1 is skipped in both runs, so step 2 starts from the same weights on the same batch: its gradient norm
+    in fp16 (scaled by 32768, unscaled before the norm and the clip) equals fp32's to fp16's rounding. The norm is
+    above optim.grad_clip=0.5, so the clip acted: clipping the still-scaled gradients would log a norm 32768 times
+    larger."""
+    ranks, _ = fp16_runs
+    fp16, fp32 = ([m["grad_norm"] for m in ranks[0][run]["metrics"]] for run in (0, 3))
+    assert fp32[1] > 0.5  # clipping active
+    assert fp16[1] == pytest.approx(fp32[1], rel=2**-10)  # fp16 rounding (measured: 1.4e-5)
+    assert fp16[2:] == pytest.approx(fp32[2:], rel=1e-2)  # later: weights apart by fp16's rounding (1e-3)

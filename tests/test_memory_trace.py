@@ -30,8 +30,11 @@ from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan.memory_plan import (
     Allowances,
+    GiB,
+    MemoryPlan,
     PeakFit,
     compute_dtype,
+    plan_memory,
     predicted_step_s,
     shard,
     target_device,
@@ -379,6 +382,52 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
             assert measured == pytest.approx(predicted, rel=0.02)
 
 
+def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fit_are_recommended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fits`` weighs the traced peak plus the allowances (the CUDA context, the allocator's share) against the
+    device; an option is recommended only when both fit. Devices just too small for the configured step, and too
+    small for any step (below the 0.75 GiB CUDA context)."""
+    import ddptrain.plan.memory_plan as memory_plan
+
+    traces: dict[str, PeakTracker] = {}
+    trace = memory_plan.trace_peak
+
+    def traced_once(cfg: Config, vocab: int, *shape: Any) -> PeakTracker:
+        """A step's trace does not depend on the device's memory size: each one is traced once here."""
+        *sizes, device, working_copy = (*shape, False) if len(shape) == 5 else shape
+        key = repr((cfg, vocab, sizes, device.name, device.bf16, working_copy))
+        if key not in traces:
+            traces[key] = trace(cfg, vocab, *shape)
+        return traces[key]
+
+    monkeypatch.setattr(memory_plan, "trace_peak", traced_once)
+    cfg = small_config()
+    cfg.data.global_batch_size = cfg.data.micro_batch_size = 1  # one micro batch size: fewer shapes to trace
+    plan = build_plan(cfg, 1, "H100")
+
+    def planned(memory_gib: float | None) -> MemoryPlan:
+        return plan_memory(cfg, plan, VOCAB, target_device("h100", memory_gib, None))
+
+    roomy = planned(None)
+    traced = len(traces)
+    assert roomy.fits and roomy.to_json()["fits"] is True
+    assert roomy.peak < 0.1 * roomy.total  # a tiny model: the allowances are most of what a rank needs
+    for memory, some_fit in ((roomy.total - 1024, True), (0.5 * GiB, False)):  # just under the step; under any
+        tight = planned(memory / GiB)
+        out = tight.to_json()
+        assert tight.peak < memory  # the traced peak alone would fit: the allowances are what does not
+        assert not tight.fits and out["fits"] is False and out["total_bytes_per_rank"] > out["device_memory_bytes"]
+        assert all(o["total_bytes_per_rank"] <= memory for o in out["options"])
+        best = out["recommendation"]
+        if not some_fit:
+            assert best is None and out["options"] == []
+        else:  # checkpointing fits where the configured step does not
+            assert best is not None and best["gradient_checkpointing"]
+            assert best["total_bytes_per_rank"] <= memory < out["total_bytes_per_rank"]
+    assert len(traces) == traced  # each shape traced once, not once per device
+
+
 def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
@@ -395,6 +444,9 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
     assert set(plan["by_category"]) == set(CATEGORIES)
     best = plan["recommendation"]
     assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
+    # a tiny model on a T4: the step and the recommendation, allowances included, fit its memory
+    assert plan["fits"] is True and plan["total_bytes_per_rank"] <= plan["device_memory_bytes"]
+    assert best["total_bytes_per_rank"] <= plan["device_memory_bytes"]
     assert abs(plan["fit_gap"]) < 0.02
 
 

@@ -235,6 +235,45 @@ def test_each_step_logs_the_real_tokens_per_sequence_and_attention_over_each_exa
             assert m["attended_tokens"] < cfg.data.seq_len  # packed rows of up to seq_len: fewer pairs than seq_len²
 
 
+def _train_on_an_attention_that_ignores_the_mask(rank: int, world_size: int, tmp: str, base: dict,
+                                                variants: list[dict]) -> list[str | None]:
+    """Each variant trained with sdpa replaced by causal attention over the whole row, ignoring any mask (as
+    FlashAttention-2 runs several packed rows): the one-line error each run ended with, None when it trained."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def whole_row(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register("sdpa", whole_row)  # this forked rank only
+    ended: list[str | None] = []
+    for variant in variants:
+        try:
+            train_each(rank, world_size, tmp, base, [variant])
+            ended.append(None)
+        except ConfigError as exc:
+            ended.append(str(exc))
+    return ended
+
+
+def test_a_packed_run_on_attention_that_lets_examples_see_each_other_is_refused_on_every_rank(
+    tokenized_base: Path, tmp_path: Path
+) -> None:
+    """Through the real loop: packing on such an attention is refused at start-up with one line naming
+    data.packing; the same model trains padded (its causal rows never reach a pad), so the refusal is the leak."""
+    run = _run(tokenized_base)
+    base = {**run, "data": {**run["data"], "micro_batch_size": 4}, "train": {"steps": 1, "log_every": 1,
+                                                                             "eval_every": 0}}
+    variants = [{"data": {"packing": True}}, {"data": {"packing": False}}]
+    ranks = run_distributed(_train_on_an_attention_that_ignores_the_mask, 2, str(tmp_path), base, variants,
+                            timeout=300)
+    for rank, (packed, padded) in enumerate(ranks):
+        assert packed is not None and packed.startswith("data.packing=true") and "\n" not in packed, (rank, packed)
+        assert "data.packing=false" in packed, (rank, packed)
+        assert padded is None, (rank, padded)
+
+
 def test_packed_rows_take_flashattention_varlen_only_on_cuda_with_flash_attn_in_half_precision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

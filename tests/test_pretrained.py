@@ -22,6 +22,7 @@ from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.train.step import accumulate_gradients
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
+from tests.helpers.tiny import TINY_MODEL
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -112,6 +113,19 @@ def test_every_step_of_a_run_trains_every_module_checkpointed_and_without_a_cach
     assert run["training"] == [True] * 3
     assert run["checkpoint_calls"] == 2 * 2 * 3  # 2 blocks x 2 micro batches x 3 steps
     assert run["kv_caches"] == 0
+
+
+def test_a_pretraining_run_without_checkpointing_builds_no_kv_cache(tmp_path: Path) -> None:
+    """Fixed blocks from scratch, checkpointing off: transformers turns the cache off by itself only under
+    checkpointing, so here every training and evaluation forward must pass ``use_cache=False``."""
+    run = {"model": {**TINY_MODEL, "max_position_embeddings": 32},
+           "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 16,
+                    "global_batch_size": 4, "micro_batch_size": 2},
+           "train": {"steps": 2, "log_every": 1, "eval_every": 2}}
+    (result,) = run_distributed(train_each_watched, 1, str(tmp_path), run, [{}])[0]
+    assert result["checkpoint_calls"] == 0 and result["training"] == [True] * 2  # the plain path, in training mode
+    assert "val_loss" in result["metrics"][-1]  # evaluation ran too
+    assert result["kv_caches"] == 0
 
 
 def test_packed_blocks_attend_causally_with_no_host_read_and_the_same_logits() -> None:

@@ -25,6 +25,19 @@ BASE = {
 }
 
 
+def test_tokens_seen_counts_a_step_kept_out_of_its_window(tmp_path: Path) -> None:
+    """With train.log_every=3, step 2 (the CPU memory tracker's, slower than a plain step) is kept out of the first
+    window's throughput; its tokens and step 1's still count in tokens_seen, summed over both ranks."""
+    variant = {"model": {"num_layers": 2}, "train": {"steps": 4, "log_every": 3}}
+    (run,) = run_distributed(train_each, 2, str(tmp_path), BASE, [variant])[0]
+    per_step = 8 * 32  # global batch x seq_len: fixed blocks, every position a real token
+    metrics = run["metrics"]
+    assert [m["step"] for m in metrics] == [3, 4]
+    assert [m["tokens_seen"] for m in metrics] == [3 * per_step, 4 * per_step]
+    # the first window timed step 3 alone: steps 1 and 2 were left out of it
+    assert metrics[0]["tokens_per_s"] * metrics[0]["step_time_s"] == pytest.approx(per_step)
+
+
 def test_metrics_are_present_and_sane_with_a_single_rank_baseline(tmp_path: Path) -> None:
     (single,) = run_distributed(train_each, 1, str(tmp_path), BASE, [{}])[0]
     assert single["summary"]["tokens_per_s_per_rank"] > 0

@@ -258,3 +258,18 @@ def test_torchs_own_flight_recorder_dump_reads_without_running_code_from_it(
     from ddptrain.diagnose.evidence import read_nccl_dump
 
     assert read_nccl_dump(tmp_path / "evil") is None
+
+
+# ---- waiters in different collective numbers (issue 33) ---------------------------------------------------------
+
+def test_of_waiters_in_different_collectives_the_one_below_the_highest_is_the_late_rank(tmp_path: Path) -> None:
+    """Every rank timed out, in different collective numbers: ranks 0 and 2 reached #41 (the loss mean), rank 1
+    is still in #40 (its backward's gradient sync). Rank 1 is the late one, and only ranks 0 and 2 waited in #41."""
+    folder = _folder(tmp_path)
+    _record(folder, 0, "collective timed out", 4, "loss mean", [(40, "all_reduce", 4096), (41, "all_reduce", 8)])
+    _record(folder, 1, "collective timed out", 4, "backward", [(39, "all_reduce", 8), (40, "all_reduce", 4096)])
+    _record(folder, 2, "collective timed out", 4, "loss mean", [(40, "all_reduce", 4096), (41, "all_reduce", 8)])
+    failures = [Failure(0, 1, None), Failure(1, 1, None), Failure(2, 1, None)]
+    assert verdict(tmp_path, failures, 3, 15, "vm") == (
+        "rank 1 (host vm) hung at step 4 in backward; ranks 0, 2 waited in all_reduce #41 (the loss mean of a "
+        "logging step of step 4, 8 bytes) for 15 s (dist.timeout_s)")

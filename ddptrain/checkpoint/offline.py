@@ -35,15 +35,16 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 2**20  # verify reads tensors in groups of about this size, so memory stays bounded
 
 
-def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any], TrainState]:
+def open_checkpoint(path: Path, checksums: bool = False) -> tuple[Path, dict[str, Any], TrainState]:
     """The checkpoint ``path`` names (itself, or a run directory's latest), its marker metadata and trainer state.
 
     The files' sizes are checked against the marker's record first (a stat each), so a truncated or missing
-    file is named instead of failing inside a reader.
+    file is named instead of failing inside a reader; ``checksums``: their checksums too (every byte read once),
+    for a caller that passes the tensors on.
     """
     found = find_checkpoint(path, "checkpoints", "PATH")
     read_marker(found, "PATH")
-    if problems := find_damage(found, sizes_only=True):
+    if problems := find_damage(found, sizes_only=not checksums):
         raise ConfigError(f"PATH: {found} is damaged: {problems[0]}")
     meta, state = read_trainer_state(found, "PATH")
     for rng in sorted((found / "rng").glob("rank*.pt")):
@@ -87,7 +88,7 @@ def export(path: Path, out: Path, overwrite: bool = False) -> Path:
         raise ConfigError(f"OUT={out}: is a file; export writes a directory (choose another path)")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"OUT={out}: directory is not empty; choose another, or pass --overwrite to write over it")
-    checkpoint, _, _ = open_checkpoint(path)
+    checkpoint, _, _ = open_checkpoint(path, checksums=True)  # a flipped bit must not become exported weights
     model = build_model(checkpoint)
     names = list(model.state_dict())
     tensors = read_tensors(checkpoint, [f"model.{k}" for k in names])

@@ -21,7 +21,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
@@ -91,7 +91,14 @@ def _prepare(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int,
         done = finished_shards(target, split)
         writers[split] = ShardWriter(target, split, dtype, eos, shard_tokens, len(done),
                                      done[-1].end_document if done else 0)
-    resume_at = min(w.next_document for w in writers.values())
+    # Each split continues after its own last finished shard: a document before that is read again but not
+    # encoded again. (The validation split finishes a shard about 1/val_fraction times less often than the train
+    # split, so continuing both from the earlier of the two would encode most finished train shards again.)
+    resume = {split: w.next_document for split, w in writers.items()}
+
+    def unfinished(index: int) -> bool:
+        return index >= resume["val" if is_validation(index, val_fraction) else "train"]
+
     if any(w.index for w in writers.values()):
         log.info("continuing the preparation of %s: %d train shards (documents before %d) and %d validation shards "
                  "(before %d) were finished", target, writers["train"].index, writers["train"].next_document,
@@ -100,10 +107,10 @@ def _prepare(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int,
     log.info("preparing %s on %d worker process%s: about %.0f MB of text", target, num_proc,
              "es" if num_proc > 1 else "", corpus.size_hint / 1e6)
     try:
-        for first, texts, (tokens, lengths) in _tokenized(_batches(corpus, resume_at, progress), tokenizer_json,
-                                                          eos, dtype, num_proc):
+        for indices, texts, (tokens, lengths) in _tokenized(_batches(corpus, unfinished, progress), tokenizer_json,
+                                                            eos, dtype, num_proc):
             ends = np.cumsum(lengths)
-            for k, index in enumerate(range(first, first + len(lengths))):
+            for k, index in enumerate(indices):
                 writer = writers["val" if is_validation(index, val_fraction) else "train"]
                 if index >= writer.next_document:  # earlier ones are in a shard finished before an interruption
                     writer.add(tokens[ends[k] - lengths[k] : ends[k]], 1, index, index + 1)
@@ -115,7 +122,7 @@ def _prepare(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int,
             writer.abandon()
         raise
     shards = {split: finished_shards(target, split) for split in SPLITS}
-    if not shards["train"] and not shards["val"] and progress.documents == 0 and resume_at == 0:
+    if not shards["train"] and not shards["val"] and progress.documents == 0 and not any(resume.values()):
         raise ConfigError("data: the corpus has no non-empty document")
     manifest = {split: [s.path.name for s in shards[split]] for split in SPLITS}
     manifest.update(train_tokens=sum(s.tokens for s in shards["train"]),
@@ -126,25 +133,28 @@ def _prepare(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int,
     progress.finish()
 
 
-def _batches(corpus: Corpus, skip: int, progress: Progress) -> Iterator[tuple[int, list[str]]]:
-    """``(index of the first document, texts)`` batches of about ``BATCH_BYTES``, after the first ``skip``."""
+def _batches(corpus: Corpus, wanted: Callable[[int], bool], progress: Progress
+             ) -> Iterator[tuple[list[int], list[str]]]:
+    """``(documents' indices in the corpus, texts)`` batches of about ``BATCH_BYTES`` of the ``wanted`` documents."""
     batch: list[str] = []
-    size, first = 0, skip
+    indices: list[int] = []
+    size = 0
     for index, text in enumerate(corpus.documents()):
-        if index < skip:
+        if not wanted(index):
             progress.skipped(text)
             continue
         batch.append(text)
+        indices.append(index)
         size += len(text)
         if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
-            yield first, batch
-            first, batch, size = index + 1, [], 0
+            yield indices, batch
+            indices, batch, size = [], [], 0
     if batch:
-        yield first, batch
+        yield indices, batch
 
 
-def _tokenized(batches: Iterator[tuple[int, list[str]]], tokenizer_json: str, eos: int, dtype: np.dtype,
-               num_proc: int) -> Iterator[tuple[int, list[str], tuple[np.ndarray, np.ndarray]]]:
+def _tokenized(batches: Iterator[tuple[list[int], list[str]]], tokenizer_json: str, eos: int, dtype: np.dtype,
+               num_proc: int) -> Iterator[tuple[list[int], list[str], tuple[np.ndarray, np.ndarray]]]:
     """Each batch with its tokens, in order; ``num_proc`` > 1 tokenizes in that many worker processes with a
     bounded number of batches in flight (an executor's ``map`` would read the whole corpus ahead)."""
     if num_proc > 1 and multiprocessing.current_process().daemon:
@@ -152,8 +162,8 @@ def _tokenized(batches: Iterator[tuple[int, list[str]]], tokenizer_json: str, eo
         num_proc = 1
     if num_proc <= 1:
         start_worker(tokenizer_json, eos, in_pool=False)
-        for first, texts in batches:
-            yield first, texts, encode_documents(texts, dtype.str)
+        for indices, texts in batches:
+            yield indices, texts, encode_documents(texts, dtype.str)
         return
     # spawn: a fork would copy this process's threads (the process group's, the tokenizer's thread pool). A
     # spawned process imports the parent's main module again; WORKER_ENV makes a second preparation there fail
@@ -162,15 +172,15 @@ def _tokenized(batches: Iterator[tuple[int, list[str]]], tokenizer_json: str, eo
     try:
         with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=start_worker, initargs=(tokenizer_json, eos)) as pool:
-            pending: deque[tuple[int, list[str], Future]] = deque()
-            for first, texts in batches:
-                pending.append((first, texts, pool.submit(encode_documents, texts, dtype.str)))
+            pending: deque[tuple[list[int], list[str], Future]] = deque()
+            for indices, texts in batches:
+                pending.append((indices, texts, pool.submit(encode_documents, texts, dtype.str)))
                 if len(pending) >= 2 * num_proc:
-                    done_first, done_texts, future = pending.popleft()
-                    yield done_first, done_texts, future.result()
+                    done_indices, done_texts, future = pending.popleft()
+                    yield done_indices, done_texts, future.result()
             while pending:
-                done_first, done_texts, future = pending.popleft()
-                yield done_first, done_texts, future.result()
+                done_indices, done_texts, future = pending.popleft()
+                yield done_indices, done_texts, future.result()
     finally:
         os.environ.pop(WORKER_ENV, None)
 

@@ -106,7 +106,10 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
         step, phase = (rec["step"], rec["phase"]) if rec else where.get(r, (0, "start-up"))
         at = f" ({rec['where']})" if rec.get("where") else ""
         parts.append(f"rank {r} (host {rec.get('host', host)}) hung at step {step} in {PHASES.get(phase, phase)}{at}")
-    return "; ".join(parts) + _waited(waiters, timeout_s, exclude=None)
+    # only the ranks that reached the highest collective waited in it; a late rank that timed out below it is named
+    # above, not among them
+    return "; ".join(parts) + _waited({r: rec for r, rec in waiters.items() if r not in late}, timeout_s,
+                                      exclude=None)
 
 
 def _records(folder: Path) -> dict[int, dict[str, Any]]:
