@@ -272,11 +272,19 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_untouched(impl:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_non_finite_steps_are_counted_on_the_device_with_the_first_one() -> None:
-    steps = NonFiniteSteps(torch.device("cpu"))
-    for step, bad in [(1, False), (2, True), (3, False), (4, True)]:
-        steps.record(torch.tensor(bad), step)
-    assert (steps.count.item(), steps.first.item()) == (2, 2)
+def test_non_finite_steps_are_recorded_on_the_device_one_slot_per_step() -> None:
+    steps = NonFiniteSteps(torch.device("cpu"), check_every=4, fp16=False)
+    for step, bad in [(5, False), (6, True), (7, False), (8, True)]:
+        steps.record(step, torch.tensor(bad), torch.tensor(1.0))
+    assert steps.gradients.tolist() == [0.0, 6.0, 0.0, 8.0] and steps.events is steps.gradients
+
+
+def test_in_fp16_a_non_finite_loss_is_the_event_and_an_overflow_only_a_gradient_verdict() -> None:
+    steps = NonFiniteSteps(torch.device("cpu"), check_every=3, fp16=True)
+    steps.record(1, torch.tensor(True), torch.tensor(math.nan))  # a non-finite loss poisons the gradients too
+    steps.record(2, torch.tensor(True), torch.tensor(2.5))  # an overflow from a finite loss
+    steps.record(3, torch.tensor(False), torch.tensor(2.5))
+    assert (steps.gradients.tolist(), steps.events.tolist()) == ([1.0, 2.0, 0.0], [1.0, 0.0, 0.0])
 
 
 def test_auto_picks_the_fused_kernel_where_torch_has_one() -> None:
