@@ -37,15 +37,22 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
 
 
 def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
-                   variants: list[tuple[str, Overrides, str | None]]) -> list[dict[str, Any]]:
+                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = True) -> list[dict[str, Any]]:
     """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
     ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
-    when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl."""
+    when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl.
+
+    Each run compiles afresh: dynamo's caches of an earlier run in this process would otherwise decide how a later
+    run compiles. ``trace_peak=False`` leaves out the summary's traced memory plan (about 2 s per run on a loaded
+    machine), for tests that train many runs and check something else."""
     import os
 
     from ddptrain.errors import RunEnded
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import train
+    from ddptrain.train import loop, train
+
+    if not trace_peak:
+        loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     results = []
@@ -56,6 +63,7 @@ def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
         if fault:
             os.environ["DDPTRAIN_FAULT"] = fault
         summary, error, code = None, None, 0
+        torch._dynamo.reset()  # each run compiles (train.compile) afresh, as in a process of its own
         try:
             summary = train(make_config(tmp, base, overrides), env, torch.device("cpu"), run_dir, {})
         except RunEnded as exc:
