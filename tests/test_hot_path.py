@@ -116,20 +116,26 @@ def test_the_host_read_detector_sees_every_device_to_host_path_and_no_placement(
                     "nonzero", "equal", "__getitem__", "where", "unique", "masked_select", "__setitem__"], seen
 
 
+# A check step agrees on the stop signal and on one slot per step since the last check (size 1 + check_every = 4).
 # A logging step also sums the token counts (real, computed, untimed: size 3) and gathers every rank's phase times
 # for the straggler report (all_gather_object, size -1).
-@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1, 3, -1])],
+AGREEMENT = 1 + 3
+
+
+@pytest.mark.parametrize(("step", "extra"), [(3, [AGREEMENT]), (6, [AGREEMENT]), (4, [AGREEMENT, 1, 3, -1])],
                          ids=["check-3", "check-6", "log-4"])
 def test_check_and_logging_steps_add_only_their_documented_reductions(
     runs: list[dict[str, Any]], step: int, extra: list[int]
 ) -> None:
-    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean,
-    the sum of the ranks' real and computed tokens, and the gather of per-rank timings for the straggler report."""
+    """A check step adds the agreement (stop, one slot per step since the last check); a logging step also the loss
+    mean, the sum of the ranks' real and computed tokens, and the gather of per-rank timings for the straggler
+    report."""
     for rank in (r["counted"] for r in runs):
         collectives = _by_step(rank["events"], step, "collective")
-        gradients = [size for name, size in collectives if name == "all_reduce" and size > 3]
+        small = [size for _, size in collectives if size <= 3 or size == AGREEMENT]
+        gradients = [size for name, size in collectives if name == "all_reduce" and size > 3 and size != AGREEMENT]
         assert sum(gradients) == rank["n_params"]
-        assert [size for _, size in collectives if size <= 3] == extra, collectives
+        assert small == extra, collectives
         # The agreed flags; a logging step also reads the loss mean and the gradient norm, and torch's
         # all_gather_object (the straggler report) reads its own object sizes: logging steps sync by design.
         reads = sorted(name for name, _ in _by_step(rank["events"], step, "host_read"))
