@@ -36,8 +36,8 @@ FACTORS: dict[str, list[Any]] = {  # the first level of each factor is the plain
     "lora": [False, True],
     "checkpointing": [False, True],
 }
-# Compile is not paired with every feature: a compiled run costs a minute of compilation on a loaded 2-core CPU
-# (each run compiles afresh, as a process of its own would), so one compiled row stands for it (below).
+# Compile is not paired with every feature: a compiled run costs half a minute of compilation on a loaded 2-core
+# CPU (each run compiles afresh, as a process of its own would), so one compiled row stands for it (below).
 COMPILED_ROW: Row = {"zero": 0, "compression": "none", "engine": "torch", "precision": "fp32", "packing": False,
                      "lora": False, "checkpointing": False, "compile": True}
 # The product's refusals, one pair each (tests/test_fault_matrix.py checks that the product refuses exactly these)
