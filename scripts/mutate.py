@@ -179,6 +179,25 @@ MUTANTS = [
              "    grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)\n"
              "    if c.scaler is not None:\n        c.scaler.unscale(c.optimizer)\n"),),
            ("tests/test_fp16.py", "-k", "gradient_norm")),  # the loss comparison alone catches it by a hair
+    # issue 31: one non-finite step under compression and fp16
+    Mutant("topk-keeps-bad-residuals", "a skipped step leaves top-k's non-finite residuals behind",
+           (("ddptrain/parallel/compression.py", "            residual.masked_fill_(nonfinite, 0.0)",
+             "            pass"),),
+           ("tests/test_nonfinite.py", "-k", "compressed")),
+    Mutant("powersgd-keeps-bad-state", "a skipped step leaves PowerSGD's non-finite error and Q behind",
+           (("ddptrain/parallel/compression.py",
+             "if not (powersgd.error_dict or powersgd.q_memory_dict) or not bool(nonfinite):", "if True:"),),
+           ("tests/test_nonfinite.py", "-k", "compressed")),
+    Mutant("fp16-overflow-is-an-event", "fp16 counts an overflow from a finite loss as a nan_policy event",
+           (("ddptrain/train/control.py",
+             "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
+             "self.events[slot] = torch.where(nonfinite_gradients, float(step), 0.0)"),),
+           ("tests/test_nonfinite.py", "-k", "fp16")),
+    Mutant("fp16-nan-loss-is-a-back-off", "fp16 treats a non-finite loss as the scaler's back-off",
+           (("ddptrain/train/control.py",
+             "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
+             "self.events[slot] = 0.0"),),
+           ("tests/test_nonfinite.py", "-k", "fp16")),
 ]
 
 

@@ -55,7 +55,7 @@ def _sync_bytes(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     out = {}
     for name, cfg in BYTE_CASES.items():
         ddp = DistributedDataParallel(_model())
-        meter = register_compression(ddp, cfg)
+        meter = register_compression(ddp, cfg).meter
         no_sync, steps = [], []
         for step in range(3):
             x, y = _batch(100 * step + rank, 16)
@@ -79,7 +79,7 @@ def _final_losses(rank: int, world_size: int, steps: int) -> dict[str, float]:
     for name, cfg in CONVERGENCE_CASES.items():
         model = _model()
         ddp = DistributedDataParallel(model)
-        meter = register_compression(ddp, cfg)
+        meter = register_compression(ddp, cfg).meter
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for step in range(steps):
             x, y = _batch(1000 + world_size * step + rank, 32)

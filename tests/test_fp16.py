@@ -1,8 +1,10 @@
-"""fp16 mixed precision (train.precision=fp16): autocast fp16 with a loss scaler, an overflow skipped on every
-rank as a back-off of the scale, and the scale resumed exactly."""
+"""fp16 mixed precision (train.precision=fp16): autocast fp16 with a loss scaler, an overflow (non-finite gradients
+from a finite loss) skipped on every rank as a back-off of the scale, and the scale resumed exactly. A non-finite
+loss is train.nan_policy's (tests/test_nonfinite.py)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from safetensors.torch import load_file
 
 from ddptrain.train.components import autocast_context
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import train_each
+from tests.helpers.runs import train_each, train_outcomes
 
 RUN = {
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_position_embeddings": 64},
@@ -68,19 +70,19 @@ def test_zero2_fp16_an_overflow_in_one_ranks_shard_backs_off_every_ranks_scale(t
 
 @pytest.fixture(scope="module")
 def fp16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict]], Path]:
-    """Two ranks, rank 1's loss poisoned at step 1 (an overflow): DDP straight, DDP resumed from step 2, ZeRO-2,
-    fp32 skipping the same step (train.nan_policy=skip) for reference, and ZeRO-1."""
+    """Two ranks, rank 1's gradients overflowing fp16 at step 1 from a finite loss: DDP straight, DDP resumed from
+    step 2, ZeRO-2, fp32 skipping the same step (a poisoned loss, train.nan_policy=skip) for reference, and
+    ZeRO-1."""
     tmp = tmp_path_factory.mktemp("fp16")
+    overflow = "overflow@step:1:1"
     variants = [
-        {},
-        {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
-        {"parallel": {"zero_stage": 2}},
-        {"train": {"precision": "fp32", "nan_policy": "skip"}},
-        {"parallel": {"zero_stage": 1}},
+        ("w2-run0", {}, overflow),
+        ("w2-run1", {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}}, overflow),
+        ("w2-run2", {"parallel": {"zero_stage": 2}}, overflow),
+        ("w2-run3", {"train": {"precision": "fp32", "nan_policy": "skip"}}, "nan@step:1:1"),
+        ("w2-run4", {"parallel": {"zero_stage": 1}}, overflow),
     ]
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("DDPTRAIN_FAULT", "nan@step:1:1")
-        return run_distributed(train_each, 2, str(tmp), RUN, variants, timeout=300), tmp
+    return run_distributed(train_outcomes, 2, str(tmp), RUN, variants, timeout=300), tmp
 
 
 def test_fp16_skips_an_injected_overflow_on_both_ranks_as_a_scaler_back_off(fp16_runs: tuple) -> None:
@@ -92,7 +94,8 @@ def test_fp16_skips_an_injected_overflow_on_both_ranks_as_a_scaler_back_off(fp16
         assert [m["scaler_backoffs"] for m in metrics] == [1] * 4 and metrics[-1]["skipped_steps"] == 0
         # fp16 trains the fp32 run's model to fp16's rounding, and did compute in fp16 (not bitwise equal)
         fp32 = [m["loss"] for m in ranks[0][3]["metrics"]]
-        # (step 1's mean loss is the poisoned NaN in both)
+        # (step 1's mean loss is finite in fp16, the poisoned NaN in fp32)
+        assert math.isfinite(metrics[0]["loss"]) and math.isnan(ranks[0][3]["metrics"][0]["loss"])
         assert [m["loss"] for m in metrics[1:]] == pytest.approx(fp32[1:], abs=5e-3) and metrics[-1]["loss"] != fp32[-1]
         summaries = [ranks[r][run]["summary"] for r in (0, 1)]
         assert [(s["loss_scale"], s["scaler_backoffs"]) for s in summaries] == [(32768.0, 1)] * 2, run

@@ -116,15 +116,19 @@ def test_the_host_read_detector_sees_every_device_to_host_path_and_no_placement(
                     "nonzero", "equal", "__getitem__", "where", "unique", "masked_select", "__setitem__"], seen
 
 
+# A check step agrees on the stop signal and on one slot per step since the last check (size 1 + check_every = 4).
 # A logging step also sums the token counts (real, computed, squared sequence lengths, untimed: size 4) and gathers
 # every rank's phase times for the straggler report (all_gather_object, size -1).
-@pytest.mark.parametrize(("step", "extra"), [(3, [3]), (6, [3]), (4, [3, 1, 4, -1])],
+AGREEMENT = 1 + 3
+
+
+@pytest.mark.parametrize(("step", "extra"), [(3, [AGREEMENT]), (6, [AGREEMENT]), (4, [AGREEMENT, 1, 4, -1])],
                          ids=["check-3", "check-6", "log-4"])
 def test_check_and_logging_steps_add_only_their_documented_reductions(
     runs: list[dict[str, Any]], step: int, extra: list[int]
 ) -> None:
-    """A check step adds the agreement (stop, non-finite count, first step); a logging step also the loss mean,
-    the sum of the ranks' token counts, and the gather of per-rank timings for the straggler report."""
+    """A check step adds the agreement (stop, one slot per step since the last check); a logging step also the loss
+    mean, the sum of the ranks' token counts, and the gather of per-rank timings for the straggler report."""
     for rank in (r["counted"] for r in runs):
         collectives = _by_step(rank["events"], step, "collective")
         gradients = [size for name, size in collectives if name == "all_reduce" and size > 4]
@@ -272,11 +276,19 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_untouched(impl:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_non_finite_steps_are_counted_on_the_device_with_the_first_one() -> None:
-    steps = NonFiniteSteps(torch.device("cpu"))
-    for step, bad in [(1, False), (2, True), (3, False), (4, True)]:
-        steps.record(torch.tensor(bad), step)
-    assert (steps.count.item(), steps.first.item()) == (2, 2)
+def test_non_finite_steps_are_recorded_on_the_device_one_slot_per_step() -> None:
+    steps = NonFiniteSteps(torch.device("cpu"), check_every=4, fp16=False)
+    for step, bad in [(5, False), (6, True), (7, False), (8, True)]:
+        steps.record(step, torch.tensor(bad), torch.tensor(1.0))
+    assert steps.gradients.tolist() == [0.0, 6.0, 0.0, 8.0] and steps.events is steps.gradients
+
+
+def test_in_fp16_a_non_finite_loss_is_the_event_and_an_overflow_only_a_gradient_verdict() -> None:
+    steps = NonFiniteSteps(torch.device("cpu"), check_every=3, fp16=True)
+    steps.record(1, torch.tensor(True), torch.tensor(math.nan))  # a non-finite loss poisons the gradients too
+    steps.record(2, torch.tensor(True), torch.tensor(2.5))  # an overflow from a finite loss
+    steps.record(3, torch.tensor(False), torch.tensor(2.5))
+    assert (steps.gradients.tolist(), steps.events.tolist()) == ([1.0, 2.0, 0.0], [1.0, 0.0, 0.0])
 
 
 def test_auto_picks_the_fused_kernel_where_torch_has_one() -> None:

@@ -1,7 +1,8 @@
 """Gradient compression as DDP communication hooks (fp16, bf16, PowerSGD, top-k), each counting the bytes it sends.
 
-``register_compression`` installs the hook that ``parallel.compression`` names and returns the ``CommMeter`` that
-the training loop reads, and resets, after every optimizer step.
+``register_compression`` installs the hook that ``parallel.compression`` names and returns its ``Compression``: the
+``CommMeter`` that the training loop reads, and resets, after every optimizer step, and the hook's error-feedback
+state, which a skipped (non-finite) step must not leave behind.
 """
 
 # No ``from __future__ import annotations`` here: DDP compares a hook's annotations with the real
@@ -11,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -115,10 +116,55 @@ class _TopKState(_State):
     # Keyed by parameter, not bucket: DDP reorders its buckets after the first step.
     residuals: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
 
+    def discard_if(self, nonfinite: torch.Tensor) -> None:
+        """Zero every residual when the step was non-finite (on the device: no host read).
+
+        A non-finite gradient leaves a non-finite residual, which every later step would add back: one bad step
+        would poison the run for good. ``nonfinite`` is the step's verdict, the same on every rank, so every rank
+        drops its residuals together, also those whose own residuals are finite.
+        """
+        for residual in self.residuals.values():
+            residual.masked_fill_(nonfinite, 0.0)
+
 
 @dataclass
 class _PowerSGDState(_State):
     powersgd: PowerSGDState
+
+    def discard_if(self, nonfinite: torch.Tensor) -> None:
+        """Forget the errors and the warm-start matrices after a non-finite step; the next compressed step starts
+        them afresh (zero errors, new random Q from PowerSGD's own generator, which draws alike on every rank).
+
+        A host read of the verdict (a sync point), once a step, only while PowerSGD keeps state: its Q matrix, not
+        only its error, turns non-finite, and a fresh Q comes from the host-side generator. torch's hook already
+        synchronizes with the device once per bucket on CUDA, so the step was not free of host waits before.
+        """
+        powersgd = self.powersgd
+        if not (powersgd.error_dict or powersgd.q_memory_dict) or not bool(nonfinite):
+            return
+        powersgd.error_dict.clear()
+        powersgd.p_memory_dict.clear()
+        powersgd.q_memory_dict.clear()
+
+
+class ErrorFeedback(Protocol):
+    """A hook's state carried from step to step (what top-k and PowerSGD did not send yet)."""
+
+    def discard_if(self, nonfinite: torch.Tensor) -> None:
+        """Drop the state when ``nonfinite`` (a 0-dim bool tensor, the step's verdict alike on every rank)."""
+
+
+@dataclass
+class Compression:
+    """What ``register_compression`` installed: the meter it charges and the state a skipped step must drop."""
+
+    meter: CommMeter
+    feedback: ErrorFeedback | None = None  # None: the hook keeps nothing between steps (none, fp16, bf16)
+
+    def step_done(self, nonfinite: torch.Tensor) -> None:
+        """After the update (taken or skipped on ``nonfinite``): drop the error feedback of a non-finite step."""
+        if self.feedback is not None:
+            self.feedback.discard_if(nonfinite)
 
 
 def _allreduce_hook(state: _State, bucket: dist.GradBucket) -> Future[torch.Tensor]:
@@ -195,8 +241,9 @@ def _powersgd_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> Future[tor
 
 def register_compression(
     model: DistributedDataParallel, cfg: ParallelConfig, process_group: dist.ProcessGroup | None = None
-) -> CommMeter:
-    """Install ``cfg.compression``'s hook on ``model`` (before its first backward); return the meter it charges.
+) -> Compression:
+    """Install ``cfg.compression``'s hook on ``model`` (before its first backward); return the meter it charges and
+    its error-feedback state.
 
     Every choice, ``none`` included, is metered, so the training loop can always log comm_bytes.
     PowerSGD always warm-starts (torch's recommendation); ``error_feedback`` applies to powersgd and topk.
@@ -206,10 +253,12 @@ def register_compression(
     match cfg.compression:
         case "none":
             model.register_comm_hook(_State(process_group, meter), _timed(_allreduce_hook))
+            return Compression(meter)
         case "fp16" | "bf16":
             dtype = torch.float16 if cfg.compression == "fp16" else torch.bfloat16
             kernels = select_kernels(cfg.kernels, next(model.parameters()).device)
             model.register_comm_hook(_CastState(process_group, meter, dtype, kernels), _timed(_cast_hook))
+            return Compression(meter)
         case "powersgd":
             powersgd = PowerSGDState(
                 process_group,
@@ -218,8 +267,11 @@ def register_compression(
                 use_error_feedback=cfg.error_feedback,
                 warm_start=True,
             )
-            model.register_comm_hook(_PowerSGDState(process_group, meter, powersgd), _timed(_powersgd_hook))
+            state = _PowerSGDState(process_group, meter, powersgd)
+            model.register_comm_hook(state, _timed(_powersgd_hook))
+            return Compression(meter, state)
         case "topk":
-            state = _TopKState(process_group, meter, cfg.topk_ratio, cfg.error_feedback)
-            model.register_comm_hook(state, _timed(_topk_hook))
-    return meter
+            topk = _TopKState(process_group, meter, cfg.topk_ratio, cfg.error_feedback)
+            model.register_comm_hook(topk, _timed(_topk_hook))
+            return Compression(meter, topk)
+    raise ValueError(f"parallel.compression={cfg.compression!r}: expected none, fp16, bf16, powersgd or topk")

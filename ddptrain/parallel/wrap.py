@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.clock import CommClock
 from ddptrain.config.schema import ParallelConfig
-from ddptrain.parallel.compression import CommMeter, register_compression
+from ddptrain.parallel.compression import CommMeter, Compression, register_compression
 from ddptrain.parallel.zero import fsdp_sync, shard_model
 from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes
 
@@ -31,6 +31,12 @@ class Wrapped:
     maybe_sync: Callable[[bool], AbstractContextManager]  # ctx(sync): skip gradient sync when sync is False
     meter: CommMeter | None  # bytes the gradient hooks put on the wire (DDP-based strategies)
     strategy: str  # what wraps the model, for the log and summary.json ("none" for the bare model)
+    compression: Compression | None = None  # torch DDP's communication hook: its meter and error-feedback state
+
+    def step_done(self, nonfinite: torch.Tensor) -> None:
+        """After the update: a non-finite step's error feedback is dropped on every rank (compression hooks)."""
+        if self.compression is not None:
+            self.compression.step_done(nonfinite)
 
     def take_sync_sample(self, world_size: int, sampled: bool) -> tuple[SyncSample | None, float | None]:
         """The last step's gradient sync (bytes, time in flight, exposed time) and compression ratio; resets.
@@ -110,7 +116,8 @@ def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, pre
         )
     strategy = f"torch DDP{' + ZeRO-1' if cfg.zero_stage == 1 else ''}" + (
         f" + {cfg.compression} compression" if cfg.compression != "none" else "")
-    return Wrapped(ddp, model, _no_sync_of(ddp), register_compression(ddp, cfg), strategy)
+    compression = register_compression(ddp, cfg)
+    return Wrapped(ddp, model, _no_sync_of(ddp), compression.meter, strategy, compression)
 
 
 def _no_sync_of(module: torch.nn.Module) -> Callable[[bool], AbstractContextManager]:

@@ -21,6 +21,10 @@ class StepHooks:
         """True when this rank's loss of ``step`` must be made non-finite before its backward."""
         return False
 
+    def overflows_gradients(self, step: int) -> bool:
+        """True when this rank's gradients of ``step`` must overflow fp16 from a finite loss."""
+        return False
+
     def step_ended(self, step: int) -> None:
         """After step ``step``'s update and learning-rate step, before its checkpoint."""
 

@@ -2,9 +2,11 @@
 delay one rank at one point.
 
 Format ``KIND@POINT:STEP[:RANK]``: KIND is kill (SIGKILL this process), hang (stop making progress), nan
-(poison this rank's loss) or mismatch (call one extra all-reduce of 3 floats, which no other rank calls);
-POINT is ``step`` (after optimizer step STEP) or ``save`` (while the checkpoint of STEP is half written, before
-its commit); a hang may also be in ``data`` or ``forward`` (inside that phase of step STEP). RANK defaults to 0.
+(poison this rank's loss), overflow (scale this rank's loss by 2**100 before backward: its gradients overflow
+fp16 while the loss stays finite, as after a loss scale that grew too far) or mismatch (call one extra
+all-reduce of 3 floats, which no other rank calls); POINT is ``step`` (after optimizer step STEP) or ``save``
+(while the checkpoint of STEP is half written, before its commit); a hang may also be in ``data`` or
+``forward`` (inside that phase of step STEP). RANK defaults to 0.
 Example: ``DDPTRAIN_FAULT=kill@save:6``.
 The fault fires only in the first attempt of a run (``TORCHELASTIC_RESTART_COUNT`` 0), so restarts recover.
 
@@ -57,6 +59,9 @@ class Fault(StepHooks):
 
     def poisons_loss(self, step: int) -> bool:
         return self.kind == "nan" and step == self.step
+
+    def overflows_gradients(self, step: int) -> bool:
+        return self.kind == "overflow" and step == self.step
 
     def step_ended(self, step: int) -> None:
         self._strike("step", step)

@@ -12,6 +12,8 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 
 import torch
@@ -83,38 +85,69 @@ def poisoned(loss: torch.Tensor) -> torch.Tensor:
     return guard_loss(loss * math.nan)
 
 
-class NonFiniteSteps:
-    """Non-finite steps since the last check, counted on the device so that a step need not read them back.
+OVERFLOW = 2.0**100  # an fp16 gradient overflows (> 65504) by far; an fp32 or bf16 one stays finite
 
-    A step's verdict is ``not isfinite(grad_norm)``: the same on every rank, since the synced gradients carry
-    every rank's non-finite loss (``guard_loss``) and FSDP2's norm is reduced over all shards.
+
+def overflowing(scale_loss: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The backward scaling of a step that fault injection overflows: the loss stays finite, its fp16 gradients
+    do not (as after a loss scale that grew too far)."""
+    return lambda loss: scale_loss(loss) * OVERFLOW
+
+
+class NonFiniteSteps:
+    """The non-finite steps since the last check, kept on the device so that a step need not read them back.
+
+    Each step is recorded in its own slot (``(step - 1) % check_every``: a check comes at least every
+    ``check_every`` steps), as its step number where it was non-finite, else 0. A slot per step, not a count,
+    because the ranks agree with a MAX: per slot that is "some rank saw it", which a count cannot say.
+
+    Two verdicts per step. ``gradients``: ``not isfinite(grad_norm)``, the same on every rank already, since the
+    synced gradients carry every rank's non-finite loss (``guard_loss``) and FSDP2's norm is reduced over all
+    shards. ``events``: what ``train.nan_policy`` acts on. In fp32 and bf16 that is the gradients' verdict. In fp16
+    it is this rank's own non-finite loss: non-finite gradients from a finite loss are an overflow, the loss
+    scaler's back-off, not a policy event; the MAX at the check makes one rank's loss every rank's event.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.count = torch.zeros((), dtype=torch.float64, device=device)  # non-finite steps since the last check
-        self.first = torch.zeros((), dtype=torch.float64, device=device)  # the first of them; 0 when none
+    def __init__(self, device: torch.device, check_every: int, fp16: bool) -> None:
+        self.check_every = check_every
+        self.fp16 = fp16
+        self.gradients = torch.zeros(check_every, dtype=torch.float64, device=device)
+        self.events = torch.zeros(check_every, dtype=torch.float64, device=device) if fp16 else self.gradients
 
-    def record(self, nonfinite: torch.Tensor, step: int) -> None:
-        self.first.copy_(torch.where(nonfinite & (self.count == 0), float(step), self.first))
-        self.count += nonfinite
+    def record(self, step: int, nonfinite_gradients: torch.Tensor, loss: torch.Tensor) -> None:
+        """Step ``step``'s verdicts: its gradients' (alike on every rank) and, in fp16, this rank's ``loss``."""
+        slot = (step - 1) % self.check_every
+        self.gradients[slot] = torch.where(nonfinite_gradients, float(step), 0.0)
+        if self.fp16:
+            self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))
 
     def reset(self) -> None:
-        self.count.zero_()
-        self.first.zero_()
+        self.gradients.zero_()
+        self.events.zero_()
 
 
-def agree(signum: int, nonfinite: NonFiniteSteps) -> tuple[int, int, int]:
-    """A check step: the signal that asks some rank to stop (0: none); the non-finite steps since the last check,
-    and the first of them.
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on at a check step."""
+
+    stop: int  # the signal that asks some rank to stop; 0: none
+    events: list[int]  # the steps train.nan_policy acts on since the last check (updates skipped on every rank)
+    overflows: int  # fp16: steps whose gradients overflowed from a finite loss (the scaler's back-offs)
+
+
+def agree(signum: int, nonfinite: NonFiniteSteps) -> Agreed:
+    """A check step: the signal that asks some rank to stop, and the non-finite steps since the last check.
 
     Every rank learns the signal, also those the launcher did not signal, so all exit 128 + that signal.
     One small all-reduce and one host read (a sync point), once per check rather than once per step.
     """
-    stop = torch.tensor(float(signum), dtype=torch.float64, device=nonfinite.count.device)
-    flags = torch.stack([stop, nonfinite.count, nonfinite.first])
+    stop = torch.tensor([float(signum)], dtype=torch.float64, device=nonfinite.gradients.device)
+    parts = [stop, nonfinite.gradients, *([nonfinite.events] if nonfinite.fp16 else [])]
+    flags = torch.cat(parts)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    stopping, count, first = flags.tolist()  # sync point: the host learns the agreed flags here
+    values = flags.tolist()  # sync point: the host learns the agreed flags here
     nonfinite.reset()
-    return int(stopping), int(count), int(first)
-
-
+    n = nonfinite.check_every
+    gradients = {int(s) for s in values[1:1 + n] if s > 0}
+    events = {int(s) for s in values[1 + n:] if s > 0} if nonfinite.fp16 else gradients
+    return Agreed(int(values[0]), sorted(events), len(gradients - events))

@@ -27,7 +27,15 @@ from ddptrain.runtime.process_group import DistEnv, main_only
 from ddptrain.telemetry.goodput import Goodput, attempt_start, continuing, goodput_line
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.train.components import Components, build_components
-from ddptrain.train.control import NonFiniteError, NonFiniteSteps, Stopped, agree, guard_loss, poisoned
+from ddptrain.train.control import (
+    NonFiniteError,
+    NonFiniteSteps,
+    Stopped,
+    agree,
+    guard_loss,
+    overflowing,
+    poisoned,
+)
 from ddptrain.train.first_step import FirstStep
 from ddptrain.train.step import accumulate_gradients, apply_update, clip_gradients, evaluate, global_mean
 from ddptrain.train.summary import summarise
@@ -43,7 +51,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     meter, hooks = c.meter, c.hooks
     history: list[dict[str, Any]] = []
     skipped = 0  # updates skipped for a non-finite loss or gradient, as the checks learned of them
-    nonfinite_steps = NonFiniteSteps(device)
+    nonfinite_steps = NonFiniteSteps(device, cfg.train.check_every, fp16=c.scaler is not None)
     measured_peak = MeasuredPeak(device, c.model, c.optimizer, c.start + 1, cfg.parallel.zero_stage)
     first = FirstStep(c, cfg, env, device)
     goodput = Goodput(started, run_dir, env.is_main, env.world_size, c.start,
@@ -60,13 +68,16 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             log_step = step % cfg.train.log_every == 0 or last
             stopping = 0  # the agreed signal number; 0: go on
             with meter.timer.phase("optimizer"):
-                grad_norm = update(c, cfg, nonfinite_steps, step)
+                grad_norm = update(c, cfg, nonfinite_steps, step, loss)
                 measured_peak.end(step)
                 if log_step or c.checkpoints.due(step, last) or step % cfg.train.check_every == 0:
                     WHEREABOUTS.at("check")
                     # sync point: one small all-reduce and host read per check, never on the other steps
-                    stopping, count, first_nonfinite = agree(c.stop.signum, nonfinite_steps)
-                    skipped += settle_nonfinite(count, first_nonfinite, step, cfg.train.nan_policy)
+                    agreed = agree(c.stop.signum, nonfinite_steps)
+                    stopping = agreed.stop
+                    if c.scaler is not None:
+                        c.scaler.count_backoffs(agreed.overflows)
+                    skipped += settle_nonfinite(agreed.events, step, cfg.train.nan_policy)
             sample, ratio = c.wrapped.take_sync_sample(env.world_size, meter.timer.active)
             meter.end_step(sample, ratio)
             first.after_step(step, sample, log_step)
@@ -96,28 +107,34 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
 def forward_backward(c: Components, cfg: Config, step: int) -> torch.Tensor:
     """Step ``step``'s micro batches through forward and backward, the gradient sync included; the mean loss."""
     guard = poisoned if c.hooks.poisons_loss(step) else guard_loss
+    scale_loss = overflowing(c.scale_loss) if c.hooks.overflows_gradients(step) else c.scale_loss
     try:
         return accumulate_gradients(c.wrapped.module, c.batches, c.shape.grad_accum, c.wrapped.maybe_sync,
-                                    c.autocast, c.meter.timer, c.token_weighted, guard, c.scale_loss)
+                                    c.autocast, c.meter.timer, c.token_weighted, guard, scale_loss)
     except RuntimeError as exc:
         if cfg.model.checkpoint_reentrant:
             raise reentrant_failure(exc) from exc
         raise
 
 
-def update(c: Components, cfg: Config, nonfinite_steps: NonFiniteSteps, step: int) -> torch.Tensor:
+def update(c: Components, cfg: Config, nonfinite_steps: NonFiniteSteps, step: int, loss: torch.Tensor
+           ) -> torch.Tensor:
     """Clip and apply the update, skipped on the device (alike on every rank) when the gradients are non-finite;
-    returns the gradient norm. No host read here: the non-finite verdict waits for the next check."""
+    returns the gradient norm. No host read here: the non-finite verdict waits for the next check (``loss``,
+    this rank's, tells a non-finite loss from an fp16 overflow there).
+
+    A skipped step also drops the compression hook's error feedback on every rank: what top-k or PowerSGD kept
+    from a non-finite gradient would otherwise make every later step non-finite too."""
     model = c.model
     if c.scaler is not None:
         c.scaler.unscale(c.optimizer)  # fp16: true gradients before the norm and clipping
     grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)
     nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
     apply_update(c.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
+    c.wrapped.step_done(nonfinite)  # sync point with PowerSGD's state only (see parallel/compression.py)
     if c.scaler is not None:
-        c.scaler.update(nonfinite)  # fp16: an overflow is a back-off of the scale, not a nan_policy event
-    else:
-        nonfinite_steps.record(nonfinite, step)
+        c.scaler.update()  # fp16: an overflow halves the scale; a non-finite loss is a nan_policy event as well
+    nonfinite_steps.record(step, nonfinite, loss)
     return grad_norm
 
 
@@ -164,11 +181,14 @@ def write_summary(c: Components, cfg: Config, env: DistEnv, device: torch.device
     return summary
 
 
-def settle_nonfinite(count: int, first: int, step: int, nan_policy: str) -> int:
-    """At a check step: abort, or report the skipped updates (already skipped on every rank); returns the count.
+def settle_nonfinite(events: list[int], step: int, nan_policy: str) -> int:
+    """At a check step: abort, or report the skipped updates (already skipped on every rank); returns their count.
 
-    Checks come before every checkpoint, so an aborted run never saves a state after its non-finite step.
+    ``events``: the steps since the last check with a non-finite loss or gradients (fp16: a non-finite loss; an
+    overflow from a finite loss is the scaler's back-off). Checks come before every checkpoint, so an aborted run
+    never saves a state after its non-finite step.
     """
+    count, first = len(events), events[0] if events else 0
     if count and nan_policy == "abort":
         raise NonFiniteError(f"non-finite loss or gradients at step {first} (train.nan_policy=abort); "
                              "no checkpoint was written for it")

@@ -34,3 +34,44 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
         lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
         results.append({"summary": summary, "metrics": [json.loads(line) for line in lines], "dir": str(run_dir)})
     return results
+
+
+def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
+                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = True) -> list[dict[str, Any]]:
+    """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
+    ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
+    when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl.
+
+    Each run compiles afresh: dynamo's caches of an earlier run in this process would otherwise decide how a later
+    run compiles. ``trace_peak=False`` leaves out the summary's traced memory plan (about 2 s per run on a loaded
+    machine), for tests that train many runs and check something else."""
+    import os
+
+    from ddptrain.errors import RunEnded
+    from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.train import loop, train
+
+    if not trace_peak:
+        loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
+
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    results = []
+    for name, overrides, fault in variants:
+        run_dir = Path(tmp) / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.pop("DDPTRAIN_FAULT", None)
+        if fault:
+            os.environ["DDPTRAIN_FAULT"] = fault
+        summary, error, code = None, None, 0
+        torch._dynamo.reset()  # each run compiles (train.compile) afresh, as in a process of its own
+        try:
+            summary = train(make_config(tmp, base, overrides), env, torch.device("cpu"), run_dir, {})
+        except RunEnded as exc:
+            error, code = str(exc), exc.exit_code
+        finally:
+            os.environ.pop("DDPTRAIN_FAULT", None)
+        metrics = run_dir / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if rank == 0 and metrics.is_file() else []
+        results.append({"summary": summary, "error": error, "exit_code": code, "dir": str(run_dir),
+                        "metrics": [json.loads(line) for line in lines]})
+    return results
