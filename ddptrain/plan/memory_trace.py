@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, masking_utils
 from ddptrain.config.choices import Quantize
 from ddptrain.config.schema import Config, ModelConfig
 from ddptrain.models.build import hf_config
+from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 
@@ -276,6 +277,8 @@ def fake_training_state(
             model = training_model(cfg.model, vocab_size)
         if param_dtype is not None:
             model.to(param_dtype)
+        if cfg.train.chunked_loss:
+            use_chunked_loss(model, cfg.train.loss_chunk_tokens)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()
