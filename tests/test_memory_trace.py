@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import build_model
+from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
@@ -72,9 +73,16 @@ def small_config(arch: str = "llama", checkpointing: bool = False, lora: bool = 
     return cfg
 
 
+def with_run_loss(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """The loss the run computes: chunked (``train.chunked_loss``, on by default) where it is exact."""
+    if cfg.train.chunked_loss:
+        use_chunked_loss(model, cfg.train.loss_chunk_tokens)
+    return model
+
+
 def real_training_state(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = training_model(cfg.model, VOCAB)
+    model = with_run_loss(training_model(cfg.model, VOCAB), cfg)
     model.train()
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=1e-3,
                                   **impl_kwargs(cfg.optim.impl, torch.device("cpu")))
@@ -350,7 +358,7 @@ def _fsdp_rank_peak(rank: int, world_size: int, cfg: Config, grad_accum: int) ->
 
     def build() -> Callable[[], object]:
         torch.manual_seed(0)
-        model = training_model(cfg.model, VOCAB)
+        model = with_run_loss(training_model(cfg.model, VOCAB), cfg)
         model.train()
         shard_model(model, cfg.parallel, torch.device("cpu"), cfg.train.precision)
         optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=1e-3,
@@ -446,7 +454,7 @@ def real_qlora_state(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimize
     """The model as a QLoRA run loads and prepares it (bitsandbytes' 4-bit load on the CPU), AdamW with state."""
     torch.manual_seed(0)
     vocab = TINY_LLAMA["vocab_size"]
-    model = prepare_for_finetuning(build_model(cfg.model, vocab), cfg.model)
+    model = with_run_loss(prepare_for_finetuning(build_model(cfg.model, vocab), cfg.model), cfg)
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=1e-3,
                                   **impl_kwargs(cfg.optim.impl, torch.device("cpu")))
     create_optimizer_state(optimizer, model.parameters())
