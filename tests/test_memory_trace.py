@@ -390,7 +390,8 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
 def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
-                      "data.global_batch_size=16", "data.micro_batch_size=4", f"hydra.run.dir={run_dir}"],
+                      "data.global_batch_size=16", "data.micro_batch_size=4", "train.loss_chunk_tokens=16",
+                      f"hydra.run.dir={run_dir}"],
                      cwd=tmp_path, cache=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
@@ -404,6 +405,13 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
     best = plan["recommendation"]
     assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
     assert abs(plan["fit_gap"]) < 0.02
+    # the LM head and loss chunk by chunk (on by default): their share with chunking on and off
+    share = plan["logits_and_loss"]
+    assert plan["chunked_loss"] and share["chunk_tokens"] == 16
+    assert 0 < share["chunked"]["logits_and_loss_bytes"] < share["full logits"]["logits_and_loss_bytes"] / 4
+    assert share["chunked"]["peak_bytes_per_rank"] == plan["peak_bytes_per_rank"]
+    assert share["full logits"]["peak_bytes_per_rank"] > plan["peak_bytes_per_rank"]
+    assert "LM head and loss at the peak (train.chunked_loss on, chunks of 16 tokens)" in result.stdout
 
 
 def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dict[int, float]:
