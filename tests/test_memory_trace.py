@@ -511,7 +511,9 @@ def test_a_traced_qlora_step_peaks_like_the_real_4bit_cpu_step_in_every_category
     measured = allocator_peak(real_model, real_optimizer, real_batch, setup)
     assert fake == real  # the same step on fake and on real tensors: every category to the byte
     assert fake.peak == pytest.approx(measured, rel=0.02)
-    assert fake.by_category["temporaries"] > 0 and fake.by_category["optimizer"] > 0
+    # with the chunked loss (on by default) no [tokens, vocab] gradient is made in backward: the peak can fall
+    # where the forward's activations are all live and backward has made nothing yet
+    assert fake.by_category["activations"] + fake.by_category["temporaries"] > 0 and fake.by_category["optimizer"] > 0
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
