@@ -126,7 +126,7 @@ MUTANTS = [
     # issue 33: mutants of the previous round's features that survived an audit, and the assertion that kills each
     Mutant("packed-leak-check-skipped", "a packed prompt/completion run never checks that packed examples stay apart",
            (("ddptrain/train/components.py",
-             "        check_packed_attention(model, data.vocab_size)  # before compiling and wrapping: a bare forward",
+             "        check_packed_attention(model, data.vocab_size, autocast)",
              "        pass"),),
            ("tests/test_packing.py", "-k", "leak or refused")),
     Mutant("zero2-unsharded-scaler", "ZeRO-2/3 under fp16 gets torch's GradScaler: each rank checks only its shard",

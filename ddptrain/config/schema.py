@@ -270,9 +270,16 @@ class TrainConfig:
     nan_policy: NanPolicy = NanPolicy.abort  # on a non-finite loss or gradient
     check_every: int = 10  # steps between the ranks' agreement on stop requests and non-finite steps (a sync)
     compile: bool = False  # torch.compile each transformer block (torch DDP and the ZeRO stages)
+    # LM head + cross-entropy chunk by chunk over the tokens: the [tokens, vocab] logits never exist whole; on for
+    # the heads where it is exact (Llama, Mistral, Qwen2/3, GPT-2; a plain linear head), else the full logits
+    chunked_loss: bool = True
+    loss_chunk_tokens: int | None = None  # tokens per chunk; null: one fp32 [chunk, vocab] block <= 64 MiB
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every", "eval_batches", "check_every")
+        _require(self.loss_chunk_tokens is None or self.loss_chunk_tokens >= 1,
+                 f"train.loss_chunk_tokens={self.loss_chunk_tokens}: expected a positive number of tokens per "
+                 "chunk (null: chosen from the vocabulary)")
         _require(self.eval_every >= 0, f"train.eval_every={self.eval_every}: expected >= 0 (0 disables evaluation)")
 
 

@@ -82,12 +82,15 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
 
 
 def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
-               device: Device, working_copy: bool = False) -> PeakTracker:
+               device: Device, working_copy: bool = False, chunked_loss: bool | None = None) -> PeakTracker:
     """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
-    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3)."""
+    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). ``chunked_loss``:
+    ``train.chunked_loss`` (None: as configured)."""
     traced = copy.deepcopy(cfg)
     traced.model.gradient_checkpointing = checkpointing
     traced.model.num_layers = num_layers
+    if chunked_loss is not None:
+        traced.train.chunked_loss = chunked_loss
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     dtype = compute_dtype(cfg.train.precision, device)
     model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
@@ -266,6 +269,39 @@ def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool
 
 
 @dataclass(frozen=True)
+class LogitsShare:
+    """The LM head's and the loss's share of the peak with ``train.chunked_loss`` on and off.
+
+    Both from one-block traces of the configured micro batch (the share does not depend on the depth); the
+    per-rank peak of the setting not configured is the configured one plus the one-block traces' difference.
+    """
+
+    chunk_tokens: int | None  # tokens per chunk when on; None: the model's head keeps the full logits
+    bytes: dict[str, float]  # "chunked" / "full logits" -> "logits and loss" bytes at the step's peak
+    peak: dict[str, float]  # the same keys -> the step's peak per rank
+
+    def to_json(self) -> dict:
+        return {"chunk_tokens": self.chunk_tokens,
+                **{k: {"logits_and_loss_bytes": round(v), "peak_bytes_per_rank": round(self.peak[k])}
+                   for k, v in self.bytes.items()}}
+
+
+def logits_share(cfg: Config, vocab: int, grad_accum: int, device: Device, working_copy: bool, configured_peak: float
+                 ) -> LogitsShare:
+    """Trace one block at the configured micro batch with the chunked loss on and off (see ``LogitsShare``)."""
+    from ddptrain.models.chunked_loss import chunk_tokens_for
+
+    traced = {on: trace_peak(cfg, vocab, cfg.data.micro_batch_size, cfg.model.gradient_checkpointing, 1,
+                             grad_accum, device, working_copy, chunked_loss=on).peak for on in (True, False)}
+    names = {True: "chunked", False: "full logits"}
+    here = traced[cfg.train.chunked_loss].peak
+    chunked = traced[True].by_category["logits and loss"] != traced[False].by_category["logits and loss"]
+    chunk = (cfg.train.loss_chunk_tokens or chunk_tokens_for(vocab)) if chunked else None
+    return LogitsShare(chunk, {names[on]: t.by_category["logits and loss"] for on, t in traced.items()},
+                       {names[on]: configured_peak + t.peak - here for on, t in traced.items()})
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """The configured step's traced peak per rank on the target device, and the recommendation."""
 
@@ -279,6 +315,8 @@ class MemoryPlan:
     allowances: Allowances
     fit_gap: float  # the fit's peak at the configured size over the full trace's, minus 1
     options: list[Option]  # the best micro batch per stage and checkpointing, fastest first; fits only
+    logits: LogitsShare | None = None  # the head's and loss's share with train.chunked_loss on and off
+    configured_chunked: bool = True  # train.chunked_loss as configured
 
     @property
     def peak(self) -> float:
@@ -305,7 +343,13 @@ class MemoryPlan:
             "total_bytes_per_rank": round(self.total), "fits": self.fits, "fit_gap": self.fit_gap,
             "recommendation": None if best is None else option_json(best),
             "options": [option_json(o) for o in self.options],
+            "chunked_loss": self.chunked_loss,
+            "logits_and_loss": None if self.logits is None else self.logits.to_json(),
         }
+
+    @property
+    def chunked_loss(self) -> bool:
+        return self.logits is not None and self.logits.chunk_tokens is not None and self.configured_chunked
 
 
 def option_json(option: Option) -> dict:
@@ -380,6 +424,9 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=cfg.parallel.zero_stage, traced=traced,
         by_category=configured, allowances=allowances(configured, cfg.parallel.zero_stage),
         fit_gap=fitted / stage_traced.peak - 1, options=options,
+        logits=logits_share(cfg, vocab, min(batch.grad_accum, 2), device, low and cfg.parallel.zero_stage >= 2,
+                            sum(configured.values())),
+        configured_chunked=cfg.train.chunked_loss,
     )
 
 

@@ -34,6 +34,12 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     verdict = "fits" if mp.fits else "does NOT fit"
     table.add_row("total", f"{_gib(mp.total)}: {verdict} in {mp.device.memory_gib:,.1f} GiB")
     out.print(table)
+    if mp.logits is not None:
+        share = mp.logits
+        how = (f"on, chunks of {share.chunk_tokens} tokens" if mp.chunked_loss else
+               "off" if share.chunk_tokens is not None else "off: not exact for this model's head")
+        out.print(f"LM head and loss at the peak (train.chunked_loss {how}): "
+                  + ", ".join(f"{_gib(share.bytes[k])} with {k} (peak {_gib(share.peak[k])})" for k in share.bytes))
     out.print("The allowances are assumptions, not traced. ZeRO-1/2/3 figures shard the single-rank trace by "
               "formula (checked against 2-rank runs on CPU). Nothing here is checked on a GPU yet.")
     if not mp.options:

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, masking_utils
 from ddptrain.config.choices import Quantize
 from ddptrain.config.schema import Config, ModelConfig
 from ddptrain.models.build import hf_config
+from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 
@@ -37,7 +38,11 @@ FLASH_OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default)
 # "parameter copies": parameters cast to the compute dtype by autocast, kept for backward (FSDP2's gathered
 # low-precision parameters take their place).
-CATEGORIES = ("parameters", "parameter copies", "gradients", "optimizer", "activations", "temporaries")
+# "logits and loss": what the LM head and the cross-entropy create, told by the vocabulary as last dimension (the
+# logits, their log-softmax and gradient; with train.chunked_loss one chunk's worth); counted apart from the other
+# activations and temporaries so that the plan shows that share with and without chunking.
+CATEGORIES = ("parameters", "parameter copies", "gradients", "optimizer", "activations", "temporaries",
+              "logits and loss")
 CAST = torch.ops.aten._to_copy.default
 
 
@@ -58,11 +63,14 @@ class PeakTracker(TorchDispatchMode):
     and count once. Only the global peak is kept (no per-module peaks), which keeps a step cheap to trace.
     """
 
-    def __init__(self, compositions: Mapping[Any, Callable[..., Any]] | None = None) -> None:
+    def __init__(self, compositions: Mapping[Any, Callable[..., Any]] | None = None,
+                 vocab_size: int | None = None) -> None:
         """``compositions``: ops to run as their kernels compose them, so that their temporaries count (a fake
-        kernel shows only its output)."""
+        kernel shows only its output). ``vocab_size``: new tensors of two or more dimensions with this last
+        dimension count as "logits and loss"."""
         super().__init__()
         self.compositions = dict(compositions or {})
+        self.vocab_size = vocab_size
         self.phase = "forward"
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
@@ -84,6 +92,9 @@ class PeakTracker(TorchDispatchMode):
                 self.live[category] += entry[0]
                 entry[1] = category
             return
+        if category is None and self.vocab_size is not None and tensor.dim() >= 2 \
+                and tensor.shape[-1] == self.vocab_size:
+            category = "logits and loss"
         entry = [storage.nbytes(), category or self._new_category()]
         self._entries[storage] = entry
         self.live[entry[1]] += entry[0]
@@ -158,11 +169,14 @@ def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 def step_tracker(model: torch.nn.Module, device_type: str) -> PeakTracker:
     """A tracker for a step of ``model`` on ``device_type``; a 4-bit model's matmuls run as bitsandbytes' kernel
     on that device composes them, dequantized weight included."""
+    inner = getattr(model, "module", model)  # under torch DDP, the model it wraps
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    vocab = getattr(head, "out_features", None)
     if not any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
-        return PeakTracker()
+        return PeakTracker(vocab_size=vocab)
     from ddptrain.plan.memory_nf4 import kernel_compositions
 
-    return PeakTracker(kernel_compositions(device_type))
+    return PeakTracker(kernel_compositions(device_type), vocab_size=vocab)
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
@@ -276,6 +290,8 @@ def fake_training_state(
             model = training_model(cfg.model, vocab_size)
         if param_dtype is not None:
             model.to(param_dtype)
+        if cfg.train.chunked_loss:
+            use_chunked_loss(model, cfg.train.loss_chunk_tokens)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()

@@ -26,6 +26,7 @@ from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batch
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import mask_packed_rows, use_causal_attention, use_varlen_attention
+from ddptrain.models.chunked_loss import chunked_loss_refusal, use_chunked_loss
 from ddptrain.models.flops import attention_flops, flops_per_token, head_dim, pretrained_attention_flops
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
 from ddptrain.models.packed_attention import check_packed_attention
@@ -105,6 +106,10 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     if packed_examples:
         mask_packed_rows(model)  # sdpa: a ready block-diagonal mask (no host read per forward)
         check_packed_attention(model, data.vocab_size, autocast)  # before compiling and wrapping; as training runs
+    if cfg.train.chunked_loss:
+        chunk = use_chunked_loss(model, cfg.train.loss_chunk_tokens)
+        log.info(f"train.chunked_loss: the LM head and the loss run {chunk} tokens at a time (no [tokens, vocab] "
+                 "logits)" if chunk else f"train.chunked_loss: off: {chunked_loss_refusal(model)}; full logits")
     trainable, n_params = parameter_counts(model)
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
