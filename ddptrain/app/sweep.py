@@ -15,16 +15,18 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
+from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app import sweep_report
 from ddptrain.app.sweep_job import SweepJobFailed, results_in, sweep_job
-from ddptrain.config.compose import Source, primary_of, register_schema
+from ddptrain.config.compose import Source, build_config, compose_config, primary_of, register_schema
 from ddptrain.errors import ConfigError, one_line, say
 
 # where the plugins of the Hydra ecosystem come from, for the one-line error when one is not installed
@@ -78,12 +80,29 @@ def check_overrides(overrides: list[str], fail_fast: bool) -> None:
                           f"hydra/launcher={chosen['hydra/launcher']} runs them as it sees fit")
 
 
+def check_objective(config: DictConfig) -> None:
+    """``sweep.*`` checked before any job runs (every job shares it). A searching sweeper optimizes in its own
+    direction (``hydra.sweeper.direction``): it must be the one of the objective each job returns
+    (``sweep.direction``), or the search would run away from the goal."""
+    build_config({"sweep": config.sweep})
+    theirs = config.hydra.sweeper.get("direction")
+    if theirs is None:
+        return
+    if OmegaConf.is_list(theirs):
+        raise ConfigError(f"hydra.sweeper.direction={list(theirs)}: each ddptrain job returns one objective "
+                          f"(sweep.objective={config.sweep.objective}); give one direction")
+    theirs = theirs.name if isinstance(theirs, Enum) else str(theirs)  # Optuna's config holds an Enum
+    if theirs != str(config.sweep.direction):
+        raise ConfigError(f"hydra.sweeper.direction={theirs} but sweep.direction={config.sweep.direction} "
+                          f"(for sweep.objective={config.sweep.objective}): make them agree")
+
+
 def run_sweep(source: Source, fail_fast: bool = False) -> int:
     """Run the multirun through Hydra; non-zero when some job failed."""
     if "LOCAL_RANK" in os.environ:
         raise ConfigError("--multirun launches the workers of each job itself: run it without torchrun")
     check_overrides(source.overrides, fail_fast)
-    register_schema()
+    check_objective(compose_config(source, multirun=True))
     primary, name, overrides = primary_of(source)
     overrides = [*overrides, "hydra.job.name=ddptrain", *(["hydra.launcher.fail_fast=true"] if fail_fast else [])]
     app = hydra.main(config_path=str(primary), config_name=name, version_base="1.3")(sweep_job)

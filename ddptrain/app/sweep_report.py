@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import csv
 import shlex
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app.sweep_job import JobResult, results_in, source_argv
-from ddptrain.errors import ConfigError
 
 # summary.json keys in the report, with their headers; a column appears when some job reports it
 FIGURES = {
@@ -42,26 +40,10 @@ class SweepReport(Callback):
     """Hydra callback (``hydra.callbacks.sweep_report``): the report once the sweeper has finished."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_direction(config)
         started.append(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         write_report(Path(str(config.hydra.sweep.dir)), command_of(config))
-
-
-def check_direction(config: DictConfig) -> None:
-    """A searching sweeper optimizes in its own direction (``hydra.sweeper.direction``); it must be the one of
-    the objective each job returns (``sweep.direction``), or the search would run away from the goal."""
-    theirs = config.hydra.sweeper.get("direction")
-    if theirs is None:
-        return
-    if OmegaConf.is_list(theirs):
-        raise ConfigError(f"hydra.sweeper.direction={list(theirs)}: each ddptrain job returns one objective "
-                          f"(sweep.objective={config.sweep.objective}); give one direction")
-    theirs = theirs.name if isinstance(theirs, Enum) else str(theirs)  # Optuna's config holds an Enum
-    if theirs != str(config.sweep.direction):
-        raise ConfigError(f"hydra.sweeper.direction={theirs} but sweep.direction={config.sweep.direction} "
-                          f"(for sweep.objective={config.sweep.objective}): make them agree")
 
 
 def command_of(config: DictConfig) -> str:
