@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from ddptrain.app.sweep import job_env, run_job
+from ddptrain.app.sweep_job import job_env, run_job
 from ddptrain.config.compose import compose_config
 from ddptrain.errors import ConfigError, flat
 

@@ -1,8 +1,8 @@
-"""ddptrain as a Hydra app: configs found after a plain install, the user's config dir, multirun, --help, choices."""
+"""ddptrain as a Hydra app: configs found after a plain install, the user's config dir, --help, choices (multirun:
+tests/test_sweep.py)."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import enum
 import json
@@ -17,10 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app.cli import run_cli
 from ddptrain.app.help import config_groups, schema_keys
-from ddptrain.app.sweep import expand
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
-from tests.helpers.cli import run_cli as run_command
 from tests.helpers.cli import test_env
 
 REPO = Path(__file__).parents[1]
@@ -36,7 +34,8 @@ def _without(overrides: list[str], *keys: str) -> list[str]:
 def test_every_package_ships_in_the_wheel() -> None:
     """pyproject lists packages by hand (find cannot map configs/ in): a new subpackage must not be forgotten."""
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    present = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ddptrain").rglob("__init__.py")}
+    present = {".".join(p.parent.relative_to(REPO).parts)
+               for root in ("ddptrain", "hydra_plugins") for p in (REPO / root).rglob("__init__.py")}
     assert present | {"ddptrain.configs"} == listed
 
 
@@ -47,6 +46,7 @@ def test_plain_install_finds_the_configs_and_trains(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
                     str(site), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
     assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
+    assert (site / "hydra_plugins" / "ddptrain_launcher" / "ddptrain_launcher.py").is_file()  # ddptrain -m's
     env = {**test_env(tmp_path / "cache"), "PYTHONPATH": str(site)}  # the installed copy, not the checkout
     where = subprocess.run([sys.executable, "-c", "import ddptrain.config.compose as c; print(c.config_dir())"],
                            env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
@@ -153,47 +153,3 @@ def test_every_choice_field_rejects_a_bad_value_at_composition(capsys: pytest.Ca
         assert run_cli(["--cfg", "job", f"{key}=bogus"]) == 2, key  # --cfg: composition alone, no training
         allowed = ", ".join(c.value for c in choices)
         assert capsys.readouterr().err.strip() == f"ddptrain: error: {key}='bogus': expected one of {allowed}"
-
-
-def test_sweep_syntax_expands_to_the_cartesian_product_with_config_params() -> None:
-    jobs = expand(["a.x=1,2", "b.y=range(0,6,3)", "c=5"], {"d.z": "p,q", "a.x": "7,8,9"})
-    assert len(jobs) == 2 * 2 * 2  # the command line's a.x wins over the config's
-    assert ["d.z=p", "a.x=1", "b.y=0", "c=5"] in jobs and ["d.z=q", "a.x=2", "b.y=3", "c=5"] in jobs
-    assert expand(["+experiment=quickstart", "m=choice(u,v)"], None) == [
-        ["+experiment=quickstart", "m=u"], ["+experiment=quickstart", "m=v"]]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tokenized-data cache for the module's sweeps: the tokenizer is trained once."""
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.mark.slow
-def test_multirun_runs_each_job_with_its_own_workers_and_writes_the_comparison(tmp_path: Path, cache: Path) -> None:
-    fixed = _without(TINY, "train.steps", "data.global_batch_size")
-    sweep = ["-m", "parallel.bucket_cap_mb=1,25", "launch.nproc_per_node=2", *fixed,
-             "train.steps=4", "data.global_batch_size=4", "hydra.sweep.dir=sweep"]
-    result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
-    assert [r["parallel.bucket_cap_mb"] for r in rows] == ["1", "25"]
-    for num, row in enumerate(rows):
-        summary = json.loads((tmp_path / "sweep" / str(num) / "summary.json").read_text())
-        assert summary["world_size"] == 2 and float(row["tokens_per_s"]) == pytest.approx(summary["tokens_per_s"])
-        assert row["status"] == "ok" and float(row["comm_bytes"]) > 0
-    md = (tmp_path / "sweep" / "sweep.md").read_text()
-    assert "| job | parallel.bucket_cap_mb | tokens/s |" in md and "ddptrain --multirun" in md
-    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 5_000
-
-
-@pytest.mark.slow
-def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path: Path, cache: Path) -> None:
-    # a micro batch of 3 does not divide the global batch of 2: job 0 fails at start-up, job 1 trains
-    sweep = ["-m", "data.micro_batch_size=3,2", *_without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
-    result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
-    assert result.returncode == 1
-    assert ("sweep job 0 failed: ddptrain: error: data.global_batch_size=2 is not divisible by "
-            "data.micro_batch_size=3") in result.stderr
-    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
-    assert [r["status"][:6] for r in rows] == ["failed", "ok"] and float(rows[1]["tokens_per_s"]) > 0

@@ -57,7 +57,7 @@ def run_cli(argv: list[str]) -> int:
         if args.multirun:
             from ddptrain.app.sweep import run_sweep
 
-            return run_sweep(source, compose_config(source, multirun=True), fail_fast=args.fail_fast)
+            return run_sweep(source, fail_fast=args.fail_fast)
         cfg = compose_config(source)
         if args.cfg:
             print_config(cfg, args.cfg, args.resolve)

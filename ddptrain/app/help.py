@@ -12,6 +12,7 @@ import types
 import typing
 from pathlib import Path
 
+from ddptrain.app.sweep import installed
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
 
@@ -26,9 +27,11 @@ options:
   -h, --help                 this text
   --cfg {job,hydra,all}      print the composed config and exit
   --resolve                  with --cfg: resolve interpolations
-  -m, --multirun             sweep: a=1,2 b=range(1,4) c=choice(x,y) runs the cartesian product one job
-                             after another (each a full launch with its own workers) in
-                             multirun/DATE/TIME/N (or hydra.sweep.dir=DIR); writes sweep.md/.csv/.png
+  -m, --multirun             sweep through Hydra's sweeper and launcher plugins: a=1,2 b=range(1,4)
+                             c=choice(x,y) runs the cartesian product (hydra/sweeper=basic), one job after
+                             another, each a full launch with its own workers (hydra/launcher=ddptrain), in
+                             multirun/DATE/TIME/N (or hydra.sweep.dir=DIR); hydra/sweeper=optuna with
+                             'optim.lr=interval(1e-4,3e-3)' searches sweep.objective; writes sweep.md/.csv/.png
   --fail-fast                with -m: stop at the first failed job (default: report it and go on)
   -cd, --config-dir DIR      a directory of config groups laid over ours: DIR/experiment/mine.yaml is
                              +experiment=mine, DIR/model/my7b.yaml is model=my7b (same name: yours wins)
@@ -87,11 +90,16 @@ def help_text(user_dir: Path | None) -> str:
     for group, choices in config_groups(dirs).items():
         lines.append(f"  {group + ':':<22} {', '.join(choices)}")
     lines += ["", f"primary configs (-cn): {', '.join(primary_configs(dirs))}", "",
+              "installed Hydra plugins for -m (hydra/sweeper=NAME, hydra/launcher=NAME):",
+              f"  {'hydra/sweeper:':<22} {', '.join(installed('hydra/sweeper'))}",
+              f"  {'hydra/launcher:':<22} {', '.join(installed('hydra/launcher'))}", "",
               "keys (key: type = schema default; the chosen group files set many of them):"]
     lines += [f"  {key}: {tp} = {default}" for key, tp, default in schema_keys()]
     lines += ["", "examples:",
               "  ddptrain +experiment=quickstart",
               "  ddptrain -m parallel.bucket_cap_mb=1,5,25 +experiment=quickstart train.steps=40",
+              "  ddptrain -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 'optim.lr=interval(1e-4,3e-3)' "
+              "+experiment=quickstart",
               "  ddptrain launch.dry_run=true +experiment=gpt2_small plan.world_size=8",
               "  torchrun --nproc-per-node=8 -m ddptrain +experiment=gpt2_small parallel.bucket_cap_mb=50"]
     return "\n".join(lines)

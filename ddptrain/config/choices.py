@@ -136,19 +136,11 @@ class Interconnect(StrEnum):
     pcie_gen5 = "pcie_gen5"
 
 
-class SweepLauncher(StrEnum):
-    """Where ``ddptrain -m`` runs its jobs."""
+class Direction(StrEnum):
+    """Whether a sweep's objective is better smaller or larger (``sweep.direction``)."""
 
-    local = "local"  # one after another on this machine
-    submitit = "submitit"  # all submitted at once through submitit: SLURM jobs, or local processes
-
-
-class SubmititCluster(StrEnum):
-    """submitit's executor for ``sweep.launcher=submitit``."""
-
-    auto = "auto"  # SLURM where srun is on PATH, else local processes
-    slurm = "slurm"
-    local = "local"
+    minimize = "minimize"
+    maximize = "maximize"
 
 
 def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> Precision:

@@ -79,13 +79,8 @@ def compose_config(source: Source | list[str], multirun: bool = False) -> DictCo
         source = Source(overrides=source)
     register_schema()
     try:
-        overrides = _without_sweeps(source.overrides) if multirun else list(source.overrides)
-        primary = source.user_dir or config_dir()
-        if source.user_dir is not None:
-            overrides = _with_our_groups_searched(overrides)
-        name = source.name
-        if source.user_dir is not None and not (source.user_dir / f"{name}.yaml").is_file():
-            name = _stored_primary(name)
+        swept = Source(source.user_dir, source.name, _without_sweeps(source.overrides)) if multirun else source
+        primary, name, overrides = primary_of(swept)
         with initialize_config_dir(config_dir=str(primary), job_name="ddptrain", version_base="1.3"):
             cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
@@ -94,6 +89,18 @@ def compose_config(source: Source | list[str], multirun: bool = False) -> DictCo
     except Exception as exc:
         raise ConfigError(one_line(exc)) from exc
     return cfg
+
+
+def primary_of(source: Source) -> tuple[Path, str, list[str]]:
+    """Where Hydra starts composing ``source``: the primary directory (the user's, else ours), the primary
+    config's name there, and the overrides with our directory searched after the user's."""
+    overrides = list(source.overrides)
+    if source.user_dir is None:
+        return config_dir(), source.name, overrides
+    name = source.name
+    if not (source.user_dir / f"{name}.yaml").is_file():
+        name = _stored_primary(name)
+    return source.user_dir, name, _with_our_groups_searched(overrides)
 
 
 def job_config(cfg: DictConfig) -> DictConfig:
@@ -115,8 +122,23 @@ def build_config(*layers: DictConfig | dict[str, Any]) -> Config:
 
 
 def register_schema() -> None:
-    """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there."""
+    """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there. Our
+    launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, on import."""
+    _expose_our_plugin()
     ConfigStore.instance().store(name="ddptrain_schema", node=Config)
+
+
+def _expose_our_plugin() -> None:
+    """Import our launcher plugin and make sure Hydra's plugin scan sees it. An editable install (``pip install
+    -e``) serves ``hydra_plugins.ddptrain_launcher`` through setuptools' import hook, which the scan (``pkgutil``
+    over ``hydra_plugins.__path__``) cannot list: Hydra would then refuse the launcher as unknown. Adding the
+    real directory to the namespace path, before Hydra first scans, lets it find the plugin as installed."""
+    import hydra_plugins
+    import hydra_plugins.ddptrain_launcher.ddptrain_launcher as ours
+
+    root = str(Path(ours.__file__).parents[1])
+    if root not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(root)
 
 
 def _stored_primary(name: str) -> str:

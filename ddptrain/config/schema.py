@@ -22,6 +22,7 @@ from ddptrain.config.choices import (
     DataFormat,
     DataSource,
     DebugLevel,
+    Direction,
     Engine,
     Interconnect,
     Kernels,
@@ -31,8 +32,6 @@ from ddptrain.config.choices import (
     Quantize,
     Schedule,
     ShardGroup,
-    SubmititCluster,
-    SweepLauncher,
     WandbMode,
 )
 from ddptrain.errors import ConfigError
@@ -375,23 +374,21 @@ class ProfileConfig:
                  "profile.wait and profile.warmup must be >= 0 and profile.active >= 1")
 
 
+# summary.json figures a sweep job can return to its sweeper (each a number, or null when the run did not reach it)
+OBJECTIVES = ("final_val_loss", "final_loss", "tokens_per_s", "mfu_pct", "step_time_s", "time_exposed_comm_s",
+              "overlap_pct", "max_allocated_gib", "rss_gib")
+
+
 @dataclass
 class SweepConfig:
-    """``ddptrain -m`` with ``sweep.launcher=submitit``: one single-node job per sweep job (submitit's executor)."""
+    """``ddptrain -m``: what each job returns to the sweeper (Optuna, Nevergrad, Ax search on it)."""
 
-    launcher: SweepLauncher = SweepLauncher.local
-    cluster: SubmititCluster = SubmititCluster.auto
-    partition: str | None = None  # SLURM partition; None: the cluster's default
-    gpus_per_node: int = 0  # GPUs each job asks for: one per launch.nproc_per_node worker
-    cpus_per_task: int | None = None
-    mem_gb: int | None = None
-    timeout_min: int = 60
-    # more #SBATCH options, added key by key: +sweep.slurm_additional.account=x
-    slurm_additional: dict[str, str] = field(default_factory=dict)
+    objective: str = "final_val_loss"  # a summary.json figure
+    direction: Direction = Direction.minimize  # must agree with a searching sweeper's own hydra.sweeper.direction
 
     def __post_init__(self) -> None:
-        _require(self.gpus_per_node >= 0 and self.timeout_min >= 1,
-                 "sweep.gpus_per_node must be >= 0 and sweep.timeout_min >= 1")
+        _require(self.objective in OBJECTIVES,
+                 f"sweep.objective={self.objective!r}: expected one of {', '.join(OBJECTIVES)}")
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""ddptrain's Hydra launcher plugin (``hydra/launcher=ddptrain``, the default of ``ddptrain -m``)."""

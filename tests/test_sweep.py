@@ -1,0 +1,231 @@
+"""``ddptrain -m`` through Hydra's sweeper and launcher plugins: grids on the basic sweeper, an Optuna search, the
+submitit launcher, ddptrain's own launcher (failed jobs reported, ``--fail-fast``), the report as a callback.
+
+The fast tests run the real multirun in this process (Hydra's sweepers, our launcher and callback) with each job's
+``ddptrain`` replaced by a stand-in that writes a summary.json from its overrides; the slow ones train for real.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddptrain.app import sweep_job
+from ddptrain.app.cli import run_cli
+from tests.helpers import stub_job
+from tests.helpers.cli import run_cli as run_command
+
+REPO = Path(__file__).parents[1]
+
+TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
+        "model.hidden_size=64", "data.global_batch_size=2", "data.micro_batch_size=2", "checkpoint.export=false",
+        "logger.progress=false"]
+
+
+def _without(overrides: list[str], *keys: str) -> list[str]:
+    return [o for o in overrides if o.split("=")[0] not in keys]
+
+
+@pytest.fixture
+def stub_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]:
+    """Each sweep job's command replaced by the stand-in; the overrides of every job started, in order."""
+    started: list[list[str]] = []
+
+    def command(argv: list[str], overrides: list[str], run_dir: Path) -> list[str]:
+        started.append(list(overrides))
+        return [sys.executable, stub_job.__file__, json.dumps(overrides), str(run_dir)]
+
+    monkeypatch.setattr(sweep_job, "job_command", command)
+    monkeypatch.chdir(tmp_path)
+    return started
+
+
+def _rows(sweep_dir: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((sweep_dir / "sweep.csv").open()))
+
+
+def test_a_grid_runs_the_cartesian_product_with_the_experiments_params_one_job_each(
+    stub_jobs: list[list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # bucket_sweep's hydra.sweeper.params sweeps parallel.bucket_cap_mb (1,5,25); the command line adds a key
+    assert run_cli(["-m", "+experiment=bucket_sweep", "data.micro_batch_size=2,4", "hydra.sweep.dir=sweep"]) == 0
+    chosen = [{o.split("=")[0]: o.split("=")[1] for o in job} for job in stub_jobs]
+    assert sorted((c["parallel.bucket_cap_mb"], c["data.micro_batch_size"]) for c in chosen) == sorted(
+        (b, m) for b in ("1", "5", "25") for m in ("2", "4"))
+    assert all(any(o.startswith("logger.wandb.group=sweep-") for o in job) for job in stub_jobs)  # side by side
+    rows = _rows(tmp_path / "sweep")
+    assert [r["job"] for r in rows] == [str(n) for n in range(6)] and {r["status"] for r in rows} == {"ok"}
+    assert {"parallel.bucket_cap_mb", "data.micro_batch_size", "tokens_per_s", "objective: final_val_loss"} <= set(
+        rows[0])
+    for row in rows:
+        assert float(row["tokens_per_s"]) == 1000.0 * int(row["data.micro_batch_size"])
+        assert (tmp_path / "sweep" / row["job"] / "summary.json").is_file()
+    md = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "ddptrain --multirun hydra.sweep.dir=sweep +experiment=bucket_sweep data.micro_batch_size=2,4\n" in md
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 5_000
+    assert "sweep of 6 jobs in sweep: 6 succeeded" in capsys.readouterr().err
+
+
+def test_a_failed_job_is_reported_and_the_sweep_goes_on_unless_fail_fast(
+    stub_jobs: list[list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_cli(["-m", "data.micro_batch_size=3,2", "hydra.sweep.dir=all"]) == 1
+    err = capsys.readouterr().err
+    assert ("ddptrain: sweep job 0 failed: ddptrain: error: data.global_batch_size=2 is not divisible by "
+            "data.micro_batch_size=3") in err
+    assert len(stub_jobs) == 2 and "sweep of 2 jobs in all: 1 succeeded, failed: 0" in err
+    assert [r["status"][:6] for r in _rows(tmp_path / "all")] == ["failed", "ok"]  # written though Hydra stopped
+
+    stub_jobs.clear()
+    assert run_cli(["-m", "--fail-fast", "data.micro_batch_size=3,2", "hydra.sweep.dir=first"]) == 1
+    assert len(stub_jobs) == 1 and [r["status"][:6] for r in _rows(tmp_path / "first")] == ["failed"]
+
+
+def test_an_optuna_search_gets_each_jobs_objective_and_the_report_names_the_best_point(
+    stub_jobs: list[list[str]], tmp_path: Path,
+) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.sampler.seed=0",
+            "optim.lr=interval(1e-4,1e-2)", "hydra.sweep.dir=search"]
+    assert run_cli(args) == 0
+    rows = _rows(tmp_path / "search")
+    assert len(rows) == 4 == len(stub_jobs)
+    lrs = [float(r["optim.lr"]) for r in rows]
+    assert len(set(lrs)) == 4 and all(1e-4 <= lr <= 1e-2 for lr in lrs)  # sampled from the interval
+    values = [float(r["objective: final_val_loss"]) for r in rows]
+    best = yaml.safe_load((tmp_path / "search" / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(values))  # the sweeper got the objective each job returned
+    assert best["best_params"]["optim.lr"] == pytest.approx(lrs[values.index(min(values))])
+    assert f"Best of the optuna search: **optim.lr={best['best_params']['optim.lr']}**" in (
+        tmp_path / "search" / "sweep.md").read_text()
+
+
+def test_sweep_errors_are_one_line_before_any_job(stub_jobs: list[list[str]],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    cases = {
+        ("hydra/sweeper=nevergrad", "a=1,2"): "hydra/sweeper=nevergrad is not installed: pip install "
+                                              "hydra-nevergrad-sweeper",
+        ("hydra/launcher=nope", "a=1,2"): "hydra/launcher=nope is not installed: installed: basic, ddptrain",
+        ("sweep.partition=gpu", "a=1,2"): "sweep.partition was replaced by Hydra's launcher plugins: use "
+                                          "hydra.launcher.partition",
+        ("sweep.objective=loss", "train.steps=1,2"): "sweep.objective='loss': expected one of final_val_loss",
+        ("train.stepz=1,2",): "train.stepz: Key 'stepz' not in 'TrainConfig'",
+    }
+    for args, message in cases.items():
+        assert run_cli(["-m", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"ddptrain: error: {message}"), (args, err)
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    assert run_cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "train.steps=1,2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ddptrain: error: hydra.sweeper.direction=maximize but sweep.direction=minimize (for "
+        "sweep.objective=final_val_loss): make them agree")
+    assert stub_jobs == []
+
+
+def test_help_lists_the_installed_sweepers_and_launchers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sweepers = next(line for line in lines if line.strip().startswith("hydra/sweeper:")).split(":", 1)[1]
+    launchers = next(line for line in lines if line.strip().startswith("hydra/launcher:")).split(":", 1)[1]
+    assert {"basic", "optuna"} <= {s.strip() for s in sweepers.split(",")}
+    assert {"basic", "ddptrain", "submitit_local", "submitit_slurm"} <= {s.strip() for s in launchers.split(",")}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized-data cache for the module's sweeps: the tokenizer is trained once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.slow
+def test_multirun_runs_each_job_with_its_own_workers_and_writes_the_comparison(tmp_path: Path, cache: Path) -> None:
+    fixed = _without(TINY, "train.steps", "data.global_batch_size")
+    sweep = ["-m", "parallel.bucket_cap_mb=1,25", "launch.nproc_per_node=2", *fixed,
+             "train.steps=4", "data.global_batch_size=4", "hydra.sweep.dir=sweep"]
+    result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "sweep")
+    assert [r["parallel.bucket_cap_mb"] for r in rows] == ["1", "25"]
+    for num, row in enumerate(rows):
+        summary = json.loads((tmp_path / "sweep" / str(num) / "summary.json").read_text())
+        assert summary["world_size"] == 2 and float(row["tokens_per_s"]) == pytest.approx(summary["tokens_per_s"])
+        assert row["status"] == "ok" and float(row["comm_bytes"]) > 0
+    md = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "| job | parallel.bucket_cap_mb | tokens/s |" in md and "ddptrain --multirun" in md
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path: Path, cache: Path) -> None:
+    # a micro batch of 3 does not divide the global batch of 2: job 0 fails at start-up, job 1 trains
+    sweep = ["-m", "data.micro_batch_size=3,2", *_without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
+    result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
+    assert result.returncode == 1
+    assert ("sweep job 0 failed: ddptrain: error: data.global_batch_size=2 is not divisible by "
+            "data.micro_batch_size=3") in result.stderr
+    rows = _rows(tmp_path / "sweep")
+    assert [r["status"][:6] for r in rows] == ["failed", "ok"] and float(rows[1]["tokens_per_s"]) > 0
+
+
+@pytest.mark.slow
+def test_a_real_optuna_search_over_an_interval_trains_three_trials(tmp_path: Path, cache: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=3",
+            "optim.lr=interval(1e-4,3e-3)", *_without(TINY, "train.eval_every"), "train.eval_every=2",
+            "hydra.sweep.dir=search"]
+    result = run_command(args, cwd=tmp_path, cache=cache, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "search")
+    assert len(rows) == 3 and {r["status"] for r in rows} == {"ok"}
+    for row in rows:
+        summary = json.loads((tmp_path / "search" / row["job"] / "summary.json").read_text())
+        assert float(row["objective: final_val_loss"]) == pytest.approx(summary["final_val_loss"])
+        config = yaml.safe_load((tmp_path / "search" / row["job"] / "config.yaml").read_text())
+        assert config["optim"]["lr"] == pytest.approx(float(row["optim.lr"]))  # the trial's lr trained
+    best = yaml.safe_load((tmp_path / "search" / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(float(r["objective: final_val_loss"]) for r in rows))
+    assert "Best of the optuna search" in (tmp_path / "search" / "sweep.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_sweep_through_hydras_submitit_local_launcher_trains_and_reports(tmp_path: Path, cache: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    # job 0 cannot start (a micro batch of 3 does not divide the global batch of 2), job 1 trains
+    args = ["-m", "hydra/launcher=submitit_local", "data.micro_batch_size=3,2",
+            *_without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
+    result = run_command(args, cwd=tmp_path, cache=cache, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "sweep of 2 jobs in sweep: 1 succeeded, failed: 0" in result.stderr
+    rows = _rows(tmp_path / "sweep")
+    assert [r["status"][:6] for r in rows] == ["failed", "ok"] and float(rows[1]["tokens_per_s"]) > 0
+    assert "data.global_batch_size=2 is not divisible" in rows[0]["status"]
+    assert list((tmp_path / "sweep" / ".submitit").rglob("*_log.err"))  # submitit ran them
+
+
+@pytest.mark.slow
+def test_an_editable_install_exposes_the_launcher_to_hydras_plugin_scan(tmp_path: Path) -> None:
+    """``pip install -e .`` (the README's install) serves our ``hydra_plugins`` portion through setuptools' import
+    hook, which Hydra's plugin scan cannot list: the launcher must still be found, from outside the checkout."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "running_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # torch, hydra, ... as here
+    python = venv / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO)], check=True,
+                   capture_output=True, timeout=300, cwd=tmp_path)
+    probe = ("from ddptrain.config.compose import register_schema; register_schema(); "
+             "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
+             "print(sorted(c.__name__ for c in Plugins.instance().discover(Launcher)))")
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert "DdptrainLauncher" in found.stdout
