@@ -20,17 +20,9 @@ from ddptrain.app.help import config_groups, schema_keys
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
 from tests.helpers.cli import test_env
+from tests.helpers.tiny import TINY_RUN_ARGS as TINY
 
 REPO = Path(__file__).parents[1]
-TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
-        "model.hidden_size=64", "data.global_batch_size=2", "data.micro_batch_size=2", "checkpoint.export=false",
-        "logger.progress=false"]
-
-
-def _without(overrides: list[str], *keys: str) -> list[str]:
-    return [o for o in overrides if o.split("=")[0] not in keys]
-
-
 def test_every_package_ships_in_the_wheel() -> None:
     """pyproject lists packages by hand (find cannot map configs/ in): a new subpackage must not be forgotten."""
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])

@@ -401,12 +401,12 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
     traces: dict[str, PeakTracker] = {}
     trace = memory_plan.trace_peak
 
-    def traced_once(cfg: Config, vocab: int, *shape: Any) -> PeakTracker:
+    def traced_once(cfg: Config, vocab: int, *shape: Any, **options: Any) -> PeakTracker:
         """A step's trace does not depend on the device's memory size: each one is traced once here."""
         *sizes, device, working_copy = (*shape, False) if len(shape) == 5 else shape
-        key = repr((cfg, vocab, sizes, device.name, device.bf16, working_copy))
+        key = repr((cfg, vocab, sizes, device.name, device.bf16, working_copy, sorted(options.items())))
         if key not in traces:
-            traces[key] = trace(cfg, vocab, *shape)
+            traces[key] = trace(cfg, vocab, *shape, **options)
         return traces[key]
 
     monkeypatch.setattr(memory_plan, "trace_peak", traced_once)

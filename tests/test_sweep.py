@@ -22,17 +22,10 @@ from ddptrain.app import sweep_job
 from ddptrain.app.cli import run_cli
 from tests.helpers import stub_job
 from tests.helpers.cli import run_cli as run_command
+from tests.helpers.tiny import TINY_RUN_ARGS as TINY
+from tests.helpers.tiny import without
 
 REPO = Path(__file__).parents[1]
-
-TINY = ["data.max_documents=40", "train.steps=2", "train.log_every=1", "train.eval_every=0", "model.num_layers=1",
-        "model.hidden_size=64", "data.global_batch_size=2", "data.micro_batch_size=2", "checkpoint.export=false",
-        "logger.progress=false"]
-
-
-def _without(overrides: list[str], *keys: str) -> list[str]:
-    return [o for o in overrides if o.split("=")[0] not in keys]
-
 
 @pytest.fixture
 def stub_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]:
@@ -148,7 +141,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_multirun_runs_each_job_with_its_own_workers_and_writes_the_comparison(tmp_path: Path, cache: Path) -> None:
-    fixed = _without(TINY, "train.steps", "data.global_batch_size")
+    fixed = without(TINY, "train.steps", "data.global_batch_size")
     sweep = ["-m", "parallel.bucket_cap_mb=1,25", "launch.nproc_per_node=2", *fixed,
              "train.steps=4", "data.global_batch_size=4", "hydra.sweep.dir=sweep"]
     result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
@@ -167,7 +160,7 @@ def test_multirun_runs_each_job_with_its_own_workers_and_writes_the_comparison(t
 @pytest.mark.slow
 def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path: Path, cache: Path) -> None:
     # a micro batch of 3 does not divide the global batch of 2: job 0 fails at start-up, job 1 trains
-    sweep = ["-m", "data.micro_batch_size=3,2", *_without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
+    sweep = ["-m", "data.micro_batch_size=3,2", *without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
     result = run_command(sweep, cwd=tmp_path, cache=cache, timeout=600)
     assert result.returncode == 1
     assert ("sweep job 0 failed: ddptrain: error: data.global_batch_size=2 is not divisible by "
@@ -180,7 +173,7 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path: Path, cache: 
 def test_a_real_optuna_search_over_an_interval_trains_three_trials(tmp_path: Path, cache: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=3",
-            "optim.lr=interval(1e-4,3e-3)", *_without(TINY, "train.eval_every"), "train.eval_every=2",
+            "optim.lr=interval(1e-4,3e-3)", *without(TINY, "train.eval_every"), "train.eval_every=2",
             "hydra.sweep.dir=search"]
     result = run_command(args, cwd=tmp_path, cache=cache, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -201,7 +194,7 @@ def test_a_sweep_through_hydras_submitit_local_launcher_trains_and_reports(tmp_p
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     # job 0 cannot start (a micro batch of 3 does not divide the global batch of 2), job 1 trains
     args = ["-m", "hydra/launcher=submitit_local", "data.micro_batch_size=3,2",
-            *_without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
+            *without(TINY, "data.micro_batch_size"), "hydra.sweep.dir=sweep"]
     result = run_command(args, cwd=tmp_path, cache=cache, timeout=600)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "sweep of 2 jobs in sweep: 1 succeeded, failed: 0" in result.stderr

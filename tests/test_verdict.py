@@ -229,6 +229,10 @@ def test_nccls_dump_is_pointed_into_the_run_dir_unless_the_user_pointed_it_elsew
     expected = str(tmp_path / HANG_DIR / "nccl_trace_rank_")
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == expected
     assert not (tmp_path / HANG_DIR / "nccl_trace_rank_1").exists()
+    # a second run in this process (tests, sweeps' in-process jobs) points it into its own run dir, not the first's
+    (tmp_path / "second" / HANG_DIR).mkdir(parents=True)
+    point_nccl_dump(tmp_path / "second" / HANG_DIR, 1)
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "second" / HANG_DIR / "nccl_trace_rank_")
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace_")
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
     assert nccl_dump_prefix(tmp_path / HANG_DIR) == "/elsewhere/trace_"

@@ -57,12 +57,16 @@ def enable_flight_recorder(entries: int) -> None:
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
+_POINTED: set[str] = set()  # the prefixes this process pointed the dump to: an earlier run's here, not the user's
+
+
 def nccl_dump_prefix(hang_dir: Path) -> str:
     """Where NCCL's watchdog dumps each rank's flight recorder (the file is this prefix + the global rank): the
     user's ``TORCH_FR_DUMP_TEMP_FILE`` (or the older ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``), else ``hang_dir``."""
     for var in _DUMP_PREFIX_VARS:
-        if os.environ.get(var):
-            return os.environ[var]
+        value = os.environ.get(var)
+        if value and value not in _POINTED:
+            return value
     return str(hang_dir / NCCL_DUMP)
 
 
@@ -72,6 +76,8 @@ def point_nccl_dump(hang_dir: Path, rank: int) -> None:
     so setting it once the run dir is known works."""
     prefix = nccl_dump_prefix(hang_dir)
     Path(f"{prefix}{rank}").unlink(missing_ok=True)
+    if prefix == str(hang_dir / NCCL_DUMP):
+        _POINTED.add(prefix)
     for var in _DUMP_PREFIX_VARS:
         os.environ[var] = prefix
 

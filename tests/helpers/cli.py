@@ -15,7 +15,8 @@ def test_env(cache: Path, extra_env: dict | None = None) -> dict[str, str]:
     """The environment of a CLI run under test: offline, its own data cache, no inherited run dir or fault."""
     env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parents[2])}
-    for key in ("DDPTRAIN_RUN_DIR", "DDPTRAIN_FAULT"):
+    # an in-process run of an earlier test points NCCL's dump into its own run dir: not this run's setting
+    for key in ("DDPTRAIN_RUN_DIR", "DDPTRAIN_FAULT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         env.pop(key, None)
     return {**env, **(extra_env or {})}
 
