@@ -68,8 +68,11 @@ def check_overrides(overrides: list[str], fail_fast: bool) -> None:
               for o in parsed}
     for group in ("hydra/sweeper", "hydra/launcher"):
         name = chosen.get(group)
-        if name is not None and name not in installed(group):
-            hint = PLUGINS.get((group, name), f"installed: {', '.join(installed(group))}")
+        if name is None:
+            continue
+        available = installed(group)
+        if name not in available:
+            hint = PLUGINS.get((group, name), f"installed: {', '.join(available)}")
             raise ConfigError(f"{group}={name} is not installed: {hint}")
     for key in chosen:
         replaced = next((new for old, new in REMOVED.items() if key == old or key.startswith(f"{old}.")), None)
