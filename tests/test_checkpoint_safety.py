@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.integrity import manifest
-from ddptrain.checkpoint.tool import run as ckpt_tool
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each
 from tests.helpers.tiny import TINY_MODEL

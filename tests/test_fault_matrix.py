@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from ddptrain.app.preflight import validate_config
 from ddptrain.checkpoint.offline import read_tensors, tensor_entries
-from ddptrain.config.checks import validate_config
 from ddptrain.data.instruct import generated_instructions
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError

@@ -422,7 +422,7 @@ def test_cpu_offload_and_fp32_fsdp_train_and_evaluate_on_a_gpu(tmp_path: Path) -
 
 
 def test_a_wait_for_data_preparation_must_be_positive(tmp_path: Path) -> None:
-    from ddptrain.config.checks import validate_config
+    from ddptrain.app.preflight import validate_config
     from ddptrain.errors import ConfigError
     from tests.helpers.runs import make_config
 

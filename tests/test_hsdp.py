@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from ddptrain.app.preflight import validate_config
 from ddptrain.checkpoint import offline
-from ddptrain.config.checks import validate_config
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.dist import run_distributed

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from ddptrain.config.checks import validate_config
+from ddptrain.app.preflight import validate_config
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError

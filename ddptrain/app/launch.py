@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.config.checks import validate_config
+from ddptrain.app.preflight import validate_config
 from ddptrain.config.compose import build_config, job_config
 from ddptrain.config.schema import Config
 from ddptrain.diagnose.evidence import Evidence

@@ -1,3 +1,3 @@
-from ddptrain.checkpoint.tool import main
+from ddptrain.app.ckpt import main
 
 main()
