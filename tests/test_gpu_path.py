@@ -133,7 +133,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     from omegaconf import OmegaConf
 
     from ddptrain.app import launch
-    from ddptrain.config.compose import build_config
+    from ddptrain.config.compose import Run, build_config
 
     class Joined(Exception):
         pass
@@ -150,7 +150,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     for offload in (True, False):
         typed = build_config({"parallel": {"zero_stage": 3, "cpu_offload": offload}})
         with pytest.raises(Joined):
-            launch.run_worker(launch.Run(OmegaConf.create({}), typed, {}))
+            launch.run_worker(Run(OmegaConf.create({}), typed, {}))
     assert seen == [True, False]
 
 

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles (lazy imports included), no private Hydra API, no test importing another."""
+"""The package's shape: packages in one order with no upward import and no module cycle (lazy imports included), no
+private Hydra API, no test importing another."""
 
 from __future__ import annotations
 
@@ -76,6 +77,61 @@ def import_graph() -> dict[str, set[str]]:
             for m, path in modules.items()}
 
 
+# The packages bottom to top: each may import those before it, never one after it (imports inside functions
+# included: a lazy import is still a dependency, only a later one). A package's ``__main__`` is an entry point
+# like ``app`` (nothing imports it), so it may import anything.
+LAYERS = (
+    "errors",      # one-line errors every layer raises
+    "diagnose",    # where each rank is, evidence of hangs: stdlib only, so every layer can report
+    "config",      # the schema and its composition: knows no package that reads it
+    "comm",        # ring collectives and their byte accounting
+    "kernels",     # fused kernels and their torch references
+    "runtime",     # process group, device, seeds, run dir
+    "data",        # corpus -> tokens -> batches
+    "models",      # presets, pretrained loading, LoRA
+    "optim",       # optimizers and schedules
+    "telemetry",   # timers, metrics, sinks
+    "engines",     # from-scratch DDPs on one reducer core
+    "parallel",    # wrap_model: DDP, ZeRO, FSDP2
+    "checkpoint",  # the checkpoint format, saving and the offline library
+    "testing",     # fault injection, as step hooks
+    "plan",        # planners and predictors over models, data and optimizers
+    "train",       # the loop
+    "app",         # the commands: ddptrain, ddptrain-ckpt
+)
+
+
+def _layer(module: str) -> int:
+    """Where ``module`` sits in ``LAYERS``; entry points (``__main__``) and the empty top package sit above all."""
+    parts = module.split(".")
+    if parts[-1] == "__main__" or len(parts) == 1:
+        return len(LAYERS)
+    return LAYERS.index(parts[1])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a later layer than the importer's own, as ``importer -> imported``."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if len(d.split(".")) > 1 and _layer(d) > _layer(m))
+
+
+def test_every_package_has_a_place_in_the_layers() -> None:
+    packages = {m.split(".")[1] for m in _modules("ddptrain") if "." in m and not m.endswith("__main__")}
+    assert sorted(packages - set(LAYERS)) == []
+
+
+def test_no_package_imports_one_above_it_even_inside_a_function() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_finds_a_lazy_upward_import(tmp_path: Path) -> None:
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def later():\n    from ddptrain.models.lora import validate_finetune_config\n")
+    graph = import_graph()
+    graph["ddptrain.config.schema"] |= {d for n in _imports(lazy) for d in _with_packages(n) if d in graph}
+    assert "ddptrain.config.schema -> ddptrain.models.lora" in upward_imports(graph)
+
+
 def test_the_package_has_no_import_cycles() -> None:
     assert _cycles(import_graph()) == []
 
@@ -138,8 +194,8 @@ def test_a_gpu_marked_test_is_skipped_without_cuda_and_runs_with_it(
 
 LAUNCHER_IMPORTS = """
 import sys
-from ddptrain.app.launch import typed_config, validate_config
-from ddptrain.config.compose import compose_config
+from ddptrain.app.preflight import validate_config
+from ddptrain.config.compose import compose_config, typed_config
 run = typed_config(compose_config([]))
 validate_config(run.typed, run.typed.launch.nproc_per_node)
 print(sorted(m for m in ("datasets", "transformers", "torch.distributed.fsdp", "torch._dynamo") if m in sys.modules))

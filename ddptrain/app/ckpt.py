@@ -69,8 +69,7 @@ def run(argv: list[str]) -> int:
 
 def _config_now(overrides: list[str]):
     """The config a run with these overrides would use now, typed (what ``info`` diffs the checkpoint against)."""
-    from ddptrain.app.launch import typed_config
-    from ddptrain.config.compose import compose_config
+    from ddptrain.config.compose import compose_config, typed_config
 
     return typed_config(compose_config(overrides)).typed
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config
+from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
 from ddptrain.errors import ConfigError, ResourceError, RunEnded, say
 
 ERROR_GRACE_S = 3.0
@@ -64,7 +64,7 @@ def run_cli(argv: list[str]) -> int:
             return 0
         from ddptrain.app import launch
 
-        run = launch.typed_config(cfg)
+        run = typed_config(cfg)
         if run.typed.launch.dry_run:
             return launch.dry_run(run)
         if not launch.is_worker() and run.typed.launch.nproc_per_node > 1:

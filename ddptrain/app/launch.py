@@ -6,17 +6,15 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ddptrain.app.preflight import validate_config
-from ddptrain.config.compose import build_config, job_config
-from ddptrain.config.schema import Config
+from ddptrain.config.compose import Run
 from ddptrain.diagnose.evidence import Evidence
-from ddptrain.errors import ConfigError, PeerLost, one_line
+from ddptrain.errors import PeerLost
 from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
 from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
@@ -28,30 +26,6 @@ log = logging.getLogger("ddptrain")
 def is_worker() -> bool:
     """True when an elastic agent (torchrun, or our own launch) started this process."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
-@dataclass(frozen=True)
-class Run:
-    """One composed run: the config with Hydra's node, the same as the schema's dataclasses, and as a plain
-    resolved dict (for W&B and the run dir). Resolved once, here."""
-
-    cfg: DictConfig
-    typed: Config
-    resolved: dict[str, Any]
-
-
-def typed_config(cfg: DictConfig) -> Run:
-    """Resolve and type the job config once; a bad interpolation or a failed schema check is bad input."""
-    job = job_config(cfg)
-    try:
-        resolved = OmegaConf.to_container(job, resolve=True, throw_on_missing=True, enum_to_str=True)
-        typed = build_config(resolved)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(one_line(exc)) from exc
-    assert isinstance(resolved, dict)
-    return Run(cfg, typed, resolved)
 
 
 def dry_run(run: Run) -> int:

@@ -1,6 +1,7 @@
-"""Start-up checks that need more than the config (the world size, devices, files), on every rank.
+"""The preflight: start-up checks that need more than the config (the world size, devices, files), on every rank.
 
-Checks that need only the config live beside the schema (``ddptrain/config/schema.py``). Every failure is a
+They need the data, model, kernel and telemetry packages, so they live in the app, above them all; checks that
+need only the config live beside the schema (``ddptrain/config/schema.py``). Every failure is a
 ConfigError whose one-line message names the key and what was expected.
 """
 

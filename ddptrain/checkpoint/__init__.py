@@ -10,7 +10,7 @@ whatever the strategy (torch DDP, our engines, ZeRO-1, FSDP2 ZeRO-2/3) that wrot
 A directory without ``COMMITTED`` is a save that died half way: it is ignored and removed.
 ``CheckpointManager`` (``manager.py``) holds a run's stateful parts by key and decides when to save them;
 ``Checkpointer`` writes, commits, finds and loads the files.
-``python -m ddptrain.checkpoint info|export|verify`` (or ``ddptrain-ckpt``) reads checkpoints offline.
+``offline.py`` reads checkpoints without a run (the ``ddptrain-ckpt`` command, ``ddptrain/app/ckpt.py``).
 """
 
 from ddptrain.checkpoint.checkpointer import MARKER, Checkpointer, TrainState, model_fingerprint

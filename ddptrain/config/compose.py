@@ -121,6 +121,30 @@ def build_config(*layers: DictConfig | dict[str, Any]) -> Config:
     return typed
 
 
+@dataclass(frozen=True)
+class Run:
+    """One composed run: the config with Hydra's node, the same as the schema's dataclasses, and as a plain
+    resolved dict (for W&B and the run dir). Resolved once, here."""
+
+    cfg: DictConfig
+    typed: Config
+    resolved: dict[str, Any]
+
+
+def typed_config(cfg: DictConfig) -> Run:
+    """Resolve and type the job config once; a bad interpolation or a failed schema check is bad input."""
+    job = job_config(cfg)
+    try:
+        resolved = OmegaConf.to_container(job, resolve=True, throw_on_missing=True, enum_to_str=True)
+        typed = build_config(resolved)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(one_line(exc)) from exc
+    assert isinstance(resolved, dict)
+    return Run(cfg, typed, resolved)
+
+
 def register_schema() -> None:
     """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there. Our
     launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, on import."""

@@ -4,7 +4,7 @@ Hydra composes the YAML groups in ``configs/`` on top of these dataclasses, so a
 wrong type or a choice that does not exist (choice fields are typed with the StrEnums of ``ddptrain/config/choices.py``)
 fails at composition with a message that names the key (and the allowed values). Checks that need only the
 config run in ``__post_init__``, once each; checks that need the world size, devices or data live where those
-are known (``ddptrain/config/checks.py`` and the packages). ``ddptrain/config/compose.py`` builds a ``Config``
+are known (``ddptrain/app/preflight.py`` and the packages). ``ddptrain/config/compose.py`` builds a ``Config``
 from YAML layers.
 """
 
