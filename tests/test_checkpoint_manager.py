@@ -153,7 +153,7 @@ def test_the_first_step_hook_acts_on_the_runs_first_step_only(monkeypatch: pytes
     probe = SimpleNamespace(after_backward=lambda: calls.append("after_backward"),
                             after_step=lambda optimizer: calls.append("after_step"))
     c = SimpleNamespace(start=10, probe=probe, optimizer=None, trainable=5, n_params=10, precision=Precision.fp32,
-                        meter=SimpleNamespace(restart_window=lambda: calls.append("restart_window")))
+                        metrics=SimpleNamespace(restart_window=lambda: calls.append("restart_window")))
     monkeypatch.setattr(first_step, "report_model_state", lambda *args: calls.append("gather") or {"rank": 0})
     cfg = build_config({"train": {"compile": True}})
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)

@@ -25,6 +25,7 @@ from ddptrain.comm.accounting import in_flight_seconds
 from ddptrain.comm.clock import CommClock, Span
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.kernels import TorchKernels, select_kernels
+from ddptrain.telemetry.comm import SyncSample
 
 
 @dataclass
@@ -77,6 +78,18 @@ class CommMeter:
             return 0.0, 0.0
         exposed = max(end for _, end in spans) - max(start for start, _ in spans)
         return in_flight_seconds(spans), max(0.0, exposed)
+
+    def take_sample(self, world_size: int, sampled: bool) -> tuple[SyncSample | None, float | None]:
+        """The step's payload, spans and bucket launches as a sample (``sampled`` steps only) and its ratio; resets."""
+        sample = None
+        if sampled:
+            comm_s, exposed_s = self.timing()
+            last = max((t for t, _ in self.launches), default=None)
+            buckets = tuple((last - t, n) for t, n in self.launches) if last is not None else ()
+            sample = SyncSample(self.comm_bytes, comm_s, exposed_s, buckets)
+        ratio = self.ratio
+        self.reset()
+        return sample, ratio
 
 
 def _timed(hook: Callable[[Any, dist.GradBucket], Future[torch.Tensor]]) -> Callable[..., Future[torch.Tensor]]:

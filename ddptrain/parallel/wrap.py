@@ -8,6 +8,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.clock import CommClock
 from ddptrain.config.schema import ParallelConfig
-from ddptrain.parallel.compression import CommMeter, Compression, register_compression
+from ddptrain.parallel.compression import Compression, register_compression
 from ddptrain.parallel.zero import fsdp_sync, shard_model
-from ddptrain.telemetry.comm import SyncSample, payload_from_link_bytes
+from ddptrain.telemetry.comm import SyncMeter, SyncSample, payload_from_link_bytes
+
+if TYPE_CHECKING:
+    from ddptrain.engines.base import DataParallelEngine
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ class Wrapped:
     module: torch.nn.Module  # call this for forward: DDP, a from-scratch engine, or the FSDP2-sharded model
     model: torch.nn.Module  # the underlying model (parameters, evaluation, export)
     maybe_sync: Callable[[bool], AbstractContextManager]  # ctx(sync): skip gradient sync when sync is False
-    meter: CommMeter | None  # bytes the gradient hooks put on the wire (DDP-based strategies)
+    meter: SyncMeter | None  # what measures gradient sync: torch DDP's hook or our engine's reducer
     strategy: str  # what wraps the model, for the log and summary.json ("none" for the bare model)
     compression: Compression | None = None  # torch DDP's communication hook: its meter and error-feedback state
 
@@ -42,29 +46,33 @@ class Wrapped:
         """The last step's gradient sync (bytes, time in flight, exposed time) and compression ratio; resets.
 
         Only a ``sampled`` step (one the timer synchronized) yields a sample: CUDA events are readable only then.
-        torch DDP: from the metered hook's spans. Our engines: from their own ``comm_stats``. FSDP2 stages and the
+        torch DDP: from the metered hook's spans. Our engines: from their reducer's stats. FSDP2 stages and the
         bare model: nothing (None). Times are None where the backend's clock cannot see its collectives.
         """
-        if self.meter is not None:
-            comm_s, exposed_s = self.meter.timing() if sampled else (None, None)
-            last = max((t for t, _ in self.meter.launches), default=None)
-            buckets = tuple((last - t, n) for t, n in self.meter.launches) if last is not None and sampled else ()
-            sample = SyncSample(self.meter.comm_bytes, comm_s, exposed_s, buckets)
-            ratio = self.meter.ratio
-            self.meter.reset()
-            return (sample if sampled else None), ratio
-        stats = getattr(self.module, "comm_stats", None)
-        if stats is not None and sampled:
-            payload = payload_from_link_bytes(stats.bytes_sent, world_size)
-            return SyncSample(payload, stats.in_flight_s, stats.exposed_s), None
-        return None, None
+        return self.meter.take_sample(world_size, sampled) if self.meter is not None else (None, None)
 
     def comm_clock(self) -> CommClock | None:
         """The clock gradient collectives are timed on (None: this strategy's sync is not measured)."""
-        if self.meter is not None:
-            return self.meter.clock
-        stats = getattr(self.module, "comm_stats", None)
-        return stats.clock if stats is not None else None
+        return self.meter.clock if self.meter is not None else None
+
+
+@dataclass(frozen=True)
+class EngineMeter:
+    """Our engines' gradient sync as a ``SyncMeter``: the reducer keeps a fresh ``CommStats`` per synchronised
+    backward, read here after the step. Link bytes are converted back to payload; engines do not compress."""
+
+    engine: DataParallelEngine
+
+    @property
+    def clock(self) -> CommClock:
+        return self.engine.comm_stats.clock
+
+    def take_sample(self, world_size: int, sampled: bool) -> tuple[SyncSample | None, float | None]:
+        if not sampled:
+            return None, None
+        stats = self.engine.comm_stats
+        payload = payload_from_link_bytes(stats.bytes_sent, world_size)
+        return SyncSample(payload, stats.in_flight_s, stats.exposed_s), None
 
 
 def wrap_model(
@@ -100,7 +108,7 @@ def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, pre
             find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=cfg.broadcast_buffers,
             collective=cfg.collective, kernels=cfg.kernels,
         )
-        return Wrapped(engine, model, _no_sync_of(engine), None, f"engine {cfg.engine}")
+        return Wrapped(engine, model, _no_sync_of(engine), EngineMeter(engine), f"engine {cfg.engine}")
     with warnings.catch_warnings():
         # torch 2.13 renames broadcast_buffers to forward_sync_buffers, which also syncs buffers at construction
         # when False; we keep broadcast_buffers' exact meaning (no sync at all), as our engines do.

@@ -27,7 +27,7 @@ ASSUMED_MFU = 0.4  # a well-tuned dense LLM run reaches 35–50% of the bf16 pea
 
 
 @dataclass(frozen=True)
-class Precision:
+class StateBytes:
     """Bytes per parameter of the state a ddptrain run keeps: the parameters the optimizer updates, their gradients
     and the AdamW state; plus the working copy that FSDP2 (ZeRO-2/3) gathers for compute, in its own dtype.
 
@@ -43,12 +43,12 @@ class Precision:
     gathered_dtype: str
 
 
-MIXED_BF16 = Precision("bf16 compute: fp32 parameters, gradients and AdamW; FSDP2 gathers bf16", 4, 4, 8, 2,
+MIXED_BF16 = StateBytes("bf16 compute: fp32 parameters, gradients and AdamW; FSDP2 gathers bf16", 4, 4, 8, 2,
                        "bfloat16")
-FP32 = Precision("fp32, AdamW", 4, 4, 8, 4, "float32")
+FP32 = StateBytes("fp32, AdamW", 4, 4, 8, 4, "float32")
 # fp16 autocast with a loss scaler (GPUs without bf16): FSDP2 runs without a mixed-precision policy there, so it
 # gathers the fp32 parameters and autocast casts them, as under DDP.
-MIXED_FP16 = Precision("fp16 compute, loss-scaled: fp32 parameters, gradients and AdamW; FSDP2 gathers fp32", 4, 4,
+MIXED_FP16 = StateBytes("fp16 compute, loss-scaled: fp32 parameters, gradients and AdamW; FSDP2 gathers fp32", 4, 4,
                        8, 4, "float32")
 
 
@@ -98,7 +98,7 @@ INTERCONNECTS: dict[str, Link] = {
 
 
 def model_state_by_dtype(
-    params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16, gathered: float = 0.0
+    params: float, world_size: int, stage: int, precision: StateBytes = MIXED_BF16, gathered: float = 0.0
 ) -> dict[str, dict[str, float]]:
     """Per-rank model state under ZeRO ``stage`` by component and dtype: 1 shards the optimizer state, 2 also
     gradients, 3 also parameters.
@@ -123,7 +123,7 @@ def model_state_by_dtype(
 
 
 def model_state_memory(
-    params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16, gathered: float = 0.0
+    params: float, world_size: int, stage: int, precision: StateBytes = MIXED_BF16, gathered: float = 0.0
 ) -> Memory:
     """Per-rank model state under ZeRO ``stage``, by component (``model_state_by_dtype`` summed over dtypes)."""
     by_dtype = model_state_by_dtype(params, world_size, stage, precision, gathered)
@@ -144,7 +144,7 @@ def finetune_memory(params: float, trainable: float, base_bytes: float, world_si
     return Memory(params=base + full.params, grads=full.grads, optimizer=full.optimizer)
 
 
-def step_comm(params: float, world_size: int, stage: int, precision: Precision = MIXED_BF16) -> Comm:
+def step_comm(params: float, world_size: int, stage: int, precision: StateBytes = MIXED_BF16) -> Comm:
     """Per-rank traffic of one step, as the ZeRO paper counts it (per micro-batch under ZeRO-3).
 
     Stage 0 all-reduces gradients; stages 1–2 reduce-scatter gradients and all-gather the updated parameters
@@ -201,7 +201,7 @@ class Plan:
     flops_rule: str
     batch: BatchShape
     zero_stage: int
-    precision: Precision
+    precision: StateBytes
     memory: dict[int, Memory]
     comm: dict[int, Comm]
     links: list[Link]

@@ -7,6 +7,9 @@ the rate each link must sustain, comparable across world sizes and with the hard
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+from ddptrain.comm.clock import CommClock
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,21 @@ class SyncSample:
     # per bucket, in launch order: (seconds before backward compute ended that it became ready, bytes);
     # what the what-if predictor needs to model overlap (empty when the strategy does not report it)
     buckets: tuple[tuple[float, int], ...] = ()
+
+
+class SyncMeter(Protocol):
+    """What measures a strategy's gradient sync, step by step: torch DDP's metered hook (``CommMeter``) or our
+    engines' reducer (``EngineMeter``). The loop reads it once per step, through ``Wrapped.take_sync_sample``."""
+
+    @property
+    def clock(self) -> CommClock:
+        """The clock the collectives are timed on (host on gloo, CUDA events on CUDA)."""
+        ...
+
+    def take_sample(self, world_size: int, sampled: bool) -> tuple[SyncSample | None, float | None]:
+        """The last step's sync (None unless ``sampled``: CUDA events are readable only after the timer's
+        synchronization) and its compression ratio (None where there is none); starts the next step's count."""
+        ...
 
 
 def busbw_factor(world_size: int) -> float:

@@ -68,7 +68,7 @@ class Components:
     autocast: AbstractContextManager
     checkpoints: CheckpointManager  # the stateful parts by key, and when they are saved
     start: int  # the step the run continues after: the resumed checkpoint's, else 0
-    meter: StepMetrics
+    metrics: StepMetrics
     sinks: Sinks
     probe: ModelStateProbe  # measures the model state every rank holds, once, on the first step
     stragglers: StragglerMonitor
@@ -156,18 +156,18 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
         log.info("the checkpoint records no token count (an earlier version's): tokens_seen continues from "
                  "%d steps x %d tokens", start, shape.tokens_per_step)
     counted = batches.tokens_seen
-    meter = StepMetrics(shape, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
+    metrics = StepMetrics(shape, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
                         cfg.metrics.sample_every, batches.tokens, counted, attention)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
-        model.register_forward_pre_hook(lambda *_: meter.timer.inner_forward_started())
+        model.register_forward_pre_hook(lambda *_: metrics.timer.inner_forward_started())
     return Components(
         shape=shape, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
         token_weighted=token_weighted, val=val,
         autocast=autocast, checkpoints=checkpoints, start=start,
-        meter=meter, sinks=sinks, probe=probe,
+        metrics=metrics, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
         stop=StopRequest(cfg.launch.stop_grace_s), scaler=scaler, precision=precision, hooks=hooks,
     )

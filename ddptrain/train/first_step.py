@@ -49,7 +49,7 @@ class FirstStep:
             log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)",
                      self.compile_s)
             if not log_step:
-                c.meter.restart_window()
+                c.metrics.restart_window()
         log.info("%s", trainable_line(c.trainable, c.n_params, sample.payload_bytes if sample else None))
         c.probe.after_step(c.optimizer)
         # sync point: every rank's measured model state is gathered, once

@@ -48,7 +48,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     ``summary.json``."""
     started = attempt_start()  # goodput's wall-clock: this attempt's start (the launcher's, or this process's)
     c = build_components(cfg, env, device, run_dir, resolved)
-    meter, hooks = c.meter, c.hooks
+    metrics, hooks = c.metrics, c.hooks
     history: list[dict[str, Any]] = []
     skipped = 0  # updates skipped for a non-finite loss or gradient, as the checks learned of them
     nonfinite_steps = NonFiniteSteps(device, cfg.train.check_every, fp16=c.scaler is not None)
@@ -59,15 +59,15 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
     with closing(c.sinks), StepProfiler(cfg.profile, run_dir, env.rank, device) as profiler:
         for step in range(c.start + 1, cfg.train.steps + 1):
             goodput.step_started()
-            meter.start_step(step)
+            metrics.start_step(step)
             measured_peak.begin(step)
-            hooks.step_started(step, meter.timer.phase)
+            hooks.step_started(step, metrics.timer.phase)
             loss = forward_backward(c, cfg, step)
             first.after_backward(step)
             last = step == cfg.train.steps
             log_step = step % cfg.train.log_every == 0 or last
             stopping = 0  # the agreed signal number; 0: go on
-            with meter.timer.phase("optimizer"):
+            with metrics.timer.phase("optimizer"):
                 grad_norm = update(c, cfg, nonfinite_steps, step, loss)
                 measured_peak.end(step)
                 if log_step or c.checkpoints.due(step, last) or step % cfg.train.check_every == 0:
@@ -78,11 +78,11 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
                     if c.scaler is not None:
                         c.scaler.count_backoffs(agreed.overflows)
                     skipped += settle_nonfinite(agreed.events, step, cfg.train.nan_policy)
-            sample, ratio = c.wrapped.take_sync_sample(env.world_size, meter.timer.active)
-            meter.end_step(sample, ratio)
+            sample, ratio = c.wrapped.take_sync_sample(env.world_size, metrics.timer.active)
+            metrics.end_step(sample, ratio)
             first.after_step(step, sample, log_step)
             if measured_peak.slows(step) and not log_step:
-                meter.restart_window()  # the CPU memory tracker's step: kept out of throughput, like compilation
+                metrics.restart_window()  # the CPU memory tracker's step: kept out of throughput, like compilation
             lr = c.scheduler.get_last_lr()[0]
             c.scheduler.step()
             profiler.step()
@@ -110,7 +110,7 @@ def forward_backward(c: Components, cfg: Config, step: int) -> torch.Tensor:
     scale_loss = overflowing(c.scale_loss) if c.hooks.overflows_gradients(step) else c.scale_loss
     try:
         return accumulate_gradients(c.wrapped.module, c.batches, c.shape.grad_accum, c.wrapped.maybe_sync,
-                                    c.autocast, c.meter.timer, c.token_weighted, guard, scale_loss)
+                                    c.autocast, c.metrics.timer, c.token_weighted, guard, scale_loss)
     except RuntimeError as exc:
         if cfg.model.checkpoint_reentrant:
             raise reentrant_failure(exc) from exc
@@ -143,17 +143,17 @@ def log_window(c: Components, cfg: Config, device: torch.device, step: int, loss
     """A logging step: the window's metrics (validation loss on evaluation steps) to the sinks; returns them."""
     # sync points: the loss mean (an all-reduce), the gradient norm's host read, the straggler gather
     WHEREABOUTS.at("loss mean")
-    metrics = c.meter.window(step, global_mean(loss), lr, float(grad_norm))
-    metrics["skipped_steps"] = skipped
+    record = c.metrics.window(step, global_mean(loss), lr, float(grad_norm))
+    record["skipped_steps"] = skipped
     if c.scaler is not None:
-        metrics.update(c.scaler.window())
-    metrics.update(c.stragglers.window(metrics))
+        record.update(c.scaler.window())
+    record.update(c.stragglers.window(record))
     if _every(step, cfg.train.eval_every) or (cfg.train.eval_every and step == cfg.train.steps):
         with goodput.blocking("eval"):
-            metrics["val_loss"] = evaluate(c.model, c.val, c.autocast, device)
-    c.sinks.log(metrics)
-    c.meter.restart_window()
-    return metrics
+            record["val_loss"] = evaluate(c.model, c.val, c.autocast, device)
+    c.sinks.log(record)
+    c.metrics.restart_window()
+    return record
 
 
 def write_summary(c: Components, cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
@@ -161,9 +161,8 @@ def write_summary(c: Components, cfg: Config, env: DistEnv, device: torch.device
                   goodput: Goodput) -> dict[str, Any]:
     """The run's summary, with its own predicted step and memory peak and (rank 0) the run's goodput, the last
     figure taken; rank 0 writes ``summary.json``, reports goodput to the sinks and logs it last."""
-    meter = c.meter
-    summary = summarise(history, c.shape, c.n_params, c.flops_per_token, meter.peak, cfg, first.model_state,
-                        c.wrapped.strategy, c.trainable, meter.buckets)
+    summary = summarise(history, c.shape, c.n_params, c.flops_per_token, c.metrics.peak, cfg, first.model_state,
+                        c.wrapped.strategy, c.trainable, c.metrics.buckets)
     summary["predicted"].update(predict_own_step(summary, cfg.plan, device.type, env.num_nodes))
     if first.compile_s is not None:
         summary["compile_s"] = first.compile_s

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape
-from ddptrain.plan.planner import FP32, Precision, model_state_by_dtype, step_comm
+from ddptrain.plan.planner import FP32, StateBytes, model_state_by_dtype, step_comm
 from ddptrain.telemetry.memory import ByDtype, ModelStateProbe
 from ddptrain.telemetry.metrics import steady_medians
 
@@ -18,7 +18,7 @@ log = logging.getLogger("ddptrain")
 
 
 def report_model_state(
-    probe: ModelStateProbe, n_params: int, world_size: int, stage: int, shard_size: int, precision: Precision,
+    probe: ModelStateProbe, n_params: int, world_size: int, stage: int, shard_size: int, precision: StateBytes,
     trainable: int | None = None,
 ) -> dict[str, Any]:
     """Every rank's measured model-state bytes, by component and dtype, next to the planner's formula for the
