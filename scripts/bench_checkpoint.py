@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.checkpoint import MARKER, Checkpointer, TrainState
-from ddptrain.checkpoint.integrity import manifest
+from ddptrain.checkpoint.format import manifest
 from ddptrain.config.compose import build_config
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.optim import build_optimizer

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
-from ddptrain.checkpoint.integrity import manifest
+from ddptrain.checkpoint.format import manifest
 from ddptrain.data import BatchShape, MicroBatches
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each

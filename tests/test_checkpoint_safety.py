@@ -17,7 +17,7 @@ import torch
 
 from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
-from ddptrain.checkpoint.integrity import manifest
+from ddptrain.checkpoint.format import manifest
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each
 from tests.helpers.tiny import TINY_MODEL

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddptrain.checkpoint import MARKER
-from ddptrain.checkpoint.integrity import MANIFEST_KEY, manifest
+from ddptrain.checkpoint.format import MANIFEST_KEY, manifest
 from ddptrain.checkpoint.safe import load_plain
 from ddptrain.data import build_token_data
 from tests.helpers.dist import run_distributed

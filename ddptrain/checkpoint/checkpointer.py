@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ddptrain.checkpoint.integrity import MANIFEST_KEY, damage, manifest, total_bytes
+from ddptrain.checkpoint.format import MANIFEST_KEY, damage, manifest, total_bytes
 from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_state
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config.schema import Config

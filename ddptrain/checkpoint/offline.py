@@ -27,7 +27,7 @@ from ddptrain.checkpoint.checkpointer import (
     read_marker,
     read_trainer_state,
 )
-from ddptrain.checkpoint.integrity import MANIFEST_KEY, manifest
+from ddptrain.checkpoint.format import MANIFEST_KEY, manifest
 from ddptrain.checkpoint.safe import SafeReader, convert_trusted, load_plain
 from ddptrain.errors import ConfigError
 
