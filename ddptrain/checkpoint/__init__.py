@@ -9,11 +9,13 @@ whatever the strategy (torch DDP, our engines, ZeRO-1, FSDP2 ZeRO-2/3) that wrot
 
 A directory without ``COMMITTED`` is a save that died half way: it is ignored and removed.
 ``CheckpointManager`` (``manager.py``) holds a run's stateful parts by key and decides when to save them;
-``Checkpointer`` writes, commits, finds and loads the files.
+``Checkpointer`` writes, commits, finds and loads the files; ``format.py`` is what every reader and writer shares
+(the marker, ``trainer.pt``, the fingerprint, the damage checks).
 ``offline.py`` reads checkpoints without a run (the ``ddptrain-ckpt`` command, ``ddptrain/app/ckpt.py``).
 """
 
-from ddptrain.checkpoint.checkpointer import MARKER, Checkpointer, TrainState, model_fingerprint
+from ddptrain.checkpoint.checkpointer import Checkpointer
+from ddptrain.checkpoint.format import MARKER, TrainState, model_fingerprint
 from ddptrain.checkpoint.manager import CheckpointManager
 
 __all__ = ["MARKER", "CheckpointManager", "Checkpointer", "TrainState", "model_fingerprint"]

@@ -8,14 +8,12 @@ rank's files are complete, so a crash during the write leaves the previous check
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,20 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ddptrain.checkpoint.format import MANIFEST_KEY, damage, manifest, total_bytes
+from ddptrain.checkpoint.format import (
+    FORMAT,
+    MANIFEST_KEY,
+    MARKER,
+    TrainState,
+    committed,
+    describe_damage,
+    find_checkpoint,
+    find_damage,
+    manifest,
+    model_fingerprint,
+    read_trainer_state,
+    total_bytes,
+)
 from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_state
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config.schema import Config
@@ -35,111 +46,6 @@ from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import broadcast_from_main, main_only
 
 log = logging.getLogger(__name__)
-MARKER = "COMMITTED"
-FORMAT = 2  # 2: one name-keyed DCP directory ``state/`` whatever the strategy
-
-
-@dataclass
-class TrainState:
-    """``trainer.pt``: everything besides tensors that a resumed run needs to continue exactly.
-
-    Its fields are the parts' own state dicts laid out as format 2 has them on disk; ``from_parts`` and
-    ``parts`` are the one place that maps between the two.
-    """
-
-    step: int
-    scheduler: dict[str, Any]
-    epoch: int
-    samples_in_epoch: int  # global samples of this epoch already consumed (all ranks): the data position
-    world_size: int
-    global_batch_size: int
-    zero_stage: int
-    grad_scaler: dict[str, Any] | None = None  # train.precision=fp16: the loss scale and its growth tracker
-    stream: str | None = None  # data.streaming=true: every rank's reader position, as JSON text
-    tokens_seen: int | None = None  # real tokens trained on by all ranks up to this step; None: an earlier version
-
-    @classmethod
-    def from_parts(cls, step: int, parts: dict[str, dict[str, Any]]) -> TrainState:
-        """The record of ``step`` from the state dicts of the parts ``scheduler``, ``data`` (epoch, position,
-        tokens_seen and, streaming, stream), ``run`` (world_size, global_batch_size, zero_stage) and, in fp16,
-        ``grad_scaler``."""
-        data, run = parts["data"], parts["run"]
-        return cls(step, parts["scheduler"], data["epoch"], data["position"], run["world_size"],
-                   run["global_batch_size"], run["zero_stage"], grad_scaler=parts.get("grad_scaler"),
-                   stream=data.get("stream"), tokens_seen=data.get("tokens_seen"))
-
-    def parts(self) -> dict[str, dict[str, Any]]:
-        """Each part's state dict, as ``from_parts`` took it (``grad_scaler`` empty when not trained in fp16)."""
-        return {"scheduler": self.scheduler,
-                "data": {"epoch": self.epoch, "position": self.samples_in_epoch, "stream": self.stream,
-                         "tokens_seen": self.tokens_seen},
-                "run": {"world_size": self.world_size, "global_batch_size": self.global_batch_size,
-                        "zero_stage": self.zero_stage},
-                "grad_scaler": self.grad_scaler or {}}
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Names and (global) shapes of the model's state: equal fingerprints mean the weights fit, whatever the
-    strategy (FSDP2's DTensors report their full shape)."""
-    items = sorted((k, tuple(v.shape)) for k, v in model.state_dict().items())
-    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
-
-
-def committed(root: Path) -> list[Path]:
-    """The committed checkpoints under ``root``, oldest first."""
-    return sorted(p for p in root.glob("step_*") if (p / MARKER).is_file()) if root.is_dir() else []
-
-
-def find_checkpoint(path: Path, subdir: str, key: str) -> Path:
-    """A checkpoint directory, or the latest committed one of a run directory (``<path>/<subdir>``)."""
-    if (path / MARKER).is_file():
-        return path
-    for root in (path / subdir, path):
-        if found := committed(root):
-            return found[-1]
-    if not path.exists():
-        raise ConfigError(f"{key}={path}: no such checkpoint or run directory")
-    raise ConfigError(f"{key}={path}: no committed checkpoint there (expected step_*/{MARKER})")
-
-
-def read_marker(path: Path, key: str) -> dict[str, Any]:
-    """The ``COMMITTED`` marker's metadata (JSON), of a format this ddptrain reads; a one-line error otherwise."""
-    try:
-        meta = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{key}: {path}/{MARKER} is not readable ({type(exc).__name__})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format", 1) if isinstance(meta, dict) else "unknown"
-        raise ConfigError(f"{key}: {path} has checkpoint format {found}; this ddptrain reads "
-                          f"format {FORMAT} (name-keyed state/)")
-    return meta
-
-
-def read_trainer_state(path: Path, key: str) -> tuple[dict[str, Any], TrainState]:
-    """The marker's metadata and the trainer state; a one-line error when either cannot be read (or would run
-    code: ``trainer.pt`` holds plain data only)."""
-    meta = read_marker(path, key)
-    try:
-        state = TrainState(**load_plain(path / "trainer.pt"))
-    except ConfigError:
-        raise
-    except (OSError, ValueError, TypeError, RuntimeError, EOFError) as exc:
-        raise ConfigError(f"{key}: {path} is not a readable checkpoint ({type(exc).__name__})") from exc
-    return meta, state
-
-
-def find_damage(path: Path, sizes_only: bool = False) -> list[str]:
-    """The damaged files of a committed checkpoint, checked against the sizes and checksums its marker records
-    (empty when intact, or when an earlier version wrote no record)."""
-    try:
-        recorded = json.loads((path / MARKER).read_text()).get(MANIFEST_KEY)
-    except (OSError, ValueError, AttributeError):
-        return [f"{MARKER}: not readable"]
-    return damage(path, recorded, sizes_only) if recorded else []
-
-
-def describe_damage(problems: list[str]) -> str:
-    return problems[0] + (f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else "")
 
 
 class Checkpointer:

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ddptrain.checkpoint.checkpointer import Checkpointer, TrainState
+from ddptrain.checkpoint.checkpointer import Checkpointer
+from ddptrain.checkpoint.format import TrainState
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
 
 log = logging.getLogger("ddptrain")

@@ -18,16 +18,17 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from ddptrain.checkpoint.checkpointer import (
+from ddptrain.checkpoint.format import (
+    MANIFEST_KEY,
     MARKER,
     TrainState,
     find_checkpoint,
     find_damage,
+    manifest,
     model_fingerprint,
     read_marker,
     read_trainer_state,
 )
-from ddptrain.checkpoint.format import MANIFEST_KEY, manifest
 from ddptrain.checkpoint.safe import SafeReader, convert_trusted, load_plain
 from ddptrain.errors import ConfigError
 
