@@ -56,7 +56,7 @@ def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str)
     checkpointer = Checkpointer(make_config(tmp), Path(tmp) / "run", "none")
     model = torch.nn.Linear(4, 3)
     start = time.monotonic()
-    exported = _outcome(lambda: checkpointer.export(model, lambda: SlowToSave(4, 3), None, Path(tmp) / "model"))
+    exported = _outcome(lambda: checkpointer.export(model, Path(tmp), lambda: SlowToSave(4, 3)))
     waited = time.monotonic() - start
     saved = (Path(tmp) / "model" / "weights.pt").is_file()
     works = _outcome(dist.barrier)  # the group outlived the export

@@ -42,6 +42,7 @@ from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError, ResourceError, flat
+from ddptrain.models.lora import export_adapter_and_merged, is_adapted
 from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import broadcast_from_main, main_only
 
@@ -293,20 +294,30 @@ class Checkpointer:
 
     # ---- export --------------------------------------------------------------------------------------------
 
-    def export(self, model: torch.nn.Module, new_model: Callable[[], Any], tokenizer: Any, out: Path) -> None:
-        """``save_pretrained`` of the full model (gathered from shards) and tokenizer, loadable by transformers.
+    def export(self, model: torch.nn.Module, run_dir: Path, new_model: Callable[[], Any] | None = None) -> None:
+        """The trained model for transformers, the one export of a run: a LoRA run's adapter (``adapter/``, peft's
+        format) and merged model (``model/``), else ``save_pretrained`` of the full model (gathered from shards)
+        and the tokenizer in ``model/``.
 
-        Every rank takes part in gathering; only rank 0 builds the unsharded copy it saves (``new_model()``),
-        while the others wait on the store (``checkpoint.export_timeout_s``), not in a collective.
+        Rank 0 alone builds the copy it saves (``new_model()``, by default a fresh model of ``model``'s config),
+        merges and writes (minutes for billions of parameters), while the other ranks wait on the store
+        (``checkpoint.export_timeout_s``), which no collective timeout ends; every rank takes part in gathering.
         """
+        if is_adapted(model):
+            main_only(lambda: export_adapter_and_merged(model, self.config.model, self.tokenizer, run_dir),
+                      self.cfg.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
+            return
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out = run_dir / "model"
 
         def save() -> None:
-            fresh = new_model()
+            from transformers import AutoModelForCausalLM
+
+            fresh = new_model() if new_model is not None else AutoModelForCausalLM.from_config(model.config)
             fresh.load_state_dict(full)
             fresh.save_pretrained(str(out))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(out))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(out))
             log.info("model exported with save_pretrained: %s", out)
 
         main_only(save, self.cfg.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")

@@ -61,6 +61,10 @@ class CheckpointManager:
         """Whether ``step`` is on the schedule: every ``checkpoint.every_n_steps`` steps, and the last."""
         return last or (self.every_n_steps > 0 and step % self.every_n_steps == 0)
 
+    def export(self, run_dir: Path) -> None:
+        """The trained model for transformers (``checkpoint.export``): see ``Checkpointer.export``."""
+        self.checkpointer.export(self.model, run_dir)
+
     def maybe_save(self, step: int, *, last: bool = False, stop: bool = False) -> bool:
         """Save after ``step`` if it is due or a stop was requested; the last save and a stop's are committed
         before this returns (an asynchronous save otherwise goes on in the background). True when it saved."""

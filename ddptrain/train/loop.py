@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from ddptrain.config.schema import Config
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
-from ddptrain.models.lora import export_adapter_and_merged, is_adapted, reentrant_failure
+from ddptrain.models.lora import reentrant_failure
 from ddptrain.plan.own_peak import MeasuredPeak, memory_peak, planned_peak
 from ddptrain.plan.own_run import predict_own_step
-from ddptrain.runtime.process_group import DistEnv, main_only
+from ddptrain.runtime.process_group import DistEnv
 from ddptrain.telemetry.goodput import Goodput, attempt_start, continuing, goodput_line
 from ddptrain.telemetry.profile import StepProfiler
 from ddptrain.train.components import Components, build_components
@@ -100,7 +99,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolv
             goodput.step_ended(step, saved, record=log_step)
         c.stop.restore()
         if cfg.checkpoint.export:
-            export_model(c, cfg, run_dir)
+            c.checkpoints.export(run_dir)
         return write_summary(c, cfg, env, device, run_dir, history, first, measured_peak, goodput)  # sinks open
 
 
@@ -195,18 +194,6 @@ def settle_nonfinite(events: list[int], step: int, nan_policy: str) -> int:
         more = f" and {count - 1} more up to step {step}" if count > 1 else ""
         log.warning("non-finite loss or gradients at step %d%s: update skipped on every rank", first, more)
     return count
-
-
-def export_model(c: Components, cfg: Config, run_dir: Path) -> None:
-    """The trained model for transformers: adapters and the merged model (LoRA), else ``<run dir>/model``."""
-    if is_adapted(c.model):
-        # rank 0 alone reloads, merges and saves (minutes for billions of parameters): the others wait on the
-        # store, which no collective timeout ends
-        main_only(lambda: export_adapter_and_merged(c.model, cfg.model, c.tokenizer, run_dir),
-                  cfg.checkpoint.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
-    else:
-        c.checkpoints.checkpointer.export(c.model, lambda: AutoModelForCausalLM.from_config(c.model.config),
-                                          c.tokenizer, run_dir / "model")
 
 
 def _every(step: int, period: int) -> bool:
