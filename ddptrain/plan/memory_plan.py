@@ -82,6 +82,9 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
     return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(resolved)
 
 
+CHECKPOINTING_ON = "model.gradient_checkpointing=true"  # the setting that turns it on, as a remedy names it
+
+
 def checkpointing(cfg: Config) -> bool:
     """Whether the run recomputes its blocks' activations in backward: the one place the plan reads it."""
     return cfg.model.gradient_checkpointing
