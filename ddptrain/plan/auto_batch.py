@@ -54,7 +54,7 @@ class AutoBatch:
             f"; {self.largest} fits but does not divide the {self.per_rank} sequences per rank")
         return (f"data.micro_batch_size=auto: micro batch {self.micro_batch}, grad_accum {self.grad_accum} "
                 f"({self.need / GiB:.2f} of {self.usable / GiB:.2f} GiB usable per rank on {self.device.name}: "
-                f"{self.device.memory_gib:.1f} GiB less a {AUTO_MARGIN:.0%} margin{divides})")
+                f"{self.device.memory_gib:g} GiB less a {AUTO_MARGIN:.0%} margin{divides})")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> 
     setting = {"checkpointing": ckpt, "stage": stage, "chunked_loss": chunked}
     gib = {text: need(1, **{**setting, **change}) / GiB for text, change in remedies}
     head = (f"data.micro_batch_size=auto: even micro batch 1 needs {need(1, ckpt, stage) / GiB:.2f} GiB per rank, "
-            f"over the {usable / GiB:.2f} GiB usable on {device.name} ({device.memory_gib:.1f} GiB less a "
+            f"over the {usable / GiB:.2f} GiB usable on {device.name} ({device.memory_gib:g} GiB less a "
             f"{AUTO_MARGIN:.0%} margin)")
     alone = [f"{text} ({g:.2f} GiB)" for text, g in gib.items() if g * GiB <= usable]
     if alone:
@@ -175,7 +175,7 @@ def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> 
         if (g := need(1, **{**setting, **together})) <= usable:
             names = [t for t, c in remedies if "stage" not in c or c["stage"] == together["stage"]]
             return f"{head}; it fits with {' and '.join(names)} together ({g / GiB:.2f} GiB)"
-    tried = f" ({', '.join(gib)} do not make it fit)" if remedies else ""
+    tried = f" (tried: {', '.join(f'{t} ({g:.2f} GiB)' for t, g in gib.items())})" if remedies else ""
     return (f"{head}; nothing the planner weighs makes it fit{tried}: a device with more memory "
             "(plan.device_memory_gib) or a shorter data.seq_len")
 
