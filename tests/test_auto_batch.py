@@ -92,14 +92,14 @@ def test_a_bad_micro_batch_size_is_a_one_line_error_naming_the_key(value: object
         build_config({"data": {"micro_batch_size": value}})
 
 
-def test_auto_with_a_fixed_grad_accum_or_no_known_memory_is_a_one_line_error() -> None:
+def test_auto_with_a_fixed_grad_accum_or_no_known_memory_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"^data\.grad_accum=2: expected null with data\.micro_batch_size=auto"):
         build_config({"data": {"micro_batch_size": "auto", "grad_accum": 2}})
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match=r"^data\.micro_batch_size=auto needs .*plan\.device_memory_gib"):
-            validate_config(tiny_auto(), 1)
-        with pytest.raises(ConfigError, match=r"plan\.device_memory_gib"):  # the dry run on this CPU
-            plan_for_target(tiny_auto(), 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: no device memory to read
+    with pytest.raises(ConfigError, match=r"^data\.micro_batch_size=auto needs .*plan\.device_memory_gib"):
+        validate_config(tiny_auto(), 1)
+    with pytest.raises(ConfigError, match=r"plan\.device_memory_gib"):  # the dry run on this CPU
+        plan_for_target(tiny_auto(), 1)
 
 
 def test_when_even_one_does_not_fit_the_error_names_what_would() -> None:
