@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from ddptrain.app.preflight import validate_config
 from ddptrain.config.compose import Run
+from ddptrain.config.schema import AUTO, Config
 from ddptrain.diagnose.evidence import Evidence
-from ddptrain.errors import PeerLost
+from ddptrain.errors import ConfigError, PeerLost, one_line
 from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
 from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
@@ -116,6 +120,8 @@ def run_worker(run: Run) -> int:
     from ddptrain.train import train
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload) as (env, device):
+        if typed.data.micro_batch_size == AUTO:
+            typed, resolved = agreed_micro_batch(run, env, device)
         run_dir = shared_run_dir(run.cfg.hydra.run.dir)
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)
@@ -130,6 +136,44 @@ def run_worker(run: Run) -> int:
                 raise
             raise PeerLost(lost_peer_line(record, typed.dist.timeout_s, run_dir)) from exc
     return 0
+
+
+def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Config, dict[str, Any]]:
+    """``data.micro_batch_size=auto`` resolved, before the model is built and the data batched: the typed config
+    and the resolved dict (the run dir's config.yaml) with the micro batch chosen.
+
+    Every rank traces the same plan for its own device (fake tensors: deterministic, the same config on every
+    rank), and all take the smallest choice (one all-reduce): every rank then agrees, and the chosen micro batch
+    fits the smallest device, even where ranks' memories differ. A rank whose device cannot fit even one sequence
+    reports 0, and every rank stops with a line (that rank's names what would fit)."""
+    from ddptrain.models.build import model_vocab_size
+    from ddptrain.plan.auto_batch import choose_micro_batch, with_micro_batch
+    from ddptrain.plan.own_peak import this_device
+
+    typed = run.typed
+    target = replace(this_device(device), memory_gib=typed.plan.device_memory_gib or this_device(device).memory_gib)
+    line = ""
+    try:
+        chosen = choose_micro_batch(typed, env.world_size, target, model_vocab_size(typed.model, typed.data.vocab_size))
+        micro, line = chosen.micro_batch, chosen.line()
+    except ConfigError as exc:
+        micro, line = 0, str(exc)
+    except Exception as exc:  # noqa: BLE001  # the peers must not wait on a rank whose trace failed
+        micro, line = 0, f"data.micro_batch_size=auto: the traced plan failed ({type(exc).__name__}: {one_line(exc)})"
+    agreed = micro
+    if env.world_size > 1:
+        smallest = torch.tensor([micro], device=device)
+        torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
+        agreed = int(smallest.item())
+    if agreed == 0:
+        raise ConfigError(line if micro == 0 else "data.micro_batch_size=auto: another rank cannot fit micro batch 1 "
+                          "(its line says what would)")
+    if agreed != micro:
+        line = f"data.micro_batch_size=auto: micro batch {agreed}, the smallest any rank's device fits (here: {line})"
+    log.info("%s", line)
+    resolved = copy.deepcopy(run.resolved)
+    resolved["data"]["micro_batch_size"], resolved["data"]["grad_accum"] = agreed, None
+    return with_micro_batch(typed, agreed), resolved
 
 
 def lost_peer_line(record: dict[str, Any], timeout_s: float, run_dir: Path) -> str:

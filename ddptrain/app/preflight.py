@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ddptrain.config.schema import Config
+from ddptrain.config.schema import AUTO, AUTO_NEEDS_MEMORY, Config
 from ddptrain.data import BatchShape, validate_source
 from ddptrain.errors import ConfigError
 from ddptrain.kernels import check_kernels
@@ -17,8 +17,9 @@ from ddptrain.models.lora import validate_finetune_config
 from ddptrain.telemetry.baseline import load_baseline
 
 
-def validate_config(cfg: Config, world_size: int) -> BatchShape:
-    """Check what the schema cannot (devices, files, the world size); returns the batch shape."""
+def validate_config(cfg: Config, world_size: int) -> BatchShape | None:
+    """Check what the schema cannot (devices, files, the world size); returns the batch shape (None while
+    ``data.micro_batch_size=auto`` is still to be chosen)."""
     validate_finetune_config(cfg.model, cfg.parallel)
     validate_source(cfg.data)
     if cfg.parallel.cpu_offload and not torch.cuda.is_available():
@@ -26,4 +27,11 @@ def validate_config(cfg: Config, world_size: int) -> BatchShape:
                           "computes on the GPU")
     check_kernels(cfg.parallel.kernels, "cuda" if torch.cuda.is_available() else "cpu")
     load_baseline(cfg.metrics.baseline)
+    if cfg.data.micro_batch_size == AUTO:  # chosen later, once the device is known; its memory must be known
+        if cfg.plan.device_memory_gib is None and not torch.cuda.is_available():
+            raise ConfigError(AUTO_NEEDS_MEMORY)
+        if cfg.data.global_batch_size % world_size:
+            raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "
+                              f"dp={world_size}: data.micro_batch_size=auto needs a whole number of sequences per rank")
+        return None
     return BatchShape.from_config(cfg, world_size)

@@ -104,6 +104,11 @@ class ModelConfig:
                  f"model.head_dim={self.head_dim}: expected a positive width for llama or qwen3 (gpt2: null)")
 
 
+AUTO = "auto"  # data.micro_batch_size=auto: chosen at start-up from the traced memory plan
+AUTO_NEEDS_MEMORY = ("data.micro_batch_size=auto needs the device's memory: set plan.device_memory_gib (GiB per "
+                     "rank; a CPU has no memory of its own to plan for)")
+
+
 @dataclass
 class DataConfig:
     """Where tokens come from and how they are batched: gbs = mbs x grad_accum x dp."""
@@ -125,7 +130,8 @@ class DataConfig:
     vocab_size: int = 8192  # size of the BPE trained when tokenizer is None
     seq_len: int = 128
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    # sequences per forward/backward on one rank; auto: the largest whose traced step fits the device (at start-up)
+    micro_batch_size: int | str = 8
     grad_accum: int | None = None  # None: derived from the other two and the data-parallel size
     val_fraction: float = 0.02  # share of documents held out for validation
     max_documents: int | None = None  # cap on documents read (quick tests)
@@ -140,9 +146,14 @@ class DataConfig:
     tokenizer_sample_mb: float = 64.0  # text the BPE trains on (the first MB of training documents) when tokenizer=None
 
     def __post_init__(self) -> None:
-        for key in ("global_batch_size", "micro_batch_size"):
-            value = getattr(self, key)
-            _require(value >= 1, f"data.{key}={value}: expected a positive number of sequences")
+        _require(self.global_batch_size >= 1,
+                 f"data.global_batch_size={self.global_batch_size}: expected a positive number of sequences")
+        mbs = self.micro_batch_size
+        _require(mbs == AUTO or (type(mbs) is int and mbs >= 1),
+                 f"data.micro_batch_size={mbs!r}: expected a positive number of sequences or {AUTO}")
+        _require(mbs != AUTO or self.grad_accum is None,
+                 f"data.grad_accum={self.grad_accum}: expected null with data.micro_batch_size=auto (it is derived "
+                 "from the micro batch chosen)")
         _require(self.seq_len >= 2, f"data.seq_len={self.seq_len}: expected at least 2 tokens")
         _require(self.grad_accum is None or self.grad_accum >= 1,
                  f"data.grad_accum={self.grad_accum}: expected a positive number of micro-steps (or null)")

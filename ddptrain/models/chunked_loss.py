@@ -53,6 +53,11 @@ def chunk_tokens_for(vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -
     return max(1, budget_bytes // (4 * vocab_size))
 
 
+def chunk_starts(tokens: int, chunk: int) -> range:
+    """Where each chunk of ``tokens`` starts (the memory plan's fake step runs a representative subset)."""
+    return range(0, tokens, chunk)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T`` against ``targets`` (-100: no loss), chunk by chunk.
 
@@ -75,7 +80,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty(hidden.shape, dtype=torch.float32 if prescale != 1.0 else hidden.dtype,
                                  device=hidden.device) if need_h else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            for start in range(0, hidden.shape[0], chunk):
+            for start in chunk_starts(hidden.shape[0], chunk):
                 end = min(start + chunk, hidden.shape[0])
                 h = hidden[start:end].to(compute_dtype)
                 logp = torch.log_softmax(torch.mm(h, w.t()).float(), dim=1)  # [chunk, vocab], fp32

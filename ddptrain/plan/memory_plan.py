@@ -1,11 +1,11 @@
 """Will it fit, and what is fastest: peak memory per rank from a traced step, for a target device, and the
 configuration the planner recommends.
 
-The configured step is traced once at full size (``memory_trace.trace_step`` on fake tensors). The
-recommendation needs the peak at other micro batches and with checkpointing on and off: every category of the
-peak is linear in the micro batch and in the number of transformer blocks (each block adds the same
-parameters and saves the same activations per sequence), so four traces of one- and two-block models at micro
-batches 1 and 2 give it for any size; the full trace checks that fit and the gap is reported.
+Every category of a phase's peak grows linearly with the number of transformer blocks (each block adds the
+same parameters and saves the same activations per sequence), so one- and two-block traces of a micro batch
+give its step at any depth, exactly; that is how the configured step is traced (``Tracer.exact``). The
+recommendation needs the peak at other micro batches and with checkpointing on and off: six traces at micro
+batches 1, 2 and 3 give a fit for any size (``PeakFit``), whose gap from the configured step is reported.
 ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/planner.py``.
 """
 
@@ -27,6 +27,7 @@ from ddptrain.plan.memory_trace import (
     PeakTracker,
     StepSetup,
     fake_training_state,
+    representative_chunks,
     trace_step,
 )
 from ddptrain.plan.planner import Comm, Plan, backward_seconds
@@ -81,11 +82,19 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
     return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(resolved)
 
 
+CHECKPOINTING_ON = "model.gradient_checkpointing=true"  # the setting that turns it on, as a remedy names it
+
+
+def checkpointing(cfg: Config) -> bool:
+    """Whether the run recomputes its blocks' activations in backward: the one place the plan reads it."""
+    return cfg.model.gradient_checkpointing
+
+
 def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
                device: Device, working_copy: bool = False, chunked_loss: bool | None = None) -> PeakTracker:
     """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
     parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). ``chunked_loss``:
-    ``train.chunked_loss`` (None: as configured)."""
+    ``train.chunked_loss`` (None: as configured); its loss runs on representative chunks (same peak)."""
     traced = copy.deepcopy(cfg)
     traced.model.gradient_checkpointing = checkpointing
     traced.model.num_layers = num_layers
@@ -96,9 +105,21 @@ def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, n
     model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
                                                   dtype if working_copy else None)
     setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum)
-    with mode:
+    with mode, representative_chunks():
         tracker, _ = trace_step(model, optimizer, batch, setup)
     return tracker
+
+
+Phases = dict[str, dict[str, int]]  # phase -> category -> bytes at that phase's peak
+ACCUMULATING = " (accumulating)"  # the phases of a later micro batch, beside the earlier ones' gradients
+
+
+def highest(phases: dict[str, dict[str, float]], accumulating: bool) -> PeakMemory:
+    """The highest phase's peak. Without accumulation (grad_accum 1) a step is the first micro batch of an
+    accumulating one, then its update: the same phases less the later micro batches'."""
+    kept = {p: c for p, c in phases.items() if accumulating or not p.endswith(ACCUMULATING)}
+    phase = max(kept, key=lambda p: sum(kept[p].values()))
+    return PeakMemory(round(sum(kept[phase].values())), {c: round(v) for c, v in kept[phase].items()}, phase)
 
 
 @dataclass(frozen=True)
@@ -106,41 +127,83 @@ class PeakFit:
     """Each phase's peak, category by category, bilinear in the micro batch m and the number of blocks L; the
     step's peak is the highest phase's.
 
-    Small traces at one and two blocks give the slope in L. In m, a micro batch of one can peak at another point
-    of a phase than larger ones (late in backward rather than at its start), so m = 1 is traced itself and
-    larger micro batches follow the line through m = 2 and 3.
+    Small traces at one and two blocks give the slope in L (identical blocks: exact, tests/test_memory_trace.py).
+    At a traced micro batch that is all. In m, a phase's peak is the highest of its moments, each linear in m, so
+    a line through two micro batches can miss where another moment overtakes: m = 1 is traced itself, larger
+    micro batches follow the line through m = 2 and 3, and ``Tracer.exact`` traces the micro batch itself where
+    the answer must hold (the configured step, ``data.micro_batch_size=auto``).
     """
 
-    traced: dict[tuple[int, int], dict[str, dict[str, int]]]  # (m, L) -> phase -> category -> bytes
+    traced: dict[tuple[int, int], Phases]  # (m, L) -> phase -> category -> bytes
 
     @classmethod
-    def from_traces(cls, cfg: Config, vocab: int, checkpointing: bool, grad_accum: int, device: Device,
-                    working_copy: bool = False) -> PeakFit:
-        """Six small traces: one and two blocks, micro batches 1, 2 and 3."""
-        traced = {}
-        for m in (1, 2, 3):
-            for n in (1, 2):
-                peaks = trace_peak(cfg, vocab, m, checkpointing, n, grad_accum, device, working_copy).phase_peaks
-                traced[m, n] = {phase: peak.by_category for phase, peak in peaks.items()}
-        return cls(traced)
+    def from_traces(cls, tracer: Tracer, checkpointing: bool, working_copy: bool = False,
+                    micro_batches: tuple[int, ...] = (1, 2, 3)) -> PeakFit:
+        """Traces of one and two blocks at each of ``micro_batches`` (each an accumulating step)."""
+        return cls({(m, n): tracer.phases(m, checkpointing, n, working_copy)
+                    for m in micro_batches for n in (1, 2)})
 
-    def at(self, micro_batch: int, num_layers: int) -> dict[str, float]:
-        """The categories at the highest of the phases' peaks, fitted for ``micro_batch`` and ``num_layers``."""
-        m0, m1 = (1, 1) if micro_batch == 1 else (2, 3)
+    def peak_at(self, micro_batch: int, num_layers: int, accumulating: bool = True) -> PeakMemory:
+        """The highest phase's peak, fitted for ``micro_batch`` and ``num_layers``; ``accumulating``: grad_accum
+        above 1."""
         p = self.traced
-        phases = []
+        m0, m1 = (micro_batch, micro_batch) if (micro_batch, 1) in p else (2, 3)
+        dm, dl = micro_batch - m0, num_layers - 1
+        phases = {}
         for phase in p[m0, 1]:
             def at(m: int, n: int, c: str, phase: str = phase) -> float:
                 return p[m, n][phase][c]
 
-            dm, dl = micro_batch - m0, num_layers - 1
-            phases.append({
+            phases[phase] = {
                 c: at(m0, 1, c) + dm * (at(m1, 1, c) - at(m0, 1, c)) / max(m1 - m0, 1)
                 + dl * (at(m0, 2, c) - at(m0, 1, c))
                 + dm * dl * (at(m1, 2, c) - at(m1, 1, c) - at(m0, 2, c) + at(m0, 1, c)) / max(m1 - m0, 1)
                 for c in CATEGORIES
-            })
-        return max(phases, key=lambda by_category: sum(by_category.values()))
+            }
+        return highest(phases, accumulating)
+
+    def at(self, micro_batch: int, num_layers: int, accumulating: bool = True) -> dict[str, float]:
+        """The categories at the highest of the phases' peaks, fitted for ``micro_batch`` and ``num_layers``."""
+        return dict(self.peak_at(micro_batch, num_layers, accumulating).by_category)
+
+
+class Tracer:
+    """Traced steps of one config for one target device, each traced once.
+
+    A dry run asks for the same small step several times (the micro batch search, the fit, the configured step,
+    the logits share); every trace here is an accumulating step (two micro batches), whose phases also give the
+    step without accumulation (``highest``).
+    """
+
+    def __init__(self, cfg: Config, vocab: int, device: Device) -> None:
+        self.cfg, self.vocab, self.device = cfg, vocab, device
+        self._traced: dict[tuple, Phases] = {}
+        self._fits: dict[tuple[bool, bool], PeakFit] = {}
+
+    def phases(self, micro_batch: int, checkpointing: bool, num_layers: int, working_copy: bool = False,
+               chunked_loss: bool | None = None) -> Phases:
+        chunked = self.cfg.train.chunked_loss if chunked_loss is None else chunked_loss
+        key = (micro_batch, checkpointing, num_layers, working_copy, chunked)
+        if key not in self._traced:
+            tracker = trace_peak(self.cfg, self.vocab, micro_batch, checkpointing, num_layers, 2, self.device,
+                                 working_copy, chunked_loss=chunked)
+            self._traced[key] = {phase: peak.by_category for phase, peak in tracker.phase_peaks.items()}
+        return self._traced[key]
+
+    def fit(self, checkpointing: bool, working_copy: bool = False) -> PeakFit:
+        """The fit through micro batches 1, 2 and 3 (see ``PeakFit``)."""
+        key = (checkpointing, working_copy)
+        if key not in self._fits:
+            self._fits[key] = PeakFit.from_traces(self, checkpointing, working_copy)
+        return self._fits[key]
+
+    def exact(self, micro_batch: int, checkpointing: bool, working_copy: bool = False, accumulating: bool = True,
+              chunked_loss: bool | None = None) -> PeakMemory:
+        """The step of the configured depth at ``micro_batch``: one- and two-block traces of that micro batch,
+        scaled by depth (equal to a trace of every block: tests/test_memory_trace.py)."""
+        traced = {(micro_batch, n): self.phases(micro_batch, checkpointing, n, working_copy, chunked_loss)
+                  for n in (1, 2)}
+        return PeakFit(traced).peak_at(micro_batch, self.cfg.model.num_layers, accumulating)
 
 
 def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan, accumulating: bool = False
@@ -286,17 +349,18 @@ class LogitsShare:
                    for k, v in self.bytes.items()}}
 
 
-def logits_share(cfg: Config, vocab: int, grad_accum: int, device: Device, working_copy: bool, configured_peak: float
+def logits_share(tracer: Tracer, micro_batch: int, working_copy: bool, accumulating: bool, configured_peak: float
                  ) -> LogitsShare:
     """Trace one block at the configured micro batch with the chunked loss on and off (see ``LogitsShare``)."""
     from ddptrain.models.chunked_loss import chunk_tokens_for
 
-    traced = {on: trace_peak(cfg, vocab, cfg.data.micro_batch_size, cfg.model.gradient_checkpointing, 1,
-                             grad_accum, device, working_copy, chunked_loss=on).peak for on in (True, False)}
+    cfg = tracer.cfg
+    traced = {on: highest(tracer.phases(micro_batch, checkpointing(cfg), 1, working_copy, on), accumulating)
+              for on in (True, False)}
     names = {True: "chunked", False: "full logits"}
     here = traced[cfg.train.chunked_loss].peak
     chunked = traced[True].by_category["logits and loss"] != traced[False].by_category["logits and loss"]
-    chunk = (cfg.train.loss_chunk_tokens or chunk_tokens_for(vocab)) if chunked else None
+    chunk = (cfg.train.loss_chunk_tokens or chunk_tokens_for(tracer.vocab)) if chunked else None
     return LogitsShare(chunk, {names[on]: t.by_category["logits and loss"] for on, t in traced.items()},
                        {names[on]: configured_peak + t.peak - here for on, t in traced.items()})
 
@@ -378,54 +442,52 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
                                        batch.grad_accum > 1)
 
 
-def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPlan:
-    """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch."""
+def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tracer | None = None) -> MemoryPlan:
+    """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch.
+    ``tracer``: traces already taken of this config on this device (the micro batch search's)."""
+    tracer = tracer or Tracer(cfg, vocab, device)
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
-    layers, ckpt = cfg.model.num_layers, cfg.model.gradient_checkpointing
+    layers, ckpt, stage = cfg.model.num_layers, checkpointing(cfg), cfg.parallel.zero_stage
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
+    accumulating = batch.grad_accum > 1
 
-    traced, stage_traced, configured = configured_peak(cfg, plan, vocab, device)
+    traced = tracer.exact(batch.micro_batch_size, ckpt, False, accumulating)
+    stage_traced = tracer.exact(batch.micro_batch_size, ckpt, True, accumulating) if low and stage >= 2 else traced
+    configured = shard(stage_traced.by_category, stage, n, plan, accumulating)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    fits: dict[tuple[bool, int, bool], PeakFit] = {}
+    def fit(checkpointing: bool, stage: int) -> PeakFit:
+        return tracer.fit(checkpointing, low and stage >= 2)
 
-    def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:
-        """Two micro batches stand for any more: the second one's backward runs with the first's gradients."""
-        key = (checkpointing, min(accum, 2), low and stage >= 2)
-        if key not in fits:
-            fits[key] = PeakFit.from_traces(cfg, vocab, *key[:2], device, key[2])
-        return fits[key]
-
-    fitted = sum(fit(ckpt, batch.grad_accum, cfg.parallel.zero_stage).at(batch.micro_batch_size, layers).values())
+    fitted = fit(ckpt, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
     options = []
     per_rank = batch.global_batch_size // n
-    for stage in stages:
+    for option_stage in stages:
         for c in (False, True):
             for m in sorted(divisors(per_rank), reverse=True):
                 accum = per_rank // m
-                categories = shard(fit(c, accum, stage).at(m, layers), stage, n, plan, accum > 1)
+                categories = shard(fit(c, option_stage).at(m, layers, accum > 1), option_stage, n, plan, accum > 1)
                 peak = sum(categories.values())
-                allow = allowances(categories, stage).total
+                allow = allowances(categories, option_stage).total
                 if peak + allow > device.memory_gib * GiB:
                     continue
-                step = predicted_step_s(plan, device, stage, c, m, accum, n)
+                step = predicted_step_s(plan, device, option_stage, c, m, accum, n)
                 single = predicted_step_s(plan, device, 0, c, m, accum * n, 1) if step else None
                 speedup = single / step if step and single else None
-                options.append(Option(stage, c, m, accum, peak, allow, step, speedup))
+                options.append(Option(option_stage, c, m, accum, peak, allow, step, speedup))
                 break
     options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, o.checkpointing))
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
-        micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=cfg.parallel.zero_stage, traced=traced,
-        by_category=configured, allowances=allowances(configured, cfg.parallel.zero_stage),
+        micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=stage, traced=traced,
+        by_category=configured, allowances=allowances(configured, stage),
         fit_gap=fitted / stage_traced.peak - 1, options=options,
-        logits=logits_share(cfg, vocab, min(batch.grad_accum, 2), device, low and cfg.parallel.zero_stage >= 2,
-                            sum(configured.values())),
+        logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
     )
 

@@ -1,0 +1,180 @@
+"""data.micro_batch_size=auto: the largest micro batch whose traced step fits, grad_accum derived, one-line errors,
+ranks agreeing, the dry run; and the trace shortcuts it relies on (depth scaling, representative chunks) are exact."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import ddptrain.plan.memory_trace as memory_trace
+from ddptrain.app.launch import Run, agreed_micro_batch
+from ddptrain.config.checks import validate_config
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
+from ddptrain.errors import ConfigError
+from ddptrain.plan.auto_batch import AUTO_MARGIN, choose_micro_batch, largest_fitting
+from ddptrain.plan.dry_run import plan_for_target
+from ddptrain.plan.memory_plan import GiB, Tracer, target_device, trace_peak
+from ddptrain.runtime.process_group import DistEnv
+from tests.helpers.cli import run_cli
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny import TINY_MODEL, TINY_RUN_ARGS, without
+
+VOCAB = 256
+CPU = target_device("cpu", None, None)
+
+
+def tiny_auto(global_batch: int = 12, **train: object) -> Config:
+    return build_config({"model": {**TINY_MODEL, "vocab_size": VOCAB},
+                         "data": {"seq_len": 32, "vocab_size": VOCAB, "global_batch_size": global_batch,
+                                  "micro_batch_size": "auto"},
+                         "train": {"loss_chunk_tokens": 16, **train}})
+
+
+def full_trace(cfg: Config, micro_batch: int, per_rank: int, checkpointing: bool = False,
+               chunked_loss: bool | None = None) -> int:
+    """The whole step traced, every block and every chunk (accumulating below the per-rank batch)."""
+    accum = 2 if micro_batch < per_rank else 1
+    with mock.patch.object(memory_trace, "representative_chunk_starts", memory_trace.ALL_CHUNK_STARTS):
+        return trace_peak(cfg, VOCAB, micro_batch, checkpointing, cfg.model.num_layers, accum, CPU,
+                          chunked_loss=chunked_loss).peak.peak
+
+
+def device_between(low: float, high: float) -> object:
+    """A CPU target whose usable memory (less auto's margin) lies between two needs."""
+    return target_device("cpu", (low + high) / 2 / (1 - AUTO_MARGIN) / GiB, None)
+
+
+def test_depth_scaled_traces_on_representative_chunks_equal_the_whole_step_to_the_byte() -> None:
+    cfg = tiny_auto()
+    cfg.model.num_layers = 4
+    tracer = Tracer(cfg, VOCAB, CPU)
+    for checkpointing in (False, True):
+        for micro_batch, accumulating in ((1, True), (5, True), (7, False)):
+            exact = tracer.exact(micro_batch, checkpointing, accumulating=accumulating)
+            whole = full_trace(cfg, micro_batch, 8 if accumulating else micro_batch, checkpointing)
+            assert exact.peak == whole
+
+
+def test_auto_picks_the_largest_micro_batch_that_fits_and_derives_grad_accum_for_the_global_batch() -> None:
+    cfg = tiny_auto(global_batch=12)
+    need = {m: full_trace(cfg, m, 12) for m in (5, 6)}
+    device = device_between(need[5], need[6])
+    chosen = choose_micro_batch(cfg, 1, device, VOCAB)
+    usable = device.memory_gib * GiB * (1 - AUTO_MARGIN)
+    assert chosen.largest == 5 and need[5] <= usable < need[6]  # 5 fits, 6 does not
+    # 5 does not divide the 12 sequences per rank: 4, with grad_accum 3, keeps the global batch
+    assert (chosen.micro_batch, chosen.grad_accum) == (4, 3)
+    assert "micro batch 4, grad_accum 3" in chosen.line() and "5 fits but does not divide" in chosen.line()
+
+
+def test_the_search_finds_the_boundary_from_any_guess() -> None:
+    for boundary in (0, 1, 6, 17, 40):
+        for guess in (1, 5, 16, 40):
+            probes: list[int] = []
+
+            def fits(m: int, boundary: int = boundary, probes: list[int] = probes) -> bool:
+                probes.append(m)
+                return m <= boundary
+
+            assert largest_fitting(fits, 40, guess) == boundary
+            assert len(probes) <= 14  # doubling then bisection, never a walk over every size
+
+
+@pytest.mark.parametrize("value", [0, -1, "big"])
+def test_a_bad_micro_batch_size_is_a_one_line_error_naming_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^data\.micro_batch_size=.*expected a positive number of sequences or auto"):
+        build_config({"data": {"micro_batch_size": value}})
+
+
+def test_auto_with_a_fixed_grad_accum_or_no_known_memory_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"^data\.grad_accum=2: expected null with data\.micro_batch_size=auto"):
+        build_config({"data": {"micro_batch_size": "auto", "grad_accum": 2}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: no device memory to read
+    with pytest.raises(ConfigError, match=r"^data\.micro_batch_size=auto needs .*plan\.device_memory_gib"):
+        validate_config(tiny_auto(), 1)
+    with pytest.raises(ConfigError, match=r"plan\.device_memory_gib"):  # the dry run on this CPU
+        plan_for_target(tiny_auto(), 1)
+
+
+def test_when_even_one_does_not_fit_the_error_names_what_would() -> None:
+    cfg = tiny_auto(chunked_loss=False)
+    cfg.model.num_layers = 4
+    base = full_trace(cfg, 1, 12)
+    remedies = {"model.gradient_checkpointing=true": full_trace(cfg, 1, 12, checkpointing=True),
+                "train.chunked_loss=true": full_trace(cfg, 1, 12, chunked_loss=True)}
+    assert all(need < base for need in remedies.values())
+    lowest, highest = sorted(remedies.values())
+    with pytest.raises(ConfigError) as caught:
+        choose_micro_batch(cfg, 1, device_between(lowest, min(highest, base)), VOCAB)
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("data.micro_batch_size=auto: even micro batch 1 needs")
+    for remedy, need in remedies.items():  # the remedies that fit alone, and only those
+        assert (remedy in line) == (need == lowest)
+    with pytest.raises(ConfigError, match=r"nothing the planner weighs makes it fit .tried: model\.gradient"):
+        choose_micro_batch(cfg, 1, target_device("cpu", lowest / 2 / GiB, None), VOCAB)
+
+
+def test_the_dry_run_reports_the_chosen_micro_batch_and_plans_it() -> None:
+    cfg = tiny_auto(global_batch=12)
+    need = {m: full_trace(cfg, m, 12) for m in (6, 7)}
+    cfg.plan.device_memory_gib = device_between(need[6], need[7]).memory_gib
+    plan, text, record = plan_for_target(cfg, 1)
+    assert "data.micro_batch_size=auto: micro batch 6, grad_accum 2" in text
+    assert plan.batch.micro_batch_size == record["micro_batch_size"] == record["micro_batch_auto"]["micro_batch_size"]
+    assert record["peak_bytes_per_rank"] == need[6]  # the configured step is the chosen one
+
+
+def _agree(rank: int, world_size: int, memory_gib: list[float]) -> tuple[int, dict, str, int]:
+    """For ``run_distributed``: each rank resolves auto with its own device memory; what it ends with, and what
+    it would have chosen alone (0: nothing fits)."""
+    cfg = tiny_auto(global_batch=24)
+    cfg.plan.device_memory_gib = memory_gib[rank]
+    try:
+        alone = choose_micro_batch(cfg, world_size, target_device("cpu", memory_gib[rank], None), VOCAB).micro_batch
+    except ConfigError:
+        alone = 0
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    try:
+        typed, out = agreed_micro_batch(Run(None, cfg, resolved), env, torch.device("cpu"))  # type: ignore[arg-type]
+    except ConfigError as exc:
+        return 0, {}, str(exc), alone
+    return typed.data.micro_batch_size, out["data"], "", alone
+
+
+def test_every_rank_takes_the_smallest_choice_and_all_stop_when_one_cannot_fit_any() -> None:
+    cfg = tiny_auto(global_batch=24)
+    need = {m: full_trace(cfg, m, 12) for m in (2, 3, 12)}
+    roomy, tight = (device_between(need[12], 2 * need[12]).memory_gib,
+                    device_between(need[2], need[3]).memory_gib)
+    results = run_distributed(_agree, 2, [roomy, tight])
+    alone = [r[3] for r in results]
+    assert alone[0] == 12 and 0 < alone[1] < 12  # alone, each rank would choose its own
+    assert [r[0] for r in results] == [alone[1], alone[1]]
+    assert all(r[1]["micro_batch_size"] == alone[1] and r[1]["grad_accum"] is None for r in results)
+    failed = run_distributed(_agree, 2, [roomy, need[2] / 4 / GiB])
+    assert [r[0] for r in failed] == [0, 0]
+    assert failed[1][2].startswith("data.micro_batch_size=auto: even micro batch 1 needs")
+    assert failed[0][2].startswith("data.micro_batch_size=auto: another rank cannot fit micro batch 1")
+
+
+@pytest.mark.slow
+def test_a_run_with_auto_logs_the_chosen_micro_batch_and_writes_it_to_config_yaml(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*without(TINY_RUN_ARGS, "data.micro_batch_size"), "data.micro_batch_size=auto",
+            "plan.device_memory_gib=0.5", f"hydra.run.dir={run_dir}"]
+    result = run_cli(args, cwd=tmp_path, cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    logged = result.stdout + result.stderr
+    found = re.search(r"data\.micro_batch_size=auto: micro batch (\d+), grad_accum (\d+)", logged)
+    assert found, logged
+    micro, accum = int(found[1]), int(found[2])
+    assert f"global batch 2 = micro batch {micro} x grad accum {accum} x dp 1" in logged
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert saved.data.micro_batch_size == micro and saved.data.grad_accum is None
