@@ -218,3 +218,94 @@ def test_ddp_and_zero3_give_every_rank_the_single_process_full_logits_gradients(
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6,
                                            msg=f"rank {rank} stage {stage} {name}")
+
+
+class CountedChunks:
+    """Counts the chunked loss's forward calls and its chunks (``LinearCrossEntropy.forward`` wrapped) while on."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.chunks = 0
+
+    def __enter__(self) -> CountedChunks:
+        self.original = LinearCrossEntropy.forward
+
+        def counted(ctx, hidden, weight, targets, chunk, compute_dtype):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            self.chunks += -(-hidden.shape[0] // chunk)
+            return self.original(ctx, hidden, weight, targets, chunk, compute_dtype)
+
+        LinearCrossEntropy.forward = staticmethod(counted)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        LinearCrossEntropy.forward = staticmethod(self.original)  # type: ignore[method-assign]
+
+
+def _compiled_chunked(rank: int, world_size: int, backend: str) -> dict:
+    """A 12-block model: full logits eager, chunked eager, and chunked with its blocks compiled by ``backend``;
+    each one's loss and gradients, the chunked path's calls, and Dynamo's graph and frame counts."""
+    from torch._dynamo.utils import counters
+
+    from ddptrain.parallel.compile import compile_blocks
+
+    torch.compiler.reset()
+    counters.clear()
+    full, chunked = _pair(replace(TINY, num_layers=12))
+    compiled = copy.deepcopy(chunked)
+    original = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: original(self, backend=backend)  # type: ignore[method-assign]
+    try:
+        assert compile_blocks(compiled) == 12
+    finally:
+        torch.nn.Module.compile = original  # type: ignore[method-assign]
+    ids, labels = _batch()
+    out: dict = {name: _loss_and_grads(model, ids, labels) for name, model in (("full", full), ("eager", chunked))}
+    with CountedChunks() as counted:
+        out["compiled"] = _loss_and_grads(compiled, ids, labels)
+        out["compiled_logits"] = compiled(input_ids=ids, labels=labels, use_cache=False).logits
+    out["calls"], out["chunks"] = counted.calls, counted.chunks
+    out["graphs"], out["frames"] = counters["stats"]["unique_graphs"], dict(counters["frames"])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_blocks_with_the_chunked_loss_give_the_eager_and_full_logits_loss_and_gradients(
+    backend: str
+) -> None:
+    """train.compile compiles the blocks; the chunked head and loss run after them, and their gradient flows back
+    into the compiled blocks' backward (AOTAutograd's: aot_eager in the fast tier, Inductor's kernels when slow)."""
+    (ran,) = run_distributed(_compiled_chunked, 1, backend, timeout=600)
+    (full_loss, full_grads), (eager_loss, eager_grads) = ran["full"], ran["eager"]
+    loss, grads = ran["compiled"]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == full_grads.keys() and len(grads) == 12 * 9 + 2  # every block's weights, embedding, norm
+    for name, grad in grads.items():
+        assert _rel(grad, eager_grads[name]) < 2e-6, name
+        assert _rel(grad, full_grads[name]) < 2e-6, name
+    # on: the chunked path ran (twice: the step and the logits probe), 7 chunks of 7 over 48 positions each,
+    # and returned no logits; the 12 blocks were one graph, compiled once, with no graph break
+    assert (ran["calls"], ran["chunks"], ran["compiled_logits"]) == (2, 14, None)
+    assert ran["graphs"] == 1 and ran["frames"] == {"total": 1, "ok": 1}, (ran["graphs"], ran["frames"])
+
+
+def test_the_chunked_loss_compiles_into_one_graph_without_a_break() -> None:
+    """Not needed by train.compile (which compiles the blocks only), but a whole-model compile may trace it: the
+    autograd function and its chunk loop compile with fullgraph=True and give the eager loss and gradients."""
+    from ddptrain.models.chunked_loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(B, SEQ, 32, requires_grad=True)
+    weight = torch.randn(VOCAB, 32, requires_grad=True)
+    _, labels = _batch()
+    want = linear_cross_entropy(hidden, weight, labels, None, CHUNK)
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    torch.compiler.reset()
+    compiled = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
+    got = compiled(hidden, weight, labels, None, CHUNK)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.compiler.reset()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert _rel(g, w) < 1e-6
