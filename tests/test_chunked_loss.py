@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddptrain.config.schema import LoraSettings, ModelConfig, ParallelConfig
+from ddptrain.data.instruct import generated_instructions
+from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.chunked_loss import LinearCrossEntropy, chunked_loss_refusal, use_chunked_loss
@@ -21,6 +26,7 @@ from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
 from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides, train_outcomes
 
 VOCAB, SEQ, B, CHUNK = 320, 17, 3, 7  # 3 x 16 = 48 loss positions: 7 chunks, the last one short
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
@@ -308,3 +314,76 @@ def test_the_chunked_loss_compiles_into_one_graph_without_a_break() -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         assert _rel(g, w) < 1e-6
+
+
+LOOP_STEPS, LOOP_CHUNK, LOOP_ACCUM = 4, 8, 2
+LOOP_BASE: Overrides = {  # 2 ranks x micro batch 2 x 2 accumulated = 8 rows a step; 4 chunks of 8 per micro batch
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 64},
+    "data": {"source": "synthetic", "vocab_size": 128, "num_samples": 128, "seq_len": 16, "global_batch_size": 8,
+             "micro_batch_size": 2},
+    "train": {"steps": LOOP_STEPS, "log_every": 1, "eval_every": 0, "loss_chunk_tokens": LOOP_CHUNK},
+    "optim": {"lr": 1e-2, "warmup_steps": 0},
+    "checkpoint": {"every_n_steps": 0},
+}
+
+
+def _train_counting(rank: int, world_size: int, tmp: str, base: Overrides,
+                    variants: list[tuple[str, Overrides, str | None]]) -> list[dict[str, Any]]:
+    """``train_outcomes`` one variant at a time, each with the chunked loss's forward calls it made on this rank."""
+    out = []
+    for variant in variants:
+        with CountedChunks() as counted:
+            (outcome,) = train_outcomes(rank, world_size, tmp, base, [variant], False)
+        out.append({**outcome, "calls": counted.calls, "chunks": counted.chunks})
+    return out
+
+
+def _on_and_off(name: str, layer: Overrides, fault: str | None = None) -> list[tuple[str, Overrides, str | None]]:
+    on = {**layer, "train": {**layer.get("train", {}), "chunked_loss": True}}
+    off = {**layer, "train": {**layer.get("train", {}), "chunked_loss": False}}
+    return [(f"{name}-on", on, fault), (f"{name}-off", off, fault)]
+
+
+@pytest.mark.slow  # 8 short runs on 2 ranks: about a minute on a loaded 2-core machine
+def test_through_the_loop_chunked_equals_full_logits_under_zero_1_2_3_packing_and_fp16_overflow(
+    tmp_path: Path
+) -> None:
+    """2 gloo ranks, 2 micro batches accumulated, 4 steps, chunked on then off: ZeRO-1 and ZeRO-3 (a sharded head)
+    on fixed windows; ZeRO-2 on packed prompt/completion rows (labels -100 on prompts and each example's first
+    token, the loss token-weighted across accumulation and ranks); fp16 with the grad scaler, rank 1's gradients
+    overflowed at step 3 (a back-off, not a policy event)."""
+    tokenizer = tmp_path / "tokenizer"
+    train_bpe([f"{p} {c}" for p, c in generated_instructions(200)], 320).save_pretrained(tokenizer)
+    packed = {"data": {"source": "instructions", "format": "prompt_completion", "packing": True,
+                       "tokenizer": str(tokenizer), "num_samples": 64, "seq_len": 40}}
+    cases = {
+        "zero1": {"parallel": {"zero_stage": 1}},
+        "zero2-packed": {"parallel": {"zero_stage": 2}, **packed},
+        "zero3": {"parallel": {"zero_stage": 3}},
+        "fp16-overflow": {"train": {"precision": "fp16", "nan_policy": "abort"}},
+    }
+    variants = [v for name, layer in cases.items()
+                for v in _on_and_off(name, layer, "overflow@step:3:1" if "fp16" in name else None)]
+    ranks = run_distributed(_train_counting, 2, str(tmp_path), LOOP_BASE, variants, timeout=600)
+    runs = {name: ranks[0][i] for i, (name, _, _) in enumerate(variants)}
+    for name in cases:
+        on, off = runs[f"{name}-on"], runs[f"{name}-off"]
+        assert on["error"] is None and off["error"] is None, (on["error"], off["error"])
+        # on: every micro batch of every step went through the chunked path, in more than one chunk, on both
+        # ranks; off: none did
+        for rank in ranks:
+            mine = {r["dir"]: r for r in rank}
+            assert mine[on["dir"]]["calls"] == LOOP_STEPS * LOOP_ACCUM and mine[off["dir"]]["calls"] == 0, name
+            assert mine[on["dir"]]["chunks"] > 2 * mine[on["dir"]]["calls"], name
+        got, want = on["metrics"], off["metrics"]
+        assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, LOOP_STEPS + 1))
+        rtol = 2e-3 if "fp16" in name else 1e-5
+        for g, w in zip(got, want, strict=True):
+            assert math.isclose(g["loss"], w["loss"], rel_tol=rtol), (name, g["step"], g["loss"], w["loss"])
+            assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=rtol) or not (
+                math.isfinite(g["grad_norm"]) or math.isfinite(w["grad_norm"])), (name, g["step"])
+        if "fp16" in name:
+            assert [m["loss_scale"] for m in got] == [m["loss_scale"] for m in want]
+            assert [m["scaler_backoffs"] for m in got] == [m["scaler_backoffs"] for m in want] == [0, 0, 1, 1]
+            assert [math.isfinite(m["grad_norm"]) for m in got] == [True, True, False, True]
+            assert got[-1]["skipped_steps"] == want[-1]["skipped_steps"] == 0
