@@ -9,7 +9,6 @@ import math
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,8 +24,9 @@ from ddptrain.models.chunked_loss import LinearCrossEntropy, chunked_loss_refusa
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
+from tests.helpers.chunks import CountedChunks, outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import Overrides, train_outcomes
+from tests.helpers.runs import Overrides
 
 VOCAB, SEQ, B, CHUNK = 320, 17, 3, 7  # 3 x 16 = 48 loss positions: 7 chunks, the last one short
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
@@ -226,28 +226,6 @@ def test_ddp_and_zero3_give_every_rank_the_single_process_full_logits_gradients(
                                            msg=f"rank {rank} stage {stage} {name}")
 
 
-class CountedChunks:
-    """Counts the chunked loss's forward calls and its chunks (``LinearCrossEntropy.forward`` wrapped) while on."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.chunks = 0
-
-    def __enter__(self) -> CountedChunks:
-        self.original = LinearCrossEntropy.forward
-
-        def counted(ctx, hidden, weight, targets, chunk, compute_dtype):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            self.chunks += -(-hidden.shape[0] // chunk)
-            return self.original(ctx, hidden, weight, targets, chunk, compute_dtype)
-
-        LinearCrossEntropy.forward = staticmethod(counted)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        LinearCrossEntropy.forward = staticmethod(self.original)  # type: ignore[method-assign]
-
-
 def _compiled_chunked(rank: int, world_size: int, backend: str) -> dict:
     """A 12-block model: full logits eager, chunked eager, and chunked with its blocks compiled by ``backend``;
     each one's loss and gradients, the chunked path's calls, and Dynamo's graph and frame counts."""
@@ -327,17 +305,6 @@ LOOP_BASE: Overrides = {  # 2 ranks x micro batch 2 x 2 accumulated = 8 rows a s
 }
 
 
-def _train_counting(rank: int, world_size: int, tmp: str, base: Overrides,
-                    variants: list[tuple[str, Overrides, str | None]]) -> list[dict[str, Any]]:
-    """``train_outcomes`` one variant at a time, each with the chunked loss's forward calls it made on this rank."""
-    out = []
-    for variant in variants:
-        with CountedChunks() as counted:
-            (outcome,) = train_outcomes(rank, world_size, tmp, base, [variant], False)
-        out.append({**outcome, "calls": counted.calls, "chunks": counted.chunks})
-    return out
-
-
 def _on_and_off(name: str, layer: Overrides, fault: str | None = None) -> list[tuple[str, Overrides, str | None]]:
     on = {**layer, "train": {**layer.get("train", {}), "chunked_loss": True}}
     off = {**layer, "train": {**layer.get("train", {}), "chunked_loss": False}}
@@ -364,7 +331,7 @@ def test_through_the_loop_chunked_equals_full_logits_under_zero_1_2_3_packing_an
     }
     variants = [v for name, layer in cases.items()
                 for v in _on_and_off(name, layer, "overflow@step:3:1" if "fp16" in name else None)]
-    ranks = run_distributed(_train_counting, 2, str(tmp_path), LOOP_BASE, variants, timeout=600)
+    ranks = run_distributed(outcomes_counting_chunks, 2, str(tmp_path), LOOP_BASE, variants, timeout=600)
     runs = {name: ranks[0][i] for i, (name, _, _) in enumerate(variants)}
     for name in cases:
         on, off = runs[f"{name}-on"], runs[f"{name}-off"]
