@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +16,17 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddptrain.config.schema import LoraSettings, ModelConfig, ParallelConfig
+from ddptrain.data.instruct import generated_instructions
+from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.chunked_loss import LinearCrossEntropy, chunked_loss_refusal, use_chunked_loss
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
+from tests.helpers.chunks import CountedChunks, outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
+from tests.helpers.runs import Overrides
 
 VOCAB, SEQ, B, CHUNK = 320, 17, 3, 7  # 3 x 16 = 48 loss positions: 7 chunks, the last one short
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_position_embeddings=64)
@@ -218,3 +224,133 @@ def test_ddp_and_zero3_give_every_rank_the_single_process_full_logits_gradients(
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6,
                                            msg=f"rank {rank} stage {stage} {name}")
+
+
+def _compiled_chunked(rank: int, world_size: int, backend: str) -> dict:
+    """A 12-block model: full logits eager, chunked eager, and chunked with its blocks compiled by ``backend``;
+    each one's loss and gradients, the chunked path's calls, and Dynamo's graph and frame counts."""
+    from torch._dynamo.utils import counters
+
+    from ddptrain.parallel.compile import compile_blocks
+
+    torch.compiler.reset()
+    counters.clear()
+    full, chunked = _pair(replace(TINY, num_layers=12))
+    compiled = copy.deepcopy(chunked)
+    original = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: original(self, backend=backend)  # type: ignore[method-assign]
+    try:
+        assert compile_blocks(compiled) == 12
+    finally:
+        torch.nn.Module.compile = original  # type: ignore[method-assign]
+    ids, labels = _batch()
+    out: dict = {name: _loss_and_grads(model, ids, labels) for name, model in (("full", full), ("eager", chunked))}
+    with CountedChunks() as counted:
+        out["compiled"] = _loss_and_grads(compiled, ids, labels)
+        out["compiled_logits"] = compiled(input_ids=ids, labels=labels, use_cache=False).logits
+    out["calls"], out["chunks"] = counted.calls, counted.chunks
+    out["graphs"], out["frames"] = counters["stats"]["unique_graphs"], dict(counters["frames"])
+    return out
+
+
+@pytest.mark.slow  # Inductor compiles a block in ~30 s on a loaded 2-core machine
+def test_compiled_blocks_with_the_chunked_loss_give_the_eager_and_full_logits_loss_and_gradients() -> None:
+    """train.compile compiles the blocks (Inductor, as a run does); the chunked head and loss run after them, and
+    their gradient flows back into the compiled blocks' backward."""
+    (ran,) = run_distributed(_compiled_chunked, 1, "inductor", timeout=600)
+    (full_loss, full_grads), (eager_loss, eager_grads) = ran["full"], ran["eager"]
+    loss, grads = ran["compiled"]
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == full_grads.keys() and len(grads) == 12 * 9 + 2  # every block's weights, embedding, norm
+    for name, grad in grads.items():
+        assert _rel(grad, eager_grads[name]) < 2e-6, name
+        assert _rel(grad, full_grads[name]) < 2e-6, name
+    # on: the chunked path ran (twice: the step and the logits probe), 7 chunks of 7 over 48 positions each,
+    # and returned no logits; the 12 blocks were one graph, compiled once, with no graph break
+    assert (ran["calls"], ran["chunks"], ran["compiled_logits"]) == (2, 14, None)
+    assert ran["graphs"] == 1 and ran["frames"] == {"total": 1, "ok": 1}, (ran["graphs"], ran["frames"])
+
+
+@pytest.mark.slow  # Dynamo's first trace costs seconds
+def test_the_chunked_loss_compiles_into_one_graph_without_a_break() -> None:
+    """Not needed by train.compile (which compiles the blocks only), but a whole-model compile may trace it: the
+    autograd function and its chunk loop compile with fullgraph=True and give the eager loss and gradients."""
+    from ddptrain.models.chunked_loss import linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(B, SEQ, 32, requires_grad=True)
+    weight = torch.randn(VOCAB, 32, requires_grad=True)
+    _, labels = _batch()
+    want = linear_cross_entropy(hidden, weight, labels, None, CHUNK)
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    torch.compiler.reset()
+    compiled = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
+    got = compiled(hidden, weight, labels, None, CHUNK)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.compiler.reset()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert _rel(g, w) < 1e-6
+
+
+LOOP_STEPS, LOOP_CHUNK, LOOP_ACCUM = 4, 8, 2
+LOOP_BASE: Overrides = {  # 2 ranks x micro batch 2 x 2 accumulated = 8 rows a step; 4 chunks of 8 per micro batch
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 64},
+    "data": {"source": "synthetic", "vocab_size": 128, "num_samples": 128, "seq_len": 16, "global_batch_size": 8,
+             "micro_batch_size": 2},
+    "train": {"steps": LOOP_STEPS, "log_every": 1, "eval_every": 0, "loss_chunk_tokens": LOOP_CHUNK},
+    "optim": {"lr": 1e-2, "warmup_steps": 0},
+    "checkpoint": {"every_n_steps": 0},
+}
+
+
+def _on_and_off(name: str, layer: Overrides, fault: str | None = None) -> list[tuple[str, Overrides, str | None]]:
+    on = {**layer, "train": {**layer.get("train", {}), "chunked_loss": True}}
+    off = {**layer, "train": {**layer.get("train", {}), "chunked_loss": False}}
+    return [(f"{name}-on", on, fault), (f"{name}-off", off, fault)]
+
+
+@pytest.mark.slow  # 8 short runs on 2 ranks: about a minute on a loaded 2-core machine
+def test_through_the_loop_chunked_equals_full_logits_under_zero_1_2_3_packing_and_fp16_overflow(
+    tmp_path: Path
+) -> None:
+    """2 gloo ranks, 2 micro batches accumulated, 4 steps, chunked on then off: ZeRO-1 and ZeRO-3 (a sharded head)
+    on fixed windows; ZeRO-2 on packed prompt/completion rows (labels -100 on prompts and each example's first
+    token, the loss token-weighted across accumulation and ranks); fp16 with the grad scaler, rank 1's gradients
+    overflowed at step 3 (a back-off, not a policy event)."""
+    tokenizer = tmp_path / "tokenizer"
+    train_bpe([f"{p} {c}" for p, c in generated_instructions(200)], 320).save_pretrained(tokenizer)
+    packed = {"data": {"source": "instructions", "format": "prompt_completion", "packing": True,
+                       "tokenizer": str(tokenizer), "num_samples": 64, "seq_len": 40}}
+    cases = {
+        "zero1": {"parallel": {"zero_stage": 1}},
+        "zero2-packed": {"parallel": {"zero_stage": 2}, **packed},
+        "zero3": {"parallel": {"zero_stage": 3}},
+        "fp16-overflow": {"train": {"precision": "fp16", "nan_policy": "abort"}},
+    }
+    variants = [v for name, layer in cases.items()
+                for v in _on_and_off(name, layer, "overflow@step:3:1" if "fp16" in name else None)]
+    ranks = run_distributed(outcomes_counting_chunks, 2, str(tmp_path), LOOP_BASE, variants, timeout=600)
+    runs = {name: ranks[0][i] for i, (name, _, _) in enumerate(variants)}
+    for name in cases:
+        on, off = runs[f"{name}-on"], runs[f"{name}-off"]
+        assert on["error"] is None and off["error"] is None, (on["error"], off["error"])
+        # on: every micro batch of every step went through the chunked path, in more than one chunk, on both
+        # ranks; off: none did
+        for rank in ranks:
+            mine = {r["dir"]: r for r in rank}
+            assert mine[on["dir"]]["calls"] == LOOP_STEPS * LOOP_ACCUM and mine[off["dir"]]["calls"] == 0, name
+            assert mine[on["dir"]]["chunks"] > 2 * mine[on["dir"]]["calls"], name
+        got, want = on["metrics"], off["metrics"]
+        assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, LOOP_STEPS + 1))
+        rtol = 2e-3 if "fp16" in name else 1e-5
+        for g, w in zip(got, want, strict=True):
+            assert math.isclose(g["loss"], w["loss"], rel_tol=rtol), (name, g["step"], g["loss"], w["loss"])
+            assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=rtol) or not (
+                math.isfinite(g["grad_norm"]) or math.isfinite(w["grad_norm"])), (name, g["step"])
+        if "fp16" in name:
+            assert [m["loss_scale"] for m in got] == [m["loss_scale"] for m in want]
+            assert [m["scaler_backoffs"] for m in got] == [m["scaler_backoffs"] for m in want] == [0, 0, 1, 1]
+            assert [math.isfinite(m["grad_norm"]) for m in got] == [True, True, False, True]
+            assert got[-1]["skipped_steps"] == want[-1]["skipped_steps"] == 0

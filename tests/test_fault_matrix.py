@@ -1,5 +1,6 @@
 """The fault matrix: one non-finite step injected into every pair of features (an all-pairs design over ZeRO stage,
-compression, engine, precision, packing, LoRA, activation checkpointing and compile), on 2 forked gloo ranks.
+compression, engine, precision, packing, LoRA, activation checkpointing, the chunked loss and compile), on 2 forked
+gloo ranks.
 
 Each row trains a tiny model (1 layer, width 32) for 4 steps with rank 1's loss poisoned at step 3, three times:
 ``skip`` goes on with finite steps and exactly one skipped update; ``abort`` stops at step 3 with one line on every
@@ -23,9 +24,10 @@ from ddptrain.checkpoint.offline import read_tensors, tensor_entries
 from ddptrain.data.instruct import generated_instructions
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
+from tests.helpers.chunks import outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
 from tests.helpers.pairwise import Row, all_pairs, pairs_of, refused_pairs, row_pairs
-from tests.helpers.runs import Overrides, make_config, train_outcomes
+from tests.helpers.runs import Overrides, make_config
 
 FACTORS: dict[str, list[Any]] = {  # the first level of each factor is the plain one, chosen when a row is free
     "zero": [0, 1, 2, 3],
@@ -35,11 +37,12 @@ FACTORS: dict[str, list[Any]] = {  # the first level of each factor is the plain
     "packing": [False, True],
     "lora": [False, True],
     "checkpointing": [False, True],
+    "chunked": [True, False],  # train.chunked_loss (on by default), in chunks of CHUNK tokens: several per batch
 }
 # Compile is not paired with every feature: a compiled run costs half a minute of compilation on a loaded 2-core
 # CPU (each run compiles afresh, as a process of its own would), so one compiled row stands for it (below).
 COMPILED_ROW: Row = {"zero": 0, "compression": "none", "engine": "torch", "precision": "fp32", "packing": False,
-                     "lora": False, "checkpointing": False, "compile": True}
+                     "lora": False, "checkpointing": False, "chunked": True, "compile": True}
 # The product's refusals, one pair each (tests/test_fault_matrix.py checks that the product refuses exactly these)
 REFUSED_WHEN = [
     ("zero", lambda v: v >= 2, "compression", lambda v: v != "none", "cannot be combined with parallel.zero_stage"),
@@ -49,7 +52,7 @@ REFUSED_WHEN = [
     ("engine", lambda v: v != "torch", "compile", bool, "train.compile=true cannot be combined with parallel.engine"),
     ("zero", lambda v: v >= 2, "lora", bool, "model.lora.enabled=true cannot be combined with parallel.zero_stage"),
 ]
-BAD_STEP, STEPS = 3, 4
+BAD_STEP, STEPS, CHUNK = 3, 4, 8
 NAN, OVERFLOW = f"nan@step:{BAD_STEP}:1", f"overflow@step:{BAD_STEP}:1"
 
 
@@ -63,11 +66,12 @@ REFUSED = [*refused_pairs(FACTORS, allowed), (("engine", "bucketed"), ("compile"
 
 
 def row_id(row: Row) -> str:
-    """The row's levels, plain ones included: e.g. zero1-topk-torch-fp16-packed-lora-ckpt-eager."""
+    """The row's levels, plain ones included: e.g. zero1-topk-torch-fp16-packed-lora-ckpt-chunked-eager."""
     return "-".join([
         f"zero{row['zero']}", row["compression"] if row["compression"] != "none" else "uncompressed", row["engine"],
         row["precision"], "packed" if row["packing"] else "blocks", "lora" if row["lora"] else "full",
-        "ckpt" if row["checkpointing"] else "nockpt", "compiled" if row["compile"] else "eager",
+        "ckpt" if row["checkpointing"] else "nockpt", "chunked" if row["chunked"] else "logits",
+        "compiled" if row["compile"] else "eager",
     ])
 
 
@@ -95,7 +99,8 @@ def overrides(row: Row, tokenizer: Path | None) -> Overrides:
     if row["lora"]:
         model["lora"] = {"enabled": True, "r": 4, "alpha": 8.0}
     out: Overrides = {"parallel": parallel, "model": model,
-                      "train": {"precision": row["precision"], "compile": row["compile"]}}
+                      "train": {"precision": row["precision"], "compile": row["compile"],
+                                "chunked_loss": row["chunked"], "loss_chunk_tokens": CHUNK}}
     if row["packing"]:
         out["data"] = {"source": "instructions", "format": "prompt_completion", "packing": True,
                        "tokenizer": str(tokenizer), "num_samples": 64, "seq_len": 40}
@@ -122,7 +127,7 @@ def test_the_rows_cover_every_pair_the_product_accepts_in_few_rows() -> None:
     covered = set().union(*(row_pairs({f: row[f] for f in FACTORS}) for row in ROWS))
     accepted = [p for p in pairs_of(FACTORS) if allowed(dict(p))]
     assert set(accepted) <= covered and all(allowed(row) for row in ROWS)
-    assert len(ROWS) <= 24, len(ROWS)  # the full product has 4*5*2*3*2*2*2 = 960 combinations
+    assert len(ROWS) <= 24, len(ROWS)  # the full product has 4*5*2*3*2*2*2*2 = 1920 combinations
 
 
 @pytest.mark.parametrize("pair", REFUSED, ids=[pair_id(p) for p in REFUSED])
@@ -162,8 +167,12 @@ def check_row(row: Row, tmp_path: Path, tokenizer: Path | None) -> None:
                 ("resume", {"train": {"resume": str(checkpoint)}, **last_only}, NAN)]
     if row["precision"] == "fp16":
         variants.append(("overflow", {"train": {"nan_policy": "abort"}, **last_only}, OVERFLOW))
-    ranks = run_distributed(train_outcomes, 2, str(tmp_path), base, variants, False, timeout=300)
+    ranks = run_distributed(outcomes_counting_chunks, 2, str(tmp_path), base, variants, timeout=300)
     runs = {name: [ranks[r][i] for r in (0, 1)] for i, (name, _, _) in enumerate(variants)}
+    # the chunked loss ran in every run of a chunked row, in several chunks a micro batch, and in none of the others
+    for outcome in (o for rank_runs in runs.values() for o in rank_runs):
+        assert (outcome["calls"] > 0 and outcome["chunks"] > outcome["calls"]) if row["chunked"] else (
+            outcome["calls"] == 0), (outcome["dir"], outcome["calls"], outcome["chunks"])
 
     skip = runs["skip"][0]["metrics"]
     norms = {m["step"]: m["grad_norm"] for m in skip}
