@@ -38,7 +38,7 @@ class Mutant:
 
 MUTANTS = [
     Mutant("checkpointing-off", "gradient checkpointing never enabled, plain or k-bit model",
-           (("ddptrain/models/lora.py", "model, use_gradient_checkpointing=cfg.gradient_checkpointing,",
+           (("ddptrain/models/lora.py", "model, use_gradient_checkpointing=ckpt_kwargs is not None,",
              "model, use_gradient_checkpointing=False,"),
             ("ddptrain/models/lora.py", "model.activation_checkpointing_enable(", "(lambda **_: None)(")),
            ("tests/test_finetune.py",)),

@@ -2,7 +2,7 @@
 configuration the planner recommends.
 
 The configured step is traced once at full size (``memory_trace.trace_step`` on fake tensors). The
-recommendation needs the peak at other micro batches and with checkpointing on and off: every category of the
+recommendation needs the peak at other micro batches and in each activation checkpointing mode: every category of the
 peak is linear in the micro batch and in the number of transformer blocks (each block adds the same
 parameters and saves the same activations per sequence), so four traces of one- and two-block models at micro
 batches 1 and 2 give it for any size; the full trace checks that fit and the gap is reported.
@@ -18,7 +18,7 @@ import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ddptrain.config.choices import Precision, resolve_precision
+from ddptrain.config.choices import ActivationCheckpointing, Precision, resolve_precision
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.memory_trace import (
@@ -81,13 +81,14 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
     return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(resolved)
 
 
-def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
-               device: Device, working_copy: bool = False, chunked_loss: bool | None = None) -> PeakTracker:
+def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: ActivationCheckpointing, num_layers: int,
+               grad_accum: int, device: Device, working_copy: bool = False, chunked_loss: bool | None = None
+               ) -> PeakTracker:
     """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
     parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). ``chunked_loss``:
     ``train.chunked_loss`` (None: as configured)."""
     traced = copy.deepcopy(cfg)
-    traced.model.gradient_checkpointing = checkpointing
+    traced.model.activation_checkpointing = checkpointing
     traced.model.num_layers = num_layers
     if chunked_loss is not None:
         traced.train.chunked_loss = chunked_loss
@@ -114,8 +115,8 @@ class PeakFit:
     traced: dict[tuple[int, int], dict[str, dict[str, int]]]  # (m, L) -> phase -> category -> bytes
 
     @classmethod
-    def from_traces(cls, cfg: Config, vocab: int, checkpointing: bool, grad_accum: int, device: Device,
-                    working_copy: bool = False) -> PeakFit:
+    def from_traces(cls, cfg: Config, vocab: int, checkpointing: ActivationCheckpointing, grad_accum: int,
+                    device: Device, working_copy: bool = False) -> PeakFit:
         """Six small traces: one and two blocks, micro batches 1, 2 and 3."""
         traced = {}
         for m in (1, 2, 3):
@@ -205,7 +206,7 @@ class Option:
     """One configuration the recommendation weighs."""
 
     stage: int
-    checkpointing: bool
+    checkpointing: ActivationCheckpointing
     micro_batch: int
     grad_accum: int
     peak: float  # traced (fitted) peak per rank
@@ -247,9 +248,16 @@ def step_collectives(plan: Plan, stage: int) -> StepCollectives:
                            Comm(share * plan.precision.grad_bytes, hops), none)
 
 
-def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool, micro_batch: int,
+# Compute per step relative to no checkpointing. Full checkpointing runs each block's forward again (a forward is
+# a third of a step's FLOPs); selective recomputes no matmul, only memory-bound element-wise ops that a FLOP count
+# does not see: assumed 5% of the step.
+RECOMPUTE = {ActivationCheckpointing.none: 1.0, ActivationCheckpointing.selective: 1.05,
+             ActivationCheckpointing.full: 4 / 3}
+
+
+def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: ActivationCheckpointing, micro_batch: int,
                      grad_accum: int, ranks: int) -> float | None:
-    """Compute at the assumed MFU (a forward more with checkpointing) plus the communication that compute
+    """Compute at the assumed MFU (times ``RECOMPUTE`` for the checkpointing mode) plus the communication that compute
     cannot hide, each collective timed by the planner's α–β link (``plan.link``): every micro batch's
     all-gathers beyond that micro batch's compute, the gradient sync beyond the last micro batch's backward,
     and what runs after the update."""
@@ -257,7 +265,7 @@ def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool
         return None
     tokens = micro_batch * grad_accum * plan.sequence_tokens  # real tokens: prompt/completion rows are shorter
     compute = plan.flops_per_token * tokens / (device.peak_tflops * 1e12 * plan.assumed_mfu)
-    compute *= 4 / 3 if checkpointing else 1.0
+    compute *= RECOMPUTE[checkpointing]
     if ranks == 1:
         return compute
     comm = step_collectives(plan, stage)
@@ -291,7 +299,7 @@ def logits_share(cfg: Config, vocab: int, grad_accum: int, device: Device, worki
     """Trace one block at the configured micro batch with the chunked loss on and off (see ``LogitsShare``)."""
     from ddptrain.models.chunked_loss import chunk_tokens_for
 
-    traced = {on: trace_peak(cfg, vocab, cfg.data.micro_batch_size, cfg.model.gradient_checkpointing, 1,
+    traced = {on: trace_peak(cfg, vocab, cfg.data.micro_batch_size, cfg.model.activation_checkpointing, 1,
                              grad_accum, device, working_copy, chunked_loss=on).peak for on in (True, False)}
     names = {True: "chunked", False: "full logits"}
     here = traced[cfg.train.chunked_loss].peak
@@ -308,13 +316,15 @@ class MemoryPlan:
     device: Device
     dtype: str  # what the step computes in on the target device
     micro_batch: int
-    checkpointing: bool
+    checkpointing: ActivationCheckpointing
     stage: int
     traced: PeakMemory  # the configured step, one rank, no sharding
     by_category: dict[str, float]  # ... under the configured ZeRO stage
     allowances: Allowances
     fit_gap: float  # the fit's peak at the configured size over the full trace's, minus 1
-    options: list[Option]  # the best micro batch per stage and checkpointing, fastest first; fits only
+    options: list[Option]  # the best micro batch per stage and checkpointing mode, fastest first; fits only
+    # checkpointing mode -> the fitted categories of the configured micro batch, depth and stage in that mode
+    by_mode: dict[ActivationCheckpointing, dict[str, float]]
     logits: LogitsShare | None = None  # the head's and loss's share with train.chunked_loss on and off
     configured_chunked: bool = True  # train.chunked_loss as configured
 
@@ -335,7 +345,7 @@ class MemoryPlan:
         return {
             "device": self.device.name, "device_memory_bytes": self.device.memory_gib * GiB,
             "compute_dtype": self.dtype, "micro_batch_size": self.micro_batch,
-            "gradient_checkpointing": self.checkpointing, "zero_stage": self.stage,
+            "activation_checkpointing": str(self.checkpointing), "zero_stage": self.stage,
             "peak_bytes_per_rank": round(self.peak), "peak_phase": self.traced.phase,
             "by_category": {c: round(v) for c, v in self.by_category.items()},
             "single_rank_by_category": self.traced.by_category,
@@ -343,6 +353,9 @@ class MemoryPlan:
             "total_bytes_per_rank": round(self.total), "fits": self.fits, "fit_gap": self.fit_gap,
             "recommendation": None if best is None else option_json(best),
             "options": [option_json(o) for o in self.options],
+            "by_checkpointing": {str(mode): {"activations_bytes": round(by["activations"]),
+                                             "peak_bytes_per_rank": round(sum(by.values()))}
+                                 for mode, by in self.by_mode.items()},
             "chunked_loss": self.chunked_loss,
             "logits_and_loss": None if self.logits is None else self.logits.to_json(),
         }
@@ -353,7 +366,7 @@ class MemoryPlan:
 
 
 def option_json(option: Option) -> dict:
-    return {"zero_stage": option.stage, "gradient_checkpointing": option.checkpointing,
+    return {"zero_stage": option.stage, "activation_checkpointing": str(option.checkpointing),
             "micro_batch_size": option.micro_batch, "grad_accum": option.grad_accum,
             "peak_bytes_per_rank": round(option.peak), "total_bytes_per_rank": round(option.total),
             "predicted_step_s": option.step_s, "predicted_speedup": option.speedup}
@@ -369,7 +382,7 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
     def trace_configured(working_copy: bool) -> PeakMemory:
-        return trace_peak(cfg, vocab, batch.micro_batch_size, cfg.model.gradient_checkpointing,
+        return trace_peak(cfg, vocab, batch.micro_batch_size, cfg.model.activation_checkpointing,
                           cfg.model.num_layers, min(batch.grad_accum, 2), device, working_copy).peak
 
     traced = trace_configured(False)
@@ -379,10 +392,13 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
 
 
 def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPlan:
-    """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch."""
+    """Trace the configured step for ``device``, then weigh every stage, checkpointing mode and micro batch.
+
+    Modes are weighed from the least recompute to the most (none, selective, full); a mode that fits the whole
+    per-rank batch in one micro batch ends the stage's search, as more recompute cannot make that faster."""
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
-    layers, ckpt = cfg.model.num_layers, cfg.model.gradient_checkpointing
+    layers, ckpt = cfg.model.num_layers, cfg.model.activation_checkpointing
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
@@ -392,9 +408,9 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    fits: dict[tuple[bool, int, bool], PeakFit] = {}
+    fits: dict[tuple[ActivationCheckpointing, int, bool], PeakFit] = {}
 
-    def fit(checkpointing: bool, accum: int, stage: int) -> PeakFit:
+    def fit(checkpointing: ActivationCheckpointing, accum: int, stage: int) -> PeakFit:
         """Two micro batches stand for any more: the second one's backward runs with the first's gradients."""
         key = (checkpointing, min(accum, 2), low and stage >= 2)
         if key not in fits:
@@ -404,8 +420,9 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
     fitted = sum(fit(ckpt, batch.grad_accum, cfg.parallel.zero_stage).at(batch.micro_batch_size, layers).values())
     options = []
     per_rank = batch.global_batch_size // n
+    modes = sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
     for stage in stages:
-        for c in (False, True):
+        for c in modes:
             for m in sorted(divisors(per_rank), reverse=True):
                 accum = per_rank // m
                 categories = shard(fit(c, accum, stage).at(m, layers), stage, n, plan, accum > 1)
@@ -418,12 +435,16 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device) -> MemoryPl
                 speedup = single / step if step and single else None
                 options.append(Option(stage, c, m, accum, peak, allow, step, speedup))
                 break
-    options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, o.checkpointing))
+            if options and options[-1].stage == stage and options[-1].micro_batch == per_rank:
+                break
+    options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
+    by_mode = {c: shard(fit(c, batch.grad_accum, cfg.parallel.zero_stage).at(batch.micro_batch_size, layers),
+                        cfg.parallel.zero_stage, n, plan, batch.grad_accum > 1) for c in modes}
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=cfg.parallel.zero_stage, traced=traced,
         by_category=configured, allowances=allowances(configured, cfg.parallel.zero_stage),
-        fit_gap=fitted / stage_traced.peak - 1, options=options,
+        fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
         logits=logits_share(cfg, vocab, min(batch.grad_accum, 2), device, low and cfg.parallel.zero_stage >= 2,
                             sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
