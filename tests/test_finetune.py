@@ -89,7 +89,7 @@ def _adapter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Adapter gradients after one accumulated step: exact (checkpointing off/on) and naive mean of means."""
     out = {}
-    checkpointed = {"gradient_checkpointing": True}
+    checkpointed = {"activation_checkpointing": "full"}
     reentrant = {**checkpointed, "checkpoint_reentrant": True}
     ran = {}
     for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant)):
@@ -143,7 +143,7 @@ def _train_with_failing_backward(rank: int, world_size: int, tmp: str, base: dic
     loop.accumulate_gradients = fail  # type: ignore[assignment]  # this spawned process only
     out = {}
     for reentrant in (True, False):
-        model = {"gradient_checkpointing": True, "checkpoint_reentrant": reentrant}
+        model = {"activation_checkpointing": "full", "checkpoint_reentrant": reentrant}
         try:
             train_each(rank, world_size, tmp, base, [{"model": model, "checkpoint": {"export": False}}])
             out[reentrant] = "no error"
@@ -201,7 +201,7 @@ def lora_runs(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict
         {},
         {"parallel": {"zero_stage": 1}},
         {"parallel": {"engine": "bucketed"}},
-        {"model": {"quantize": "nf4", "gradient_checkpointing": True}},
+        {"model": {"quantize": "nf4", "activation_checkpointing": "full"}},
         {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
         {"parallel": {"compression": "fp16"}},
     ]
