@@ -22,10 +22,11 @@ from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.schema import ModelConfig
 
 # Ops whose outputs selective checkpointing keeps, by name (every overload): matmuls (nn.Linear dispatches to mm
-# or addmm, GPT-2's Conv1D to addmm, eager attention to bmm/baddbmm) and attention kernels (SDPA's flash,
+# or addmm, GPT-2's Conv1D to addmm, eager attention to bmm/baddbmm, a 4-bit base on the CPU to bitsandbytes'
+# gemm_4bit; on a GPU bitsandbytes unpacks the weight and calls mm) and attention kernels (SDPA's flash,
 # memory-efficient, cuDNN and CPU kernels; FlashAttention-2's own ops when it is installed).
 SAVED_OPS = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "bitsandbytes::gemm_4bit",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_fused_attention_overrideable", "aten::_flash_attention_forward",
