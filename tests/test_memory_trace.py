@@ -483,7 +483,8 @@ def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dic
     cfg.data.global_batch_size, cfg.data.micro_batch_size = 16 * grad_accum, 2
     plan = build_plan(cfg, 8, "H100")
     device = target_device("h100", None, None)
-    return {stage: predicted_step_s(plan, device, stage, ActivationCheckpointing.none, 2, grad_accum, 8) for stage in range(4)}
+    none = ActivationCheckpointing.none
+    return {stage: predicted_step_s(plan, device, stage, none, 2, grad_accum, 8) for stage in range(4)}
 
 
 def test_the_step_time_ranking_charges_each_zero_stage_its_own_communication() -> None:
