@@ -38,7 +38,7 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Te
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return loss.item()
 
 
 def run_case(width: int, blocks: int, seq: int, micro: int, repeats: int) -> dict[str, dict]:
