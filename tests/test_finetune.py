@@ -87,12 +87,15 @@ def _adapter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Adapter gradients after one accumulated step: exact (checkpointing off/on) and naive mean of means."""
+    """Adapter gradients after one accumulated step: exact (checkpointing off, full, reentrant, selective) and naive
+    mean of means."""
     out = {}
     checkpointed = {"activation_checkpointing": "full"}
     reentrant = {**checkpointed, "checkpoint_reentrant": True}
     ran = {}
-    for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant)):
+    selective = {"activation_checkpointing": "selective"}
+    for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant),
+                            ("selective", selective)):
         model = _lora_model(base, **kwargs)
         calls = count_checkpoint_calls(model)
         wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
@@ -117,7 +120,7 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
     assert len(expected) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers: adapters only
     results = run_distributed(_grads_on_two_ranks, 2, base)
     for rank, grads in enumerate(results):
-        for variant in ("exact", "checkpointed", "reentrant"):
+        for variant in ("exact", "checkpointed", "reentrant", "selective"):
             assert grads[variant].keys() == expected.keys()
             for name, grad in grads[variant].items():
                 torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5,
@@ -126,7 +129,8 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
         # mode (a loaded model starts in eval mode, where transformers skips checkpointing).
         ran = grads["ran"]
         assert ran["exact"] == {"checkpoint_calls": 0, "training": True}
-        assert ran["checkpointed"] == ran["reentrant"] == {"checkpoint_calls": 2 * ACCUM, "training": True}
+        assert ran["checkpointed"] == ran["reentrant"] == ran["selective"] == {"checkpoint_calls": 2 * ACCUM,
+                                                                               "training": True}
         naive = grads["mean_of_means"]
         worst = max((naive[n] - g).abs().max() / g.abs().max() for n, g in expected.items())
         assert worst > 0.05, f"mean of means should be visibly wrong here, off by {worst:.3g} at most"
