@@ -44,7 +44,7 @@ LORA = {"enabled": True, "r": 16, "alpha": 32.0}
 VARIANTS: dict[str, dict[str, Any]] = {  # variant -> model overrides
     "full fine-tuning": {},
     "LoRA r=16": {"lora": LORA},
-    "LoRA r=16 + checkpointing": {"lora": LORA, "gradient_checkpointing": True},
+    "LoRA r=16 + checkpointing": {"lora": LORA, "activation_checkpointing": "full"},
 }
 
 

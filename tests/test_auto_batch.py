@@ -12,9 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 import ddptrain.plan.memory_trace as memory_trace
-from ddptrain.app.launch import Run, agreed_micro_batch
-from ddptrain.config.checks import validate_config
-from ddptrain.config.compose import build_config
+from ddptrain.app.launch import agreed_micro_batch
+from ddptrain.app.preflight import validate_config
+from ddptrain.config.choices import ActivationCheckpointing
+from ddptrain.config.compose import Run, build_config
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.auto_batch import AUTO_MARGIN, choose_micro_batch, largest_fitting
@@ -36,7 +37,8 @@ def tiny_auto(global_batch: int = 12, **train: object) -> Config:
                          "train": {"loss_chunk_tokens": 16, **train}})
 
 
-def full_trace(cfg: Config, micro_batch: int, per_rank: int, checkpointing: bool = False,
+def full_trace(cfg: Config, micro_batch: int, per_rank: int,
+               checkpointing: ActivationCheckpointing = ActivationCheckpointing.none,
                chunked_loss: bool | None = None) -> int:
     """The whole step traced, every block and every chunk (accumulating below the per-rank batch)."""
     accum = 2 if micro_batch < per_rank else 1
@@ -54,7 +56,7 @@ def test_depth_scaled_traces_on_representative_chunks_equal_the_whole_step_to_th
     cfg = tiny_auto()
     cfg.model.num_layers = 4
     tracer = Tracer(cfg, VOCAB, CPU)
-    for checkpointing in (False, True):
+    for checkpointing in ActivationCheckpointing:
         for micro_batch, accumulating in ((1, True), (5, True), (7, False)):
             exact = tracer.exact(micro_batch, checkpointing, accumulating=accumulating)
             whole = full_trace(cfg, micro_batch, 8 if accumulating else micro_batch, checkpointing)
@@ -106,17 +108,20 @@ def test_when_even_one_does_not_fit_the_error_names_what_would() -> None:
     cfg = tiny_auto(chunked_loss=False)
     cfg.model.num_layers = 4
     base = full_trace(cfg, 1, 12)
-    remedies = {"model.gradient_checkpointing=true": full_trace(cfg, 1, 12, checkpointing=True),
-                "train.chunked_loss=true": full_trace(cfg, 1, 12, chunked_loss=True)}
+    remedies = {f"model.activation_checkpointing={mode}": full_trace(cfg, 1, 12, checkpointing=mode)
+                for mode in (ActivationCheckpointing.selective, ActivationCheckpointing.full)}
+    remedies["train.chunked_loss=true"] = full_trace(cfg, 1, 12, chunked_loss=True)
     assert all(need < base for need in remedies.values())
-    lowest, highest = sorted(remedies.values())
+    lowest, second = sorted(remedies.values())[:2]
+    assert lowest < second
     with pytest.raises(ConfigError) as caught:
-        choose_micro_batch(cfg, 1, device_between(lowest, min(highest, base)), VOCAB)
+        choose_micro_batch(cfg, 1, device_between(lowest, second), VOCAB)
     line = str(caught.value)
     assert "\n" not in line and line.startswith("data.micro_batch_size=auto: even micro batch 1 needs")
     for remedy, need in remedies.items():  # the remedies that fit alone, and only those
         assert (remedy in line) == (need == lowest)
-    with pytest.raises(ConfigError, match=r"nothing the planner weighs makes it fit .tried: model\.gradient"):
+    with pytest.raises(ConfigError, match=r"nothing the planner weighs makes it fit .tried: "
+                       r"model\.activation_checkpointing=selective"):
         choose_micro_batch(cfg, 1, target_device("cpu", lowest / 2 / GiB, None), VOCAB)
 
 

@@ -62,7 +62,11 @@ IN_PROCESS = [
     (["model.lora.enabled=true", "parallel.zero_stage=3"],
      "model.lora.enabled=true cannot be combined with parallel.zero_stage=3"),
     (["model.lora.r=0"], "model.lora.r=0: expected a positive rank"),
-    (["model.checkpoint_reentrant=true"], "model.checkpoint_reentrant=true needs model.gradient_checkpointing=true"),
+    (["model.checkpoint_reentrant=true", "model.activation_checkpointing=selective"],
+     "model.checkpoint_reentrant=true needs model.activation_checkpointing=full (it is selective)"),
+    (["model.gradient_checkpointing=true", "model.activation_checkpointing=selective"],
+     "model.gradient_checkpointing=true contradicts model.activation_checkpointing=selective: set only "
+     "model.activation_checkpointing"),
     (["+experiment=lora_quickstart", "model.pretrained=outputs/none/model"],
      "model.pretrained=outputs/none/model: no such model directory; make a small base model with: "
      "ddptrain +experiment=quickstart hydra.run.dir=outputs/quickstart"),

@@ -95,7 +95,7 @@ def overrides(row: Row, tokenizer: Path | None) -> Overrides:
     parallel: dict[str, Any] = {"zero_stage": row["zero"], "compression": row["compression"], "engine": row["engine"]}
     if row["compression"] == "powersgd":
         parallel["powersgd_start_iter"] = 2  # compresses from step 3 on: the bad step is its first compressed one
-    model: dict[str, Any] = {"gradient_checkpointing": row["checkpointing"]}
+    model: dict[str, Any] = {"activation_checkpointing": "full" if row["checkpointing"] else "none"}
     if row["lora"]:
         model["lora"] = {"enabled": True, "r": 4, "alpha": 8.0}
     out: Overrides = {"parallel": parallel, "model": model,

@@ -87,12 +87,15 @@ def _adapter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Adapter gradients after one accumulated step: exact (checkpointing off/on) and naive mean of means."""
+    """Adapter gradients after one accumulated step: exact (checkpointing off, full, reentrant, selective) and naive
+    mean of means."""
     out = {}
-    checkpointed = {"gradient_checkpointing": True}
+    checkpointed = {"activation_checkpointing": "full"}
     reentrant = {**checkpointed, "checkpoint_reentrant": True}
     ran = {}
-    for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant)):
+    selective = {"activation_checkpointing": "selective"}
+    for variant, kwargs in (("exact", {}), ("checkpointed", checkpointed), ("reentrant", reentrant),
+                            ("selective", selective)):
         model = _lora_model(base, **kwargs)
         calls = count_checkpoint_calls(model)
         wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
@@ -117,7 +120,7 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
     assert len(expected) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers: adapters only
     results = run_distributed(_grads_on_two_ranks, 2, base)
     for rank, grads in enumerate(results):
-        for variant in ("exact", "checkpointed", "reentrant"):
+        for variant in ("exact", "checkpointed", "reentrant", "selective"):
             assert grads[variant].keys() == expected.keys()
             for name, grad in grads[variant].items():
                 torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5,
@@ -126,7 +129,8 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
         # mode (a loaded model starts in eval mode, where transformers skips checkpointing).
         ran = grads["ran"]
         assert ran["exact"] == {"checkpoint_calls": 0, "training": True}
-        assert ran["checkpointed"] == ran["reentrant"] == {"checkpoint_calls": 2 * ACCUM, "training": True}
+        assert ran["checkpointed"] == ran["reentrant"] == ran["selective"] == {"checkpoint_calls": 2 * ACCUM,
+                                                                               "training": True}
         naive = grads["mean_of_means"]
         worst = max((naive[n] - g).abs().max() / g.abs().max() for n, g in expected.items())
         assert worst > 0.05, f"mean of means should be visibly wrong here, off by {worst:.3g} at most"
@@ -143,7 +147,7 @@ def _train_with_failing_backward(rank: int, world_size: int, tmp: str, base: dic
     loop.accumulate_gradients = fail  # type: ignore[assignment]  # this spawned process only
     out = {}
     for reentrant in (True, False):
-        model = {"gradient_checkpointing": True, "checkpoint_reentrant": reentrant}
+        model = {"activation_checkpointing": "full", "checkpoint_reentrant": reentrant}
         try:
             train_each(rank, world_size, tmp, base, [{"model": model, "checkpoint": {"export": False}}])
             out[reentrant] = "no error"
@@ -201,7 +205,7 @@ def lora_runs(base: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict
         {},
         {"parallel": {"zero_stage": 1}},
         {"parallel": {"engine": "bucketed"}},
-        {"model": {"quantize": "nf4", "gradient_checkpointing": True}},
+        {"model": {"quantize": "nf4", "activation_checkpointing": "full"}},
         {"train": {"resume": str(tmp / "w2-run0" / "checkpoints" / "step_000002")}},
         {"parallel": {"compression": "fp16"}},
     ]

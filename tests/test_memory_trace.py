@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
+from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import build_model
@@ -62,7 +63,7 @@ REPO = Path(__file__).parents[1]
 MiB = 1 << 20
 
 
-def small_config(arch: str = "llama", checkpointing: bool = False, lora: bool = False) -> Config:
+def small_config(arch: str = "llama", checkpointing: str = "none", lora: bool = False) -> Config:
     cfg = Config()
     if arch == "qwen3":  # the qwen3_tiny preset's shape: QK-norm, grouped-query attention, its own head_dim
         preset = OmegaConf.load(REPO / "configs" / "model" / "qwen3_tiny.yaml")
@@ -70,7 +71,7 @@ def small_config(arch: str = "llama", checkpointing: bool = False, lora: bool = 
     else:
         cfg.model.arch, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = arch, 64, 2, 4
         cfg.model.num_kv_heads = 2 if arch == "llama" else None  # grouped-query attention where the arch has it
-    cfg.model.gradient_checkpointing = checkpointing
+    cfg.model.activation_checkpointing = ActivationCheckpointing(checkpointing)
     cfg.model.lora.enabled = lora
     cfg.data.seq_len = SEQ
     return cfg
@@ -121,16 +122,17 @@ def assert_close(predicted: dict[str, float], measured: dict[str, float], peak: 
         assert predicted[category] == pytest.approx(measured[category], rel=0.02, abs=0.001 * peak), category
 
 
-CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True), ("llama", True, True),
-         ("gpt2", False, False), ("gpt2", True, False), ("gpt2", False, True),
-         ("qwen3", False, False), ("qwen3", True, False), ("qwen3", False, True)]
+CASES = [("llama", "none", False), ("llama", "full", False), ("llama", "none", True), ("llama", "full", True),
+         ("llama", "selective", True), ("gpt2", "none", False), ("gpt2", "full", False), ("gpt2", "none", True),
+         ("gpt2", "selective", False), ("qwen3", "none", False), ("qwen3", "full", False), ("qwen3", "none", True),
+         ("qwen3", "selective", False)]
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "lora"), CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow),
                                    pytest.param(torch.float16, marks=pytest.mark.slow)], ids=["bf16", "fp32", "fp16"])
 def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
-    arch: str, checkpointing: bool, lora: bool, dtype: torch.dtype | None
+    arch: str, checkpointing: str, lora: bool, dtype: torch.dtype | None
 ) -> None:
     cfg = small_config(arch, checkpointing, lora)
     setup = StepSetup("cpu", dtype, cfg.optim.grad_clip)
@@ -140,8 +142,9 @@ def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
         fake_tracker, flash_calls = trace_step(model, optimizer, batch, setup)
     fake = fake_tracker.peak
     assert next(model.parameters()).__class__.__name__ == "FakeTensor"
-    # attention ran a flash kernel in every block (and again in every recomputed block), never the math path
-    assert flash_calls == cfg.model.num_layers * (2 if checkpointing else 1)
+    # attention ran a flash kernel in every block (and again in every block full checkpointing recomputes; selective
+    # checkpointing keeps its output), never the math path
+    assert flash_calls == cfg.model.num_layers * (2 if checkpointing == "full" else 1)
 
     real_model, real_optimizer, real_batch = real_training_state(cfg)
     real = trace_step(real_model, real_optimizer, real_batch, setup)[0].peak
@@ -157,10 +160,10 @@ def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None
     cfg = small_config()
     cfg.model.num_layers = 4
     device = target_device("cpu", None, None)
-    fit = Tracer(cfg, VOCAB, device).fit(False)
+    fit = Tracer(cfg, VOCAB, device).fit(ActivationCheckpointing.none)
     for accum in (1, 2):
         for micro_batch in (1, 6):
-            full = trace_peak(cfg, VOCAB, micro_batch, False, 4, accum, device).peak
+            full = trace_peak(cfg, VOCAB, micro_batch, ActivationCheckpointing.none, 4, accum, device).peak
             assert sum(fit.at(micro_batch, 4, accum > 1).values()) == pytest.approx(full.peak, rel=0.02)
 
 
@@ -382,7 +385,7 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
     device = target_device("cpu", None, None)
     plan = build_plan(cfg, 2, None)
     working_copy = precision == "bf16"  # FSDP2 gathers bf16 parameters and computes on them
-    traced = trace_peak(cfg, VOCAB, BATCH, False, 4, grad_accum, device, working_copy).peak
+    traced = trace_peak(cfg, VOCAB, BATCH, ActivationCheckpointing.none, 4, grad_accum, device, working_copy).peak
     predicted = sum(shard(traced.by_category, stage, 2, plan, grad_accum > 1).values())
     assert shard(traced.by_category, stage, 2, plan)["parameters"] == plan.memory[stage].params
     for rank in run_distributed(_fsdp_rank_peak, 2, copy.deepcopy(cfg), grad_accum):
@@ -431,7 +434,7 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
         if not some_fit:
             assert best is None and out["options"] == []
         else:  # checkpointing fits where the configured step does not
-            assert best is not None and best["gradient_checkpointing"]
+            assert best is not None and best["activation_checkpointing"] in ("selective", "full")
             assert best["total_bytes_per_rank"] <= memory < out["total_bytes_per_rank"]
     assert len(traces) == traced  # each shape traced once, not once per device
 
@@ -464,6 +467,13 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
     assert share["chunked"]["peak_bytes_per_rank"] == plan["peak_bytes_per_rank"]
     assert share["full logits"]["peak_bytes_per_rank"] > plan["peak_bytes_per_rank"]
     assert "LM head and loss at the peak (train.chunked_loss on, chunks of 16 tokens)" in result.stdout
+    # the activations in each checkpointing mode at the configured micro batch (none is configured)
+    modes = plan["by_checkpointing"]
+    assert plan["activation_checkpointing"] == "none" and set(modes) == {"none", "selective", "full"}
+    activations = [modes[mode]["activations_bytes"] for mode in ("none", "selective", "full")]
+    assert activations == sorted(activations, reverse=True) and len(set(activations)) == 3 and activations[2] > 0
+    assert modes["none"]["peak_bytes_per_rank"] == pytest.approx(plan["peak_bytes_per_rank"], rel=0.02)
+    assert "Activations by model.activation_checkpointing" in result.stdout
 
 
 def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dict[int, float]:
@@ -473,7 +483,8 @@ def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dic
     cfg.data.global_batch_size, cfg.data.micro_batch_size = 16 * grad_accum, 2
     plan = build_plan(cfg, 8, "H100")
     device = target_device("h100", None, None)
-    return {stage: predicted_step_s(plan, device, stage, False, 2, grad_accum, 8) for stage in range(4)}
+    none = ActivationCheckpointing.none
+    return {stage: predicted_step_s(plan, device, stage, none, 2, grad_accum, 8) for stage in range(4)}
 
 
 def test_the_step_time_ranking_charges_each_zero_stage_its_own_communication() -> None:
@@ -497,7 +508,7 @@ def test_the_step_time_ranking_charges_each_zero_stage_its_own_communication() -
 NF4_BATCH = 8
 
 
-def nf4_config(base: Path, checkpointing: bool) -> Config:
+def nf4_config(base: Path, checkpointing: str) -> Config:
     """``model.*`` describing the tiny saved Llama at ``base``, loaded in 4-bit NF4 under LoRA."""
     cfg = Config()
     m = cfg.model
@@ -505,7 +516,8 @@ def nf4_config(base: Path, checkpointing: bool) -> Config:
     m.num_layers, m.num_heads = TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["num_attention_heads"]
     m.num_kv_heads, m.max_position_embeddings = TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["max_position_embeddings"]
     m.tie_embeddings = False  # LlamaConfig's default, as saved
-    m.pretrained, m.quantize, m.lora.enabled, m.gradient_checkpointing = str(base), "nf4", True, checkpointing
+    m.pretrained, m.quantize, m.lora.enabled = str(base), "nf4", True
+    m.activation_checkpointing = ActivationCheckpointing(checkpointing)
     cfg.data.seq_len = SEQ
     return cfg
 
@@ -529,7 +541,7 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
 def test_an_nf4_base_is_traced_as_packed_4bit_weights_with_their_quantization_state(pretrained_base: Path) -> None:
     import bitsandbytes as bnb
 
-    cfg = nf4_config(pretrained_base, False)
+    cfg = nf4_config(pretrained_base, "none")
     model, optimizer, _ = fake_training_state(cfg, TINY_LLAMA["vocab_size"], NF4_BATCH, "cpu",
                                               FakeTensorMode(allow_non_fake_inputs=True))
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -547,10 +559,10 @@ def test_an_nf4_base_is_traced_as_packed_4bit_weights_with_their_quantization_st
     assert storage_bytes([layer.weight for layer in layers]) == packed
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(None, marks=pytest.mark.slow)], ids=["bf16", "fp32"])
 def test_a_traced_qlora_step_peaks_like_the_real_4bit_cpu_step_in_every_category(
-    pretrained_base: Path, checkpointing: bool, dtype: torch.dtype | None
+    pretrained_base: Path, checkpointing: str, dtype: torch.dtype | None
 ) -> None:
     cfg = nf4_config(pretrained_base, checkpointing)
     setup = StepSetup("cpu", dtype, cfg.optim.grad_clip)

@@ -65,7 +65,7 @@ def _micro_batches(collate: Any) -> list[dict[str, torch.Tensor]]:
 
 
 def _adapted(path: Path, checkpointing: bool) -> torch.nn.Module:
-    cfg = ModelConfig(pretrained=str(path), gradient_checkpointing=checkpointing,
+    cfg = ModelConfig(pretrained=str(path), activation_checkpointing="full" if checkpointing else "none",
                       lora=LoraSettings(enabled=True, r=4, alpha=8.0))
     torch.manual_seed(1)
     model = prepare_for_finetuning(build_model(cfg, VOCAB), cfg)

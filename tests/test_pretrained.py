@@ -56,7 +56,7 @@ def test_from_pretrained_returns_eval_mode_and_configs_default_to_a_kv_cache(pre
 
 def test_a_loaded_base_trains_in_training_mode_and_checkpoints_every_block(pretrained_base: Path) -> None:
     plain = _loaded(pretrained_base, lora=LORA)
-    checkpointed = _loaded(pretrained_base, lora=LORA, gradient_checkpointing=True)
+    checkpointed = _loaded(pretrained_base, lora=LORA, activation_checkpointing="full")
     assert all(m.training for m in checkpointed.modules())
     calls = count_checkpoint_calls(checkpointed)
     per_block = saved_activation_bytes(lambda: checkpointed(input_ids=IDS, labels=IDS, use_cache=False).loss)
@@ -80,7 +80,7 @@ def test_a_base_saved_with_attention_dropout_trains_with_it(tmp_path: Path) -> N
 def _evaluate_twice(rank: int, world_size: int, base: str) -> list[bool]:
     from ddptrain.train.step import evaluate
 
-    model = _loaded(Path(base), lora=LORA, gradient_checkpointing=True)
+    model = _loaded(Path(base), lora=LORA, activation_checkpointing="full")
     modes = []
     for _ in range(2):
         evaluate(model, [IDS], nullcontext(), torch.device("cpu"))
@@ -98,7 +98,7 @@ def test_evaluation_hands_the_model_back_in_the_mode_it_found_it(pretrained_base
 def _finetune(base: Path) -> dict:
     return {
         "model": {"pretrained": str(base), "lora": {"enabled": True, "r": 4, "alpha": 8.0},
-                  "gradient_checkpointing": True},
+                  "activation_checkpointing": "full"},
         "data": {"source": "instructions", "format": "prompt_completion", "tokenizer": str(base), "num_samples": 80,
                  "seq_len": 40, "global_batch_size": 4, "micro_batch_size": 2},
         "train": {"steps": 3, "log_every": 1, "eval_every": 1}, "optim": {"warmup_steps": 0},
@@ -208,7 +208,7 @@ def _modules_after(rank: int, world_size: int, tmp: str, base: str, quantize: bo
     logging.getLogger().addHandler(handler)
     imported_before = "bitsandbytes" in sys.modules
     if quantize:
-        cfg = ModelConfig(pretrained=base, quantize="nf4", lora=LORA, gradient_checkpointing=True)  # type: ignore[arg-type]
+        cfg = ModelConfig(pretrained=base, quantize="nf4", lora=LORA, activation_checkpointing="full")  # type: ignore[arg-type]
         model = prepare_for_finetuning(build_model(cfg, 384), cfg)
         model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
     else:

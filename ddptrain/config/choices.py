@@ -24,6 +24,14 @@ class BaseDtype(StrEnum):
     bf16 = "bf16"
 
 
+class ActivationCheckpointing(StrEnum):
+    """What each transformer block keeps for backward (``ddptrain/models/checkpointing.py``)."""
+
+    none = "none"  # every activation autograd saves
+    full = "full"  # only the block's input: the whole block runs again in backward
+    selective = "selective"  # the matmul and attention outputs: the element-wise ops between them run again
+
+
 class Quantize(StrEnum):
     """Quantization of the frozen base weights at load time (QLoRA: bitsandbytes NF4 under LoRA)."""
 

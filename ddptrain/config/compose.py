@@ -142,6 +142,8 @@ def typed_config(cfg: DictConfig) -> Run:
     except Exception as exc:
         raise ConfigError(one_line(exc)) from exc
     assert isinstance(resolved, dict)
+    # the checkpointing mode in effect, also when the deprecated model.gradient_checkpointing chose it
+    resolved["model"]["activation_checkpointing"] = str(typed.model.activation_checkpointing)
     return Run(cfg, typed, resolved)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ddptrain.config.choices import (
     ZERO_STAGES,
+    ActivationCheckpointing,
     Arch,
     Backend,
     BaseDtype,
@@ -85,11 +86,14 @@ class ModelConfig:
     dtype: BaseDtype = BaseDtype.fp32  # pretrained: dtype of the loaded base weights
     device_map: str = "rank"  # rank: the whole model on this rank's device (the only layout data parallelism allows)
     quantize: Quantize = Quantize.none  # nf4: 4-bit base weights (needs model.lora.enabled=true)
-    gradient_checkpointing: bool = False  # recompute each block's activations in backward (non-reentrant)
-    checkpoint_reentrant: bool = False  # torch's reentrant variant; if backward fails under it, the error says so
+    # none | full: recompute each block in backward | selective: keep matmul/attention outputs, recompute the rest
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    gradient_checkpointing: bool | None = None  # deprecated: true = activation_checkpointing=full, false = none
+    checkpoint_reentrant: bool = False  # full checkpointing, torch's reentrant variant; a failed backward says so
     lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
+        self._resolve_checkpointing()
         if self.pretrained is not None:
             return  # the loaded model's own config decides
         _positive("model", self, "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
@@ -102,6 +106,21 @@ class ModelConfig:
                  f"model.num_kv_heads={kv}: gpt2 has no grouped-query attention; use {self.num_heads}")
         _require(self.head_dim is None or (self.head_dim >= 1 and self.arch != Arch.gpt2),
                  f"model.head_dim={self.head_dim}: expected a positive width for llama or qwen3 (gpt2: null)")
+
+    def _resolve_checkpointing(self) -> None:
+        """The deprecated ``gradient_checkpointing`` sets ``activation_checkpointing`` (true: full, false: none) unless
+        that says otherwise; ``checkpoint_reentrant`` is full checkpointing's variant."""
+        mode = ActivationCheckpointing(self.activation_checkpointing)
+        if self.gradient_checkpointing is not None:
+            old = ActivationCheckpointing.full if self.gradient_checkpointing else ActivationCheckpointing.none
+            _require(mode in (old, ActivationCheckpointing.none),
+                     f"model.gradient_checkpointing={str(self.gradient_checkpointing).lower()} contradicts "
+                     f"model.activation_checkpointing={mode}: set only model.activation_checkpointing")
+            mode = old
+        self.activation_checkpointing = mode
+        _require(not self.checkpoint_reentrant or mode == ActivationCheckpointing.full,
+                 f"model.checkpoint_reentrant=true needs model.activation_checkpointing=full (it is {mode}): "
+                 "the reentrant variant recomputes whole blocks only")
 
 
 AUTO = "auto"  # data.micro_batch_size=auto: chosen at start-up from the traced memory plan

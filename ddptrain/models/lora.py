@@ -1,4 +1,4 @@
-"""Fine-tuning a pretrained model: base dtype and 4-bit loading, gradient checkpointing, LoRA adapters (peft).
+"""Fine-tuning a pretrained model: base dtype and 4-bit loading, activation checkpointing, LoRA adapters (peft).
 
 Only adapter parameters require gradients, so DDP (and our engines, which bucket ``requires_grad`` parameters
 only) all-reduce adapter gradients alone: the frozen base never crosses the wire.
@@ -19,6 +19,7 @@ import torch
 from ddptrain.config.choices import BaseDtype, Quantize
 from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.errors import ConfigError, flat
+from ddptrain.models.checkpointing import checkpoint_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -28,7 +29,7 @@ DTYPES = {BaseDtype.fp32: torch.float32, BaseDtype.bf16: torch.bfloat16}
 
 
 def validate_finetune_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
-    """Cross-key rules of fine-tuning that need no model: layout, quantization, ZeRO, checkpointing."""
+    """Cross-key rules of fine-tuning that need no model: layout, quantization, ZeRO."""
     if cfg.pretrained is not None and _local_path(cfg.pretrained) and not Path(cfg.pretrained).is_dir():
         raise ConfigError(f"model.pretrained={cfg.pretrained}: no such model directory; make a small base model "
                           "with: ddptrain +experiment=quickstart hydra.run.dir=outputs/quickstart")
@@ -45,8 +46,6 @@ def validate_finetune_config(cfg: ModelConfig, parallel: ParallelConfig) -> None
     if cfg.lora.enabled and parallel.zero_stage >= 2:
         raise ConfigError(f"model.lora.enabled=true cannot be combined with parallel.zero_stage={parallel.zero_stage}: "
                           "adapters are small, so shard nothing (0) or the optimizer state (1)")
-    if cfg.checkpoint_reentrant and not cfg.gradient_checkpointing:
-        raise ConfigError("model.checkpoint_reentrant=true needs model.gradient_checkpointing=true")
 
 
 def _local_path(name: str) -> bool:
@@ -143,7 +142,8 @@ def check_cpu_4bit_widths(model: torch.nn.Module) -> None:
 
 
 def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
-    """Gradient checkpointing, k-bit preparation and LoRA adapters, as ``model.*`` asks; in training mode.
+    """Activation checkpointing (``ddptrain/models/checkpointing.py``), k-bit preparation and LoRA adapters, as
+    ``model.*`` asks; in training mode.
 
     ``from_pretrained`` returns a model in eval mode, and peft keeps it so: its blocks would then skip gradient
     checkpointing (transformers checkpoints a block only while ``self.training``) and its dropout until the first
@@ -156,16 +156,16 @@ def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn
 
 
 def _adapt(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
-    ckpt_kwargs = {"use_reentrant": cfg.checkpoint_reentrant}
+    ckpt_kwargs = checkpoint_kwargs(cfg)
     if cfg.quantize == Quantize.nf4:
         from peft import prepare_model_for_kbit_training
 
         # Freezes the base, keeps norms and embeddings in fp32, and (with checkpointing) makes the embedding
         # output require grad so that adapters behind frozen inputs still receive gradients.
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing_kwargs=ckpt_kwargs
+            model, use_gradient_checkpointing=ckpt_kwargs is not None, gradient_checkpointing_kwargs=ckpt_kwargs
         )
-    elif cfg.gradient_checkpointing:
+    elif ckpt_kwargs is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
     if not cfg.lora.enabled:
         return model

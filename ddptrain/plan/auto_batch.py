@@ -15,10 +15,11 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.schema import AUTO_NEEDS_MEMORY, Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.memory_plan import (
-    CHECKPOINTING_ON,
+    RECOMPUTE,
     Allowances,
     Device,
     GiB,
@@ -65,8 +66,8 @@ class StepNeed:
     plan: Plan  # model state, precision and the data-parallel size
     per_rank: int
 
-    def __call__(self, micro_batch: int, checkpointing: bool, stage: int, chunked_loss: bool | None = None,
-                 fitted: bool = False) -> float:
+    def __call__(self, micro_batch: int, checkpointing: ActivationCheckpointing, stage: int,
+                 chunked_loss: bool | None = None, fitted: bool = False) -> float:
         """Traced peak plus allowances; ``fitted``: from the fit through micro batches 1-3 (no new trace)."""
         cfg, device, plan = self.tracer.cfg, self.tracer.device, self.plan
         n, accumulating = plan.batch.dp, micro_batch < self.per_rank
@@ -157,8 +158,9 @@ def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> 
     ckpt, stage, chunked = checkpointing(cfg), cfg.parallel.zero_stage, cfg.train.chunked_loss
     top = (1 if cfg.model.lora.enabled else 3) if need.plan.batch.dp > 1 else stage
     remedies: list[tuple[str, dict]] = []
-    if not ckpt:
-        remedies.append((CHECKPOINTING_ON, {"checkpointing": True}))
+    remedies += [(f"model.activation_checkpointing={mode}", {"checkpointing": mode})  # selective, then full
+                 for mode in sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
+                 if RECOMPUTE[mode] > RECOMPUTE[ckpt]]
     remedies += [(f"parallel.zero_stage={s}", {"stage": s}) for s in range(stage + 1, top + 1)]
     if not chunked:
         remedies.append(("train.chunked_loss=true", {"chunked_loss": True}))
@@ -171,9 +173,9 @@ def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> 
     if alone:
         return f"{head}; it fits with {' or '.join(alone)}"
     if len(remedies) > 1:  # all of them at once: checkpointing, the highest stage, the chunked loss
-        together = {k: v for _, change in remedies for k, v in change.items()}
+        together = {k: v for _, change in remedies for k, v in change.items()}  # the last mode and stage: the most
         if (g := need(1, **{**setting, **together})) <= usable:
-            names = [t for t, c in remedies if "stage" not in c or c["stage"] == together["stage"]]
+            names = [t for t, c in remedies if all(together[k] == v for k, v in c.items())]
             return f"{head}; it fits with {' and '.join(names)} together ({g / GiB:.2f} GiB)"
     tried = f" (tried: {', '.join(f'{t} ({g:.2f} GiB)' for t, g in gib.items())})" if remedies else ""
     return (f"{head}; nothing the planner weighs makes it fit{tried}: a device with more memory "

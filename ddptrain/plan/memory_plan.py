@@ -4,7 +4,7 @@ configuration the planner recommends.
 Every category of a phase's peak grows linearly with the number of transformer blocks (each block adds the
 same parameters and saves the same activations per sequence), so one- and two-block traces of a micro batch
 give its step at any depth, exactly; that is how the configured step is traced (``Tracer.exact``). The
-recommendation needs the peak at other micro batches and with checkpointing on and off: six traces at micro
+recommendation needs the peak at other micro batches and in each activation checkpointing mode: six traces at micro
 batches 1, 2 and 3 give a fit for any size (``PeakFit``), whose gap from the configured step is reported.
 ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/planner.py``.
 """
@@ -18,7 +18,7 @@ import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ddptrain.config.choices import Precision, resolve_precision
+from ddptrain.config.choices import ActivationCheckpointing, Precision, resolve_precision
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.memory_trace import (
@@ -82,21 +82,19 @@ def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
     return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(resolved)
 
 
-CHECKPOINTING_ON = "model.gradient_checkpointing=true"  # the setting that turns it on, as a remedy names it
+def checkpointing(cfg: Config) -> ActivationCheckpointing:
+    """How the run recomputes its blocks' activations in backward: the one place the plan reads it."""
+    return cfg.model.activation_checkpointing
 
 
-def checkpointing(cfg: Config) -> bool:
-    """Whether the run recomputes its blocks' activations in backward: the one place the plan reads it."""
-    return cfg.model.gradient_checkpointing
-
-
-def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: bool, num_layers: int, grad_accum: int,
-               device: Device, working_copy: bool = False, chunked_loss: bool | None = None) -> PeakTracker:
+def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: ActivationCheckpointing, num_layers: int,
+               grad_accum: int, device: Device, working_copy: bool = False, chunked_loss: bool | None = None
+               ) -> PeakTracker:
     """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
     parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). ``chunked_loss``:
     ``train.chunked_loss`` (None: as configured); its loss runs on representative chunks (same peak)."""
     traced = copy.deepcopy(cfg)
-    traced.model.gradient_checkpointing = checkpointing
+    traced.model.activation_checkpointing = checkpointing
     traced.model.num_layers = num_layers
     if chunked_loss is not None:
         traced.train.chunked_loss = chunked_loss
@@ -137,7 +135,7 @@ class PeakFit:
     traced: dict[tuple[int, int], Phases]  # (m, L) -> phase -> category -> bytes
 
     @classmethod
-    def from_traces(cls, tracer: Tracer, checkpointing: bool, working_copy: bool = False,
+    def from_traces(cls, tracer: Tracer, checkpointing: ActivationCheckpointing, working_copy: bool = False,
                     micro_batches: tuple[int, ...] = (1, 2, 3)) -> PeakFit:
         """Traces of one and two blocks at each of ``micro_batches`` (each an accumulating step)."""
         return cls({(m, n): tracer.phases(m, checkpointing, n, working_copy)
@@ -178,10 +176,10 @@ class Tracer:
     def __init__(self, cfg: Config, vocab: int, device: Device) -> None:
         self.cfg, self.vocab, self.device = cfg, vocab, device
         self._traced: dict[tuple, Phases] = {}
-        self._fits: dict[tuple[bool, bool], PeakFit] = {}
+        self._fits: dict[tuple[ActivationCheckpointing, bool], PeakFit] = {}
 
-    def phases(self, micro_batch: int, checkpointing: bool, num_layers: int, working_copy: bool = False,
-               chunked_loss: bool | None = None) -> Phases:
+    def phases(self, micro_batch: int, checkpointing: ActivationCheckpointing, num_layers: int,
+               working_copy: bool = False, chunked_loss: bool | None = None) -> Phases:
         chunked = self.cfg.train.chunked_loss if chunked_loss is None else chunked_loss
         key = (micro_batch, checkpointing, num_layers, working_copy, chunked)
         if key not in self._traced:
@@ -190,15 +188,15 @@ class Tracer:
             self._traced[key] = {phase: peak.by_category for phase, peak in tracker.phase_peaks.items()}
         return self._traced[key]
 
-    def fit(self, checkpointing: bool, working_copy: bool = False) -> PeakFit:
+    def fit(self, checkpointing: ActivationCheckpointing, working_copy: bool = False) -> PeakFit:
         """The fit through micro batches 1, 2 and 3 (see ``PeakFit``)."""
         key = (checkpointing, working_copy)
         if key not in self._fits:
             self._fits[key] = PeakFit.from_traces(self, checkpointing, working_copy)
         return self._fits[key]
 
-    def exact(self, micro_batch: int, checkpointing: bool, working_copy: bool = False, accumulating: bool = True,
-              chunked_loss: bool | None = None) -> PeakMemory:
+    def exact(self, micro_batch: int, checkpointing: ActivationCheckpointing, working_copy: bool = False,
+              accumulating: bool = True, chunked_loss: bool | None = None) -> PeakMemory:
         """The step of the configured depth at ``micro_batch``: one- and two-block traces of that micro batch,
         scaled by depth (equal to a trace of every block: tests/test_memory_trace.py)."""
         traced = {(micro_batch, n): self.phases(micro_batch, checkpointing, n, working_copy, chunked_loss)
@@ -268,7 +266,7 @@ class Option:
     """One configuration the recommendation weighs."""
 
     stage: int
-    checkpointing: bool
+    checkpointing: ActivationCheckpointing
     micro_batch: int
     grad_accum: int
     peak: float  # traced (fitted) peak per rank
@@ -310,9 +308,16 @@ def step_collectives(plan: Plan, stage: int) -> StepCollectives:
                            Comm(share * plan.precision.grad_bytes, hops), none)
 
 
-def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool, micro_batch: int,
-                     grad_accum: int, ranks: int) -> float | None:
-    """Compute at the assumed MFU (a forward more with checkpointing) plus the communication that compute
+# Compute per step relative to no checkpointing. Full checkpointing runs each block's forward again (a forward is
+# a third of a step's FLOPs); selective recomputes no matmul, only memory-bound element-wise ops that a FLOP count
+# does not see: assumed 5% of the step.
+RECOMPUTE = {ActivationCheckpointing.none: 1.0, ActivationCheckpointing.selective: 1.05,
+             ActivationCheckpointing.full: 4 / 3}
+
+
+def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: ActivationCheckpointing,
+                     micro_batch: int, grad_accum: int, ranks: int) -> float | None:
+    """Compute at the assumed MFU (times ``RECOMPUTE`` for the checkpointing mode) plus the communication that compute
     cannot hide, each collective timed by the planner's α–β link (``plan.link``): every micro batch's
     all-gathers beyond that micro batch's compute, the gradient sync beyond the last micro batch's backward,
     and what runs after the update."""
@@ -320,7 +325,7 @@ def predicted_step_s(plan: Plan, device: Device, stage: int, checkpointing: bool
         return None
     tokens = micro_batch * grad_accum * plan.sequence_tokens  # real tokens: prompt/completion rows are shorter
     compute = plan.flops_per_token * tokens / (device.peak_tflops * 1e12 * plan.assumed_mfu)
-    compute *= 4 / 3 if checkpointing else 1.0
+    compute *= RECOMPUTE[checkpointing]
     if ranks == 1:
         return compute
     comm = step_collectives(plan, stage)
@@ -372,13 +377,15 @@ class MemoryPlan:
     device: Device
     dtype: str  # what the step computes in on the target device
     micro_batch: int
-    checkpointing: bool
+    checkpointing: ActivationCheckpointing
     stage: int
     traced: PeakMemory  # the configured step, one rank, no sharding
     by_category: dict[str, float]  # ... under the configured ZeRO stage
     allowances: Allowances
     fit_gap: float  # the fit's peak at the configured size over the full trace's, minus 1
-    options: list[Option]  # the best micro batch per stage and checkpointing, fastest first; fits only
+    options: list[Option]  # the best micro batch per stage and checkpointing mode, fastest first; fits only
+    # checkpointing mode -> the fitted categories of the configured micro batch, depth and stage in that mode
+    by_mode: dict[ActivationCheckpointing, dict[str, float]]
     logits: LogitsShare | None = None  # the head's and loss's share with train.chunked_loss on and off
     configured_chunked: bool = True  # train.chunked_loss as configured
 
@@ -399,7 +406,7 @@ class MemoryPlan:
         return {
             "device": self.device.name, "device_memory_bytes": self.device.memory_gib * GiB,
             "compute_dtype": self.dtype, "micro_batch_size": self.micro_batch,
-            "gradient_checkpointing": self.checkpointing, "zero_stage": self.stage,
+            "activation_checkpointing": str(self.checkpointing), "zero_stage": self.stage,
             "peak_bytes_per_rank": round(self.peak), "peak_phase": self.traced.phase,
             "by_category": {c: round(v) for c, v in self.by_category.items()},
             "single_rank_by_category": self.traced.by_category,
@@ -407,6 +414,9 @@ class MemoryPlan:
             "total_bytes_per_rank": round(self.total), "fits": self.fits, "fit_gap": self.fit_gap,
             "recommendation": None if best is None else option_json(best),
             "options": [option_json(o) for o in self.options],
+            "by_checkpointing": {str(mode): {"activations_bytes": round(by["activations"]),
+                                             "peak_bytes_per_rank": round(sum(by.values()))}
+                                 for mode, by in self.by_mode.items()},
             "chunked_loss": self.chunked_loss,
             "logits_and_loss": None if self.logits is None else self.logits.to_json(),
         }
@@ -417,7 +427,7 @@ class MemoryPlan:
 
 
 def option_json(option: Option) -> dict:
-    return {"zero_stage": option.stage, "gradient_checkpointing": option.checkpointing,
+    return {"zero_stage": option.stage, "activation_checkpointing": str(option.checkpointing),
             "micro_batch_size": option.micro_batch, "grad_accum": option.grad_accum,
             "peak_bytes_per_rank": round(option.peak), "total_bytes_per_rank": round(option.total),
             "predicted_step_s": option.step_s, "predicted_speedup": option.speedup}
@@ -433,7 +443,7 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
     def trace_configured(working_copy: bool) -> PeakMemory:
-        return trace_peak(cfg, vocab, batch.micro_batch_size, cfg.model.gradient_checkpointing,
+        return trace_peak(cfg, vocab, batch.micro_batch_size, checkpointing(cfg),
                           cfg.model.num_layers, min(batch.grad_accum, 2), device, working_copy).peak
 
     traced = trace_configured(False)
@@ -443,8 +453,11 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
 
 
 def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tracer | None = None) -> MemoryPlan:
-    """Trace the configured step for ``device``, then weigh every stage, checkpointing choice and micro batch.
-    ``tracer``: traces already taken of this config on this device (the micro batch search's)."""
+    """Trace the configured step for ``device``, then weigh every stage, checkpointing mode and micro batch.
+    ``tracer``: traces already taken of this config on this device (the micro batch search's).
+
+    Modes are weighed from the least recompute to the most (none, selective, full); a mode that fits the whole
+    per-rank batch in one micro batch ends the stage's search, as more recompute cannot make that faster."""
     tracer = tracer or Tracer(cfg, vocab, device)
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
@@ -461,14 +474,15 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tra
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
 
-    def fit(checkpointing: bool, stage: int) -> PeakFit:
+    def fit(checkpointing: ActivationCheckpointing, stage: int) -> PeakFit:
         return tracer.fit(checkpointing, low and stage >= 2)
 
     fitted = fit(ckpt, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
     options = []
     per_rank = batch.global_batch_size // n
+    modes = sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
     for option_stage in stages:
-        for c in (False, True):
+        for c in modes:
             for m in sorted(divisors(per_rank), reverse=True):
                 accum = per_rank // m
                 categories = shard(fit(c, option_stage).at(m, layers, accum > 1), option_stage, n, plan, accum > 1)
@@ -481,12 +495,16 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tra
                 speedup = single / step if step and single else None
                 options.append(Option(option_stage, c, m, accum, peak, allow, step, speedup))
                 break
-    options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, o.checkpointing))
+            if options and options[-1].stage == option_stage and options[-1].micro_batch == per_rank:
+                break
+    options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
+    by_mode = {c: shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
+               for c in modes}
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=stage, traced=traced,
         by_category=configured, allowances=allowances(configured, stage),
-        fit_gap=fitted / stage_traced.peak - 1, options=options,
+        fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
     )

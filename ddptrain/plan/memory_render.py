@@ -20,9 +20,8 @@ def _gib(nbytes: float) -> str:
 def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     out = Console(file=io.StringIO(), width=110, record=True, color_system=None)
     device = f"{mp.device.name} ({mp.device.memory_gib:,.1f} GiB)"
-    ckpt = "on" if mp.checkpointing else "off"
     table = Table(title=f"Peak memory per rank on {device}: one training step traced on fake tensors "
-                        f"(micro batch {mp.micro_batch}, checkpointing {ckpt}, {mp.dtype} compute, "
+                        f"(micro batch {mp.micro_batch}, checkpointing {mp.checkpointing}, {mp.dtype} compute, "
                         f"{_STAGE_NAMES[mp.stage]} on {world_size} ranks)")
     for column in ("at the peak", "per rank"):
         table.add_column(column, justify="left" if column == "at the peak" else "right")
@@ -40,25 +39,27 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
                "off" if share.chunk_tokens is not None else "off: not exact for this model's head")
         out.print(f"LM head and loss at the peak (train.chunked_loss {how}): "
                   + ", ".join(f"{_gib(share.bytes[k])} with {k} (peak {_gib(share.peak[k])})" for k in share.bytes))
+    out.print("Activations by model.activation_checkpointing (this micro batch and stage): " + ", ".join(
+        f"{mode}: {_gib(by['activations'])} (peak {_gib(sum(by.values()))})" for mode, by in mp.by_mode.items()))
     out.print("The allowances are assumptions, not traced. ZeRO-1/2/3 figures shard the single-rank trace by "
               "formula (checked against 2-rank runs on CPU). Nothing here is checked on a GPU yet.")
     if not mp.options:
-        out.print("Recommendation: no micro batch fits, at any ZeRO stage, with or without checkpointing.")
+        out.print("Recommendation: no micro batch fits, at any ZeRO stage, in any checkpointing mode.")
         return out.export_text()
-    rec = Table(title="Largest micro batch that fits, per ZeRO stage and checkpointing, fastest first "
+    rec = Table(title="Largest micro batch that fits, per ZeRO stage and checkpointing mode, fastest first "
                       f"(fit of small traces, {mp.fit_gap:+.1%} from the full trace)")
     for column in ("stage", "checkpointing", "micro batch", "grad_accum", "per rank (with allowances)",
                    "predicted step", "speedup"):
         rec.add_column(column, justify="left" if column == "stage" else "right")
     for o in mp.options:
-        rec.add_row(_STAGE_NAMES[o.stage], "on" if o.checkpointing else "off", str(o.micro_batch),
+        rec.add_row(_STAGE_NAMES[o.stage], str(o.checkpointing), str(o.micro_batch),
                     str(o.grad_accum), f"{o.total / GiB:,.1f} of {mp.device.memory_gib:,.1f} GiB",
                     "?" if o.step_s is None else f"{o.step_s * 1e3:,.1f} ms",
                     "?" if o.speedup is None else f"{o.speedup:.2f}x on {world_size}")
     out.print(rec)
     best = mp.options[0]
     out.print(f"Recommendation: micro batch {best.micro_batch} (grad_accum {best.grad_accum}), checkpointing "
-              f"{'on' if best.checkpointing else 'off'}, {_STAGE_NAMES[best.stage]}: fits "
+              f"{best.checkpointing}, {_STAGE_NAMES[best.stage]}: fits "
               f"({best.total / GiB:,.1f} of {mp.device.memory_gib:,.1f} GiB)"
               + ("" if best.speedup is None else f", predicted {best.speedup:.2f}x on {world_size} devices") + ".")
     return out.export_text()

@@ -26,6 +26,7 @@ from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batch
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import mask_packed_rows, use_causal_attention, use_varlen_attention
+from ddptrain.models.checkpointing import deprecation_line
 from ddptrain.models.chunked_loss import chunked_loss_refusal, use_chunked_loss
 from ddptrain.models.flops import attention_flops, flops_per_token, head_dim, pretrained_attention_flops
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning, trainable_line
@@ -102,6 +103,8 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
         use_causal_attention(model)  # one causal sequence per row: no mask to build, no host read per forward
     elif packed_examples:  # examples packed in rows: FlashAttention's varlen kernel where it serves, else sdpa
         use_varlen_attention(model, device, precision)
+    if note := deprecation_line(cfg.model):
+        log.info(note)
     model = prepare_for_finetuning(model.to(device), cfg.model)
     if packed_examples:
         mask_packed_rows(model)  # sdpa: a ready block-diagonal mask (no host read per forward)
