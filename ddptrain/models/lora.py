@@ -121,10 +121,12 @@ def _bitsandbytes_hidden(cfg: ModelConfig) -> Iterator[None]:
 
 @contextmanager
 def _peft_deprecations_hidden() -> Iterator[None]:
-    """peft reads ``model.is_gradient_checkpointing``, which transformers 5 deprecates with a FutureWarning on every
-    rank: not the user's to act on."""
+    """peft reads ``model.is_gradient_checkpointing`` and calls ``gradient_checkpointing_enable``, which
+    transformers 5 deprecates with a FutureWarning on every rank: not the user's to act on."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="`gradient_checkpointing_enable` is deprecated",
+                                category=FutureWarning)
         yield
 
 
@@ -162,9 +164,10 @@ def _adapt(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
 
         # Freezes the base, keeps norms and embeddings in fp32, and (with checkpointing) makes the embedding
         # output require grad so that adapters behind frozen inputs still receive gradients.
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=ckpt_kwargs is not None, gradient_checkpointing_kwargs=ckpt_kwargs
-        )
+        with _peft_deprecations_hidden():
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=ckpt_kwargs is not None, gradient_checkpointing_kwargs=ckpt_kwargs
+            )
     elif ckpt_kwargs is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
     if not cfg.lora.enabled:
