@@ -9,14 +9,13 @@ rank on both."""
 from __future__ import annotations
 
 import json
-import time
+from concurrent.futures import Future
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers.cli import run_cli
 from tests.helpers.nccl_twin import ENV as TWIN_ENV
+from tests.helpers.staggered import Finished, Job, run_staggered
 
 ROOT = Path(__file__).parents[1]
 BACKENDS = {  # what the real command runs on: gloo itself, or the twin installed into every process
@@ -30,7 +29,8 @@ TIMEOUT_S = 5  # as short as start-up allows: the first collectives and the grou
 RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
        "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2", "train.steps=6",
        "train.log_every=2", "train.eval_every=0", "logger.progress=false", "checkpoint.every_n_steps=2",
-       "checkpoint.export=false", f"dist.timeout_s={TIMEOUT_S}", "launch.stop_grace_s=5"]
+       "checkpoint.export=false", f"dist.timeout_s={TIMEOUT_S}",
+       "launch.stop_grace_s=1"]  # the hung rank's evidence is written at SIGTERM, before the grace
 CASES = {  # fault, ranks, what the last line must say
     "data": ("hang@data:3:1", 2, ["rank 1 (host ", "hung at step 3 in data loading (ddptrain/train/loop.py:",
                                   "; rank 0 waited in ", f"for {TIMEOUT_S} s (dist.timeout_s)"]),
@@ -44,19 +44,29 @@ CASES = {  # fault, ranks, what the last line must say
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Finished]]:
+    """The selected cases' runs, started in turn as each one before has trained to step 2 (its start-up done), so
+    that one run's imports overlap the one before's timeout and stop; each case's test waits for its own run."""
+    cache = tmp_path_factory.mktemp("cache")
+    selected = [item.callspec.params for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    todo: dict[str, Job] = {}
+    for params in selected:
+        case, backend = params["case"], params["backend"]
+        fault, ranks, _ = CASES[case]
+        run_dir = tmp_path_factory.mktemp(f"{case}-{backend}")
+        todo[f"{case}-{backend}"] = Job([*RUN, f"launch.nproc_per_node={ranks}", f"hydra.run.dir={run_dir}"],
+                                        run_dir, cache, {"DDPTRAIN_FAULT": fault, **BACKENDS[backend]})
+    return run_staggered(todo, ready="step 2/6", timeout=TIMEOUT_S + 120)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path, cache: Path, case: str,
+def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(jobs: dict[str, Future[Finished]], case: str,
                                                                    backend: str) -> None:
-    fault, ranks, expected = CASES[case]
-    start = time.monotonic()
-    result = run_cli([*RUN, f"launch.nproc_per_node={ranks}", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
-                     cache=cache, extra_env={"DDPTRAIN_FAULT": fault, **BACKENDS[backend]}, timeout=TIMEOUT_S + 120)
-    elapsed = time.monotonic() - start
+    _, _, expected = CASES[case]
+    result = jobs[f"{case}-{backend}"].result()
+    tmp_path, elapsed = result.cwd, result.elapsed
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ddptrain: error: "), result.stderr[-3000:]
@@ -65,7 +75,7 @@ def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path
     assert elapsed < TIMEOUT_S + 45, f"took {elapsed:.0f} s"  # start-up, 3 steps, the timeout, the agent's stop
     if case != "mismatch":  # gloo's abort prints its own C++ message; every Python rank says one line
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert not _survivors(str(tmp_path)), "no worker process may outlive the job"
+    assert not result.survivors, ("no worker process may outlive the job", result.survivors)
     evidence = tmp_path / "hang"
     assert (evidence / "rank1.where").is_file() and (evidence / "rank0.stacks").is_file()
     if case in ("data", "forward", "save"):
@@ -78,8 +88,3 @@ def test_a_hung_dead_or_mismatched_rank_is_named_in_the_last_line(tmp_path: Path
         assert "Watchdog caught collective operation timeout" in result.stderr, result.stderr[-3000:]
         assert (evidence / "nccl_trace_rank_0").is_file(), sorted(p.name for p in evidence.iterdir())
 
-
-def _survivors(marker: str) -> list[psutil.Process]:
-    """Processes whose command line names ``marker`` (the run dir every worker of a test was given)."""
-    return [proc for proc in psutil.process_iter(["cmdline"])
-            if any(marker in part for part in proc.info["cmdline"] or [])]

@@ -24,9 +24,13 @@ def test_env(cache: Path, extra_env: dict | None = None) -> dict[str, str]:
 test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
+def cli_command(args: list[str], torchrun_nproc: int | None = None) -> list[str]:
+    """The command line of ``ddptrain`` with ``args``, under torchrun when ``torchrun_nproc`` is given."""
+    prefix = [*TORCHRUN, f"--nproc-per-node={torchrun_nproc}", "-m", "ddptrain"] if torchrun_nproc else DDPTRAIN
+    return [*prefix, *args]
+
+
 def run_cli(args: list[str], cwd: Path, cache: Path, timeout: float = 300, extra_env: dict | None = None,
             torchrun_nproc: int | None = None) -> subprocess.CompletedProcess[str]:
-    env = test_env(cache, extra_env)
-    prefix = [*TORCHRUN, f"--nproc-per-node={torchrun_nproc}", "-m", "ddptrain"] if torchrun_nproc else DDPTRAIN
-    return subprocess.run([*prefix, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(cli_command(args, torchrun_nproc), cwd=cwd, env=test_env(cache, extra_env),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -1,0 +1,98 @@
+"""Run several real CLI jobs whose start-ups take turns and whose waits overlap.
+
+A hang test's job spends its first seconds importing (CPU-bound: a second job starting then only slows both) and
+its last ones waiting on a collective timeout and a stop grace (idle). Each job here starts when the one before it
+has printed ``ready`` (or ended), so one job's imports run while the one before it waits. Each job's time is its
+own, from its start to its exit, and the processes it leaves behind are listed the moment it exits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from tests.helpers.cli import cli_command, test_env
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``ddptrain`` run: its arguments, where it runs (``cwd``, whose path every one of its processes is
+    given on its command line), its data cache and extra environment."""
+
+    args: list[str]
+    cwd: Path
+    cache: Path
+    extra_env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Finished:
+    cwd: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float  # seconds from the job's start to its exit
+    survivors: list[str]  # command lines naming the job's cwd, read as soon as it exited
+
+
+def survivors(marker: str) -> list[str]:
+    """Command lines of the processes that name ``marker`` (a job's run dir, which each of its workers is given)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(marker in part for part in cmdline):
+            found.append(" ".join(cmdline))
+    return found
+
+
+def run_staggered(jobs: dict[str, Job], ready: str, timeout: float) -> dict[str, Future[Finished]]:
+    """Start ``jobs`` in order, each once the one before it printed ``ready`` on stderr or ended; return at once,
+    with a future per job. A job that runs longer than ``timeout`` s is killed and its future fails."""
+    futures: dict[str, Future[Finished]] = {name: Future() for name in jobs}
+
+    def start_all() -> None:
+        for name, job in jobs.items():
+            try:
+                proc, stdout, stderr = _start(job)
+            except BaseException as exc:  # noqa: BLE001 - the test waiting on this job reports it
+                futures[name].set_exception(exc)
+                continue
+            started = time.monotonic()
+            threading.Thread(target=_finish, args=(proc, job, stdout, stderr, started, timeout, futures[name]),
+                             daemon=True).start()
+            while proc.poll() is None and ready not in stderr.read_text(errors="replace"):
+                if time.monotonic() - started > timeout:
+                    break
+                time.sleep(0.2)
+
+    threading.Thread(target=start_all, daemon=True, name="staggered_jobs").start()
+    return futures
+
+
+def _start(job: Job) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    out, err = job.cwd.with_name(f"{job.cwd.name}.stdout"), job.cwd.with_name(f"{job.cwd.name}.stderr")
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(cli_command(job.args), cwd=job.cwd, env=test_env(job.cache, job.extra_env),
+                                stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+    return proc, out, err
+
+
+def _finish(proc: subprocess.Popen[bytes], job: Job, stdout: Path, stderr: Path, started: float, timeout: float,
+            future: Future[Finished]) -> None:
+    try:
+        returncode = proc.wait(timeout=max(0.0, started + timeout - time.monotonic()))
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.wait()
+        future.set_exception(exc)
+        return
+    elapsed = time.monotonic() - started
+    left = survivors(str(job.cwd))
+    future.set_result(Finished(job.cwd, returncode, stdout.read_text(errors="replace"),
+                               stderr.read_text(errors="replace"), elapsed, left))
