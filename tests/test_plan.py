@@ -12,7 +12,7 @@ from ddptrain.config.choices import ZERO_STAGES
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.planner import (
+from ddptrain.plan.analytic.planner import (
     FP32,
     INTERCONNECTS,
     MIXED_BF16,
@@ -24,7 +24,7 @@ from ddptrain.plan.planner import (
     model_state_memory,
     step_comm,
 )
-from ddptrain.plan.planner_render import render_plan
+from ddptrain.plan.analytic.render import render_plan
 from ddptrain.telemetry.peak import mfu, peak_tflops
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ddptrain.config.choices import ActivationCheckpointing, Precision, resolve_precision
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.memory_trace import (
+from ddptrain.plan.analytic.planner import Comm, Plan, backward_seconds
+from ddptrain.plan.memory.trace import (
     CATEGORIES,
     PeakMemory,
     PeakTracker,
@@ -30,7 +31,6 @@ from ddptrain.plan.memory_trace import (
     representative_chunks,
     trace_step,
 )
-from ddptrain.plan.planner import Comm, Plan, backward_seconds
 
 GiB = 1024**3
 

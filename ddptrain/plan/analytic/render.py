@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddptrain.config.choices import ZERO_STAGES
-from ddptrain.plan.planner import GB, Plan
+from ddptrain.plan.analytic.planner import GB, Plan
 
 GiB = 1024**3
 

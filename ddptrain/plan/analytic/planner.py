@@ -19,7 +19,7 @@ from ddptrain.data.batch import BatchShape
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
 from ddptrain.models.flops import attention_flops, count_params, flops_per_token, head_dim, lora_param_count
-from ddptrain.plan.calibration import measured_lengths
+from ddptrain.plan.whatif.calibration import measured_lengths
 from ddptrain.telemetry.peak import peak_tflops
 
 GB = 1e9
