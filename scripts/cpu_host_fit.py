@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ddptrain.plan.analytic.planner import Link
+from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif.layout import Layout, allreduce_seconds
 from ddptrain.plan.whatif.overlap import SyncTimeline
 from tests.helpers.linkfit import allreduce_median_s, fit_link

@@ -22,7 +22,7 @@ import argparse
 
 from ddptrain.config.schema import ModelConfig
 from ddptrain.models.flops import count_params, flops_per_token
-from ddptrain.plan.analytic.planner import INTERCONNECTS
+from ddptrain.plan.costs import INTERCONNECTS
 from ddptrain.plan.whatif.layout import Layout, collective_seconds
 from ddptrain.plan.whatif.overlap import sync_timeline
 

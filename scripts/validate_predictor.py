@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cpu_host_fit import HostFit  # this directory's module (a script's directory is on sys.path)
 
-from ddptrain.plan.analytic.planner import Link
+from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif import Calibration, Layout, predict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import pytest
 
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
-from ddptrain.plan.analytic.planner import Link
+from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif import Calibration, Layout, allreduce_seconds, predict, sync_timeline
 from ddptrain.plan.whatif.own_run import GLOO_LOOPBACK, predict_own_step
 from tests.helpers.cli import run_cli

@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ddptrain.config.choices import ZERO_STAGES
-from ddptrain.plan.analytic.planner import GB, Plan
+from ddptrain.plan.analytic.planner import Plan
+from ddptrain.plan.costs import GB
 
 GiB = 1024**3
 

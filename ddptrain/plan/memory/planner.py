@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ddptrain.config.choices import ActivationCheckpointing, Precision, resolve_precision
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.analytic.planner import Comm, Plan, backward_seconds
+from ddptrain.plan.analytic.planner import Plan, backward_seconds
+from ddptrain.plan.costs import Comm
 from ddptrain.plan.memory.trace import (
     CATEGORIES,
     PeakMemory,

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ddptrain.config.schema import PlanConfig
-from ddptrain.plan.analytic.planner import Link, chosen_link, preset_link
+from ddptrain.plan.costs import Link, chosen_link, preset_link
 from ddptrain.plan.whatif.calibration import Calibration
 from ddptrain.plan.whatif.layout import Layout
 from ddptrain.plan.whatif.predictor import predict

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
-from ddptrain.plan.analytic.planner import chosen_link, preset_link
+from ddptrain.plan.costs import chosen_link, preset_link
 from ddptrain.plan.whatif.calibration import Calibration
 from ddptrain.plan.whatif.layout import Layout
 from ddptrain.plan.whatif.predictor import predict
