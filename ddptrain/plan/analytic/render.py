@@ -1,4 +1,4 @@
-"""The dry run's text: a plan (``ddptrain/plan/planner.py``) as plain lines and rich tables, in human units."""
+"""The dry run's text: a plan (``ddptrain/plan/analytic/planner.py``) as plain lines and rich tables, in human units."""
 
 from __future__ import annotations
 

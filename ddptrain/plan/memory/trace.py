@@ -4,7 +4,7 @@ The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMod
 backward, clipping, the optimizer update) then runs with every op's output shapes and dtypes but no data.
 ``PeakTracker`` follows each tensor storage from the op that creates it to the moment it is freed, sums the live
 bytes by category and keeps the category split at the global peak. An NF4 base is held as bitsandbytes holds
-it (``ddptrain/plan/memory_nf4.py``).
+it (``ddptrain/plan/memory/nf4.py``).
 """
 
 from __future__ import annotations
