@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from linkfit import allreduce_median_s, fit_link
 
 from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif.layout import Layout, allreduce_seconds
 from ddptrain.plan.whatif.overlap import SyncTimeline
-from tests.helpers.linkfit import allreduce_median_s, fit_link
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from ddptrain.errors import ConfigError
 from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif import Calibration, Layout, allreduce_seconds, predict, sync_timeline
 from ddptrain.plan.whatif.own_run import GLOO_LOOPBACK, predict_own_step
+from scripts.linkfit import fit_link
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
-from tests.helpers.linkfit import fit_link
 from tests.helpers.runs import train_each
 
 ROOT = Path(__file__).resolve().parents[1]
