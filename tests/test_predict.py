@@ -20,7 +20,6 @@ from ddptrain.errors import ConfigError
 from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif import Calibration, Layout, allreduce_seconds, predict, sync_timeline
 from ddptrain.plan.whatif.own_run import GLOO_LOOPBACK, predict_own_step
-from scripts.linkfit import fit_link
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
@@ -37,6 +36,7 @@ def _script_module(name: str) -> ModuleType:
     return module
 
 
+fit_link = _script_module("linkfit").fit_link  # before cpu_host_fit, which imports it by that name
 cpu_host_fit = _script_module("cpu_host_fit")
 HostFit, contended_timeline = cpu_host_fit.HostFit, cpu_host_fit.contended_timeline
 NVLINK = Link("nvlink", 100.0, 2.0, "test")
