@@ -25,7 +25,7 @@ from ddptrain.config.schema import ModelConfig
 from ddptrain.models import build_model
 from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import prepare_for_finetuning
-from ddptrain.plan.memory_trace import StepSetup, trace_step
+from ddptrain.plan.memory.trace import StepSetup, trace_step
 
 VOCAB = 8192
 MODES = ("none", "selective", "full")

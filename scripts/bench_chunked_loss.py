@@ -23,7 +23,7 @@ import torch
 from ddptrain.config.schema import ModelConfig
 from ddptrain.models import build_model
 from ddptrain.models.chunked_loss import use_chunked_loss
-from ddptrain.plan.memory_trace import StepSetup, trace_step
+from ddptrain.plan.memory.trace import StepSetup, trace_step
 
 QWEN3_TINY = ModelConfig(name="qwen3_tiny", arch="qwen3", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                          head_dim=32, intermediate_size=384, max_position_embeddings=2048, rope_theta=1e6)

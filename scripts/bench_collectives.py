@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from cpu_host_fit import measure_host  # this directory's module (a script's directory is on sys.path)
-
-from ddptrain.plan.linkfit import measure_link
+from linkfit import measure_link
 
 
 def main() -> None:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from linkfit import allreduce_median_s, fit_link
 
-from ddptrain.plan.layout import Layout, allreduce_seconds
-from ddptrain.plan.linkfit import allreduce_median_s, fit_link
-from ddptrain.plan.overlap import SyncTimeline
-from ddptrain.plan.planner import Link
+from ddptrain.plan.costs import Link
+from ddptrain.plan.whatif.layout import Layout, allreduce_seconds
+from ddptrain.plan.whatif.overlap import SyncTimeline
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _beside_compute(layout: Layout, bandwidth_gbps: float, latency_us: float, ho
 def contended_timeline(buckets: list[tuple[float, int]], seconds: Callable[[float], float],
                        steal_s_per_byte: float = 0.0, busy_seconds: Callable[[float], float] | None = None,
                        queued_seconds: Callable[[float], float] | None = None, wait: float = 0.0) -> SyncTimeline:
-    """``ddptrain.plan.overlap.sync_timeline`` for ranks that share cores with their collectives (gloo on CPU).
+    """``ddptrain.plan.whatif.overlap.sync_timeline`` for ranks that share cores with their collectives (gloo on CPU).
 
     Each all-reduce takes ``seconds(bytes)`` on an idle host, ``busy_seconds(bytes)`` beside compute when it
     starts on an idle queue (its latency includes waking the collective's thread on a core busy with compute)

@@ -70,7 +70,7 @@ MUTANTS = [
              "    return HostFit(max(1.0, short / statistics.median(alone)),"),),
            ("tests/test_predict.py", "-k", "host_fit")),
     Mutant("skew-not-from-telemetry", "the calibration ignores the rank skew its run's straggler telemetry measured",
-           (("ddptrain/plan/whatif/calibration.py", 'float(s.get("rank_wait_for_slowest_pct", 0.0)) / 100)', "0.0)"),),
+           (("ddptrain/plan/whatif/calibration.py", 'float(s.get("rank_wait_for_slowest_pct", 0.0)) / 100,', "0.0,"),),
            ("tests/test_predict.py", "-k", "skew or slowest")),
     Mutant("flat-ring-ignores-network", "the flat ring ignores the inter-node link",
            (("ddptrain/plan/whatif/layout.py",

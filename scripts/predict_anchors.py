@@ -22,9 +22,9 @@ import argparse
 
 from ddptrain.config.schema import ModelConfig
 from ddptrain.models.flops import count_params, flops_per_token
-from ddptrain.plan.layout import Layout, collective_seconds
-from ddptrain.plan.overlap import sync_timeline
-from ddptrain.plan.planner import INTERCONNECTS
+from ddptrain.plan.costs import INTERCONNECTS
+from ddptrain.plan.whatif.layout import Layout, collective_seconds
+from ddptrain.plan.whatif.overlap import sync_timeline
 
 MODEL = ModelConfig(name="llama3_8b", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                     intermediate_size=14336, max_position_embeddings=8192, vocab_size=128256, tie_embeddings=False)

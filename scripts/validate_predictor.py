@@ -25,8 +25,8 @@ from pathlib import Path
 
 from cpu_host_fit import HostFit  # this directory's module (a script's directory is on sys.path)
 
-from ddptrain.plan import Calibration, Layout, predict
-from ddptrain.plan.planner import Link
+from ddptrain.plan.costs import Link
+from ddptrain.plan.whatif import Calibration, Layout, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 # 36 steps logged every 4: summary.json's figures are medians over the 8 windows after the first (warm-up),

@@ -11,16 +11,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import ddptrain.plan.memory_trace as memory_trace
+import ddptrain.plan.memory.trace as memory_trace
 from ddptrain.app.launch import agreed_micro_batch
 from ddptrain.app.preflight import validate_config
 from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.compose import Run, build_config
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.auto_batch import AUTO_MARGIN, choose_micro_batch, largest_fitting
 from ddptrain.plan.dry_run import plan_for_target
-from ddptrain.plan.memory_plan import GiB, Tracer, target_device, trace_peak
+from ddptrain.plan.memory.auto_batch import AUTO_MARGIN, choose_micro_batch, largest_fitting
+from ddptrain.plan.memory.planner import GiB, Tracer, target_device, trace_peak
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed

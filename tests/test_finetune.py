@@ -21,8 +21,8 @@ from ddptrain.models import build_model
 from ddptrain.models.flops import lora_param_count
 from ddptrain.models.lora import parameter_counts, prepare_for_finetuning
 from ddptrain.parallel import wrap_model
-from ddptrain.plan.planner import Plan, build_plan
-from ddptrain.plan.planner_render import render_plan
+from ddptrain.plan.analytic.planner import Plan, build_plan
+from ddptrain.plan.analytic.render import render_plan
 from ddptrain.train.step import accumulate_gradients
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed

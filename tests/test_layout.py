@@ -115,6 +115,32 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
                   if len(d.split(".")) > 1 and _layer(d) > _layer(m))
 
 
+# Within ``plan``, bottom to top: the shared costs and a past run's measurements, then one package per question
+# (the analytic plan; the traced memory plan and the what-if predictor, which may use it), then the dry run that
+# combines them.
+PLAN_LAYERS = (
+    ("costs", "measured"),  # bytes per parameter, bytes sent, links; what plan.from_run's run measured
+    ("analytic",),          # model state, batch and communication by arithmetic
+    ("memory", "whatif"),   # the peak of a traced step; a measured step carried to other layouts
+    ("dry_run",),           # what launch.dry_run=true prints
+)
+
+
+def _plan_layer(module: str) -> int | None:
+    """Where a ``ddptrain.plan`` module sits in ``PLAN_LAYERS``; None for the package itself and other packages."""
+    parts = module.split(".")
+    if parts[:2] != ["ddptrain", "plan"] or len(parts) == 2:
+        return None
+    return next(i for i, names in enumerate(PLAN_LAYERS) if parts[2] in names)
+
+
+def upward_plan_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import, inside ``plan``, of a module in a later plan layer than the importer's own."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if (mine := _plan_layer(m)) is not None and (theirs := _plan_layer(d)) is not None
+                  and theirs > mine)
+
+
 def test_every_package_has_a_place_in_the_layers() -> None:
     packages = {m.split(".")[1] for m in _modules("ddptrain") if "." in m and not m.endswith("__main__")}
     assert sorted(packages - set(LAYERS)) == []
@@ -130,6 +156,21 @@ def test_the_layer_check_finds_a_lazy_upward_import(tmp_path: Path) -> None:
     graph = import_graph()
     graph["ddptrain.config.schema"] |= {d for n in _imports(lazy) for d in _with_packages(n) if d in graph}
     assert "ddptrain.config.schema -> ddptrain.models.lora" in upward_imports(graph)
+
+
+def test_every_plan_module_has_a_place_in_the_plan_layers() -> None:
+    named = {n for names in PLAN_LAYERS for n in names}
+    assert sorted({m.split(".")[2] for m in _modules("ddptrain") if m.startswith("ddptrain.plan.")} - named) == []
+
+
+def test_no_plan_module_imports_one_above_it_within_plan() -> None:
+    assert upward_plan_imports(import_graph()) == []
+
+
+def test_the_plan_layer_check_finds_the_analytic_plan_importing_the_predictor() -> None:
+    graph = import_graph()
+    graph["ddptrain.plan.analytic.planner"].add("ddptrain.plan.whatif.calibration")
+    assert "ddptrain.plan.analytic.planner -> ddptrain.plan.whatif.calibration" in upward_plan_imports(graph)
 
 
 def test_the_package_has_no_import_cycles() -> None:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel.zero import shard_model
-from ddptrain.plan.planner import FP32, MIXED_BF16, model_state_by_dtype
+from ddptrain.plan.analytic.planner import model_state_by_dtype
+from ddptrain.plan.costs import FP32, MIXED_BF16
 from ddptrain.telemetry.memory import ModelStateProbe, largest_gather
 from tests.helpers.tiny import TINY_MODEL
 

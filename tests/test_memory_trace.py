@@ -30,7 +30,8 @@ from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
-from ddptrain.plan.memory_plan import (
+from ddptrain.plan.analytic.planner import build_plan
+from ddptrain.plan.memory.planner import (
     Allowances,
     GiB,
     MemoryPlan,
@@ -43,7 +44,7 @@ from ddptrain.plan.memory_plan import (
     this_machine,
     trace_peak,
 )
-from ddptrain.plan.memory_trace import (
+from ddptrain.plan.memory.trace import (
     CATEGORIES,
     PeakTracker,
     StepSetup,
@@ -53,7 +54,6 @@ from ddptrain.plan.memory_trace import (
     trace_step,
     training_model,
 )
-from ddptrain.plan.planner import build_plan
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
@@ -399,7 +399,7 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
     """``fits`` weighs the traced peak plus the allowances (the CUDA context, the allocator's share) against the
     device; an option is recommended only when both fit. Devices just too small for the configured step, and too
     small for any step (below the 0.75 GiB CUDA context)."""
-    import ddptrain.plan.memory_plan as memory_plan
+    import ddptrain.plan.memory.planner as memory_plan
 
     traces: dict[str, PeakTracker] = {}
     trace = memory_plan.trace_peak
@@ -584,7 +584,7 @@ def test_a_traced_qlora_step_peaks_like_the_real_4bit_cpu_step_in_every_category
 def test_the_traced_4bit_matmul_holds_the_dequantized_weight_as_bitsandbytes_kernel_does(device_type: str) -> None:
     import bitsandbytes as bnb
 
-    from ddptrain.plan.memory_nf4 import kernel_compositions
+    from ddptrain.plan.memory.nf4 import kernel_compositions
 
     out_features, in_features, rows = 256, 128, 32
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)

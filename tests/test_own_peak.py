@@ -11,9 +11,9 @@ import torch
 
 from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
-from ddptrain.plan import own_peak
-from ddptrain.plan.memory_plan import compute_dtype, target_device, this_machine
-from ddptrain.plan.own_peak import MeasuredPeak
+from ddptrain.plan.memory import own_peak
+from ddptrain.plan.memory.own_peak import MeasuredPeak
+from ddptrain.plan.memory.planner import compute_dtype, target_device, this_machine
 from ddptrain.runtime.process_group import device_precision
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
@@ -70,7 +70,7 @@ def test_a_failing_trace_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(own_peak, "configured_peak", fail)
     cfg = Config()
     cfg.model.vocab_size = 8192
-    from ddptrain.plan.planner import build_plan
+    from ddptrain.plan.analytic.planner import build_plan
 
     n_params = round(build_plan(cfg, 1, None).params)
     assert own_peak.planned_peak(cfg, 1, torch.device("cpu"), 8192, n_params) == (

@@ -12,19 +12,16 @@ from ddptrain.config.choices import ZERO_STAGES
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.planner import (
-    FP32,
-    INTERCONNECTS,
-    MIXED_BF16,
-    MIXED_FP16,
-    allreduce_seconds,
+from ddptrain.plan.analytic.planner import (
     backward_seconds,
     build_plan,
     model_state_by_dtype,
     model_state_memory,
     step_comm,
 )
-from ddptrain.plan.planner_render import render_plan
+from ddptrain.plan.analytic.render import render_plan
+from ddptrain.plan.costs import FP32, INTERCONNECTS, MIXED_BF16, MIXED_FP16
+from ddptrain.plan.whatif.layout import Layout, allreduce_seconds
 from ddptrain.telemetry.peak import mfu, peak_tflops
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -38,9 +35,14 @@ def config(**overrides: object) -> DictConfig:
     return cfg
 
 
+def one_node(world_size: int) -> Layout:
+    """``world_size`` ranks on one node over NVLink."""
+    return Layout(world_size, 1, INTERCONNECTS["nvlink"], INTERCONNECTS["nvlink"])
+
+
 @pytest.mark.parametrize(("world_size", "seconds"), [(2, 0.62), (4, 0.93), (8, 1.09), (64, 1.23)])
 def test_allreduce_of_70b_fp32_gradients_over_nvlink(world_size: int, seconds: float) -> None:
-    assert round(allreduce_seconds(70e9 * 4, world_size, INTERCONNECTS["nvlink"]), 2) == seconds
+    assert round(allreduce_seconds(70e9 * 4, one_node(world_size)), 2) == seconds
 
 
 # bf16 compute keeps fp32 parameters, gradients and AdamW state; FSDP2 (stages 2-3) adds the bf16 gathered copy:
@@ -85,7 +87,7 @@ def test_zero3_sends_one_and_a_half_times_ddp_in_fp32_and_as_much_with_bf16_gath
 
 
 def test_allreduce_latency_term_grows_with_ranks() -> None:
-    assert allreduce_seconds(0.0, 8, INTERCONNECTS["nvlink"]) == pytest.approx(14 * 3e-6)
+    assert allreduce_seconds(0.0, one_node(8)) == pytest.approx(14 * 3e-6)
 
 
 def test_backward_is_two_thirds_of_training_compute() -> None:

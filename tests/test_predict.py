@@ -17,10 +17,9 @@ import pytest
 
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
-from ddptrain.plan import Calibration, Layout, allreduce_seconds, predict, sync_timeline
-from ddptrain.plan.linkfit import fit_link
-from ddptrain.plan.own_run import GLOO_LOOPBACK, predict_own_step
-from ddptrain.plan.planner import Link
+from ddptrain.plan.costs import Link
+from ddptrain.plan.whatif import Calibration, Layout, allreduce_seconds, predict, sync_timeline
+from ddptrain.plan.whatif.own_run import GLOO_LOOPBACK, predict_own_step
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
@@ -37,6 +36,7 @@ def _script_module(name: str) -> ModuleType:
     return module
 
 
+fit_link = _script_module("linkfit").fit_link  # before cpu_host_fit, which imports it by that name
 cpu_host_fit = _script_module("cpu_host_fit")
 HostFit, contended_timeline = cpu_host_fit.HostFit, cpu_host_fit.contended_timeline
 NVLINK = Link("nvlink", 100.0, 2.0, "test")
@@ -300,7 +300,7 @@ def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) ->
 
 def test_the_dry_run_waits_for_the_slowest_rank_as_the_calibrating_run_measured(calibration_run: Path,
                                                                                  tmp_path: Path) -> None:
-    from ddptrain.plan import what_if
+    from ddptrain.plan.whatif import what_if
 
     summary = json.loads((calibration_run / "summary.json").read_text())
     assert "rank_wait_for_slowest_pct" in summary  # the one-rank run's telemetry: every rank the slowest
@@ -324,7 +324,7 @@ def test_the_dry_run_waits_for_the_slowest_rank_as_the_calibrating_run_measured(
 
 def test_nodes_must_divide_the_world_size(calibration_run: Path) -> None:
     from ddptrain.config.schema import PlanConfig
-    from ddptrain.plan import what_if
+    from ddptrain.plan.whatif import what_if
 
     with pytest.raises(ConfigError, match=r"plan\.nodes=3: expected a positive divisor of plan\.world_size=16"):
         what_if(PlanConfig(from_run=str(calibration_run), world_size=16, nodes=3), 1)

@@ -34,12 +34,12 @@ def is_worker() -> bool:
 
 def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
-    from ddptrain.plan.planner_render import render_plan
+    from ddptrain.plan.analytic.render import render_plan
 
     typed = run.typed
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))
     if typed.plan.from_run:
-        from ddptrain.plan import what_if
+        from ddptrain.plan.whatif import what_if
 
         if DistEnv.from_environ().is_main:
             print(what_if(typed.plan, world_size))
@@ -147,8 +147,8 @@ def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Co
     fits the smallest device, even where ranks' memories differ. A rank whose device cannot fit even one sequence
     reports 0, and every rank stops with a line (that rank's names what would fit)."""
     from ddptrain.models.build import model_vocab_size
-    from ddptrain.plan.auto_batch import choose_micro_batch, with_micro_batch
-    from ddptrain.plan.own_peak import this_device
+    from ddptrain.plan.memory.auto_batch import choose_micro_batch, with_micro_batch
+    from ddptrain.plan.memory.own_peak import this_device
 
     typed = run.typed
     target = replace(this_device(device), memory_gib=typed.plan.device_memory_gib or this_device(device).memory_gib)

@@ -8,10 +8,10 @@ from dataclasses import replace
 from ddptrain.config.schema import AUTO, Config
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
-from ddptrain.plan.auto_batch import choose_micro_batch, memory_unknown, with_micro_batch
-from ddptrain.plan.memory_plan import Tracer, plan_memory, target_device, this_machine
-from ddptrain.plan.memory_render import render_memory_plan
-from ddptrain.plan.planner import Plan, backward_seconds, build_plan
+from ddptrain.plan.analytic.planner import Plan, backward_seconds, build_plan
+from ddptrain.plan.memory.auto_batch import choose_micro_batch, memory_unknown, with_micro_batch
+from ddptrain.plan.memory.planner import Tracer, plan_memory, target_device, this_machine
+from ddptrain.plan.memory.render import render_memory_plan
 
 
 def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:

@@ -15,7 +15,7 @@ from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.models.lora import trainable_line
 from ddptrain.parallel.zero import shard_group_size
-from ddptrain.plan.planner import FP32, MIXED_BF16
+from ddptrain.plan.costs import FP32, MIXED_BF16
 from ddptrain.runtime.process_group import DistEnv
 from ddptrain.telemetry.comm import SyncSample
 from ddptrain.telemetry.timers import device_clock

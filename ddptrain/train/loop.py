@@ -20,8 +20,8 @@ import torch
 from ddptrain.config.schema import Config
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
 from ddptrain.models.lora import reentrant_failure
-from ddptrain.plan.own_peak import MeasuredPeak, memory_peak, planned_peak
-from ddptrain.plan.own_run import predict_own_step
+from ddptrain.plan.memory.own_peak import MeasuredPeak, memory_peak, planned_peak
+from ddptrain.plan.whatif.own_run import predict_own_step
 from ddptrain.runtime.process_group import DistEnv
 from ddptrain.telemetry.goodput import Goodput, attempt_start, continuing, goodput_line
 from ddptrain.telemetry.profile import StepProfiler

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape
-from ddptrain.plan.planner import FP32, StateBytes, model_state_by_dtype, step_comm
+from ddptrain.plan.analytic.planner import model_state_by_dtype, step_comm
+from ddptrain.plan.costs import FP32, StateBytes
 from ddptrain.telemetry.memory import ByDtype, ModelStateProbe
 from ddptrain.telemetry.metrics import steady_medians
 

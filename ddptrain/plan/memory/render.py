@@ -8,7 +8,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from ddptrain.plan.memory_plan import GiB, MemoryPlan
+from ddptrain.plan.memory.planner import GiB, MemoryPlan
 
 _STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 

@@ -4,7 +4,7 @@ The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMod
 backward, clipping, the optimizer update) then runs with every op's output shapes and dtypes but no data.
 ``PeakTracker`` follows each tensor storage from the op that creates it to the moment it is freed, sums the live
 bytes by category and keeps the category split at the global peak. An NF4 base is held as bitsandbytes holds
-it (``ddptrain/plan/memory_nf4.py``).
+it (``ddptrain/plan/memory/nf4.py``).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def step_tracker(model: torch.nn.Module, device_type: str) -> PeakTracker:
     vocab = getattr(head, "out_features", None)
     if not any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
         return PeakTracker(vocab_size=vocab)
-    from ddptrain.plan.memory_nf4 import kernel_compositions
+    from ddptrain.plan.memory.nf4 import kernel_compositions
 
     return PeakTracker(kernel_compositions(device_type), vocab_size=vocab)
 
@@ -297,7 +297,7 @@ def fake_training_state(
     """
     nf4 = cfg.model.quantize == Quantize.nf4
     if nf4:
-        from ddptrain.plan.memory_nf4 import convert_to_4bit_layers, quantize_4bit_layers
+        from ddptrain.plan.memory.nf4 import convert_to_4bit_layers, quantize_4bit_layers
     with torch.device("meta"):
         if nf4:
             model = pretrained_shape(cfg.model, vocab_size)

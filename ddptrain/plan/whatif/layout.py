@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddptrain.plan.planner import Link
+from ddptrain.plan.costs import Link
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 from ddptrain.config.schema import PlanConfig
-from ddptrain.plan.calibration import Calibration
-from ddptrain.plan.layout import Layout
-from ddptrain.plan.planner import Link, chosen_link, preset_link
-from ddptrain.plan.predictor import predict
+from ddptrain.plan.costs import Link, chosen_link, preset_link
+from ddptrain.plan.whatif.calibration import Calibration
+from ddptrain.plan.whatif.layout import Layout
+from ddptrain.plan.whatif.predictor import predict
 
 # gloo over loopback TCP between processes of one host, a round figure between what scripts/bench_collectives.py
 # fitted on a 2-core machine quiet (0.75-0.8 GB/s, α 0.2-0.3 ms) and loaded (0.55-1.7 GB/s, α up to 0.7 ms).

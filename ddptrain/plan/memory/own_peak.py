@@ -28,8 +28,8 @@ import torch
 
 from ddptrain.config.choices import Engine
 from ddptrain.config.schema import Config
-from ddptrain.plan.memory_plan import Allowances, Device, GiB, configured_peak, target_device, this_machine
-from ddptrain.plan.memory_trace import PeakTracker, model_state_tensors, step_tracker
+from ddptrain.plan.memory.planner import Allowances, Device, GiB, configured_peak, target_device, this_machine
+from ddptrain.plan.memory.trace import PeakTracker, model_state_tensors, step_tracker
 from ddptrain.runtime.process_group import device_precision
 
 log = logging.getLogger("ddptrain")
@@ -77,7 +77,7 @@ def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int,
 
 def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
                   ) -> tuple[float | None, str]:
-    from ddptrain.plan.planner import build_plan
+    from ddptrain.plan.analytic.planner import build_plan
 
     traced_cfg = copy.deepcopy(cfg)
     traced_cfg.train.precision = device_precision(cfg.train.precision, device)  # as the run resolved it

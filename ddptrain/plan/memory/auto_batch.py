@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.schema import AUTO_NEEDS_MEMORY, Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.memory_plan import (
+from ddptrain.plan.analytic.planner import Plan, build_plan
+from ddptrain.plan.memory.planner import (
     RECOMPUTE,
     Allowances,
     Device,
@@ -29,7 +30,6 @@ from ddptrain.plan.memory_plan import (
     divisors,
     shard,
 )
-from ddptrain.plan.planner import Plan, build_plan
 
 # The share of the device's memory that auto leaves free, beyond the planner's allowances: it commits a run to a
 # batch with nobody reading the plan, so it keeps room for what the trace cannot see (kernels' workspaces,

@@ -9,10 +9,10 @@ from rich.table import Table
 
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
-from ddptrain.plan.calibration import Calibration
-from ddptrain.plan.layout import Layout
-from ddptrain.plan.planner import chosen_link, preset_link
-from ddptrain.plan.predictor import predict
+from ddptrain.plan.costs import chosen_link, preset_link
+from ddptrain.plan.whatif.calibration import Calibration
+from ddptrain.plan.whatif.layout import Layout
+from ddptrain.plan.whatif.predictor import predict
 
 
 def render_prediction(cal: Calibration, run_dir: str, layouts: list[Layout]) -> str:

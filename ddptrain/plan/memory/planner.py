@@ -6,7 +6,7 @@ same parameters and saves the same activations per sequence), so one- and two-bl
 give its step at any depth, exactly; that is how the configured step is traced (``Tracer.exact``). The
 recommendation needs the peak at other micro batches and in each activation checkpointing mode: six traces at micro
 batches 1, 2 and 3 give a fit for any size (``PeakFit``), whose gap from the configured step is reported.
-ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/planner.py``.
+ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/analytic/planner.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ddptrain.config.choices import ActivationCheckpointing, Precision, resolve_precision
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
-from ddptrain.plan.memory_trace import (
+from ddptrain.plan.analytic.planner import Plan, backward_seconds
+from ddptrain.plan.costs import Comm
+from ddptrain.plan.memory.trace import (
     CATEGORIES,
     PeakMemory,
     PeakTracker,
@@ -30,7 +32,6 @@ from ddptrain.plan.memory_trace import (
     representative_chunks,
     trace_step,
 )
-from ddptrain.plan.planner import Comm, Plan, backward_seconds
 
 GiB = 1024**3
 

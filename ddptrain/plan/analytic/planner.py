@@ -4,52 +4,26 @@ Memory follows the ZeRO paper's model-state accounting (Rajbhandari et al. 2020,
 ddptrain's wrappers keep (fp32 parameters, gradients and AdamW state; FSDP2's gathered working copy); communication
 follows ring collectives in the α–β model, in which each rank sends (N−1)/N of the buffer per pass.
 Activations are not modelled: the numbers are model state and gradient traffic only.
-``ddptrain/plan/planner_render.py`` turns a ``Plan`` into the text the dry run prints.
+``ddptrain/plan/analytic/render.py`` turns a ``Plan`` into the text the dry run prints.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from ddptrain.config.choices import ZERO_STAGES, DataFormat, resolve_precision
-from ddptrain.config.schema import Config, PlanConfig
+from ddptrain.config.schema import Config
 from ddptrain.data.batch import BatchShape
 from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
 from ddptrain.models.flops import attention_flops, count_params, flops_per_token, head_dim, lora_param_count
-from ddptrain.plan.calibration import measured_lengths
+from ddptrain.plan.costs import FP32, INTERCONNECTS, MIXED_BF16, MIXED_FP16, Comm, Link, StateBytes, chosen_link
+from ddptrain.plan.measured import measured_lengths
 from ddptrain.telemetry.peak import peak_tflops
 
-GB = 1e9
 ASSUMED_MFU = 0.4  # a well-tuned dense LLM run reaches 35–50% of the bf16 peak
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of the state a ddptrain run keeps: the parameters the optimizer updates, their gradients
-    and the AdamW state; plus the working copy that FSDP2 (ZeRO-2/3) gathers for compute, in its own dtype.
-
-    bf16 compute never changes the first three: DDP and ZeRO-1 run bf16 under autocast on fp32 parameters, and
-    FSDP2's mixed-precision policy gathers bf16 from fp32 shards and reduce-scatters gradients in fp32.
-    """
-
-    name: str
-    param_bytes: int
-    grad_bytes: int
-    optim_bytes: int
-    gathered_bytes: int
-    gathered_dtype: str
-
-
-MIXED_BF16 = StateBytes("bf16 compute: fp32 parameters, gradients and AdamW; FSDP2 gathers bf16", 4, 4, 8, 2,
-                       "bfloat16")
-FP32 = StateBytes("fp32, AdamW", 4, 4, 8, 4, "float32")
-# fp16 autocast with a loss scaler (GPUs without bf16): FSDP2 runs without a mixed-precision policy there, so it
-# gathers the fp32 parameters and autocast casts them, as under DDP.
-MIXED_FP16 = StateBytes("fp16 compute, loss-scaled: fp32 parameters, gradients and AdamW; FSDP2 gathers fp32", 4, 4,
-                       8, 4, "float32")
 
 
 @dataclass(frozen=True)
@@ -63,38 +37,6 @@ class Memory:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
-
-
-@dataclass(frozen=True)
-class Comm:
-    """Bytes one rank sends in a step, and the ring steps that each pay the latency α."""
-
-    nbytes: float
-    hops: int
-
-
-@dataclass(frozen=True)
-class Link:
-    """An interconnect in the α–β model: per-hop latency α and bus bandwidth B."""
-
-    name: str
-    bandwidth_gbps: float
-    latency_us: float
-    note: str
-
-    def seconds(self, comm: Comm) -> float:
-        """t = hops·α + bytes/B."""
-        return comm.hops * self.latency_us * 1e-6 + comm.nbytes / (self.bandwidth_gbps * GB)
-
-
-# B is bus bandwidth, the rate each rank sends at in a ring (nccl-tests' busbw), so one direction of a link.
-# α: assumed per-hop latencies, of the order NCCL's own cost model (src/graph/tuning.cc) uses for ring collectives.
-INTERCONNECTS: dict[str, Link] = {
-    "nvlink": Link("nvlink", 450.0, 3.0, "H100 NVLink 4: 900 GB/s is both directions; nccl-tests all-reduce busbw "
-                   "on 8 H100 SXM reaches ~450-480 GB/s"),
-    "infiniband_ndr": Link("infiniband_ndr", 50.0, 10.0, "one 400 Gb/s NDR port per GPU, line rate (an upper bound)"),
-    "pcie_gen5": Link("pcie_gen5", 28.0, 5.0, "assumed effective ring bandwidth; the x16 line rate is 64 GB/s"),
-}
 
 
 def model_state_by_dtype(
@@ -161,27 +103,6 @@ def step_comm(params: float, world_size: int, stage: int, precision: StateBytes 
     if stage < 3:
         return Comm(share * (precision.grad_bytes + gather), 2 * (world_size - 1))
     return Comm(share * (2 * gather + precision.grad_bytes), 3 * (world_size - 1))
-
-
-def preset_link(key: str, name: str) -> Link:
-    """The interconnect preset ``name``, or a ConfigError naming the key ``key``."""
-    if name not in INTERCONNECTS:
-        raise ConfigError(f"{key}={name!r}: expected one of {', '.join(INTERCONNECTS)}")
-    return INTERCONNECTS[name]
-
-
-def chosen_link(cfg: PlanConfig | DictConfig) -> Link:
-    """``plan.interconnect``'s preset or a measured bus bandwidth (``plan.bandwidth_gbps``); α ``plan.latency_us``."""
-    preset = preset_link("plan.interconnect", cfg.interconnect)
-    alpha = preset.latency_us if cfg.latency_us is None else cfg.latency_us
-    if cfg.bandwidth_gbps:
-        return Link("measured", cfg.bandwidth_gbps, alpha, "plan.bandwidth_gbps")
-    return replace(preset, latency_us=alpha)
-
-
-def allreduce_seconds(nbytes: float, world_size: int, link: Link) -> float:
-    """Ring all-reduce time: t = 2(N−1)·α + 2(N−1)/N·D/B."""
-    return link.seconds(Comm(2 * (world_size - 1) / world_size * nbytes, 2 * (world_size - 1)))
 
 
 def backward_seconds(flops_per_token: float, tokens: float, peak_tflops: float, mfu: float = ASSUMED_MFU) -> float:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ddptrain.data.batch import BatchShape
-from ddptrain.plan.calibration import Calibration
-from ddptrain.plan.layout import Layout, allreduce_seconds
-from ddptrain.plan.overlap import SyncTimeline, sync_timeline
+from ddptrain.plan.whatif.calibration import Calibration
+from ddptrain.plan.whatif.layout import Layout, allreduce_seconds
+from ddptrain.plan.whatif.overlap import SyncTimeline, sync_timeline
 
 
 class HostTerms(Protocol):

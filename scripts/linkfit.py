@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddptrain.plan.planner import Link
+from ddptrain.plan.costs import Link
 
 SIZES = tuple(4 * 4**k for k in range(3, 12))  # 256 B .. 16 MiB: up to the largest DDP bucket (25 MB)
 

@@ -1,4 +1,4 @@
-"""The dry run's text: a plan (``ddptrain/plan/planner.py``) as plain lines and rich tables, in human units."""
+"""The dry run's text: a plan (``ddptrain/plan/analytic/planner.py``) as plain lines and rich tables, in human units."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ddptrain.config.choices import ZERO_STAGES
-from ddptrain.plan.planner import GB, Plan
+from ddptrain.plan.analytic.planner import Plan
+from ddptrain.plan.costs import GB
 
 GiB = 1024**3
 

@@ -60,15 +60,3 @@ class Calibration:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"plan.from_run={run_dir}: expected a finished run directory with a summary.json "
                               f"holding the step breakdown ({type(exc).__name__}: {exc})") from exc
-
-
-def measured_lengths(run_dir: str | None) -> tuple[float, float] | None:
-    """A finished run's real tokens per sequence and attended tokens (Σ T² / Σ T) from its ``summary.json``; None
-    without a run or the figures (a run that predates them)."""
-    if not run_dir:
-        return None
-    try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        return float(summary["tokens_per_sequence"]), float(summary["attended_tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
