@@ -174,8 +174,8 @@ MUTANTS = [
            ("tests/test_flops.py",)),
     Mutant("fp16-unscale-after-clip", "fp16: the gradients are clipped while still scaled, then unscaled",
            (("ddptrain/train/step.py",
-             "        if t.scaler is not None:\n            t.scaler.unscale(t.optimizer)  # fp16: true gradients before "
-             "the norm and clipping\n        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, "
+             "        if t.scaler is not None:\n            t.scaler.unscale(t.optimizer)  # fp16: true gradients "
+             "before the norm and clipping\n        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, "
              "cfg.parallel.kernels)\n",
              "        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, cfg.parallel.kernels)\n"
              "        if t.scaler is not None:\n            t.scaler.unscale(t.optimizer)\n"),),
