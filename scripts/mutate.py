@@ -57,8 +57,8 @@ MUTANTS = [
              "    return TORCH_KERNELS\n"),),
            ("tests/test_kernels.py",)),
     Mutant("loop-ignores-kernels", "the loop ignores parallel.kernels: engine, bf16 hook and clip on torch",
-           (("ddptrain/train/loop.py", "clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)",
-             'clip_gradients(model, cfg.optim.grad_clip, "torch")'),
+           (("ddptrain/train/step.py", "clip_gradients(t.model, cfg.optim.grad_clip, cfg.parallel.kernels)",
+             'clip_gradients(t.model, cfg.optim.grad_clip, "torch")'),
             ("ddptrain/parallel/wrap.py", "collective=cfg.collective, kernels=cfg.kernels,",
              'collective=cfg.collective, kernels="torch",'),
             ("ddptrain/parallel/compression.py", "kernels = select_kernels(cfg.kernels, next(",
@@ -87,7 +87,7 @@ MUTANTS = [
              "        if True:\n            try:\n                dcp.save("),),
            ("tests/test_checkpoint_format.py", "-k", "asynchronous")),
     Mutant("grad-norm-to-host", "grad_norm.to('cpu') on every step (a device-to-host sync on CUDA)",
-           (("ddptrain/train/loop.py", "nonfinite = ~torch.isfinite(grad_norm)",
+           (("ddptrain/train/step.py", "nonfinite = ~torch.isfinite(grad_norm)",
              'nonfinite = ~torch.isfinite(grad_norm.to("cpu"))'),),
            ("tests/test_hot_path.py", "-k", "steady")),
     Mutant("help-skips-sections", "schema_keys skips two sections of the schema",
@@ -105,7 +105,7 @@ MUTANTS = [
              "if bucket.pending == 0 and False:"),),
            ("tests/test_engines.py", "-k", "overlapping")),
     Mutant("token-share-not-per-rank", "token-weighted loss divides by the global tokens, not the rank's share",
-           (("ddptrain/train/tokens.py", "per_rank_share = total.clamp(min=1).to(torch.float32) / world",
+           (("ddptrain/train/weighting.py", "per_rank_share = total.clamp(min=1).to(torch.float32) / world",
              "per_rank_share = total.clamp(min=1).to(torch.float32)"),),
            ("tests/test_finetune.py", "-k", "token_weighted")),
     Mutant("loss-tokens-count-the-first", "loss tokens counted without the causal shift",
@@ -176,18 +176,19 @@ MUTANTS = [
              "return self.peak <= self.device.memory_gib * GiB"),),
            ("tests/test_memory_trace.py", "-k", "plan_json or recommend")),
     Mutant("pretrain-step-builds-cache", "the pretraining step's forward leaves use_cache at the config's True",
-           (("ddptrain/train/step.py", "module(input_ids=ids, labels=ids, use_cache=False)",
+           (("ddptrain/train/weighting.py", "module(input_ids=ids, labels=ids, use_cache=False)",
              "module(input_ids=ids, labels=ids)"),),
            ("tests/test_pretrained.py", "-k", "cache")),
     Mutant("rope-theta-dropped", "model.rope_theta never reaches the built Llama/Qwen3 config (10000 instead)",
            (("ddptrain/models/build.py", "rope_theta=cfg.rope_theta, ", ""),),
            ("tests/test_flops.py",)),
     Mutant("fp16-unscale-after-clip", "fp16: the gradients are clipped while still scaled, then unscaled",
-           (("ddptrain/train/loop.py",
-             "    if c.scaler is not None:\n        c.scaler.unscale(c.optimizer)  # fp16: true gradients before the "
-             "norm and clipping\n    grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)\n",
-             "    grad_norm = clip_gradients(model, cfg.optim.grad_clip, cfg.parallel.kernels)\n"
-             "    if c.scaler is not None:\n        c.scaler.unscale(c.optimizer)\n"),),
+           (("ddptrain/train/step.py",
+             "        if t.scaler is not None:\n            t.scaler.unscale(t.optimizer)  # fp16: true gradients "
+             "before the norm and clipping\n        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, "
+             "cfg.parallel.kernels)\n",
+             "        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, cfg.parallel.kernels)\n"
+             "        if t.scaler is not None:\n            t.scaler.unscale(t.optimizer)\n"),),
            ("tests/test_fp16.py", "-k", "gradient_norm")),  # the loss comparison alone catches it by a hair
     # issue 31: one non-finite step under compression and fp16
     Mutant("topk-keeps-bad-residuals", "a skipped step leaves top-k's non-finite residuals behind",

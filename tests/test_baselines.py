@@ -109,10 +109,10 @@ def test_world_size_one_logs_no_communication_unless_wrapped_and_the_sweep_row_s
 def _first_steps(rank: int, world_size: int, tmp: str) -> dict[float, dict[str, Any]]:
     """Per dropout rate: one real training step in which both ranks are fed the same batch; the initial weights
     (before DDP's broadcast) and this rank's loss."""
-    from ddptrain.train import components, loop
+    from ddptrain.train import components, step
 
     seen: dict[str, Any] = {}
-    real_wrap, real_accumulate = components.wrap_model, loop.accumulate_gradients
+    real_wrap, real_accumulate = components.wrap_model, step.accumulate_gradients
 
     def wrap(model: torch.nn.Module, *args: Any) -> Any:
         seen["init"] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -123,7 +123,7 @@ def _first_steps(rank: int, world_size: int, tmp: str) -> dict[float, dict[str, 
         seen["loss"] = loss.item()
         return loss
 
-    components.wrap_model, loop.accumulate_gradients = wrap, accumulate
+    components.wrap_model, step.accumulate_gradients = wrap, accumulate
     out = {}
     for dropout in (0.0, 0.1):
         variant = {"model": {"dropout": dropout}, "train": {"steps": 1, "log_every": 1}}

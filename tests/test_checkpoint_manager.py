@@ -152,12 +152,12 @@ def test_the_first_step_hook_acts_on_the_runs_first_step_only(monkeypatch: pytes
     calls: list[str] = []
     probe = SimpleNamespace(after_backward=lambda: calls.append("after_backward"),
                             after_step=lambda optimizer: calls.append("after_step"))
-    c = SimpleNamespace(start=10, probe=probe, optimizer=None, trainable=5, n_params=10, precision=Precision.fp32,
-                        metrics=SimpleNamespace(restart_window=lambda: calls.append("restart_window")))
     monkeypatch.setattr(first_step, "report_model_state", lambda *args: calls.append("gather") or {"rank": 0})
-    cfg = build_config({"train": {"compile": True}})
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)
-    first = first_step.FirstStep(c, cfg, env, torch.device("cpu"))  # type: ignore[arg-type]
+    t = SimpleNamespace(start=10, probe=probe, optimizer=None, trainable=5, n_params=10, precision=Precision.fp32,
+                        metrics=SimpleNamespace(restart_window=lambda: calls.append("restart_window")),
+                        cfg=build_config({"train": {"compile": True}}), device=torch.device("cpu"),
+                        env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1))
+    first = first_step.FirstStep(t)  # type: ignore[arg-type]
     for step in range(11, 15):
         first.after_backward(step)
         first.after_step(step, None, log_step=step == 12)

@@ -24,6 +24,7 @@ from ddptrain.models.chunked_loss import LinearCrossEntropy, chunked_loss_refusa
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
+from ddptrain.train.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.chunks import CountedChunks, outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides
@@ -206,7 +207,7 @@ def _grads_on_ranks(rank: int, world_size: int) -> dict[int, dict[str, torch.Ten
         mine = slice(rank * 4, rank * 4 + 4)
         micro = [{"input_ids": i, "labels": lab}
                  for i, lab in zip(ids[mine].chunk(2), labels[mine].chunk(2), strict=True)]
-        accumulate_gradients(wrapped.module, iter(micro), 2, wrapped.maybe_sync, nullcontext(), token_weighted=True)
+        accumulate_gradients(wrapped.module, iter(micro), 2, wrapped.maybe_sync, nullcontext(), TOKEN_MEAN_LOSS)
         out[stage] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                       for n, p in model.named_parameters()}
     return out

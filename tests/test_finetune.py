@@ -24,6 +24,7 @@ from ddptrain.parallel import wrap_model
 from ddptrain.plan.analytic.planner import Plan, build_plan
 from ddptrain.plan.analytic.render import render_plan
 from ddptrain.train.step import accumulate_gradients
+from ddptrain.train.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import count_checkpoint_calls, train_each_watched
@@ -100,7 +101,7 @@ def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dic
         calls = count_checkpoint_calls(model)
         wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
         accumulate_gradients(wrapped.module, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
-                             token_weighted=True)
+                             TOKEN_MEAN_LOSS)
         out[variant] = _adapter_grads(model)
         ran[variant] = {"checkpoint_calls": calls[0], "training": all(m.training for m in model.modules())}
     out["ran"] = ran
@@ -138,13 +139,13 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
 
 def _train_with_failing_backward(rank: int, world_size: int, tmp: str, base: dict) -> dict[bool, str]:
     """Train with a backward that fails as torch DDP does when a gradient is marked ready twice."""
-    import ddptrain.train.loop as loop
+    import ddptrain.train.step as step
 
     def fail(*args: object, **kwargs: object) -> None:
         raise RuntimeError("Expected to mark a variable ready only once. This error is caused by one of the "
                            "following reasons: 1) Use of a module parameter outside the `forward` function.")
 
-    loop.accumulate_gradients = fail  # type: ignore[assignment]  # this spawned process only
+    step.accumulate_gradients = fail  # type: ignore[assignment]  # this spawned process only
     out = {}
     for reentrant in (True, False):
         model = {"activation_checkpointing": "full", "checkpoint_reentrant": reentrant}

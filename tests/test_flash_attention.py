@@ -94,6 +94,7 @@ def _lora_grads(path: Path, flash: bool, batches: list[dict[str, Any]]) -> torch
     from ddptrain.models import build_model
     from ddptrain.models.lora import prepare_for_finetuning
     from ddptrain.train.step import accumulate_gradients
+    from ddptrain.train.weighting import TOKEN_MEAN_LOSS
 
     cfg = ModelConfig(pretrained=str(path), lora=LoraSettings(enabled=True, r=4, alpha=8.0))
     torch.manual_seed(1)
@@ -107,7 +108,7 @@ def _lora_grads(path: Path, flash: bool, batches: list[dict[str, Any]]) -> torch
     assert flash or mask_packed_rows(model)  # on the adapted model, as the loop installs it
     model.train()
     accumulate_gradients(model, iter(batches), len(batches), lambda _: nullcontext(),
-                         torch.autocast("cpu", dtype=torch.bfloat16), token_weighted=True)
+                         torch.autocast("cpu", dtype=torch.bfloat16), TOKEN_MEAN_LOSS)
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
 
 

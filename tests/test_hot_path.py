@@ -59,13 +59,13 @@ def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, var
         if hasattr(dist, name):
             wrap(dist, name, "collective", numel)
     reads = HostReads(torch.device("cpu"), lambda name, why: events.append((step[0], "host_read", name, why)))
-    build_components = loop.build_components
+    build_trainer = loop.build_trainer
 
     def on_the_runs_device(cfg: Any, env: Any, device: torch.device, *args: Any) -> Any:
         reads.run_device = device  # the object the loop places tensors with
-        return build_components(cfg, env, device, *args)
+        return build_trainer(cfg, env, device, *args)
 
-    loop.build_components = on_the_runs_device
+    loop.build_trainer = on_the_runs_device
     start_step = StepMetrics.start_step
 
     def mark(self: StepMetrics, n: int) -> None:

@@ -22,6 +22,7 @@ from ddptrain.models import build_model
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
 from ddptrain.train.step import accumulate_gradients
+from ddptrain.train.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import make_config, train_each
 
@@ -79,7 +80,7 @@ def _adapted(path: Path, checkpointing: bool) -> torch.nn.Module:
 
 def _grads(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, torch.Tensor]]:
     loss = accumulate_gradients(model, iter(batches), ACCUM, lambda _: nullcontext(), nullcontext(),
-                                token_weighted=True)
+                                TOKEN_MEAN_LOSS)
     return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 

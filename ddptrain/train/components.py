@@ -1,6 +1,6 @@
 """The build step of ``train()``: everything a run builds once before its loop, resumed from a checkpoint if asked.
 
-``build_components`` builds data, model, wrapper, optimizer, schedule, batches, checkpoints and telemetry in
+``build_trainer`` builds data, model, wrapper, optimizer, schedule, batches, checkpoints and telemetry in
 one fixed order (seeds and collectives depend on it). The stateful parts are handed to the checkpoint manager by
 key, each giving and taking its own ``state_dict``, and the run resumes through it; the loop then only says
 ``maybe_save(step, ...)``. This is also the one place that gives the loop and the checkpointer their step hooks
@@ -43,17 +43,25 @@ from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics
 from ddptrain.telemetry.stragglers import StragglerMonitor
 from ddptrain.testing.faults import step_hooks
-from ddptrain.train.control import StopRequest
+from ddptrain.train.control import NonFiniteSteps, StopRequest
 from ddptrain.train.loss_scale import LossScaler
 from ddptrain.train.tokens import MicroBatch
+from ddptrain.train.weighting import Weighting, weighting_for
 
 log = logging.getLogger("ddptrain")
 
 
 @dataclass
-class Components:
-    """What the loop works with; built once by ``build_components``."""
+class Trainer:
+    """The run being trained on this rank: its config, rank, device and directory, and every part the loop works
+    with; built once by ``build_trainer``, then handed whole to the step and the loop's helpers.
 
+    Named for what it does rather than ``Run``, which names the composed config (``config.compose.Run``)."""
+
+    cfg: Config
+    env: DistEnv
+    device: torch.device
+    run_dir: Path
     shape: BatchShape  # the batch arithmetic, derived once: gbs = mbs x grad_accum x dp
     model: torch.nn.Module  # the (adapted) model itself: parameters, clipping, evaluation, export
     wrapped: Wrapped  # the model as trained: torch DDP, FSDP2, one of our engines, or the bare model
@@ -64,7 +72,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     batches: MicroBatches | StreamedBatches  # this rank's endless stream of training micro batches
-    token_weighted: bool  # padded prompt/completion batches: the loss is the mean over loss tokens
+    weighting: Weighting  # how micro batches weigh into the gradient: the token mean for prompt/completion data
     val: list[torch.Tensor | MicroBatch]  # this rank's fixed validation batches
     autocast: AbstractContextManager
     checkpoints: CheckpointManager  # the stateful parts by key, and when they are saved
@@ -75,6 +83,7 @@ class Components:
     stragglers: StragglerMonitor
     stop: StopRequest
     scaler: LossScaler | None  # train.precision=fp16 only
+    nonfinite: NonFiniteSteps  # each step's non-finite verdict, on the device until the next check
     precision: Precision  # train.precision resolved for this run's device (auto: bf16, fp16 or fp32)
     hooks: StepHooks  # what acts at a step's start and end and in its loss: nothing, unless a test injects a fault
 
@@ -82,8 +91,8 @@ class Components:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
 
-def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path,
-                     resolved: dict[str, Any]) -> Components:
+def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]
+                  ) -> Trainer:
     """Build every part of the run on this rank, in the order that keeps runs reproducible and resumable."""
     shape = BatchShape.from_config(cfg, env.world_size)
     topology = gather_topology(env)
@@ -150,7 +159,6 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     else:
         attention = pretrained_attention_flops(model.config)
         fpt = 4.0 * n_params + 2.0 * trainable + attention * shape.seq_len
-    token_weighted = cfg.data.format == DataFormat.prompt_completion
     # tokens_seen continues from the real tokens before the data position (the checkpoint's count, carried by the
     # data part); a streamed run resumed from an earlier version's checkpoint, which has none, counts whole steps
     # of fixed windows.
@@ -165,14 +173,17 @@ def build_components(cfg: Config, env: DistEnv, device: torch.device, run_dir: P
     probe = ModelStateProbe(model)
     if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
         model.register_forward_pre_hook(lambda *_: metrics.timer.inner_forward_started())
-    return Components(
-        shape=shape, model=model, wrapped=wrapped, tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
+    return Trainer(
+        cfg=cfg, env=env, device=device, run_dir=run_dir, shape=shape, model=model, wrapped=wrapped,
+        tokenizer=data.tokenizer, n_params=n_params, trainable=trainable,
         flops_per_token=fpt, optimizer=optimizer, scheduler=scheduler, batches=batches,
-        token_weighted=token_weighted, val=val,
+        weighting=weighting_for(cfg.data.format), val=val,
         autocast=autocast, checkpoints=checkpoints, start=start,
         metrics=metrics, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
-        stop=StopRequest(cfg.launch.stop_grace_s), scaler=scaler, precision=precision, hooks=hooks,
+        stop=StopRequest(cfg.launch.stop_grace_s), scaler=scaler,
+        nonfinite=NonFiniteSteps(device, cfg.train.check_every, fp16=scaler is not None), precision=precision,
+        hooks=hooks,
     )
 
 

@@ -1,7 +1,8 @@
 """What a run does once, on its first step (the first after a resume too): read the model state's peak around it,
 time compilation, log the trainable-parameters line and gather every rank's model state.
 
-The loop calls ``after_backward`` and ``after_step`` on every step; both act on the first step only.
+The step observer (``train/observer.py``) calls ``after_backward`` and ``after_step`` on every step; both act on
+the first step only.
 """
 
 from __future__ import annotations
@@ -9,17 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from ddptrain.config.choices import Precision
-from ddptrain.config.schema import Config
 from ddptrain.models.lora import trainable_line
 from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan.costs import FP32, MIXED_BF16
-from ddptrain.runtime.process_group import DistEnv
 from ddptrain.telemetry.comm import SyncSample
 from ddptrain.telemetry.timers import device_clock
-from ddptrain.train.components import Components
+from ddptrain.train.components import Trainer
 from ddptrain.train.summary import report_model_state
 
 log = logging.getLogger("ddptrain")
@@ -28,24 +25,24 @@ log = logging.getLogger("ddptrain")
 class FirstStep:
     """The first step's one-off measurements; ``compile_s`` and ``model_state`` go into the summary."""
 
-    def __init__(self, c: Components, cfg: Config, env: DistEnv, device: torch.device) -> None:
-        self.c, self.cfg, self.env, self.device = c, cfg, env, device
-        self.step = c.start + 1
+    def __init__(self, t: Trainer) -> None:
+        self.t = t
+        self.step = t.start + 1
         self.compile_s: float | None = None  # train.compile: the first step's seconds, compilation included
         self.model_state: dict[str, Any] = {}  # the model state every rank measured, against the plan
-        self._started = device_clock(device)  # sync point (CUDA): once, so the first step's time is its own
+        self._started = device_clock(t.device)  # sync point (CUDA): once, so the first step's time is its own
 
     def after_backward(self, step: int) -> None:
         if step == self.step:
-            self.c.probe.after_backward()
+            self.t.probe.after_backward()
 
     def after_step(self, step: int, sample: SyncSample | None, log_step: bool) -> None:
         """After the update and its timing; ``sample``: the step's gradient-sync sample (its payload is logged)."""
         if step != self.step:
             return
-        c, cfg, env = self.c, self.cfg, self.env
+        c, cfg, env = self.t, self.t.cfg, self.t.env
         if cfg.train.compile:
-            self.compile_s = device_clock(self.device) - self._started  # sync point (CUDA): the first step only
+            self.compile_s = device_clock(c.device) - self._started  # sync point (CUDA): the first step only
             log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)",
                      self.compile_s)
             if not log_step:

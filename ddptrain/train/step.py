@@ -1,13 +1,17 @@
-"""What one training step computes (accumulate with the gradient sync, clip, update) and the evaluation pass.
+"""One training step, top to bottom (``train_step``): forward and backward over the micro batches with the gradient
+sync on the last one, the non-finite verdict, clip, update, learning-rate schedule; and the evaluation pass.
 
 Each function says where the host waits for the device or for other ranks (a sync point): with fused AdamW a
-steady step waits nowhere but in the gradient collective itself.
+steady step waits nowhere but in the gradient collective itself; a check step agrees once (``train/control.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,43 +19,120 @@ from torch.distributed.tensor import DTensor
 
 from ddptrain.data.packing import to_device
 from ddptrain.kernels.clip import clip_grad_norm
+from ddptrain.models.lora import reentrant_failure
 from ddptrain.optim import is_fused
-from ddptrain.telemetry.timers import StepTimer
-from ddptrain.train.control import guard_loss
-from ddptrain.train.tokens import MicroBatch, accumulate_token_weighted, loss_tokens
+from ddptrain.train.control import NonFiniteError, agree, guard_loss
+from ddptrain.train.tokens import MicroBatch, loss_tokens
+from ddptrain.train.weighting import MEAN_LOSS, Phase, Weighting
+
+if TYPE_CHECKING:
+    from ddptrain.train.components import Trainer
+    from ddptrain.train.observer import StepObserver
+
+log = logging.getLogger("ddptrain")
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What one step leaves for the loop: its loss and gradient norm (on the device), the learning rate it used,
+    and at a check step what the ranks agreed on."""
+
+    loss: torch.Tensor  # this rank's loss (see the run's weighting); averaged over ranks when logged
+    grad_norm: torch.Tensor  # before clipping
+    lr: float
+    stop: int  # the agreed signal number at a check step; 0: go on
+    skipped: int  # updates skipped for a non-finite loss or gradient, learned of at this check step
+
+
+def train_step(t: Trainer, watch: StepObserver, step: int, check: bool) -> Stepped:
+    """Step ``step``: accumulate the gradients, clip them and update, skipped on the device (alike on every rank)
+    when they are non-finite; then the learning rate's step. ``check``: also agree with the other ranks on the
+    non-finite steps since the last check and on a stop request (the one sync point the caller asks for).
+
+    A skipped step also drops the compression hook's error feedback on every rank: what top-k or PowerSGD kept
+    from a non-finite gradient would otherwise make every later step non-finite too."""
+    cfg = t.cfg
+    loss = forward_backward(t, watch, step)  # the last micro batch's backward launches the gradient sync
+    watch.after_backward(step)
+    with watch.phase("optimizer"):
+        if t.scaler is not None:
+            t.scaler.unscale(t.optimizer)  # fp16: true gradients before the norm and clipping
+        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, cfg.parallel.kernels)
+        nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
+        apply_update(t.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
+        t.wrapped.step_done(nonfinite)  # sync point with PowerSGD's state only (see parallel/compression.py)
+        if t.scaler is not None:
+            t.scaler.update()  # fp16: an overflow halves the scale; a non-finite loss is a nan_policy event as well
+        # No host read: the verdict waits for the next check (``loss``, this rank's, tells a non-finite loss from an
+        # fp16 overflow there).
+        t.nonfinite.record(step, nonfinite, loss)
+        watch.after_update(step)
+        stop = skipped = 0
+        if check:
+            # sync point: one small all-reduce and host read per check, never on the other steps
+            agreed = agree(t.stop.signum, t.nonfinite)
+            stop = agreed.stop
+            if t.scaler is not None:
+                t.scaler.count_backoffs(agreed.overflows)
+            skipped = settle_nonfinite(agreed.events, step, cfg.train.nan_policy)
+    lr = t.scheduler.get_last_lr()[0]
+    t.scheduler.step()
+    return Stepped(loss, grad_norm, lr, stop, skipped)
+
+
+def forward_backward(t: Trainer, watch: StepObserver, step: int) -> torch.Tensor:
+    """Step ``step``'s micro batches through forward and backward, weighted as the run chose, with what fault
+    injection asks of this step's loss; returns the step's loss."""
+    try:
+        return accumulate_gradients(t.wrapped.module, t.batches, t.shape.grad_accum, t.wrapped.maybe_sync,
+                                    t.autocast, t.weighting, watch.phase, watch.loss_guard(step),
+                                    watch.scale_loss(step, t.scale_loss))
+    except RuntimeError as exc:
+        if t.cfg.model.checkpoint_reentrant:
+            raise reentrant_failure(exc) from exc
+        raise
 
 
 def accumulate_gradients(
-    module: torch.nn.Module, micro_batches: Iterator[torch.Tensor], grad_accum: int,
+    module: torch.nn.Module, micro_batches: Iterator[Any], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
-    timer: StepTimer | None = None, token_weighted: bool = False,
+    weighting: Weighting = MEAN_LOSS, phase: Phase = lambda _: nullcontext(),
     loss_guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> torch.Tensor:
-    """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one.
+    """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one; returns the sum
+    of the micro batches' weighted losses (``weighting``: packed blocks' mean by default).
 
-    Packed blocks: the loss is scaled by 1/grad_accum, so the synced ``.grad`` is the mean over the whole global
-    batch. Returns this rank's mean loss over its micro batches. ``token_weighted`` (padded prompt/completion
-    batches): the mean over every loss token of the global batch instead (see ``train/tokens.py``).
     ``loss_guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank.
     ``scale_loss``: fp16's loss scaling before each backward (the returned loss is unscaled).
     """
-    phase = timer.phase if timer is not None else (lambda _: nullcontext())
-    if token_weighted:
-        return accumulate_token_weighted(module, micro_batches, grad_accum, maybe_sync, autocast, phase,
-                                         loss_guard, scale_loss)
     loss_sum: torch.Tensor | None = None
-    for micro in range(grad_accum):
-        with phase("data"):
-            ids = next(micro_batches)
+    for micro, micro_loss in enumerate(weighting.micro_losses(micro_batches, grad_accum, phase)):
         with maybe_sync(micro == grad_accum - 1):  # the last micro batch's backward launches the gradient sync
             with phase("forward"), autocast:
-                loss = loss_guard(module(input_ids=ids, labels=ids, use_cache=False).loss / grad_accum)
+                loss = loss_guard(micro_loss(module))
             with phase("backward"):
                 scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     assert loss_sum is not None
     return loss_sum
+
+
+def settle_nonfinite(events: list[int], step: int, nan_policy: str) -> int:
+    """At a check step: abort, or report the skipped updates (already skipped on every rank); returns their count.
+
+    ``events``: the steps since the last check with a non-finite loss or gradients (fp16: a non-finite loss; an
+    overflow from a finite loss is the scaler's back-off). Checks come before every checkpoint, so an aborted run
+    never saves a state after its non-finite step.
+    """
+    count, first = len(events), events[0] if events else 0
+    if count and nan_policy == "abort":
+        raise NonFiniteError(f"non-finite loss or gradients at step {first} (train.nan_policy=abort); "
+                             "no checkpoint was written for it")
+    if count:
+        more = f" and {count - 1} more up to step {step}" if count > 1 else ""
+        log.warning("non-finite loss or gradients at step %d%s: update skipped on every rank", first, more)
+    return count
 
 
 def clip_gradients(model: torch.nn.Module, grad_clip: float, kernels: str = "auto") -> torch.Tensor:

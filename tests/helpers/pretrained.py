@@ -64,11 +64,11 @@ def train_each_watched(rank: int, world_size: int, tmp: str, base: dict, variant
     from transformers import DynamicCache
 
     import ddptrain.train.components as components
-    import ddptrain.train.loop as loop
+    import ddptrain.train.step as step
     from tests.helpers.runs import train_each
 
     runs: list[dict[str, Any]] = []
-    prepare, accumulate = components.prepare_for_finetuning, loop.accumulate_gradients
+    prepare, accumulate = components.prepare_for_finetuning, step.accumulate_gradients
     cache_init = DynamicCache.__init__
 
     def prepared(*args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -86,7 +86,7 @@ def train_each_watched(rank: int, world_size: int, tmp: str, base: dict, variant
         cache_init(self, *args, **kwargs)
 
     components.prepare_for_finetuning = prepared  # type: ignore[assignment]  # this forked rank only
-    loop.accumulate_gradients = accumulated  # type: ignore[assignment]
+    step.accumulate_gradients = accumulated  # type: ignore[assignment]
     DynamicCache.__init__ = counted_cache  # type: ignore[method-assign]
     results = train_each(rank, world_size, tmp, base, variants)
     for result, seen in zip(results, runs, strict=True):
