@@ -32,7 +32,7 @@ RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.nu
        "checkpoint.export=false", f"dist.timeout_s={TIMEOUT_S}",
        "launch.stop_grace_s=1"]  # the hung rank's evidence is written at SIGTERM, before the grace
 CASES = {  # fault, ranks, what the last line must say
-    "data": ("hang@data:3:1", 2, ["rank 1 (host ", "hung at step 3 in data loading (ddptrain/train/loop.py:",
+    "data": ("hang@data:3:1", 2, ["rank 1 (host ", "hung at step 3 in data loading (ddptrain/train/observer.py:",
                                   "; rank 0 waited in ", f"for {TIMEOUT_S} s (dist.timeout_s)"]),
     "forward": ("hang@forward:3:1", 2, ["rank 1 (host ", "hung at step 3 in forward", "; rank 0 waited in "]),
     "save": ("hang@save:4:1", 3, ["rank 1 (host ", "hung at step 4 in a checkpoint save", "; ranks 0, 2 waited in "
