@@ -17,28 +17,19 @@ import argparse
 import copy
 import os
 import statistics
-import time
 
 import torch
+from bench_variants import measure  # scripts/, beside this file
 
 from ddptrain.config.schema import ModelConfig
 from ddptrain.models import build_model
 from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import prepare_for_finetuning
-from ddptrain.plan.memory.trace import StepSetup, trace_step
 
 VOCAB = 8192
 MODES = ("none", "selective", "full")
 CASES = ["256:4:512:4", "512:4:512:4", "512:4:1024:2"]
 MiB = 1024**2
-
-
-def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
 
 
 def run_case(width: int, blocks: int, seq: int, micro: int, repeats: int) -> dict[str, dict]:
@@ -52,17 +43,10 @@ def run_case(width: int, blocks: int, seq: int, micro: int, repeats: int) -> dic
         model = prepare_for_finetuning(copy.deepcopy(base), mode_cfg)
         use_chunked_loss(model, None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        variants[mode] = {"model": model, "opt": optimizer, "times": []}
-    for v in variants.values():  # the first step's loss (same weights, same batch), then AdamW's state exists
-        v["loss"] = step(v["model"], v["opt"], ids)
-    for v in variants.values():  # the measured peak, in a step of its own
-        tracker, _ = trace_step(v["model"], v["opt"], {"input_ids": ids, "labels": ids}, StepSetup("cpu", None, 0.0))
-        v["peak"], v["activations"] = tracker.peak.peak, tracker.peak.by_category["activations"]
-    for _ in range(repeats):
-        for v in variants.values():
-            start = time.perf_counter()
-            step(v["model"], v["opt"], ids)
-            v["times"].append(time.perf_counter() - start)
+        variants[mode] = {"model": model, "opt": optimizer}
+    measure(variants, ids, repeats)
+    for v in variants.values():
+        v["peak"], v["activations"] = v["peak"].peak, v["peak"].by_category["activations"]
     none = variants["none"]
     for v in variants.values():
         v["time_ratio"] = statistics.median(t / n for t, n in zip(v["times"], none["times"], strict=True))

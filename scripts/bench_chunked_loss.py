@@ -16,27 +16,18 @@ import argparse
 import copy
 import os
 import statistics
-import time
 
 import torch
+from bench_variants import measure  # scripts/, beside this file
 
 from ddptrain.config.schema import ModelConfig
 from ddptrain.models import build_model
 from ddptrain.models.chunked_loss import use_chunked_loss
-from ddptrain.plan.memory.trace import StepSetup, trace_step
 
 QWEN3_TINY = ModelConfig(name="qwen3_tiny", arch="qwen3", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                          head_dim=32, intermediate_size=384, max_position_embeddings=2048, rope_theta=1e6)
 CASES = ["151936:256:4", "32000:512:4", "151936:512:4", "32000:2048:1", "151936:2048:1"]
 MiB = 1024**2
-
-
-def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
 
 
 def run_case(vocab: int, seq: int, micro: int, repeats: int) -> dict:
@@ -49,18 +40,10 @@ def run_case(vocab: int, seq: int, micro: int, repeats: int) -> dict:
         model = copy.deepcopy(base)
         chunk = use_chunked_loss(model, None) if name == "chunked" else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        variants[name] = {"model": model, "opt": optimizer, "chunk": chunk, "times": [], "loss": None}
-    for v in variants.values():  # the first step's loss (same weights, same batch), then AdamW's state exists
-        v["loss"] = step(v["model"], v["opt"], ids)
-    for v in variants.values():  # the measured peak, in a step of its own
-        tracker, _ = trace_step(v["model"], v["opt"], {"input_ids": ids, "labels": ids}, StepSetup("cpu", None, 0.0))
-        v["peak"] = tracker.peak.peak
-        v["logits"] = tracker.peak.by_category.get("logits and loss", 0)
-    for _ in range(repeats):
-        for v in variants.values():
-            start = time.perf_counter()
-            step(v["model"], v["opt"], ids)
-            v["times"].append(time.perf_counter() - start)
+        variants[name] = {"model": model, "opt": optimizer, "chunk": chunk}
+    measure(variants, ids, repeats)
+    for v in variants.values():
+        v["peak"], v["logits"] = v["peak"].peak, v["peak"].by_category.get("logits and loss", 0)
     full, chunked = variants["full"], variants["chunked"]
     return {
         "vocab": vocab, "seq": seq, "micro": micro, "chunk": chunked["chunk"],
