@@ -151,7 +151,8 @@ def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Co
     from ddptrain.plan.memory.own_peak import this_device
 
     typed = run.typed
-    target = replace(this_device(device), memory_gib=typed.plan.device_memory_gib or this_device(device).memory_gib)
+    own = this_device(device)
+    target = replace(own, memory_gib=typed.plan.device_memory_gib or own.memory_gib)
     line = ""
     try:
         chosen = choose_micro_batch(typed, env.world_size, target, model_vocab_size(typed.model, typed.data.vocab_size))
