@@ -209,6 +209,17 @@ MUTANTS = [
              "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
              "self.events[slot] = 0.0"),),
            ("tests/test_nonfinite.py", "-k", "fp16")),
+    # issue 40 (top-k's sum in rank order) and issue 41 (top-k's residuals after a skipped step)
+    Mutant("topk-zeroes-only-bad-residuals", "a skipped step zeroes only top-k's non-finite residual entries",
+           (("ddptrain/parallel/compression.py", "            residual.masked_fill_(nonfinite, 0.0)",
+             "            residual.masked_fill_(nonfinite & ~torch.isfinite(residual), 0.0)"),),
+           ("tests/test_compression.py", "-k", "skipped_step")),
+    Mutant("topk-scatter-add", "top-k adds every rank's entries with one index_add_ (any order on CUDA)",
+           (("ddptrain/parallel/compression.py",
+             "    for rank_values, rank_index in zip(values, index, strict=True):\n"
+             "        out[rank_index] = out[rank_index] + rank_values\n    return out\n",
+             "    return out.index_add_(0, index.flatten(), values.flatten())\n"),),
+           ("tests/test_compression.py", "-k", "topk")),
 ]
 
 
