@@ -220,6 +220,15 @@ MUTANTS = [
              "        out[rank_index] = out[rank_index] + rank_values\n    return out\n",
              "    return out.index_add_(0, index.flatten(), values.flatten())\n"),),
            ("tests/test_compression.py", "-k", "topk")),
+    # issue 40: replicas that drift apart
+    Mutant("drift-check-blind", "the check never sees replicas that differ (a slot's max taken for its min)",
+           (("ddptrain/train/drift.py", "if words[:WORDS] != [~w for w in words[WORDS:]]]",
+             "if words[:WORDS] != words[:WORDS]]"),),
+           ("tests/test_drift.py", "-k", "drifted_ddp_replica")),
+    Mutant("drift-fingerprint-on-host", "the fingerprint is computed on a host copy of each parameter",
+           (("ddptrain/train/drift.py", "torch.stack([fingerprint(tensor) for",
+             "torch.stack([fingerprint(tensor.cpu()).to(device) for"),),
+           ("tests/test_hot_path.py", "-k", "check_and_logging")),
 ]
 
 

@@ -38,7 +38,7 @@ class ReplicaGroups:
         if not self.comparable:
             return ("nothing to compare: each parameter shard is held by one rank only (FSDP2 over every rank; "
                     "parallel.shard_group=node replicates shards across nodes)" if self.sharded else
-                    "nothing to compare on one rank")
+                    "nothing to compare")
         if len(self.members) == 1:
             return f"whole replicas on {len(self.members[0])} ranks"
         groups = ", ".join("(" + ", ".join(map(str, m)) + ")" for m in self.members)

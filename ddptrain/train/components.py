@@ -153,7 +153,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
     checkpoints = CheckpointManager(checkpointer, model, optimizer, parts, cfg.checkpoint.every_n_steps)
     start = checkpoints.resume(resume_target(cfg.train.resume))
     drift = DriftCheck(model, cfg.train.drift_policy, start)
-    log.info(drift.describe())
+    if env.world_size > 1:
+        log.info(drift.describe())
     val = eval_batches(data.val, shape.micro_batch_size, shape.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight, and
     # attention (no weights: the same frozen or not) from its own config.

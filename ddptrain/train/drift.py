@@ -54,9 +54,13 @@ class DriftCheck:
         return self.policy != DriftPolicy.off and self.groups.comparable
 
     def describe(self) -> str:
-        return f"train.drift_policy={self.policy}: " + (
-            "no replica check" if self.policy == DriftPolicy.off else
-            f"every check compares a fingerprint of the parameters: {self.groups.describe()}")
+        """What the checks compare, for the start-up log."""
+        if self.policy == DriftPolicy.off:
+            return "train.drift_policy=off: replicas are not compared"
+        if not self.groups.comparable:
+            return f"train.drift_policy={self.policy}: {self.groups.describe()}"
+        return f"train.drift_policy={self.policy}: every check compares a fingerprint of the parameters: " \
+            f"{self.groups.describe()}"
 
     def words(self, device: torch.device) -> torch.Tensor:
         """This rank's contribution to the check's all-reduce (MAX), int64 on ``device``: per replica group its
