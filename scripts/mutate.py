@@ -226,8 +226,8 @@ MUTANTS = [
              "if words[:WORDS] != words[:WORDS]]"),),
            ("tests/test_drift.py", "-k", "drifted_ddp_replica")),
     Mutant("drift-fingerprint-on-host", "the fingerprint is computed on a host copy of each parameter",
-           (("ddptrain/train/drift.py", "torch.stack([fingerprint(tensor) for",
-             "torch.stack([fingerprint(tensor.cpu()).to(device) for"),),
+           (("ddptrain/train/drift.py", "replica = self.combined([tensor for _, tensor in",
+             "replica = self.combined([tensor.cpu() for _, tensor in"),),
            ("tests/test_hot_path.py", "-k", "check_and_logging")),
 ]
 

@@ -15,7 +15,7 @@ import torch
 
 from ddptrain.app.cli import run_cli as ddptrain_main
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.fingerprint import WIDTH, combine, fingerprint
+from ddptrain.parallel.fingerprint import WIDTH, Combined, combine, fingerprint
 from ddptrain.testing.faults import step_hooks
 from ddptrain.train.drift import Finding
 from tests.helpers.cli import run_cli
@@ -193,6 +193,17 @@ def test_the_fingerprint_sees_one_changed_bit_and_two_swapped_elements_anywhere(
     assert fingerprint(swapped)[0] == base[0] and fingerprint(swapped)[1] != base[1]
     rows = torch.stack([base, fingerprint(t[:10])])
     assert not torch.equal(combine(rows), combine(rows.flip(0)))  # tensors in another order
+
+
+def test_a_checks_combined_fingerprint_is_the_combination_of_each_tensors() -> None:
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen) for n in (5, WIDTH * 2, 3 * WIDTH + 1)] + [
+        torch.randn(1000, generator=gen).to(torch.bfloat16), torch.randn(33, generator=gen).double()[1:]]
+    combined = Combined(tensors, torch.device("cpu"))
+    assert torch.equal(combined(tensors), combine(torch.stack([fingerprint(t) for t in tensors])))
+    changed = [t.clone() for t in tensors]
+    changed[2][-1] += 1  # in the partial last row
+    assert (combined(changed) != combined(tensors)).all()
 
 
 def test_the_verdict_names_the_ranks_outside_the_majority_and_the_first_parameter_they_differ_in() -> None:

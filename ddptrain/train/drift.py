@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ddptrain.config.choices import DriftPolicy
 from ddptrain.errors import RunEnded
-from ddptrain.parallel.fingerprint import combine, fingerprint
+from ddptrain.parallel.fingerprint import Combined, fingerprint
 from ddptrain.parallel.replicas import ReplicaGroups, local_parameters, rebroadcast, replica_groups
 
 log = logging.getLogger("ddptrain")
@@ -44,10 +44,12 @@ class DriftCheck:
         self.model = model
         self.policy = policy
         self.groups = replica_groups(model) if policy != DriftPolicy.off else ReplicaGroups((), 0, None, False)
-        self.names = [name for name, _ in local_parameters(model)]
+        held = list(local_parameters(model))
+        self.names = [name for name, _ in held]
+        # the combined fingerprint's per-parameter weights, laid out once where the parameters live
+        self.combined = Combined([t for _, t in held], held[0][1].device) if self.active else None
         self.agreed_at: int | None = None  # the last check step whose fingerprints agreed, in this process
         self.start = start
-        self._rows: torch.Tensor | None = None  # this check's per-parameter fingerprints, kept until ``settle``
 
     @property
     def active(self) -> bool:
@@ -66,10 +68,9 @@ class DriftCheck:
         """This rank's contribution to the check's all-reduce (MAX), int64 on ``device``: per replica group its
         fingerprint and the complements (``~x``: MAX of those is the complement of the smallest), MAX's identity
         in the other groups' slots. Empty when nothing is compared. Device work only: no host read."""
-        if not self.active:
+        if self.combined is None:
             return torch.empty(0, dtype=torch.int64, device=device)
-        self._rows = torch.stack([fingerprint(tensor) for _, tensor in local_parameters(self.model)])
-        replica = combine(self._rows)
+        replica = self.combined([tensor for _, tensor in local_parameters(self.model)]).to(device)
         slots = torch.full((len(self.groups.members), 2, WORDS), UNSET, dtype=torch.int64, device=device)
         slots[self.groups.slot, 0] = replica
         slots[self.groups.slot, 1] = ~replica
@@ -85,8 +86,9 @@ class DriftCheck:
         if not differing:
             self.agreed_at = step
             return
-        assert self._rows is not None
-        table = self._gather(self._rows)  # sync point, only now that replicas differ
+        # sync point, only now that replicas differ: every rank's fingerprint of each parameter, to name them
+        rows = torch.stack([fingerprint(tensor) for _, tensor in local_parameters(self.model)])
+        table = self._gather(rows)
         findings = [Finding.of(self.groups.members[s], table, self.names) for s in differing]
         where = "; ".join(f.describe() for f in findings)
         since = (f"equal at step {self.agreed_at}" if self.agreed_at is not None else
