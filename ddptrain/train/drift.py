@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -119,12 +120,15 @@ class DriftCheck:
             rebroadcast(tensors, finding.source, self.groups)
 
 
+@dataclass(frozen=True)
 class Finding:
     """One replica group's verdict: who differs from its majority, and where."""
 
-    def __init__(self, ranks: tuple[int, ...], majority: list[int], others: list[int], differing: list[int],
-                 first: str) -> None:
-        self.ranks, self.majority, self.others, self.differing, self.first = ranks, majority, others, differing, first
+    ranks: tuple[int, ...]  # the group's global ranks
+    majority: list[int]  # the ranks that hold the majority's bits (a tie: the side of the group's lowest rank)
+    others: list[int]  # the ranks that differ from it
+    differing: list[int]  # the parameters (by their place in the model) some rank holds differently
+    first: str  # the first of those, by name
 
     @property
     def source(self) -> int:
