@@ -201,14 +201,34 @@ MUTANTS = [
            ("tests/test_nonfinite.py", "-k", "compressed")),
     Mutant("fp16-overflow-is-an-event", "fp16 counts an overflow from a finite loss as a nan_policy event",
            (("ddptrain/train/control.py",
-             "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
-             "self.events[slot] = torch.where(nonfinite_gradients, float(step), 0.0)"),),
+             "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0, step)",
+             "self.events[slot] = torch.where(nonfinite_gradients, step, 0)"),),
            ("tests/test_nonfinite.py", "-k", "fp16")),
     Mutant("fp16-nan-loss-is-a-back-off", "fp16 treats a non-finite loss as the scaler's back-off",
            (("ddptrain/train/control.py",
-             "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
-             "self.events[slot] = 0.0"),),
+             "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0, step)",
+             "self.events[slot] = 0"),),
            ("tests/test_nonfinite.py", "-k", "fp16")),
+    # issue 40 (top-k's sum in rank order) and issue 41 (top-k's residuals after a skipped step)
+    Mutant("topk-zeroes-only-bad-residuals", "a skipped step zeroes only top-k's non-finite residual entries",
+           (("ddptrain/parallel/compression.py", "            residual.masked_fill_(nonfinite, 0.0)",
+             "            residual.masked_fill_(nonfinite & ~torch.isfinite(residual), 0.0)"),),
+           ("tests/test_compression.py", "-k", "skipped_step")),
+    Mutant("topk-scatter-add", "top-k adds every rank's entries with one index_add_ (any order on CUDA)",
+           (("ddptrain/parallel/compression.py",
+             "    for rank_values, rank_index in zip(values, index, strict=True):\n"
+             "        out[rank_index] = out[rank_index] + rank_values\n    return out\n",
+             "    return out.index_add_(0, index.flatten(), values.flatten())\n"),),
+           ("tests/test_compression.py", "-k", "topk")),
+    # issue 40: replicas that drift apart
+    Mutant("drift-check-blind", "the check never sees replicas that differ (a slot's max taken for its min)",
+           (("ddptrain/train/drift.py", "if words[:WORDS] != [~w for w in words[WORDS:]]]",
+             "if words[:WORDS] != words[:WORDS]]"),),
+           ("tests/test_drift.py", "-k", "drifted_ddp_replica")),
+    Mutant("drift-fingerprint-on-host", "the fingerprint is computed on a host copy of each parameter",
+           (("ddptrain/train/drift.py", "replica = self.combined([tensor for _, tensor in",
+             "replica = self.combined([tensor.cpu() for _, tensor in"),),
+           ("tests/test_hot_path.py", "-k", "check_and_logging")),
 ]
 
 

@@ -50,6 +50,7 @@ IN_PROCESS = [
     (["optim.lr=-1"], "optim.lr=-1.0: expected a positive learning rate"),
     (["train.precision=fp8"], "train.precision='fp8': expected one of auto, fp32, bf16, fp16"),
     (["train.nan_policy=ignore"], "train.nan_policy='ignore': expected one of skip, abort"),
+    (["train.drift_policy=ignore"], "train.drift_policy='ignore': expected one of abort, rebroadcast, off"),
     (["data.tokenizer=/no/such/tokenizer"], "data.tokenizer=/no/such/tokenizer: expected a local tokenizer directory"),
     (["model.num_heads=5"], "model.hidden_size=128 is not divisible by model.num_heads=5"),
     (["profile.enabled=true", "train.steps=3"], "profile: wait 5 + warmup 1 + active 2 steps exceed train.steps=3"),

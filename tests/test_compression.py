@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
@@ -166,3 +167,116 @@ def test_bad_settings_fail_naming_the_key(override: dict, key: str) -> None:
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd", "topk"])
 def test_default_settings_are_valid(compression: str) -> None:
     assert build_config({"parallel": {"compression": compression}}).parallel.compression == compression
+
+
+# Top-k on 3 ranks. Each rank trains a one-output linear layer without bias on one sample: its weight's gradient is
+# the sample itself, so each rank chooses what top-k (2 of 4 entries) sends. Index 0 collides on every rank with
+# values whose sum depends on the order: in rank order 1e8 - 1e8 + 1 = 1, while 1e8 + 1 rounds to 1e8 in fp32.
+TOPK_SAMPLES = [[1e8, 0.0, 0.25, 0.0], [-1e8, 0.0, 0.0, 0.125], [1.0, 0.5, 0.0, 0.0]]
+
+
+def _rank_order_reference() -> torch.Tensor:
+    """Each rank's two largest entries added into zeros, rank 0 first, one fp32 addition at a time; then the mean."""
+    total = torch.zeros(4)
+    for sample in TOPK_SAMPLES:
+        row = torch.tensor(sample)
+        for i in row.abs().topk(2).indices.tolist():
+            total[i] = total[i] + row[i]
+    return total / len(TOPK_SAMPLES)
+
+
+class _ScatterAdds(TorchDispatchMode):
+    """Records every op that adds values at indices: where indices collide, CUDA adds in any order."""
+
+    ADDS = frozenset({"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+                      "index_reduce", "index_reduce_", "put", "put_", "embedding_dense_backward"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        accumulate = kwargs.get("accumulate", args[3] if name in ("index_put", "index_put_", "_index_put_impl_")
+                                and len(args) > 3 else False)
+        if name in self.ADDS or accumulate:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+def _completed_all_gathers() -> None:
+    """Make ``dist.all_gather_single`` finish before it returns its work: a future that is already complete runs
+    the hook's decompression at once, in the calling thread, where a dispatch mode sees its ops (a pending
+    future's callback runs later in gloo's own thread, which no mode of this thread watches)."""
+    import torch.distributed as dist
+
+    gather = dist.all_gather_single
+
+    class Done:
+        def __init__(self, out: torch.Tensor) -> None:
+            self.fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            self.fut.set_result([out])
+
+        def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+            return self.fut
+
+    def completed(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Done:
+        gather(out, inp, group=group)
+        return Done(out)
+
+    dist.all_gather_single = completed
+
+
+def _topk_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """The top-k sum of colliding indices under deterministic algorithms (and what adds at indices), then a finite
+    step and one whose rank-1 loss is NaN, with each rank's residuals after each."""
+    torch.use_deterministic_algorithms(True)
+    _completed_all_gathers()
+    layer = nn.Linear(4, 1, bias=False)
+    ddp = DistributedDataParallel(layer)
+    register_compression(ddp, ParallelConfig(compression="topk", topk_ratio=0.5, error_feedback=False))
+    with _ScatterAdds() as adds:
+        ddp(torch.tensor([TOPK_SAMPLES[rank]])).sum().backward()
+    out: dict[str, Any] = {"grad": layer.weight.grad.flatten().clone(), "scatter_adds": adds.seen}
+
+    ddp = DistributedDataParallel(_model())
+    compression = register_compression(ddp, ParallelConfig(compression="topk"))
+    residuals = compression.feedback.residuals  # type: ignore[union-attr]
+    for step, poison in enumerate((1.0, math.nan if rank == 1 else 1.0)):
+        x, y = _batch(10 * step + rank, 8)
+        (nn.functional.mse_loss(ddp(x), y) * poison).backward()
+        norm = torch.cat([p.grad.flatten() for p in ddp.parameters()]).norm()
+        out[f"residuals_{step}"] = [r.clone() for r in residuals.values()]
+        compression.step_done(~torch.isfinite(norm))
+        out[f"kept_{step}"] = [r.clone() for r in residuals.values()]
+        ddp.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def topk_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_topk_ranks, 3)
+
+
+def test_topk_sums_colliding_indices_in_rank_order_bitwise_alike_on_every_rank(topk_ranks: list[dict]) -> None:
+    reference = _rank_order_reference()
+    assert reference[0] == torch.tensor(1.0) / 3  # the order matters: any other order gives 0 here
+    for rank in topk_ranks:
+        assert torch.equal(rank["grad"], reference), (rank["grad"], reference)
+
+
+def test_topk_adds_no_values_at_indices_with_a_scatter_add(topk_ranks: list[dict]) -> None:
+    """index_add_ and its kin add colliding indices in any order on CUDA (torch's documentation): not used."""
+    assert [rank["scatter_adds"] for rank in topk_ranks] == [[], [], []]
+
+
+def test_a_skipped_step_zeroes_every_residual_entry_on_every_rank(topk_ranks: list[dict]) -> None:
+    for rank in topk_ranks:
+        finite = rank["kept_0"]  # a finite step keeps what it did not send
+        assert finite and all(torch.isfinite(r).all() and r.count_nonzero() > 0 for r in finite)
+    # rank 0 and 2 kept finite residuals from the skipped step, rank 1 non-finite ones: all are dropped alike
+    assert all(torch.isfinite(r).all() for rank in (0, 2) for r in topk_ranks[rank]["residuals_1"])
+    assert not all(torch.isfinite(r).all() for r in topk_ranks[1]["residuals_1"])
+    for rank in topk_ranks:
+        assert all(torch.equal(r, torch.zeros_like(r)) for r in rank["kept_1"])

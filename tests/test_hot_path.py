@@ -116,10 +116,11 @@ def test_the_host_read_detector_sees_every_device_to_host_path_and_no_placement(
                     "nonzero", "equal", "__getitem__", "where", "unique", "masked_select", "__setitem__"], seen
 
 
-# A check step agrees on the stop signal and on one slot per step since the last check (size 1 + check_every = 4).
+# A check step agrees on the stop signal, on one slot per step since the last check (check_every = 3) and on the
+# replicas' fingerprint (train.drift_policy: one replica group, 2 words and their complements): size 1 + 3 + 4.
 # A logging step also sums the token counts (real, computed, squared sequence lengths, untimed: size 4) and gathers
 # every rank's phase times for the straggler report (all_gather_object, size -1).
-AGREEMENT = 1 + 3
+AGREEMENT = 1 + 3 + 4
 
 
 @pytest.mark.parametrize(("step", "extra"), [(3, [AGREEMENT]), (6, [AGREEMENT]), (4, [AGREEMENT, 1, 4, -1])],
@@ -127,13 +128,14 @@ AGREEMENT = 1 + 3
 def test_check_and_logging_steps_add_only_their_documented_reductions(
     runs: list[dict[str, Any]], step: int, extra: list[int]
 ) -> None:
-    """A check step adds the agreement (stop, one slot per step since the last check); a logging step also the loss
-    mean, the sum of the ranks' token counts, and the gather of per-rank timings for the straggler report."""
+    """A check step adds the agreement (stop, one slot per step since the last check, the replicas' fingerprint:
+    computed on the device, it adds neither a collective nor a host read); a logging step also the loss mean, the
+    sum of the ranks' token counts, and the gather of per-rank timings for the straggler report."""
     for rank in (r["counted"] for r in runs):
         collectives = _by_step(rank["events"], step, "collective")
-        gradients = [size for name, size in collectives if name == "all_reduce" and size > 4]
+        gradients = [size for name, size in collectives if name == "all_reduce" and size > AGREEMENT]
         assert sum(gradients) == rank["n_params"]
-        assert [size for _, size in collectives if size <= 4] == extra, collectives
+        assert [size for _, size in collectives if size <= AGREEMENT] == extra, collectives
         # The agreed flags; a logging step also reads the loss mean and the gradient norm, and torch's
         # all_gather_object (the straggler report) reads its own object sizes: logging steps sync by design.
         reads = sorted(name for name, _ in _by_step(rank["events"], step, "host_read"))

@@ -126,6 +126,12 @@ class NanPolicy(StrEnum):
     abort = "abort"  # stop the run (no checkpoint is written for the bad step)
 
 
+class DriftPolicy(StrEnum):
+    abort = "abort"  # stop the run on every rank, naming the ranks that differ (no checkpoint is written after)
+    rebroadcast = "rebroadcast"  # copy the majority's parameters to the ranks that differ, warn, and go on
+    off = "off"  # no fingerprint at the checks
+
+
 class Backend(StrEnum):
     auto = "auto"  # nccl on CUDA, else gloo
     nccl = "nccl"

@@ -24,6 +24,7 @@ from ddptrain.config.choices import (
     DataSource,
     DebugLevel,
     Direction,
+    DriftPolicy,
     Engine,
     Interconnect,
     Kernels,
@@ -298,6 +299,8 @@ class TrainConfig:
     resume: str | None = None  # auto (latest checkpoint in this run dir, if any) | a checkpoint or run dir | null
     nan_policy: NanPolicy = NanPolicy.abort  # on a non-finite loss or gradient
     check_every: int = 10  # steps between the ranks' agreement on stop requests and non-finite steps (a sync)
+    # when data-parallel replicas' parameters differ at a check (each rank's fingerprint rides on its agreement)
+    drift_policy: DriftPolicy = DriftPolicy.abort
     compile: bool = False  # torch.compile each transformer block (torch DDP and the ZeRO stages)
     # LM head + cross-entropy chunk by chunk over the tokens: the [tokens, vocab] logits never exist whole; on for
     # the heads where it is exact (Llama, Mistral, Qwen2/3, GPT-2; a plain linear head), else the full logits

@@ -233,11 +233,27 @@ def _topk_hook(state: _TopKState, bucket: dist.GradBucket) -> Future[torch.Tenso
 
     def decompress(_: Future[list[torch.Tensor]]) -> torch.Tensor:
         rows, split = gathered.view(world_size, -1), values.numel() * values.element_size()
-        all_values = rows[:, :split].contiguous().view(values.dtype).flatten()
-        all_index = rows[:, split:].contiguous().view(index.dtype).flatten()
-        return buffer.zero_().index_add_(0, all_index, all_values).div_(world_size)
+        all_values = rows[:, :split].contiguous().view(values.dtype)
+        all_index = rows[:, split:].contiguous().view(index.dtype)
+        return sum_in_rank_order(buffer, all_values, all_index).div_(world_size)
 
     return fut.then(decompress)
+
+
+def sum_in_rank_order(out: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out`` zeroed, then rank 0's ``values[0]`` added at ``index[0]``, then rank 1's, and so on: the same bits
+    on every rank, in every run, on any device.
+
+    One scatter-add of every rank's entries at once (``index_add_``) adds where indices collide in whatever order
+    CUDA's atomics land, which torch documents as nondeterministic: replicas would round the same gathered values
+    differently, and DDP never re-broadcasts parameters, so they would drift apart for good. Within one rank the
+    top-k indices are distinct, so each rank's turn is a gather, an add and a plain (non-accumulating) index_put_
+    with no collisions: no scatter-add at all, and no host sync (3 kernels of k entries per rank).
+    """
+    out.zero_()
+    for rank_values, rank_index in zip(values, index, strict=True):
+        out[rank_index] = out[rank_index] + rank_values
+    return out
 
 
 def _powersgd_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> Future[torch.Tensor]:

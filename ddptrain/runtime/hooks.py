@@ -1,4 +1,4 @@
-"""Points in a run where something outside training may act: a step's start and end, its loss, a save's commit.
+"""Points in a run where something outside training may act: a step's start, loss, update and end, a save's commit.
 
 ``StepHooks`` does nothing at each point; the loop and the checkpointer are given an instance and call it,
 without knowing what a subclass does there. Fault injection for the reliability tests
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+
+import torch
 
 
 class StepHooks:
@@ -24,6 +26,9 @@ class StepHooks:
     def overflows_gradients(self, step: int) -> bool:
         """True when this rank's gradients of ``step`` must overflow fp16 from a finite loss."""
         return False
+
+    def update_done(self, step: int, model: torch.nn.Module) -> None:
+        """After step ``step``'s update (before its check, if it is a check step); ``model`` as this rank holds it."""
 
     def step_ended(self, step: int) -> None:
         """After step ``step``'s update and learning-rate step, before its checkpoint."""

@@ -12,10 +12,17 @@ The fault fires only in the first attempt of a run (``TORCHELASTIC_RESTART_COUNT
 
 A straggler: ``delay@PHASE:STEP:RANK[:MS]`` sleeps MS milliseconds (default 200) in PHASE (``data`` or
 ``forward``) of every step from STEP on, on RANK only. Example: ``DDPTRAIN_FAULT=delay@data:1:1``.
+
+A replica that drifts: ``drift@step:STEP:RANK`` changes one element of one parameter on RANK after the update of
+STEP (before that step's check): the first element of the last parameter this rank holds a part of, by a relative
+2**-7 (plus 2**-20, so that a zero changes too), as silent corruption would.
+
+A spec that does not parse, or names a kind or point that does not exist, is a one-line error on every rank.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -23,20 +30,52 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import torch
+
+from ddptrain.errors import ConfigError
 from ddptrain.runtime.hooks import StepHooks
+
+log = logging.getLogger("ddptrain")
+
+
+# kind -> the points it can strike at
+POINTS = {"kill": ("step", "save"), "hang": ("step", "save", "data", "forward"), "mismatch": ("step", "save"),
+          "nan": ("step",), "overflow": ("step",), "drift": ("step",), "delay": ("data", "forward")}
 
 
 def step_hooks(rank: int) -> StepHooks:
-    """This rank's hooks: the fault ``DDPTRAIN_FAULT`` names in a run's first attempt, else none."""
+    """This rank's hooks: the fault ``DDPTRAIN_FAULT`` names in a run's first attempt, else none. A spec that does
+    not parse is a ``ConfigError`` on every rank, the targeted one or not."""
     spec = os.environ.get("DDPTRAIN_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec:
         return StepHooks()
-    kind, _, where = spec.partition("@")
-    point, step, *rest = where.split(":")
-    target = int(rest[0]) if rest else 0
-    if target != rank:
+    fault, target = parse_fault(spec)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or target != rank:
         return StepHooks()
-    return Fault(kind, point, int(step), float(rest[1]) if len(rest) > 1 else 200.0)
+    return fault
+
+
+def parse_fault(spec: str) -> tuple[Fault, int]:
+    """``KIND@POINT:STEP[:RANK[:MS]]`` -> the fault and the rank it strikes."""
+    kind, at, where = spec.partition("@")
+    point, _, numbers = where.partition(":")
+    expected = f"expected KIND@POINT:STEP[:RANK], KIND one of {', '.join(POINTS)}"
+    if kind not in POINTS:
+        raise ConfigError(f"DDPTRAIN_FAULT={spec}: unknown fault kind {kind!r}; {expected}")
+    if not at or point not in POINTS[kind]:
+        raise ConfigError(f"DDPTRAIN_FAULT={spec}: a {kind} fault strikes at {' or '.join(POINTS[kind])}; {expected}")
+    fields = numbers.split(":") if numbers else []
+    limit = 3 if kind == "delay" else 2  # STEP, RANK and a delay's MS
+    try:
+        step, rank = int(fields[0]), int(fields[1]) if len(fields) > 1 else 0
+        delay_ms = float(fields[2]) if len(fields) > 2 else 200.0
+    except (IndexError, ValueError):
+        step = rank = -1
+        delay_ms = 0.0
+    if len(fields) > limit or step < 0 or rank < 0 or delay_ms < 0:
+        raise ConfigError(f"DDPTRAIN_FAULT={spec}: expected a step, a rank{' and milliseconds' if limit == 3 else ''}"
+                          f" after {kind}@{point} (non-negative numbers); {expected}")
+    return Fault(kind, point, step, delay_ms), rank
 
 
 @dataclass(frozen=True)
@@ -63,6 +102,10 @@ class Fault(StepHooks):
     def overflows_gradients(self, step: int) -> bool:
         return self.kind == "overflow" and step == self.step
 
+    def update_done(self, step: int, model: torch.nn.Module) -> None:
+        if self.kind == "drift" and step == self.step:
+            _nudge_one_element(model, step)
+
     def step_ended(self, step: int) -> None:
         self._strike("step", step)
 
@@ -82,6 +125,17 @@ class Fault(StepHooks):
             import torch.distributed as dist
 
             dist.all_reduce(torch.zeros(3))
+
+
+def _nudge_one_element(model: torch.nn.Module, step: int) -> None:
+    """Change the first element of the last parameter this rank holds a part of (an FSDP2 shard's local part)."""
+    from torch.distributed.tensor import DTensor
+
+    held = [(name, p.to_local() if isinstance(p, DTensor) else p) for name, p in model.named_parameters()]
+    name, tensor = [(n, t) for n, t in held if t.numel() > 0][-1]
+    with torch.no_grad():
+        tensor.detach().view(-1)[:1].mul_(1 + 2**-7).add_(2**-20)
+    log.warning("fault injection: changed %s (its first element held here) after step %d", name, step)
 
 
 def _hang() -> None:

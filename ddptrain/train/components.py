@@ -44,6 +44,7 @@ from ddptrain.telemetry.metrics import StepMetrics
 from ddptrain.telemetry.stragglers import StragglerMonitor
 from ddptrain.testing.faults import step_hooks
 from ddptrain.train.control import NonFiniteSteps, StopRequest
+from ddptrain.train.drift import DriftCheck
 from ddptrain.train.loss_scale import LossScaler
 from ddptrain.train.tokens import MicroBatch
 from ddptrain.train.weighting import Weighting, weighting_for
@@ -84,6 +85,7 @@ class Trainer:
     stop: StopRequest
     scaler: LossScaler | None  # train.precision=fp16 only
     nonfinite: NonFiniteSteps  # each step's non-finite verdict, on the device until the next check
+    drift: DriftCheck  # the replicas' fingerprints at each check, and train.drift_policy
     precision: Precision  # train.precision resolved for this run's device (auto: bf16, fp16 or fp32)
     hooks: StepHooks  # what acts at a step's start and end and in its loss: nothing, unless a test injects a fault
 
@@ -94,6 +96,7 @@ class Trainer:
 def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any]
                   ) -> Trainer:
     """Build every part of the run on this rank, in the order that keeps runs reproducible and resumable."""
+    hooks = step_hooks(env.rank)  # first: a DDPTRAIN_FAULT it cannot read fails before anything is built
     shape = BatchShape.from_config(cfg, env.world_size)
     topology = gather_topology(env)
     log.info("run dir %s | %d ranks on %s | %s | %s", run_dir, env.world_size, device.type, topology.describe(),
@@ -142,7 +145,6 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
     else:
         batches = MicroBatches(data.train, shape, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
                                device, data.collate)
-    hooks = step_hooks(env.rank)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer, hooks)
     checkpointer.check_room(model)
     scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if precision == Precision.fp16 else None
@@ -150,6 +152,9 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
              "run": RunShape(shape, cfg.parallel.zero_stage)}
     checkpoints = CheckpointManager(checkpointer, model, optimizer, parts, cfg.checkpoint.every_n_steps)
     start = checkpoints.resume(resume_target(cfg.train.resume))
+    drift = DriftCheck(model, cfg.train.drift_policy, start)
+    if env.world_size > 1:
+        log.info(drift.describe())
     val = eval_batches(data.val, shape.micro_batch_size, shape.dp, env.rank, cfg.train.eval_batches, data.collate)
     # A pretrained model's shape is not in model.*: 2N forward + 2N input gradients + 2 per trainable weight, and
     # attention (no weights: the same frozen or not) from its own config.
@@ -182,8 +187,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
         metrics=metrics, sinks=sinks, probe=probe,
         stragglers=StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows, cfg.metrics.straggler_pct),
         stop=StopRequest(cfg.launch.stop_grace_s), scaler=scaler,
-        nonfinite=NonFiniteSteps(device, cfg.train.check_every, fp16=scaler is not None), precision=precision,
-        hooks=hooks,
+        nonfinite=NonFiniteSteps(device, cfg.train.check_every, fp16=scaler is not None), drift=drift,
+        precision=precision, hooks=hooks,
     )
 
 

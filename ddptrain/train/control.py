@@ -98,8 +98,9 @@ class NonFiniteSteps:
     """The non-finite steps since the last check, kept on the device so that a step need not read them back.
 
     Each step is recorded in its own slot (``(step - 1) % check_every``: a check comes at least every
-    ``check_every`` steps), as its step number where it was non-finite, else 0. A slot per step, not a count,
-    because the ranks agree with a MAX: per slot that is "some rank saw it", which a count cannot say.
+    ``check_every`` steps), as its step number where it was non-finite, else 0 (int64, as the whole agreement).
+    A slot per step, not a count, because the ranks agree with a MAX: per slot that is "some rank saw it", which a
+    count cannot say.
 
     Two verdicts per step. ``gradients``: ``not isfinite(grad_norm)``, the same on every rank already, since the
     synced gradients carry every rank's non-finite loss (``guard_loss``) and FSDP2's norm is reduced over all
@@ -111,15 +112,15 @@ class NonFiniteSteps:
     def __init__(self, device: torch.device, check_every: int, fp16: bool) -> None:
         self.check_every = check_every
         self.fp16 = fp16
-        self.gradients = torch.zeros(check_every, dtype=torch.float64, device=device)
-        self.events = torch.zeros(check_every, dtype=torch.float64, device=device) if fp16 else self.gradients
+        self.gradients = torch.zeros(check_every, dtype=torch.int64, device=device)
+        self.events = torch.zeros(check_every, dtype=torch.int64, device=device) if fp16 else self.gradients
 
     def record(self, step: int, nonfinite_gradients: torch.Tensor, loss: torch.Tensor) -> None:
         """Step ``step``'s verdicts: its gradients' (alike on every rank) and, in fp16, this rank's ``loss``."""
         slot = (step - 1) % self.check_every
-        self.gradients[slot] = torch.where(nonfinite_gradients, float(step), 0.0)
+        self.gradients[slot] = torch.where(nonfinite_gradients, step, 0)
         if self.fp16:
-            self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))
+            self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0, step)
 
     def reset(self) -> None:
         self.gradients.zero_()
@@ -133,21 +134,25 @@ class Agreed:
     stop: int  # the signal that asks some rank to stop; 0: none
     events: list[int]  # the steps train.nan_policy acts on since the last check (updates skipped on every rank)
     overflows: int  # fp16: steps whose gradients overflowed from a finite loss (the scaler's back-offs)
+    fingerprints: list[int]  # the replicas' fingerprint words, reduced (train/drift.py); empty when none rode along
 
 
-def agree(signum: int, nonfinite: NonFiniteSteps) -> Agreed:
-    """A check step: the signal that asks some rank to stop, and the non-finite steps since the last check.
+def agree(signum: int, nonfinite: NonFiniteSteps, fingerprints: torch.Tensor | None = None) -> Agreed:
+    """A check step: the signal that asks some rank to stop, the non-finite steps since the last check, and, when
+    given, the replicas' fingerprint words (int64, laid out for a MAX by ``train/drift.py``).
 
     Every rank learns the signal, also those the launcher did not signal, so all exit 128 + that signal.
-    One small all-reduce and one host read (a sync point), once per check rather than once per step.
+    One small all-reduce and one host read (a sync point), once per check rather than once per step. Integers
+    throughout: step numbers, and fingerprint words that a float could not hold exactly.
     """
-    stop = torch.tensor([float(signum)], dtype=torch.float64, device=nonfinite.gradients.device)
+    stop = torch.tensor([signum], dtype=torch.int64, device=nonfinite.gradients.device)
     parts = [stop, nonfinite.gradients, *([nonfinite.events] if nonfinite.fp16 else [])]
-    flags = torch.cat(parts)
+    flags = torch.cat([*parts, *([fingerprints] if fingerprints is not None else [])])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.tolist()  # sync point: the host learns the agreed flags here
     nonfinite.reset()
     n = nonfinite.check_every
-    gradients = {int(s) for s in values[1:1 + n] if s > 0}
-    events = {int(s) for s in values[1 + n:] if s > 0} if nonfinite.fp16 else gradients
-    return Agreed(int(values[0]), sorted(events), len(gradients - events))
+    ours = 1 + n * (2 if nonfinite.fp16 else 1)
+    gradients = {s for s in values[1:1 + n] if s > 0}
+    events = {s for s in values[1 + n:ours] if s > 0} if nonfinite.fp16 else gradients
+    return Agreed(values[0], sorted(events), len(gradients - events), values[ours:])

@@ -75,7 +75,9 @@ class StepObserver:
         self.first.after_backward(step)
 
     def after_update(self, step: int) -> None:
+        """After the update, before a check step's agreement: what the hooks do to the parameters lands before it."""
         self.peak.end(step)
+        self.hooks.update_done(step, self.t.model)
 
     def after_step(self, step: int, log_step: bool) -> None:
         """After the update and the learning rate's step, before the checkpoint: the step's timing and sync sample,

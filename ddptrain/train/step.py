@@ -47,7 +47,8 @@ class Stepped:
 def train_step(t: Trainer, watch: StepObserver, step: int, check: bool) -> Stepped:
     """Step ``step``: accumulate the gradients, clip them and update, skipped on the device (alike on every rank)
     when they are non-finite; then the learning rate's step. ``check``: also agree with the other ranks on the
-    non-finite steps since the last check and on a stop request (the one sync point the caller asks for).
+    non-finite steps since the last check and on a stop request (the one sync point the caller asks for), and
+    compare the replicas' parameters (``train/drift.py``).
 
     A skipped step also drops the compression hook's error feedback on every rank: what top-k or PowerSGD kept
     from a non-finite gradient would otherwise make every later step non-finite too."""
@@ -69,8 +70,10 @@ def train_step(t: Trainer, watch: StepObserver, step: int, check: bool) -> Stepp
         watch.after_update(step)
         stop = skipped = 0
         if check:
-            # sync point: one small all-reduce and host read per check, never on the other steps
-            agreed = agree(t.stop.signum, t.nonfinite)
+            # sync point: one small all-reduce and host read per check, never on the other steps; the replicas'
+            # fingerprints ride on it (device work only until that read)
+            agreed = agree(t.stop.signum, t.nonfinite, t.drift.words(t.device))
+            t.drift.settle(agreed.fingerprints, step)  # more collectives only when replicas differ
             stop = agreed.stop
             if t.scaler is not None:
                 t.scaler.count_backoffs(agreed.overflows)

@@ -37,14 +37,16 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
 
 
 def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
-                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = True) -> list[dict[str, Any]]:
+                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = True,
+                   ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
     ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
     when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl.
 
     Each run compiles afresh: dynamo's caches of an earlier run in this process would otherwise decide how a later
     run compiles. ``trace_peak=False`` leaves out the summary's traced memory plan (about 2 s per run on a loaded
-    machine), for tests that train many runs and check something else."""
+    machine), for tests that train many runs and check something else. ``ranks_per_node``: lay the ranks out as
+    nodes of that many (HSDP's mesh), node by node; default one node of all."""
     import os
 
     from ddptrain.errors import RunEnded
@@ -54,7 +56,9 @@ def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
     if not trace_peak:
         loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
 
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    per_node = ranks_per_node or world_size
+    env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world_size, local_world_size=per_node,
+                  node_rank=rank // per_node)
     results = []
     for name, overrides, fault in variants:
         run_dir = Path(tmp) / name
