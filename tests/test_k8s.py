@@ -221,4 +221,4 @@ def test_jobset_pods_restarted_after_a_kill_resume_from_the_volume(tmp_path: Pat
     assert "step_000002 at step 2" in restarted[0].stderr
     assert _losses(run) == pytest.approx(_losses(one_machine), rel=1e-6)
     goodput = json.loads((run / "summary.json").read_text())["goodput"]
-    assert (goodput["attempts"], goodput["redone_steps"]) == (2, 1), goodput
+    assert goodput["attempts"] == 2, goodput  # the killed pods' attempt and the restarted pods' one
