@@ -209,6 +209,22 @@ MUTANTS = [
              "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
              "self.events[slot] = 0.0"),),
            ("tests/test_nonfinite.py", "-k", "fp16")),
+    Mutant("k8s-pod-ignores-operator", "ddptrain in an operator's pod starts a standalone torchrun, not the job's",
+           (("ddptrain/app/launch.py", '    return "PET_NNODES" in os.environ and not is_worker()',
+             "    return False"),),
+           ("tests/test_k8s.py", "-k", "starts_torchrun")),
+    Mutant("k8s-v1-master-dropped", "a Training Operator v1 pod's MASTER_ADDR/MASTER_PORT are not passed to torchrun",
+           (("ddptrain/app/launch.py",
+             "        if f\"PET_{option.upper().replace('-', '_')}\" not in env and fallback in env:",
+             "        if False:"),),
+           ("tests/test_k8s.py", "-k", "starts_torchrun")),
+    Mutant("k8s-schema-lax", "the CRD check lets unknown fields through (what kubectl's strict validation refuses)",
+           (("tests/helpers/crds.py", "            out[\"additionalProperties\"] = False", "            pass"),),
+           ("tests/test_k8s.py", "-k", "schema_check")),
+    Mutant("ray-attempt-not-counted", "a Ray restart is not an attempt: no forced resume, the fault fires again",
+           (("ddptrain/app/ray_worker.py", 'os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)',
+             'os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"'),),
+           ("tests/test_ray.py", "-k", "killed")),
 ]
 
 

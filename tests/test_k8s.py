@@ -26,7 +26,8 @@ BIN = Path(sys.executable).parent
 IMAGE = "ghcr.io/example/ddptrain:1"
 VARIANTS = {  # flags beyond the kind: GPU nodes with InfiniBand and W&B, CPU pods, one node
     "gpu-ib-wandb": ["--nodes", "2", "--gpus-per-node", "8", "--ib", "rdma/ib", "--ib-hca", "mlx5",
-                     "--wandb-secret", "wandb:api-key", "--env", "NCCL_SOCKET_IFNAME=eth0", "data.global_batch_size=256"],
+                     "--wandb-secret", "wandb:api-key", "--env", "NCCL_SOCKET_IFNAME=eth0",
+                     "data.global_batch_size=256"],
     "cpu": ["--nodes", "3", "--gpus-per-node", "0", "launch.nproc_per_node=2", "data.global_batch_size=48",
             "--namespace", "research", "--name", "tiny-run"],
     "one-node": ["--nodes", "1", "--gpus-per-node", "4", "hydra.run.dir=/mnt/ddptrain/runs/mine"],

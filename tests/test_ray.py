@@ -46,7 +46,7 @@ def test_the_ray_backend_is_ddptrains_own_choice_of_process_group() -> None:
 
     assert (backend(gpu=False), backend(gpu=True)) == ("gloo", "nccl")
     assert backend("parallel=fsdp_offload", gpu=True) == "cuda:nccl,cpu:gloo"
-    with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA devices"):
+    with pytest.raises(ConfigError, match=r"dist\.backend=nccl needs CUDA devices"):
         backend("dist.backend=nccl", gpu=False)
 
 
@@ -80,7 +80,9 @@ def test_ray_workers_train_as_torchruns_with_the_same_summary_and_wandb_metrics(
     run = tmp_path / "run"
     assert _losses(run) == pytest.approx(_losses(torchrun_reference), rel=1e-6)
     got, expected = (json.loads((r / "summary.json").read_text()) for r in (run, torchrun_reference))
-    assert {k: got[k] for k in SAME} == pytest.approx({k: expected[k] for k in SAME}, rel=1e-6)
+    assert got["wrapper"] == expected["wrapper"]
+    assert {k: got[k] for k in SAME if k != "wrapper"} == pytest.approx(
+        {k: expected[k] for k in SAME if k != "wrapper"}, rel=1e-6)
     assert got["world_size"] == 2 and got.keys() == expected.keys()
     ray_history, torchrun_history = _wandb_history(run), _wandb_history(torchrun_reference)
     assert [h["_step"] for h in ray_history] == [h["_step"] for h in torchrun_history] == [1, 2, 3, 4]
