@@ -71,7 +71,7 @@ def run_cli(argv: list[str]) -> int:
         if not launch.is_worker() and run.typed.launch.backend == Launcher.ray:
             from ddptrain.app.ray_launch import launch_ray
 
-            return launch_ray(run, source.argv())
+            return launch_ray(run, source)
         if not launch.is_worker() and (run.typed.launch.nproc_per_node > 1 or launch.operator_pod()):
             return launch.launch_workers(run, source.argv())
         launch.run_worker(run)

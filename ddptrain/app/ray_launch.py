@@ -18,7 +18,7 @@ from typing import Any
 
 from ddptrain.app.preflight import validate_config
 from ddptrain.app.ray_worker import ENDED, EXIT_CODE, Attempts, train_worker
-from ddptrain.config.compose import Run
+from ddptrain.config.compose import Run, Source
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError, RunEnded, say
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
@@ -65,7 +65,7 @@ def worker_environment(cfg: Config) -> dict[str, str]:
     return env
 
 
-def launch_ray(run: Run, argv: list[str]) -> int:
+def launch_ray(run: Run, source: Source) -> int:
     """Train through Ray Train; the exit code of the run (one line on failure, as under torchrun)."""
     ray = import_ray()
     typed = run.typed
@@ -89,7 +89,7 @@ def launch_ray(run: Run, argv: list[str]) -> int:
         use_gpu = typed.launch.ray_use_gpu
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        return fit(ray, typed, workers, use_gpu, run_dir, {"argv": argv, "run_dir": str(run_dir),
+        return fit(ray, typed, workers, use_gpu, run_dir, {"source": source, "run_dir": str(run_dir),
                                                          "cwd": os.getcwd(), "launch_start": start})
     finally:
         ray.shutdown()

@@ -37,14 +37,14 @@ class Attempts:
 
 def train_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker function: train this rank, then report the run's summary (and its last checkpoint)
-    to Ray. ``config``: ``argv`` (the source's arguments), ``run_dir``, ``cwd``, ``launch_start``, ``attempts``."""
+    to Ray. ``config``: ``source`` (the config's source, as composed by the driver), ``run_dir``, ``cwd``,
+    ``launch_start``, ``attempts``."""
     import ray
     import ray.train
     from ray.train.torch import get_device
 
-    from ddptrain.app.cli import parse_args, source_of
     from ddptrain.app.launch import run_worker
-    from ddptrain.config.compose import compose_config, typed_config
+    from ddptrain.config.compose import Source, compose_config, typed_config
     from ddptrain.errors import RunEnded
     from ddptrain.telemetry.goodput import LAUNCH_START_ENV
 
@@ -56,10 +56,11 @@ def train_worker(config: dict[str, Any]) -> None:
     os.environ[LAUNCH_START_ENV] = config["launch_start"]
     if Path(config["cwd"]).is_dir():  # relative paths in the overrides mean what they meant to the driver
         os.chdir(config["cwd"])
-    args = parse_args(list(config["argv"]))
-    if attempt == 0 and ray.train.get_checkpoint() is not None and not _names_resume(args.overrides):
-        args.overrides.append("train.resume=auto")  # Ray restored this run (same storage path and name)
-    run = typed_config(compose_config(source_of(args)))
+    source: Source = config["source"]
+    overrides = list(source.overrides)
+    if attempt == 0 and ray.train.get_checkpoint() is not None and not _names_resume(overrides):
+        overrides.append("train.resume=auto")  # Ray restored this run (same storage path and name)
+    run = typed_config(compose_config(Source(source.user_dir, source.name, overrides)))
     try:
         summary = run_worker(run, device=get_device())
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # ddptrain's log said it: no report record
