@@ -63,12 +63,20 @@ def train_worker(config: dict[str, Any]) -> None:
     run = typed_config(compose_config(Source(source.user_dir, source.name, overrides)))
     try:
         summary = run_worker(run, device=get_device())
-        logging.getLogger("ray.train").setLevel(logging.WARNING)  # ddptrain's log said it: no report record
+        quiet_ray_loggers()  # ddptrain's log has said it all: no record of the report below
     except RunEnded as exc:  # every rank ends alike (a stop, an aborted non-finite step): not a failure to retry
         ray.train.report({ENDED: str(exc), EXIT_CODE: exc.exit_code})
         return
     ray.train.report(_scalars(summary), **_last_checkpoint(Path(config["run_dir"]), run.typed.checkpoint.dir,
                                                             context.get_world_rank()))
+
+
+def quiet_ray_loggers() -> None:
+    """Ray's loggers in this process at WARNING: Ray Train sets its own levels on them, and ddptrain's log handler
+    (on the root logger) would print their INFO records."""
+    for name in list(logging.root.manager.loggerDict):
+        if name == "ray" or name.startswith("ray."):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _names_resume(overrides: list[str]) -> bool:
