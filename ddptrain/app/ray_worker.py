@@ -73,9 +73,9 @@ def train_worker(config: dict[str, Any]) -> None:
 
 def quiet_ray_loggers() -> None:
     """Ray's loggers in this process at WARNING: Ray Train sets its own levels on them, and ddptrain's log handler
-    (on the root logger) would print their INFO records."""
+    (on the root logger) would print their INFO records. Some are named by module, some by file path."""
     for name in list(logging.root.manager.loggerDict):
-        if name == "ray" or name.startswith("ray."):
+        if name == "ray" or name.startswith("ray.") or f"{os.sep}ray{os.sep}" in name:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
