@@ -64,6 +64,7 @@ def _wandb_history(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("ray.train.torch", reason="the extra ddptrain[ray] (Ray Train) is not installed")
     tmp = tmp_path_factory.mktemp("torchrun")
     done = run_cli([*RUN, "launch.nproc_per_node=2", f"hydra.run.dir={tmp / 'run'}"], cwd=tmp, cache=tmp / "cache")
     assert done.returncode == 0, done.stderr[-3000:]
