@@ -229,6 +229,22 @@ MUTANTS = [
            (("ddptrain/train/drift.py", "replica = self.combined([tensor for _, tensor in",
              "replica = self.combined([tensor.cpu() for _, tensor in"),),
            ("tests/test_hot_path.py", "-k", "check_and_logging")),
+    Mutant("k8s-pod-ignores-operator", "ddptrain in an operator's pod starts a standalone torchrun, not the job's",
+           (("ddptrain/app/launch.py", '    return "PET_NNODES" in os.environ and not is_worker()',
+             "    return False"),),
+           ("tests/test_k8s.py", "-k", "starts_torchrun")),
+    Mutant("k8s-v1-master-dropped", "a Training Operator v1 pod's MASTER_ADDR/MASTER_PORT are not passed to torchrun",
+           (("ddptrain/app/launch.py",
+             "        if f\"PET_{option.upper().replace('-', '_')}\" not in env and fallback in env:",
+             "        if False:"),),
+           ("tests/test_k8s.py", "-k", "starts_torchrun")),
+    Mutant("k8s-schema-lax", "the CRD check lets unknown fields through (what kubectl's strict validation refuses)",
+           (("tests/helpers/crds.py", "            out[\"additionalProperties\"] = False", "            pass"),),
+           ("tests/test_k8s.py", "-k", "schema_check")),
+    Mutant("ray-attempt-not-counted", "a Ray restart is not an attempt: no forced resume, the fault fires again",
+           (("ddptrain/app/ray_worker.py", 'os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)',
+             'os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"'),),
+           ("tests/test_ray.py", "-k", "killed")),
 ]
 
 

@@ -140,7 +140,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
 
     seen: list[bool] = []
 
-    def joining(_: object, cpu_collectives: bool = False) -> None:
+    def joining(_: object, cpu_collectives: bool = False, device: object = None) -> None:
         seen.append(cpu_collectives)
         raise Joined
 

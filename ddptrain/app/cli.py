@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ddptrain.config.choices import Launcher
 from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
 from ddptrain.errors import ConfigError, ResourceError, RunEnded, say
 
@@ -67,9 +68,14 @@ def run_cli(argv: list[str]) -> int:
         run = typed_config(cfg)
         if run.typed.launch.dry_run:
             return launch.dry_run(run)
-        if not launch.is_worker() and run.typed.launch.nproc_per_node > 1:
+        if not launch.is_worker() and run.typed.launch.backend == Launcher.ray:
+            from ddptrain.app.ray_launch import launch_ray
+
+            return launch_ray(run, source)
+        if not launch.is_worker() and (run.typed.launch.nproc_per_node > 1 or launch.operator_pod()):
             return launch.launch_workers(run, source.argv())
-        return launch.run_worker(run)
+        launch.run_worker(run)
+        return 0
     except RunEnded as exc:
         say(f"ddptrain: {exc}")
         return exc.exit_code

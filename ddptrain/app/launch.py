@@ -66,8 +66,50 @@ def write_plan_json(run: Run, record: dict) -> None:
     (run_dir / "plan.json").write_text(json.dumps(record, indent=1))
 
 
+def operator_pod() -> bool:
+    """True in a pod of a Kubernetes training operator that tells torchrun where the pod sits in the job
+    (``PET_NNODES``: Kubeflow Trainer v2's torch-distributed runtime, Training Operator v1, or a JobSet manifest from
+    ``ddptrain-k8s``)."""
+    return "PET_NNODES" in os.environ and not is_worker()
+
+
+def torchrun_options(nproc_per_node: int, max_restarts: int) -> tuple[list[str], int, int]:
+    """torchrun's options for this machine, the job's world size and this node's process count (for the checks
+    made before any worker starts).
+
+    Alone: ``--standalone`` with ``launch.nproc_per_node`` workers. In an operator's pod: no option for what the
+    operator set, since torchrun reads ``PET_<OPTION>`` as the default of each option (its documented contract
+    with these operators); Training Operator v1 sets ``MASTER_ADDR``/``MASTER_PORT`` rather than
+    ``PET_MASTER_ADDR``/``PET_MASTER_PORT``, so those are passed on. The operator's process count wins over
+    ``launch.nproc_per_node``.
+    """
+    if not operator_pod():
+        options = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
+        return options, nproc_per_node, nproc_per_node
+    from torch.distributed.run import determine_local_world_size
+
+    env = os.environ
+    options = []
+    for option, fallback in (("master-addr", "MASTER_ADDR"), ("master-port", "MASTER_PORT")):
+        if f"PET_{option.upper().replace('-', '_')}" not in env and fallback in env:
+            options.append(f"--{option}={env[fallback]}")
+    if "PET_NPROC_PER_NODE" not in env:
+        options.append(f"--nproc-per-node={nproc_per_node}")
+    if "PET_MAX_RESTARTS" not in env:
+        options.append(f"--max-restarts={max_restarts}")
+    nnodes = env["PET_NNODES"].split(":")[-1]  # an elastic job's MIN:MAX: checked at its largest
+    try:  # auto, gpu, cpu or a number, as torchrun resolves it
+        local = determine_local_world_size(env.get("PET_NPROC_PER_NODE", str(nproc_per_node)))
+        world_size = int(nnodes) * local
+    except ValueError as exc:
+        raise ConfigError(f"PET_NNODES={env['PET_NNODES']}, PET_NPROC_PER_NODE={env.get('PET_NPROC_PER_NODE')}: "
+                          "expected numbers of nodes and processes per node (set by the training operator)") from exc
+    return options, world_size, local
+
+
 def launch_workers(run: Run, argv: list[str]) -> int:
-    """``launch.nproc_per_node`` workers on this machine through torch.distributed.run (torchrun's own code).
+    """``launch.nproc_per_node`` workers on this machine through torch.distributed.run (torchrun's own code); in a
+    training operator's pod, this node's share of the job, where the operator's ``PET_*`` variables say.
 
     The run directory is fixed here, once, so every worker and every restart writes to the same place.
     """
@@ -79,25 +121,23 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from ddptrain.diagnose.verdict import Failure, verdict
 
     typed = run.typed
-    validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
+    options, world_size, local = torchrun_options(typed.launch.nproc_per_node, typed.launch.max_restarts)
+    validate_config(typed, world_size)  # fail here once, not in every worker
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
-    threads = max(1, (os.cpu_count() or 1) // typed.launch.nproc_per_node)
+    threads = max(1, (os.cpu_count() or 1) // local)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
     if typed.launch.max_restarts > 0:
         # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={typed.launch.nproc_per_node}",
-         f"--max-restarts={typed.launch.max_restarts}", "-m", "ddptrain", *argv]
-    )
+    args = get_args_parser().parse_args([*options, "-m", "ddptrain", *argv])
     try:
         elastic_run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         failures = [Failure(r, f.exitcode, f.signal_name() if f.exitcode < 0 else None)
                     for r, f in sorted(exc.failures.items(), key=lambda item: item[1].timestamp)]
-        found = verdict(Path(os.environ["DDPTRAIN_RUN_DIR"]), failures, typed.launch.nproc_per_node,
+        found = verdict(Path(os.environ["DDPTRAIN_RUN_DIR"]), failures, world_size,
                         typed.dist.timeout_s, socket.gethostname())
         if found is not None:  # the job's last line: who hung or died, and where (evidence in <run dir>/hang/)
             print(f"ddptrain: error: {found}", file=sys.stderr)
@@ -111,15 +151,16 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     return 0
 
 
-def run_worker(run: Run) -> int:
-    """Train as one rank of the job (a job of one when nothing launched us)."""
+def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
+    """Train as one rank of the job (a job of one when nothing launched us); returns the run's summary.
+    ``device``: the one a launcher assigned (Ray Train), else ``cuda:LOCAL_RANK`` or the CPU."""
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     typed, resolved = run.typed, run.resolved
     validate_config(typed, env.world_size)
     from ddptrain.train import train
 
-    with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload) as (env, device):
+    with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:
             typed, resolved = agreed_micro_batch(run, env, device)
         run_dir = shared_run_dir(run.cfg.hydra.run.dir)
@@ -130,12 +171,12 @@ def run_worker(run: Run) -> int:
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         try:
-            train(typed, env, device, run_dir, resolved)
+            summary = train(typed, env, device, run_dir, resolved)
         except RuntimeError as exc:  # torch.distributed's errors (DistError) are RuntimeErrors
             if (record := evidence.lost_peer(exc)) is None:
                 raise
             raise PeerLost(lost_peer_line(record, typed.dist.timeout_s, run_dir)) from exc
-    return 0
+    return summary
 
 
 def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Config, dict[str, Any]]:

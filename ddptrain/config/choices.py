@@ -138,6 +138,11 @@ class Backend(StrEnum):
     gloo = "gloo"
 
 
+class Launcher(StrEnum):
+    torchrun = "torchrun"  # torch.distributed.run: launch.nproc_per_node workers here, or a Kubernetes pod's share
+    ray = "ray"  # Ray Train's TorchTrainer on a Ray cluster: launch.ray_workers workers, one per rank
+
+
 class DebugLevel(StrEnum):
     off = "off"
     info = "info"

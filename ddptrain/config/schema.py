@@ -28,6 +28,7 @@ from ddptrain.config.choices import (
     Engine,
     Interconnect,
     Kernels,
+    Launcher,
     NanPolicy,
     OptimImpl,
     Precision,
@@ -321,10 +322,16 @@ class LaunchConfig:
     max_restarts: int = 0
     dry_run: bool = False  # print the plan (batch, memory, communication) and exit without training
     stop_grace_s: float = 25.0  # after SIGTERM, a rank that cannot reach a step boundary exits after this long
+    backend: Launcher = Launcher.torchrun  # ray: Ray Train's TorchTrainer (the extra ddptrain[ray])
+    ray_address: str | None = None  # a Ray cluster's address; None: $RAY_ADDRESS, else a Ray instance started here
+    ray_workers: int | None = None  # Ray workers, one per rank, over the cluster; None: launch.nproc_per_node
+    ray_use_gpu: bool | None = None  # one GPU per Ray worker; None: when the cluster has GPUs
 
     def __post_init__(self) -> None:
         _require(self.nproc_per_node >= 1 and self.max_restarts >= 0,
                  "launch.nproc_per_node must be >= 1 and launch.max_restarts >= 0")
+        _require(self.ray_workers is None or self.ray_workers >= 1,
+                 f"launch.ray_workers={self.ray_workers}: expected a positive number of workers (or null)")
         _require(self.stop_grace_s > 0,
                  f"launch.stop_grace_s={self.stop_grace_s}: expected a positive number of seconds")
 

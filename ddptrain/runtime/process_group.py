@@ -108,7 +108,7 @@ def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_
     )
 
 
-def teardown(clean: bool) -> None:
+def teardown(clean: bool, destroy: bool = True) -> None:
     """Leave the process group, meeting the other ranks first (without it gloo sometimes aborts at exit with
     "terminate called without an active exception").
 
@@ -124,7 +124,8 @@ def teardown(clean: bool) -> None:
             dist.monitored_barrier(timeout=timedelta(seconds=10))
     except RuntimeError as exc:
         log.warning("ranks did not meet before exit: %s", flat(str(exc), 200))
-    dist.destroy_process_group()
+    if destroy:  # a group a launcher created (Ray Train) is its launcher's to destroy
+        dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:
@@ -267,17 +268,26 @@ def apply_debug_level(debug: str) -> None:
 
 
 @contextmanager
-def distributed(cfg: DistConfig, cpu_collectives: bool = False) -> Iterator[tuple[DistEnv, torch.device]]:
+def distributed(cfg: DistConfig, cpu_collectives: bool = False,
+                device: torch.device | None = None) -> Iterator[tuple[DistEnv, torch.device]]:
     """The process group for the duration of a run (``cpu_collectives``: CPU tensors too, on CUDA); always torn
-    down, errors included."""
-    apply_debug_level(cfg.debug)
-    enable_flight_recorder(cfg.flight_recorder)
+    down, errors included.
+
+    A launcher that creates the group itself (Ray Train's TorchTrainer: its backend, its timeout) hands over a
+    process already in it, with ``device`` the one it assigned: the run joins that group, meets the other ranks at
+    the end, and leaves destroying it to its owner. torch's debug level and flight recorder act on groups created
+    after they are set, so such a launcher sets their variables before it creates the group."""
+    joined = dist.is_initialized()
+    if not joined:
+        apply_debug_level(cfg.debug)
+        enable_flight_recorder(cfg.flight_recorder)
     env = DistEnv.from_environ()
-    device = pick_device(env)
-    init_process_group(cfg, env, device, cpu_collectives)
+    device = device or pick_device(env)
+    if not joined:
+        init_process_group(cfg, env, device, cpu_collectives)
     clean = False
     try:
         yield env, device
         clean = True
     finally:
-        teardown(clean)
+        teardown(clean, destroy=not joined)

@@ -195,7 +195,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
 def resume_target(configured: str | None) -> str | None:
     """``train.resume``, except that a worker restarted by the elastic agent always continues (auto)."""
     if configured is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        log.warning("restarted by the elastic agent: resuming from the latest checkpoint (train.resume=auto)")
+        log.warning("restarted by the elastic agent (or Ray Train): resuming from the latest checkpoint "
+                    "(train.resume=auto)")
         return "auto"
     return configured
 

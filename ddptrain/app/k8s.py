@@ -1,0 +1,179 @@
+"""``ddptrain-k8s``: print the Kubernetes manifest of a run, for ``kubectl apply -f -``.
+
+The overrides are composed and checked as ``ddptrain`` would (keys, types, the batch over the job's world size)
+before anything is printed; what cannot work on a cluster is refused in one line. It imports no torch: printing a
+manifest takes a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import posixpath
+import re
+import sys
+
+from ddptrain.app.k8s_manifest import KINDS, JobSpec, manifest
+from ddptrain.errors import ConfigError, say
+
+# Trainer v2 checks the TrainJob's name with this rule (RFC 1035 label); a pod's host name, <name>-node-<i>-<j>,
+# must stay within 63 characters
+NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 40
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+
+EPILOG = """\
+examples:
+  ddptrain-k8s +experiment=gpt2_small --image ghcr.io/me/ddptrain:1 --nodes 2 --gpus-per-node 8 | kubectl apply -f -
+  ddptrain-k8s +experiment=gpt2_small --image IMG --nodes 4 --gpus-per-node 8 --ib rdma/ib --ib-hca mlx5 --kind jobset
+  ddptrain-k8s logger=wandb +experiment=gpt2_small --image IMG --wandb-secret wandb:api-key --kind pytorchjob
+
+Every kind runs `ddptrain train.resume=auto OVERRIDES` in one pod per node; torchrun's agent in each pod reads
+the PET_* variables the operator (or, for a JobSet, the manifest) sets. Checkpoints go to the volume of --claim,
+mounted at --mount, so a restarted pod continues the run.
+"""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="ddptrain-k8s", description="Print the Kubernetes manifest that runs this ddptrain job.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="the run's Hydra overrides, as for ddptrain")
+    parser.add_argument("--image", required=True, help="the container image with ddptrain installed")
+    parser.add_argument("--kind", choices=KINDS, default="trainjob",
+                        help="trainjob: Kubeflow Trainer v2 on the torch-distributed runtime (default); pytorchjob: "
+                             "Training Operator v1; jobset: a JobSet with a headless service")
+    parser.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=1,
+                        help="nvidia.com/gpu per pod and processes per pod (0: CPU pods with "
+                             "launch.nproc_per_node processes)")
+    parser.add_argument("--name", default="ddptrain", help="the job's name; the run dir is named after it")
+    parser.add_argument("--namespace", help="the job's namespace (default: kubectl's)")
+    parser.add_argument("--claim", default="ddptrain-runs",
+                        help="the PersistentVolumeClaim holding run dirs and checkpoints (ReadWriteMany for "
+                             "several nodes)")
+    parser.add_argument("--mount", default="/mnt/ddptrain", help="where the claim is mounted in the pods")
+    parser.add_argument("--shm-size", default="16Gi", help="the memory-backed /dev/shm's size limit")
+    parser.add_argument("--ib", metavar="RESOURCE",
+                        help="the RDMA/InfiniBand device resource to request (e.g. rdma/ib); adds NCCL_IB_* and "
+                             "NCCL_DEBUG=INFO")
+    parser.add_argument("--ib-hca", help="NCCL_IB_HCA, the adapters NCCL may use (with --ib)")
+    parser.add_argument("--wandb-secret", metavar="SECRET[:KEY]",
+                        help="the Secret (and key, default api-key) holding WANDB_API_KEY")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="another variable")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="restarts after a failure (JobSet failurePolicy, PyTorchJob backoffLimit; a TrainJob's "
+                             "come from its runtime)")
+    return parser.parse_args(argv)
+
+
+def job_spec(args: argparse.Namespace) -> JobSpec:
+    """The job's spec from the flags and the composed run; raises ConfigError for what cannot work."""
+    check_flags(args)
+    typed = composed(args.overrides)
+    procs = args.gpus_per_node or typed.launch.nproc_per_node
+    check_batch(typed, args.nodes * procs)
+    run_dir = run_dir_on_volume(args.overrides, args.mount, args.name)
+    env = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env {item}: expected KEY=VALUE")
+        env.append((key, value))
+    secret = None
+    if args.wandb_secret:
+        name, _, key = args.wandb_secret.partition(":")
+        secret = (name, key or "api-key")
+    return JobSpec(name=args.name, image=args.image, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   procs_per_node=procs, args=list(args.overrides), run_dir=run_dir, claim=args.claim,
+                   mount=args.mount, cache_dir=posixpath.join(args.mount, "cache"), shm_size=args.shm_size,
+                   namespace=args.namespace, ib_resource=args.ib, ib_hca=args.ib_hca, wandb_secret=secret, env=env,
+                   max_restarts=args.max_restarts)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    if not args.image.strip():
+        raise ConfigError("--image: empty; expected the container image with ddptrain installed")
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes {args.nodes}: expected at least 1 node")
+    if args.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node {args.gpus_per_node}: expected 0 (CPU pods) or more")
+    if not NAME.match(args.name) or len(args.name) > MAX_NAME:
+        raise ConfigError(f"--name {args.name}: expected lower-case letters, digits and '-', starting with a letter, "
+                          f"at most {MAX_NAME} characters")
+    if not posixpath.isabs(args.mount):
+        raise ConfigError(f"--mount {args.mount}: expected an absolute path in the container")
+    if not QUANTITY.match(args.shm_size):
+        raise ConfigError(f"--shm-size {args.shm_size}: expected a Kubernetes quantity such as 16Gi")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    if args.ib_hca and not args.ib:
+        raise ConfigError("--ib-hca needs --ib RESOURCE (the RDMA device the pods request)")
+
+
+def composed(overrides: list[str]):  # -> Config (the schema's dataclass)
+    """The typed run config, composed as ``ddptrain`` composes it (schema checks included)."""
+    from ddptrain.config.compose import compose_config, typed_config
+
+    typed = typed_config(compose_config(overrides)).typed
+    if typed.launch.backend != "torchrun":
+        raise ConfigError(f"launch.backend={typed.launch.backend}: the pods start their workers with torchrun; run "
+                          "Ray jobs on Kubernetes through KubeRay (docs/multinode.md)")
+    if typed.launch.dry_run:
+        raise ConfigError("launch.dry_run=true: plan on this machine with ddptrain, not in a cluster job")
+    return typed
+
+
+def check_batch(typed, world_size: int) -> None:
+    """The batch must divide over every rank of the job (as the job's first rank would check, minutes later)."""
+    from ddptrain.config.schema import AUTO
+    from ddptrain.data.batch import BatchShape
+
+    if typed.data.micro_batch_size == AUTO:
+        if typed.data.global_batch_size % world_size:
+            raise ConfigError(f"data.global_batch_size={typed.data.global_batch_size} is not divisible by "
+                              f"dp={world_size}: data.micro_batch_size=auto needs a whole number of sequences per rank")
+        return
+    BatchShape.from_config(typed, world_size)
+
+
+def run_dir_on_volume(overrides: list[str], mount: str, name: str) -> str:
+    """The run directory: ``hydra.run.dir`` when the overrides set it (it must be on the volume, or a restarted pod
+    would not find its checkpoints), else ``<mount>/runs/<name>``."""
+    mount = posixpath.normpath(mount)
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        if key not in ("hydra.run.dir", "checkpoint.dir"):
+            continue
+        absolute = posixpath.isabs(value)
+        if key == "checkpoint.dir" and not absolute:
+            continue  # under the run dir
+        path = posixpath.normpath(value)
+        if not absolute or not (path + "/").startswith(mount + "/") or path == mount:
+            raise ConfigError(f"{key}={value}: not on the checkpoint volume mounted at {mount} (--mount); a restarted "
+                              "pod would not find the run's checkpoints")
+        if key == "hydra.run.dir":
+            return path
+    return posixpath.join(mount, "runs", name)
+
+
+def render(kind: str, spec: JobSpec) -> str:
+    import yaml
+
+    header = (f"# ddptrain-k8s: {kind} {spec.name}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), "
+              f"run dir {spec.run_dir} on claim {spec.claim}\n")
+    return header + yaml.safe_dump(manifest(kind, spec), sort_keys=False, default_flow_style=False)
+
+
+def run(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        spec = job_spec(args)
+    except ConfigError as exc:
+        say(f"ddptrain-k8s: error: {exc}")
+        return 2
+    print(render(args.kind, spec), end="")
+    return 0
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""``launch.backend=ray``: the run through Ray Train's ``TorchTrainer`` on a local Ray instance (2 CPU workers, one
+per rank, gloo): the same losses, summary and W&B metrics as under torchrun; a worker killed after a checkpoint is
+restarted by Ray (``FailureConfig``) and the run ends with the losses of an uninterrupted one. Without Ray, one
+line names the extra."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import run_cli
+
+RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
+       "data.seq_len=32", "data.global_batch_size=8", "data.micro_batch_size=2", "train.steps=4", "train.log_every=1",
+       "train.eval_every=0", "logger.progress=false", "checkpoint.every_n_steps=1", "checkpoint.export=false",
+       "dist.timeout_s=60", "logger=wandb"]
+RAY = ["launch.backend=ray", "launch.ray_workers=2"]
+SAME = ("world_size", "global_batch_size", "micro_batch_size", "grad_accum", "steps", "first_loss", "final_loss",
+        "tokens_seen", "parameters", "wrapper", "skipped_steps")
+
+
+def test_without_ray_the_run_is_refused_in_one_line_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddptrain.app.cli import run_cli as ddptrain_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError, as without the extra
+    code = ddptrain_main([*RAY, "data=synthetic", f"hydra.run.dir={tmp_path}/run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["ddptrain: error: launch.backend=ray needs Ray Train, which is not installed: "
+                                 "pip install 'ddptrain[ray]'"]
+
+
+def test_the_ray_backend_is_ddptrains_own_choice_of_process_group() -> None:
+    from ddptrain.app.ray_launch import ray_backend
+    from ddptrain.config.compose import compose_config, typed_config
+    from ddptrain.errors import ConfigError
+
+    def backend(*overrides: str, gpu: bool) -> str:
+        return ray_backend(typed_config(compose_config(list(overrides))).typed, gpu)
+
+    assert (backend(gpu=False), backend(gpu=True)) == ("gloo", "nccl")
+    assert backend("parallel=fsdp_offload", gpu=True) == "cuda:nccl,cpu:gloo"
+    with pytest.raises(ConfigError, match=r"dist\.backend=nccl needs CUDA devices"):
+        backend("dist.backend=nccl", gpu=False)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _wandb_history(run: Path) -> list[dict]:
+    (offline,) = (run / "wandb").glob("offline-run-*")
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(offline)],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return [r["history"]["item"] for r in map(json.loads, filter(str.strip, out.splitlines()))
+            if r["type"] == "history"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("ray.train.torch", reason="the extra ddptrain[ray] (Ray Train) is not installed")
+    tmp = tmp_path_factory.mktemp("torchrun")
+    done = run_cli([*RUN, "launch.nproc_per_node=2", f"hydra.run.dir={tmp / 'run'}"], cwd=tmp, cache=tmp / "cache")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.mark.slow
+def test_ray_workers_train_as_torchruns_with_the_same_summary_and_wandb_metrics(
+    tmp_path: Path, torchrun_reference: Path
+) -> None:
+    done = run_cli([*RUN, *RAY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, cache=tmp_path / "cache",
+                   timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = tmp_path / "run"
+    assert _losses(run) == pytest.approx(_losses(torchrun_reference), rel=1e-6)
+    got, expected = (json.loads((r / "summary.json").read_text()) for r in (run, torchrun_reference))
+    assert got["wrapper"] == expected["wrapper"]
+    assert {k: got[k] for k in SAME if k != "wrapper"} == pytest.approx(
+        {k: expected[k] for k in SAME if k != "wrapper"}, rel=1e-6)
+    assert got["world_size"] == 2 and got.keys() == expected.keys()
+    ray_history, torchrun_history = _wandb_history(run), _wandb_history(torchrun_reference)
+    assert [h["_step"] for h in ray_history] == [h["_step"] for h in torchrun_history] == [1, 2, 3, 4]
+    assert [h["loss"] for h in ray_history] == pytest.approx([h["loss"] for h in torchrun_history], rel=1e-6)
+    assert set(ray_history[-1]) == set(torchrun_history[-1])
+    assert "checkpoint_manager_snapshot.json" in {p.name for p in run.iterdir()}  # Ray's record of the run's storage
+    for noise in ("Traceback", "LOAD_GLOBAL", "Reporting training result", "State API", "RayTrainWorker pid="):
+        assert noise not in done.stderr, noise
+
+
+@pytest.mark.slow
+def test_a_ray_worker_killed_after_a_checkpoint_is_restarted_and_the_run_ends_with_the_same_losses(
+    tmp_path: Path, torchrun_reference: Path
+) -> None:
+    done = run_cli([*RUN, *RAY, "launch.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                   cache=tmp_path / "cache", timeout=500, extra_env={"DDPTRAIN_FAULT": "kill@step:3:1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = tmp_path / "run"
+    assert "restarted by the elastic agent (or Ray Train)" in done.stderr, done.stderr[-4000:]
+    assert "resumed from" in done.stderr and "step_000002 at step 2" in done.stderr
+    assert _losses(run) == pytest.approx(_losses(torchrun_reference), rel=1e-6)
+    goodput = json.loads((run / "summary.json").read_text())["goodput"]
+    assert (goodput["attempts"], goodput["restarts"]) == (2, 1), goodput
