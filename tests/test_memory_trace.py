@@ -31,6 +31,7 @@ from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan.analytic.planner import build_plan
+from ddptrain.plan.memory.overheads import RunOverheads
 from ddptrain.plan.memory.planner import (
     Allowances,
     GiB,
@@ -351,7 +352,7 @@ def test_a_ddp_rank_peaks_at_the_single_rank_trace_plus_its_gradient_buckets(lor
         fake = trace_step(model, optimizer, batch, StepSetup("cpu", None, cfg.optim.grad_clip))[0].peak
     ranks = run_distributed(_ddp_rank_peak, 2, copy.deepcopy(cfg), bucket_view)
     buckets = Allowances.for_run(target_device("cpu", None, None), fake.by_category, 0, 2,
-                                 4.0 * ranks[0]["trainable"], bucket_view)
+                                 4.0 * ranks[0]["trainable"], bucket_view, RunOverheads.of(cfg, 2, {}))
     assert buckets.total > 0
     for rank in ranks:
         for measured in rank["peak"]:  # every steady step of every rank
@@ -418,7 +419,7 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
     plan = build_plan(cfg, 1, "H100")
 
     def planned(memory_gib: float | None) -> MemoryPlan:
-        return plan_memory(cfg, plan, VOCAB, target_device("h100", memory_gib, None))
+        return plan_memory(cfg, plan, VOCAB, target_device("h100", memory_gib, None), RunOverheads.of(cfg, 1, {}))
 
     roomy = planned(None)
     traced = len(traces)

@@ -50,6 +50,7 @@ H100 = FakeGPU("NVIDIA H100 80GB HBM3", _gib(79.22), (9, 0), 132)
 H100_MIG_1G = FakeGPU("NVIDIA H100 80GB HBM3 MIG 1g.10gb", _gib(9.75), (9, 0), 16)  # one of seven slices
 GH200 = FakeGPU("NVIDIA GH200 480GB", _gib(95.0), (9, 0), 132)  # the Hopper half of a Grace Hopper, 96 GB HBM3
 A100 = FakeGPU("NVIDIA A100-SXM4-80GB", _gib(79.15), (8, 0), 108)
+L4 = FakeGPU("NVIDIA L4", _gib(22.05), (8, 9), 58)
 RTX_4090 = FakeGPU("NVIDIA GeForce RTX 4090", _gib(23.65), (8, 9), 128)
 T4 = FakeGPU("Tesla T4", _gib(14.58), (7, 5), 40)
 V100 = FakeGPU("Tesla V100-SXM2-32GB", _gib(31.74), (7, 0), 80)
