@@ -128,7 +128,7 @@ def test_the_dry_run_on_a_gpu_machine_plans_that_gpu_as_it_is(monkeypatch: pytes
     assert record["device"] == gpu.name and record["device_memory_bytes"] == pytest.approx(gpu.total_memory)
     usable = (gpu.total_memory - gpu.used) * (1 - AUTO_MARGIN)
     assert record["micro_batch_auto"]["usable_bytes_per_rank"] == pytest.approx(usable)
-    assert "9.75 GiB, 1.00 in use" in text
+    assert "9.75 GiB (1.00 in use)" in text
 
 
 def test_a_present_gpu_is_read_from_its_properties_and_its_kind_gives_only_the_peak(

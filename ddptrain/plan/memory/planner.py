@@ -55,8 +55,8 @@ class Device:
         return self.memory_gib - self.in_use_gib
 
     def memory_text(self) -> str:
-        """The memory as planned: "79.1 GiB", or "79.22 GiB, 2.00 in use" on a GPU already in use."""
-        return f"{self.memory_gib:g} GiB" + (f", {self.in_use_gib:.2f} in use" if self.in_use_gib else "")
+        """The memory as planned: "79.1 GiB", or "79.22 GiB (2.00 in use)" on a GPU already in use."""
+        return f"{self.memory_gib:g} GiB" + (f" ({self.in_use_gib:.2f} in use)" if self.in_use_gib else "")
 
 
 # Vendors' datasheet figures (dense, without sparsity), as in ddptrain/telemetry/peak.py.
