@@ -23,6 +23,7 @@ from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.analytic.planner import Plan, backward_seconds
 from ddptrain.plan.costs import Comm
+from ddptrain.plan.memory.host_cost import selective_host_bound
 from ddptrain.plan.memory.overheads import RunOverheads
 from ddptrain.plan.memory.trace import (
     CATEGORIES,
@@ -402,6 +403,7 @@ class MemoryPlan:
     by_mode: dict[ActivationCheckpointing, dict[str, float]]
     logits: LogitsShare | None = None  # the head's and loss's share with train.chunked_loss on and off
     configured_chunked: bool = True  # train.chunked_loss as configured
+    host_note: str | None = None  # eager selective checkpointing bound by the host (host_cost.py)
 
     @property
     def peak(self) -> float:
@@ -433,6 +435,7 @@ class MemoryPlan:
                                  for mode, by in self.by_mode.items()},
             "chunked_loss": self.chunked_loss,
             "logits_and_loss": None if self.logits is None else self.logits.to_json(),
+            "host_note": self.host_note,
         }
 
     @property
@@ -516,6 +519,8 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
     by_mode = {c: shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
                for c in modes}
+    chosen = next((o for o in options[:1] if o.checkpointing == ActivationCheckpointing.selective), None)
+    note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (ckpt, batch.micro_batch_size)
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=stage, traced=traced,
@@ -523,7 +528,18 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
         fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
+        host_note=selective_host_bound(note_mode, cfg.train.compile, block_seconds(plan, device, note_micro, layers),
+                                       note_micro),
     )
+
+
+def block_seconds(plan: Plan, device: Device, micro_batch: int, num_layers: int) -> float | None:
+    """One block's forward and backward at ``micro_batch`` on ``device`` at the assumed MFU (the step's FLOPs
+    per token, head included, over the blocks: a little high); None without a device peak."""
+    if not device.peak_tflops:
+        return None
+    tokens = micro_batch * plan.sequence_tokens
+    return plan.flops_per_token * tokens / num_layers / (device.peak_tflops * 1e12 * plan.assumed_mfu)
 
 
 def this_machine() -> str:

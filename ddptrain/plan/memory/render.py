@@ -62,4 +62,6 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
               f"{best.checkpointing}, {_STAGE_NAMES[best.stage]}: fits "
               f"({best.total / GiB:,.1f} of {mp.device.free_gib:,.1f} GiB)"
               + ("" if best.speedup is None else f", predicted {best.speedup:.2f}x on {world_size} devices") + ".")
+    if mp.host_note:
+        out.print(f"Host: {mp.host_note}.")
     return out.export_text()
