@@ -362,7 +362,7 @@ class PlanConfig:
 
     world_size: int | None = None  # None: the launch's world size
     device: str | None = None  # the device the plan is for: h100, a100, l4, t4, ... or cpu; None: this machine's
-    device_memory_gib: float | None = None  # None: the device's own (a present GPU: its total less what is in use)
+    device_memory_gib: float | None = None  # None: the device's own memory
     params: float | None = None  # plan by parameter count alone (e.g. 70e9) instead of the model config
     trainable_params: float | None = None  # with plan.params and model.lora.enabled: the adapter parameters
     interconnect: Interconnect = Interconnect.nvlink
