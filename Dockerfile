@@ -42,9 +42,12 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
+# Every package pyproject.toml lists, from the directories it maps them to (the Hydra launcher plugin is a package of
+# its own); .dockerignore keeps the rest of the checkout out of the context.
 COPY README.md ./
 COPY ddptrain ./ddptrain
 COPY configs ./configs
+COPY hydra_plugins ./hydra_plugins
 # The package alone (its dependencies are in). Fail the build, not the first GPU run, if the torch that ends up
 # installed is a CPU build, if C against Python.h does not compile (what Triton's first launch does), or if the
 # InfiniBand verbs library and the ConnectX (mlx5) provider cannot be loaded.

@@ -1,5 +1,5 @@
-"""The Dockerfile lints clean and is laid out as its comments say (no Docker engine runs here, so it is linted and
-read, not built)."""
+"""The Dockerfile lints clean, is laid out as its comments say, and its Python steps build the package from exactly
+what its COPY lines take (no Docker engine runs here: the image itself is never built)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
+import pytest
+
+from tests.helpers.docker_context import ContextError, assemble, ignore_patterns, ignored, pip_step
+
 ROOT = Path(__file__).parents[1]
+PACKAGE_STEP = "pip install --no-deps ."  # the image's step that builds and installs the package
 
 
 def _instructions() -> list[tuple[str, str]]:
@@ -114,3 +121,87 @@ def test_the_container_docs_give_what_a_multi_node_run_needs() -> None:
     for needed in ("--network=host", "--ipc=host", "--shm-size", "--device=/dev/infiniband", "--ulimit memlock=-1",
                    "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NET/IB", "NCCL_DEBUG=INFO"):
         assert needed in docs, f"docs/multinode.md does not mention {needed}"
+
+
+def package_files(root: Path) -> dict[str, str]:
+    """What the wheel of the project at ``root`` must hold, from its pyproject: every module of every package listed
+    and the package data, as {path in the wheel: path in the source tree}; and the readme pip reads."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    dirs, data = setuptools.get("package-dir", {}), setuptools.get("package-data", {})
+    files = {}
+    for package in setuptools["packages"]:
+        source = Path(dirs.get(package, package.replace(".", "/")))
+        inside = package.replace(".", "/")
+        modules = [p.name for p in sorted((root / source).glob("*.py"))]
+        globbed = {p.relative_to(root / source).as_posix() for pattern in data.get(package, [])
+                   for p in (root / source).glob(pattern) if p.is_file()}
+        assert modules or globbed, f"pyproject lists {package}, but {source} holds none of its files"
+        files.update({f"{inside}/{name}": f"{source.as_posix()}/{name}" for name in [*modules, *sorted(globbed)]})
+    return files
+
+
+def image_context(into: Path, ignore: str | None = None) -> Path:
+    """The image's working directory at its package step, holding what the COPY lines took (``ignore``: the
+    ``.dockerignore`` text, default the repository's own)."""
+    dockerignore = ROOT / ".dockerignore"
+    if ignore is None:
+        assert dockerignore.is_file(), "no .dockerignore: the whole checkout (.git, .venv) is the build context"
+        ignore = dockerignore.read_text()
+    return assemble(ROOT, into, (ROOT / "Dockerfile").read_text(), ignore, PACKAGE_STEP)
+
+
+def missing_from_context(workdir: Path) -> list[str]:
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+    return [source for source in [*package_files(ROOT).values(), "pyproject.toml", readme]
+            if not (workdir / source).is_file()]
+
+
+def test_the_build_context_holds_every_file_the_package_needs(tmp_path: Path) -> None:
+    """Every module and config the pyproject ships (the Hydra launcher plugin too) reaches the image's working
+    directory before its package step, through the COPY lines and past .dockerignore."""
+    workdir = image_context(tmp_path)
+    needed = package_files(ROOT)
+    assert any(p.startswith("hydra_plugins/ddptrain_launcher/") for p in needed)
+    assert "ddptrain/configs/config.yaml" in needed
+    assert missing_from_context(workdir) == []
+    assert not (workdir / ".git").exists() and not list(workdir.rglob("__pycache__"))
+
+
+def test_a_needed_file_the_dockerignore_drops_is_found_missing(tmp_path: Path) -> None:
+    """The check honours .dockerignore: dropping some configs leaves them out of the context (pip would build a
+    wheel without them), dropping a copied directory whole stops the build as Docker does."""
+    ours = (ROOT / ".dockerignore").read_text()
+    workdir = image_context(tmp_path / "a", ours + "\nconfigs/model/*.yaml\n")
+    dropped = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs" / "model").glob("*.yaml"))
+    assert dropped and missing_from_context(workdir) == dropped
+    with pytest.raises(ContextError, match="'hydra_plugins' not found in the build context"):
+        image_context(tmp_path / "b", ours + "\nhydra_plugins\n")
+
+
+def test_dockerignore_patterns_follow_dockers_rules() -> None:
+    patterns = ignore_patterns("# comment\n*\n!ddptrain\n**/__pycache__\n/configs/**/*.tmp\n!keep/a?.txt\n")
+    assert ignored("tests/test_x.py", patterns) and ignored(".git/HEAD", patterns)
+    assert not ignored("ddptrain/app/cli.py", patterns)  # re-included: the last match decides
+    assert ignored("ddptrain/app/__pycache__/cli.cpython-311.pyc", patterns)  # ** across directories
+    assert ignored("configs/a/b/x.tmp", patterns) and ignored("configs/x.tmp", patterns)
+    assert not ignored("keep/ab.txt", patterns) and ignored("keep/abc.txt", patterns)  # ? is one character
+
+
+@pytest.mark.slow
+def test_the_images_pip_step_builds_a_wheel_with_every_package_and_the_launcher_plugin(tmp_path: Path) -> None:
+    """The image's own package step, run as ``pip wheel`` with its options, in a directory holding only what the
+    COPY lines took: it builds, and the wheel holds every package pyproject lists, the configs and the plugin."""
+    workdir = image_context(tmp_path / "image")
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    args = pip_step(dockerfile, PACKAGE_STEP, tmp_path / "wheels")
+    assert args[:3] == ["wheel", "--no-deps", "."]
+    built = subprocess.run([sys.executable, "-m", "pip", *args], cwd=workdir, capture_output=True, text=True,
+                           timeout=300)
+    errors = [line.strip() for line in built.stdout.splitlines() + built.stderr.splitlines() if "error" in line]
+    assert built.returncode == 0, "\n".join(errors) or built.stderr[-2000:]
+    [wheel] = (tmp_path / "wheels").glob("ddptrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(set(package_files(ROOT)) - names)
+    assert not missing, f"the wheel lacks {missing}"
+    assert "hydra_plugins/ddptrain_launcher/ddptrain_launcher.py" in names

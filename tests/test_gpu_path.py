@@ -16,11 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.config.schema import ParallelConfig
+import ddptrain.models.attention as attention
+from ddptrain.config.choices import Precision
+from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
+from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
 from ddptrain.telemetry.metrics import StepMetrics
+from tests.helpers.fake_cuda import A100, H100, RTX_4090, T4, V100, FakeGPU, fake_cuda
+from tests.helpers.tiny import TINY_MODEL
 
 TIME_FIGURES = ("comm_time_s", "overlap_pct", "algbw_gbps", "busbw_gbps", "time_exposed_comm_s")
 
@@ -103,15 +108,37 @@ def test_fsdp_mixed_precision_follows_train_precision(
 
     calls: list[dict] = []
     monkeypatch.setattr(zero, "fully_shard", lambda module, **kwargs: calls.append(kwargs) or module)
-    # this machine has no GPU: an A100 (compute capability 8) or a T4 (7, bf16 only emulated)
-    has_bf16 = device != "t4"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: has_bf16)
+    # this machine has no GPU: an A100 (compute capability 8) or a T4 (7.5, bf16 only emulated)
+    fake_cuda(monkeypatch, T4 if device == "t4" else A100)
     device = "cuda" if device == "t4" else device
     zero.shard_model(nn.Linear(2, 2), ParallelConfig(zero_stage=3), torch.device(device), precision)
     policy = calls[-1].get("mp_policy")
     assert (policy is not None) == bf16
     if bf16:
         assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("gpu", [T4, V100, A100, RTX_4090, H100], ids=lambda gpu: gpu.name)
+def test_flash_attention_is_chosen_only_on_compute_capability_8_or_more(
+    gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flash-attn refuses GPUs below sm80 at its first call ("FlashAttention only supports Ampere GPUs or newer"):
+    a T4 or V100 with the package installed keeps sdpa for packed rows, in fp16 (what auto resolves to there),
+    with one line saying why; from 8.0 on FlashAttention-2 is chosen."""
+    fake_cuda(monkeypatch, gpu)
+    monkeypatch.setattr(attention, "is_flash_attn_2_available", lambda: True)  # flash-attn installed
+    model = build_model(ModelConfig(**TINY_MODEL), 64, eos_id=0)
+    chosen: list[str] = []
+    monkeypatch.setattr(model, "set_attn_implementation", chosen.append)
+    with caplog.at_level(logging.INFO, logger=attention.log.name):
+        switched = attention.use_varlen_attention(model, torch.device("cuda", 0), Precision.fp16)
+    flash = gpu.capability >= (8, 0)
+    assert switched == flash and chosen == (["flash_attention_2"] if flash else [])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    if not flash:
+        major, minor = gpu.capability
+        assert f"compute capability {major}.{minor}" in lines[0] and "sdpa" in lines[0] and gpu.name in lines[0]
 
 
 def test_cpu_offload_joins_a_group_with_gloo_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,7 @@ from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.zero import shard_model
 from ddptrain.plan.analytic.planner import build_plan
+from ddptrain.plan.memory.overheads import RunOverheads
 from ddptrain.plan.memory.planner import (
     Allowances,
     GiB,
@@ -351,7 +352,7 @@ def test_a_ddp_rank_peaks_at_the_single_rank_trace_plus_its_gradient_buckets(lor
         fake = trace_step(model, optimizer, batch, StepSetup("cpu", None, cfg.optim.grad_clip))[0].peak
     ranks = run_distributed(_ddp_rank_peak, 2, copy.deepcopy(cfg), bucket_view)
     buckets = Allowances.for_run(target_device("cpu", None, None), fake.by_category, 0, 2,
-                                 4.0 * ranks[0]["trainable"], bucket_view)
+                                 4.0 * ranks[0]["trainable"], bucket_view, RunOverheads.of(cfg, 2, {}))
     assert buckets.total > 0
     for rank in ranks:
         for measured in rank["peak"]:  # every steady step of every rank
@@ -393,32 +394,43 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
             assert measured == pytest.approx(predicted, rel=0.02)
 
 
+SHARED_TRACES: dict[str, PeakTracker] = {}
+
+
+def traced_once(monkeypatch: pytest.MonkeyPatch) -> dict[str, PeakTracker]:
+    """Have the planner trace each step once for this module's planner tests: a trace depends on the step (the
+    checkpointing mode and the sizes it is given), not on the device's memory size, the configured mode or
+    train.compile (the plan traces the eager step)."""
+    import ddptrain.plan.memory.planner as memory_plan
+
+    trace = memory_plan.trace_peak
+
+    def once(cfg: Config, vocab: int, *shape: Any, **options: Any) -> PeakTracker:
+        *sizes, device, working_copy = (*shape, False) if len(shape) == 5 else shape
+        step = copy.deepcopy(cfg)
+        step.train.compile, step.model.activation_checkpointing = False, ActivationCheckpointing.none
+        key = repr((step, vocab, sizes, device.name, device.bf16, working_copy, sorted(options.items())))
+        if key not in SHARED_TRACES:
+            SHARED_TRACES[key] = trace(cfg, vocab, *shape, **options)
+        return SHARED_TRACES[key]
+
+    monkeypatch.setattr(memory_plan, "trace_peak", once)
+    return SHARED_TRACES
+
+
 def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fit_are_recommended(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``fits`` weighs the traced peak plus the allowances (the CUDA context, the allocator's share) against the
     device; an option is recommended only when both fit. Devices just too small for the configured step, and too
     small for any step (below the 0.75 GiB CUDA context)."""
-    import ddptrain.plan.memory.planner as memory_plan
-
-    traces: dict[str, PeakTracker] = {}
-    trace = memory_plan.trace_peak
-
-    def traced_once(cfg: Config, vocab: int, *shape: Any, **options: Any) -> PeakTracker:
-        """A step's trace does not depend on the device's memory size: each one is traced once here."""
-        *sizes, device, working_copy = (*shape, False) if len(shape) == 5 else shape
-        key = repr((cfg, vocab, sizes, device.name, device.bf16, working_copy, sorted(options.items())))
-        if key not in traces:
-            traces[key] = trace(cfg, vocab, *shape, **options)
-        return traces[key]
-
-    monkeypatch.setattr(memory_plan, "trace_peak", traced_once)
+    traces = traced_once(monkeypatch)
     cfg = small_config()
     cfg.data.global_batch_size = cfg.data.micro_batch_size = 1  # one micro batch size: fewer shapes to trace
     plan = build_plan(cfg, 1, "H100")
 
     def planned(memory_gib: float | None) -> MemoryPlan:
-        return plan_memory(cfg, plan, VOCAB, target_device("h100", memory_gib, None))
+        return plan_memory(cfg, plan, VOCAB, target_device("h100", memory_gib, None), RunOverheads.of(cfg, 1, {}))
 
     roomy = planned(None)
     traced = len(traces)
@@ -437,6 +449,32 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
             assert best is not None and best["activation_checkpointing"] in ("selective", "full")
             assert best["total_bytes_per_rank"] <= memory < out["total_bytes_per_rank"]
     assert len(traces) == traced  # each shape traced once, not once per device
+
+
+def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tiny model on an H100 computes a block in microseconds, far less than eager selective checkpointing's
+    host time per block (measured on CPU: host_cost.py): the plan says the host is the bound and names
+    train.compile=true; compiled, or with a block that computes longer than that, it says nothing."""
+    from ddptrain.plan.memory.host_cost import EAGER_HOST_S_PER_BLOCK, selective_host_bound
+    from ddptrain.plan.memory.render import render_memory_plan
+
+    traced_once(monkeypatch)
+    cfg = small_config(checkpointing="selective")
+    cfg.data.global_batch_size = cfg.data.micro_batch_size = 1
+    plan = build_plan(cfg, 1, "H100")
+    eager = plan_memory(cfg, plan, VOCAB, target_device("h100", None, None), RunOverheads.of(cfg, 1, {}))
+    assert eager.host_note and "the host is the bound" in eager.host_note
+    assert "train.compile=true" in eager.host_note and eager.to_json()["host_note"] == eager.host_note
+    assert f"Host: {eager.host_note}." in " ".join(render_memory_plan(eager, 1).split())
+    cfg.train.compile = True
+    compiled = plan_memory(cfg, plan, VOCAB, target_device("h100", None, None), RunOverheads.of(cfg, 1, {}))
+    assert compiled.host_note is None and "Host:" not in render_memory_plan(compiled, 1)
+    host = EAGER_HOST_S_PER_BLOCK[ActivationCheckpointing.selective]
+    assert selective_host_bound(ActivationCheckpointing.selective, False, 0.9 * host, 1) is not None
+    assert selective_host_bound(ActivationCheckpointing.selective, False, 1.1 * host, 1) is None  # compute-bound
+    assert selective_host_bound(ActivationCheckpointing.full, False, 0.9 * host, 1) is None
 
 
 def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +12,11 @@ from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.plan.memory import own_peak
 from ddptrain.plan.memory.own_peak import MeasuredPeak
-from ddptrain.plan.memory.planner import compute_dtype, target_device, this_machine
+from ddptrain.plan.memory.planner import compute_dtype
+from ddptrain.plan.memory.present import this_device
 from ddptrain.runtime.process_group import device_precision
 from tests.helpers.dist import run_distributed
+from tests.helpers.fake_cuda import A100, H100, L4, T4, V100, FakeGPU, fake_cuda
 from tests.helpers.pretrained import TINY_LLAMA
 from tests.helpers.runs import Overrides, train_each
 
@@ -103,21 +104,15 @@ def test_a_two_rank_ddp_run_plans_its_gradient_buckets_too(tmp_path: Path) -> No
         assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
 
 
-@pytest.mark.parametrize(("gpu", "capability", "expected"), [
-    ("NVIDIA H100 80GB HBM3", 9, Precision.bf16), ("NVIDIA A100-SXM4-80GB", 8, Precision.bf16),
-    ("NVIDIA L4", 8, Precision.bf16), ("Tesla T4", 7, Precision.fp16), ("Tesla V100-SXM2-32GB", 7, Precision.fp16),
-])
+@pytest.mark.parametrize(("gpu", "expected"), [
+    (H100, Precision.bf16), (A100, Precision.bf16), (L4, Precision.bf16), (T4, Precision.fp16), (V100, Precision.fp16),
+], ids=lambda v: getattr(v, "name", str(v)))
 def test_a_run_resolves_auto_on_its_gpu_as_the_planner_plans_that_gpu(
-    monkeypatch: pytest.MonkeyPatch, gpu: str, capability: int, expected: Precision
+    monkeypatch: pytest.MonkeyPatch, gpu: FakeGPU, expected: Precision
 ) -> None:
-    # this machine has no GPU: torch.cuda answers as the named one would
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(major=capability))
-    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda *_: True)  # any of them holds bf16 tensors
+    fake_cuda(monkeypatch, gpu)  # this machine has no GPU: torch.cuda answers as the named one would
     run = device_precision("auto", torch.device("cuda", 0))
-    planned = compute_dtype("auto", target_device(this_machine(), None, None))
+    planned = compute_dtype("auto", this_device(torch.device("cuda", 0)))
     assert run == expected
     assert planned == {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}[run]
     # torch's default check counts a GPU that only emulates bf16: on a T4 it says yes (the run used to take bf16)

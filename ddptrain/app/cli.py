@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddptrain.config.choices import Launcher
 from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
 from ddptrain.errors import ConfigError, ResourceError, RunEnded, say
+from ddptrain.runtime.allocator import use_expandable_segments
 
 ERROR_GRACE_S = 3.0
 log = logging.getLogger("ddptrain")
@@ -90,6 +91,7 @@ def run_cli(argv: list[str]) -> int:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    use_expandable_segments(os.environ)  # before anything starts CUDA's allocator; torchrun's workers inherit it
     exit_code: list[int] = []
     atexit.register(end_without_teardown, exit_code)  # registered first, so it runs after every other handler
     exit_code.append(run_cli(sys.argv[1:]))

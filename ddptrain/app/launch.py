@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from ddptrain.config.compose import Run
 from ddptrain.config.schema import AUTO, Config
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.errors import ConfigError, PeerLost, one_line
+from ddptrain.runtime.allocator import allocator_conf
 from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
 from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
@@ -167,6 +167,8 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)
         setup_logging(env.rank, run_dir)
+        if device.type == "cuda" and (conf := allocator_conf(os.environ)) is not None:
+            log.info("CUDA caching allocator: %s=%s", *conf)  # ddptrain's expandable segments, or the user's own
         evidence = Evidence(run_dir, env.rank)
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
@@ -189,14 +191,17 @@ def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Co
     reports 0, and every rank stops with a line (that rank's names what would fit)."""
     from ddptrain.models.build import model_vocab_size
     from ddptrain.plan.memory.auto_batch import choose_micro_batch, with_micro_batch
-    from ddptrain.plan.memory.own_peak import this_device
+    from ddptrain.plan.memory.overheads import RunOverheads
+    from ddptrain.plan.memory.present import this_device, with_memory
 
     typed = run.typed
-    own = this_device(device)
-    target = replace(own, memory_gib=typed.plan.device_memory_gib or own.memory_gib)
+    # the rank's own device as it is now (its memory less what is in use), unless plan.device_memory_gib says
+    target = with_memory(this_device(device), typed.plan.device_memory_gib)
+    overheads = RunOverheads.of(typed, env.local_world_size, os.environ)
     line = ""
     try:
-        chosen = choose_micro_batch(typed, env.world_size, target, model_vocab_size(typed.model, typed.data.vocab_size))
+        chosen = choose_micro_batch(typed, env.world_size, target, model_vocab_size(typed.model, typed.data.vocab_size),
+                                    overheads=overheads)
         micro, line = chosen.micro_batch, chosen.line()
     except ConfigError as exc:
         micro, line = 0, str(exc)

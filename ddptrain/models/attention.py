@@ -10,12 +10,13 @@ its own SDPA attention registered under a second name runs with ``attn_mask=None
 result, no host read, and SDPA's fused causal kernels. The name is not saved with the model (``save_pretrained``
 writes no attention implementation).
 
-Packed prompt/completion rows hold several examples each. FlashAttention-2 (CUDA, ``flash-attn`` installed, the
-attention computed in bf16 or fp16) runs its varlen kernel from the ``cu_seq_lens``/``max_length`` arguments the
-collate computed on the host (``data/packing.py``), for any number of rows. SDPA gets a ready 4-D block-diagonal
-causal mask, built on the device from the restarting ``position_ids`` by a forward pre-hook: transformers takes a
-4-D mask as it is, so its packed-sequence detection and the host read it costs are skipped (the mask is the one
-it would have built). Either way the start-up check (``packed_attention.py``) measures that examples stay apart.
+Packed prompt/completion rows hold several examples each. FlashAttention-2 (CUDA with compute capability 8.0 or
+newer, ``flash-attn`` installed, the attention computed in bf16 or fp16) runs its varlen kernel from the
+``cu_seq_lens``/``max_length`` arguments the collate computed on the host (``data/packing.py``), for any number of
+rows. SDPA gets a ready 4-D block-diagonal causal mask, built on the device from the restarting ``position_ids``
+by a forward pre-hook: transformers takes a 4-D mask as it is, so its packed-sequence detection and the host read
+it costs are skipped (the mask is the one it would have built). Either way the start-up check
+(``packed_attention.py``) measures that examples stay apart.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def use_causal_attention(model: PreTrainedModel) -> None:
 
 def use_varlen_attention(model: PreTrainedModel, device: torch.device, precision: Precision) -> bool:
     """Packed prompt/completion rows: FlashAttention-2's varlen kernels on a device that has them (CUDA with
-    ``flash_attn`` installed) when the attention computes in half precision (bf16/fp16 autocast, or half weights):
-    flash-attn refuses fp32, so fp32 without autocast keeps ``sdpa``, with one line saying so. True when switched."""
+    ``flash_attn`` installed, compute capability 8.0 or newer) when the attention computes in half precision
+    (bf16/fp16 autocast, or half weights): flash-attn refuses fp32 and GPUs before Ampere, so either keeps ``sdpa``,
+    with one line saying so. True when switched."""
     if device.type not in FLASH_ATTENTION_DEVICES or not is_flash_attn_2_available():
+        return False
+    if (refusal := flash_attention_refuses(device)) is not None:
+        log.warning("data.packing: %s: packed rows use sdpa with a block-diagonal mask", refusal)
         return False
     if precision not in (Precision.bf16, Precision.fp16) and model.dtype not in HALF:
         log.warning("data.packing: FlashAttention-2 computes in bf16/fp16 only and this run is fp32 "
@@ -57,6 +62,21 @@ def use_varlen_attention(model: PreTrainedModel, device: torch.device, precision
     model.set_attn_implementation("flash_attention_2")
     log.info("data.packing: FlashAttention-2 varlen kernels for the packed rows")
     return True
+
+
+def flash_attention_refuses(device: torch.device) -> str | None:
+    """Why flash-attn's kernels would refuse this CUDA device, or None. FlashAttention-2 runs on compute
+    capability 8.0 and newer (Ampere on); below that (T4 7.5, V100 7.0) the package installs but its first call
+    stops the run ("FlashAttention only supports Ampere GPUs or newer"), and transformers' own availability check
+    does not ask. Only a CUDA device has a capability to read."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 0):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return (f"FlashAttention-2 needs compute capability 8.0 or newer; this GPU ({name}) has compute capability "
+            f"{major}.{minor}")
 
 
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:

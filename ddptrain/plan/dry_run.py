@@ -3,6 +3,7 @@ plan traced on fake tensors, as the text the dry run prints and the record it wr
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from ddptrain.config.schema import AUTO, Config
@@ -10,14 +11,17 @@ from ddptrain.errors import ConfigError
 from ddptrain.models.build import model_vocab_size
 from ddptrain.plan.analytic.planner import Plan, backward_seconds, build_plan
 from ddptrain.plan.memory.auto_batch import choose_micro_batch, memory_unknown, with_micro_batch
-from ddptrain.plan.memory.planner import Tracer, plan_memory, target_device, this_machine
+from ddptrain.plan.memory.overheads import RunOverheads, ranks_per_node
+from ddptrain.plan.memory.planner import Tracer, plan_memory
+from ddptrain.plan.memory.present import device_for_plan
 from ddptrain.plan.memory.render import render_memory_plan
 
 
 def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
     """The dry run's plan for ``plan.device`` (precision resolved for it), the memory section's text and
     plan.json's record. With ``plan.params`` there is no shape to trace: model state only."""
-    device = target_device(cfg.plan.device or this_machine(), cfg.plan.device_memory_gib, cfg.metrics.peak_tflops)
+    device = device_for_plan(cfg.plan.device, cfg.plan.device_memory_gib, cfg.metrics.peak_tflops)
+    overheads = RunOverheads.of(cfg, ranks_per_node(cfg, world_size), os.environ)
     vocab = model_vocab_size(cfg.model, cfg.data.vocab_size)
     tracer, auto_line, auto_record = Tracer(cfg, vocab, device), "", {}
     if cfg.data.micro_batch_size == AUTO:  # chosen for the target device, as a run on it would choose
@@ -25,7 +29,7 @@ def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
             raise ConfigError("data.micro_batch_size=auto needs a model shape to trace: unset plan.params")
         if (error := memory_unknown(cfg, device)) is not None:
             raise error
-        chosen = choose_micro_batch(cfg, cfg.plan.world_size or world_size, device, vocab, tracer)
+        chosen = choose_micro_batch(cfg, cfg.plan.world_size or world_size, device, vocab, tracer, overheads)
         cfg = with_micro_batch(cfg, chosen.micro_batch)
         auto_line = chosen.line() + "\n"
         auto_record = {"micro_batch_auto": {"micro_batch_size": chosen.micro_batch, "grad_accum": chosen.grad_accum,
@@ -43,5 +47,5 @@ def plan_for_target(cfg: Config, world_size: int) -> tuple[Plan, str, dict]:
         note = "plan.params: no model shape to trace, so model state only (no activations)"
         return plan, auto_line + note, {**record, "peak_bytes_per_rank": None, "by_category": None,
                                         "recommendation": None, "note": note}
-    mp = plan_memory(cfg, plan, vocab, device, tracer)
+    mp = plan_memory(cfg, plan, vocab, device, overheads, tracer)
     return plan, auto_line + render_memory_plan(mp, plan.batch.dp), {**record, **mp.to_json()}

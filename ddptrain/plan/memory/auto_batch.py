@@ -12,6 +12,7 @@ one that fits and divides the per-rank batch.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.schema import AUTO_NEEDS_MEMORY, Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.analytic.planner import Plan, build_plan
+from ddptrain.plan.memory.overheads import RunOverheads, ranks_per_node
 from ddptrain.plan.memory.planner import (
     RECOMPUTE,
     Allowances,
@@ -47,7 +49,7 @@ class AutoBatch:
     largest: int  # the largest micro batch that fits; micro_batch is the largest of those dividing the per-rank batch
     per_rank: int  # sequences per rank per optimizer step
     need: float  # bytes per rank at micro_batch, allowances included
-    usable: float  # the device's memory less the margin, in bytes
+    usable: float  # the device's free memory less the margin, in bytes
     device: Device
 
     def line(self) -> str:
@@ -55,7 +57,7 @@ class AutoBatch:
             f"; {self.largest} fits but does not divide the {self.per_rank} sequences per rank")
         return (f"data.micro_batch_size=auto: micro batch {self.micro_batch}, grad_accum {self.grad_accum} "
                 f"({self.need / GiB:.2f} of {self.usable / GiB:.2f} GiB usable per rank on {self.device.name}: "
-                f"{self.device.memory_gib:g} GiB less a {AUTO_MARGIN:.0%} margin{divides})")
+                f"{self.device.memory_text()} less a {AUTO_MARGIN:.0%} margin{divides})")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class StepNeed:
     tracer: Tracer
     plan: Plan  # model state, precision and the data-parallel size
     per_rank: int
+    overheads: RunOverheads  # what the run's groups and allocator settings add beyond the trace
 
     def __call__(self, micro_batch: int, checkpointing: ActivationCheckpointing, stage: int,
                  chunked_loss: bool | None = None, fitted: bool = False) -> float:
@@ -81,12 +84,13 @@ class StepNeed:
             peak = self.tracer.exact(micro_batch, checkpointing, working_copy, accumulating, chunked_loss)
         categories = shard(peak.by_category, stage, n, plan, accumulating)
         allowances = Allowances.for_run(device, categories, stage, n, 4.0 * plan.trainable,
-                                        cfg.parallel.gradient_as_bucket_view)
+                                        cfg.parallel.gradient_as_bucket_view, self.overheads)
         return sum(categories.values()) + allowances.total
 
 
 def usable_bytes(device: Device) -> float:
-    return device.memory_gib * GiB * (1 - AUTO_MARGIN)
+    """The device's free memory (its total less what is already in use) less ``AUTO_MARGIN``."""
+    return device.free_gib * GiB * (1 - AUTO_MARGIN)
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int, guess: int) -> int:
@@ -126,12 +130,15 @@ def planned_run(cfg: Config, dp: int, device: Device) -> Plan:
                       bf16_capable=device.bf16)
 
 
-def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer: Tracer | None = None) -> AutoBatch:
-    """The largest micro batch that fits ``device`` (memory less ``AUTO_MARGIN``) and divides the per-rank batch.
+def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer: Tracer | None = None,
+                       overheads: RunOverheads | None = None) -> AutoBatch:
+    """The largest micro batch that fits ``device`` (free memory less ``AUTO_MARGIN``) and divides the per-rank
+    batch. ``overheads``: the run's (default: ``plan.nodes`` nodes, this process's allocator settings).
     ConfigError, naming what would make it fit, when even one sequence does not."""
     tracer = tracer or Tracer(cfg, vocab, device)
     per_rank = cfg.data.global_batch_size // dp
-    need = StepNeed(tracer, planned_run(cfg, dp, device), per_rank)
+    overheads = overheads or RunOverheads.of(cfg, ranks_per_node(cfg, dp), os.environ)
+    need = StepNeed(tracer, planned_run(cfg, dp, device), per_rank, overheads)
     usable = usable_bytes(device)
     ckpt, stage = checkpointing(cfg), cfg.parallel.zero_stage
 
@@ -167,7 +174,7 @@ def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> 
     setting = {"checkpointing": ckpt, "stage": stage, "chunked_loss": chunked}
     gib = {text: need(1, **{**setting, **change}) / GiB for text, change in remedies}
     head = (f"data.micro_batch_size=auto: even micro batch 1 needs {need(1, ckpt, stage) / GiB:.2f} GiB per rank, "
-            f"over the {usable / GiB:.2f} GiB usable on {device.name} ({device.memory_gib:g} GiB less a "
+            f"over the {usable / GiB:.2f} GiB usable on {device.name} ({device.memory_text()} less a "
             f"{AUTO_MARGIN:.0%} margin)")
     alone = [f"{text} ({g:.2f} GiB)" for text, g in gib.items() if g * GiB <= usable]
     if alone:

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from typing import Any
 
 import torch
 
 from ddptrain.config.choices import Engine
 from ddptrain.config.schema import Config
-from ddptrain.plan.memory.planner import Allowances, Device, GiB, configured_peak, target_device, this_machine
+from ddptrain.plan.memory.overheads import RunOverheads
+from ddptrain.plan.memory.planner import Allowances, configured_peak
+from ddptrain.plan.memory.present import this_device
 from ddptrain.plan.memory.trace import PeakTracker, model_state_tensors, step_tracker
 from ddptrain.runtime.process_group import device_precision
 
@@ -46,17 +49,6 @@ def unplannable(cfg: Config, device: torch.device, world_size: int) -> str | Non
     if cfg.parallel.zero_stage == 1 and world_size > 1:
         return "parallel.zero_stage=1: DDP's gradient buckets beside ZeRO-1 are not planned"
     return None
-
-
-def this_device(device: torch.device) -> Device:
-    """The run's device as the planner sees it; only its type and memory matter for a peak."""
-    if device.type != "cuda":
-        return target_device("cpu", None, None)
-    name = this_machine()
-    if name != "cpu":
-        return target_device(name, None, None)
-    memory = torch.cuda.get_device_properties(device).total_memory / GiB
-    return Device(torch.cuda.get_device_name(device), memory, device_precision("auto", device) == "bf16", 0.0, "cuda")
 
 
 def planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int, n_params: int
@@ -92,7 +84,7 @@ def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int
     how = (f"traced step on one rank, ZeRO-{cfg.parallel.zero_stage} sharding for {world_size} ranks, "
            f"{traced_cfg.train.precision}")
     allowance = Allowances.for_run(target, by_category, cfg.parallel.zero_stage, world_size, 4.0 * plan.trainable,
-                                   cfg.parallel.gradient_as_bucket_view)
+                                   cfg.parallel.gradient_as_bucket_view, RunOverheads.of(cfg, world_size, os.environ))
     buckets = sum(v for k, v in allowance.items.items() if k.startswith("DDP gradient buckets"))
     how += ", + DDP's gradient buckets" if buckets else ""
     return sum(by_category.values()) + buckets, how

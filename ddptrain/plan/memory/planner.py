@@ -12,7 +12,7 @@ ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/an
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
@@ -23,6 +23,8 @@ from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.analytic.planner import Plan, backward_seconds
 from ddptrain.plan.costs import Comm
+from ddptrain.plan.memory.host_cost import selective_host_bound
+from ddptrain.plan.memory.overheads import RunOverheads
 from ddptrain.plan.memory.trace import (
     CATEGORIES,
     PeakMemory,
@@ -45,12 +47,23 @@ class Device:
     bf16: bool
     peak_tflops: float  # dense tensor-core peak in what train.precision=auto computes in: bf16, else fp16
     device_type: str = "cuda"
+    in_use_gib: float = 0.0  # already in use when planned (another process, this one's context): a present GPU's
+    nvls: bool = False  # an NVSwitch-class GPU (H100/H200 SXM and newer): NCCL may bind NVLink SHARP buffers
+
+    @property
+    def free_gib(self) -> float:
+        """The memory the run can have: the total less what is already in use."""
+        return self.memory_gib - self.in_use_gib
+
+    def memory_text(self) -> str:
+        """The memory as planned: "79.1 GiB", or "79.22 GiB (2.00 in use)" on a GPU already in use."""
+        return f"{self.memory_gib:g} GiB" + (f" ({self.in_use_gib:.2f} in use)" if self.in_use_gib else "")
 
 
 # Vendors' datasheet figures (dense, without sparsity), as in ddptrain/telemetry/peak.py.
 DEVICES: dict[str, Device] = {
-    "h200": Device("h200", 139.8, True, 989.0),
-    "h100": Device("h100", 79.1, True, 989.0),
+    "h200": Device("h200", 139.8, True, 989.0, nvls=True),
+    "h100": Device("h100", 79.1, True, 989.0, nvls=True),
     "a100": Device("a100", 79.2, True, 312.0),
     "a100_40gb": Device("a100_40gb", 39.4, True, 312.0),
     "l40s": Device("l40s", 44.4, True, 362.0),
@@ -72,8 +85,8 @@ def target_device(name: str | None, memory_gib: float | None, peak_override: flo
         device = DEVICES[name]
     else:
         raise ConfigError(f"plan.device={name!r}: expected cpu or one of {', '.join(DEVICES)}")
-    return Device(device.name, memory_gib or device.memory_gib, device.bf16,
-                  peak_override or device.peak_tflops, device.device_type)
+    return replace(device, memory_gib=memory_gib or device.memory_gib,
+                   peak_tflops=peak_override or device.peak_tflops)
 
 
 def compute_dtype(precision: str, device: Device) -> torch.dtype | None:
@@ -239,17 +252,18 @@ class Allowances:
 
     @classmethod
     def for_run(cls, device: Device, by_category: dict[str, float], stage: int, world_size: int,
-                grad_bytes: float, bucket_view: bool) -> Allowances:
+                grad_bytes: float, bucket_view: bool, overheads: RunOverheads) -> Allowances:
         """DDP's buckets are allocated when it wraps the model and stay: at the peak they add a copy of every
         gradient; with ``gradient_as_bucket_view`` the gradients live in them, so only the part not yet
-        produced at the peak is extra."""
+        produced at the peak is extra. NCCL's communicators and the allocator's fragmentation follow the run's
+        groups and settings (``overheads.py``)."""
         peak = sum(by_category.values())
         items: dict[str, float] = {}
         if device.device_type == "cuda":
             items["CUDA context, cuBLAS/cuDNN workspaces (assumed 0.75 GiB)"] = 0.75 * GiB
-            items["allocator fragmentation and cache (assumed 10% of the peak)"] = 0.10 * peak
-            if world_size > 1:
-                items["NCCL buffers (assumed 0.25 GiB)"] = 0.25 * GiB
+            share, why = overheads.fragmentation()
+            items[f"allocator fragmentation and cache (assumed {share:.0%} of the peak: {why})"] = share * peak
+            items.update(overheads.items(stage, world_size, device.nvls))
         if stage == 0 and world_size > 1:
             if bucket_view:
                 items["DDP gradient buckets (holding the gradients)"] = grad_bytes - by_category["gradients"]
@@ -389,6 +403,7 @@ class MemoryPlan:
     by_mode: dict[ActivationCheckpointing, dict[str, float]]
     logits: LogitsShare | None = None  # the head's and loss's share with train.chunked_loss on and off
     configured_chunked: bool = True  # train.chunked_loss as configured
+    host_note: str | None = None  # eager selective checkpointing bound by the host (host_cost.py)
 
     @property
     def peak(self) -> float:
@@ -400,7 +415,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.device.memory_gib * GiB
+        return self.total <= self.device.free_gib * GiB
 
     def to_json(self) -> dict:
         best = self.options[0] if self.options else None
@@ -420,6 +435,7 @@ class MemoryPlan:
                                  for mode, by in self.by_mode.items()},
             "chunked_loss": self.chunked_loss,
             "logits_and_loss": None if self.logits is None else self.logits.to_json(),
+            "host_note": self.host_note,
         }
 
     @property
@@ -453,7 +469,8 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
                                        batch.grad_accum > 1)
 
 
-def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tracer | None = None) -> MemoryPlan:
+def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: RunOverheads,
+                tracer: Tracer | None = None) -> MemoryPlan:
     """Trace the configured step for ``device``, then weigh every stage, checkpointing mode and micro batch.
     ``tracer``: traces already taken of this config on this device (the micro batch search's).
 
@@ -473,7 +490,8 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tra
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
-        return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view)
+        return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view,
+                                  overheads)
 
     def fit(checkpointing: ActivationCheckpointing, stage: int) -> PeakFit:
         return tracer.fit(checkpointing, low and stage >= 2)
@@ -489,7 +507,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tra
                 categories = shard(fit(c, option_stage).at(m, layers, accum > 1), option_stage, n, plan, accum > 1)
                 peak = sum(categories.values())
                 allow = allowances(categories, option_stage).total
-                if peak + allow > device.memory_gib * GiB:
+                if peak + allow > device.free_gib * GiB:
                     continue
                 step = predicted_step_s(plan, device, option_stage, c, m, accum, n)
                 single = predicted_step_s(plan, device, 0, c, m, accum * n, 1) if step else None
@@ -501,6 +519,8 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tra
     options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
     by_mode = {c: shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
                for c in modes}
+    chosen = next((o for o in options[:1] if o.checkpointing == ActivationCheckpointing.selective), None)
+    note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (ckpt, batch.micro_batch_size)
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=stage, traced=traced,
@@ -508,14 +528,32 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, tracer: Tra
         fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
+        host_note=selective_host_bound(note_mode, cfg.train.compile, block_seconds(plan, device, note_micro, layers),
+                                       note_micro),
     )
 
 
+def block_seconds(plan: Plan, device: Device, micro_batch: int, num_layers: int) -> float | None:
+    """One block's forward and backward at ``micro_batch`` on ``device`` at the assumed MFU (the step's FLOPs
+    per token, head included, over the blocks: a little high); None without a device peak."""
+    if not device.peak_tflops:
+        return None
+    tokens = micro_batch * plan.sequence_tokens
+    return plan.flops_per_token * tokens / num_layers / (device.peak_tflops * 1e12 * plan.assumed_mfu)
+
+
 def this_machine() -> str:
-    """The ``plan.device`` of the machine the dry run runs on: its GPU's name if listed, else cpu."""
+    """The kind (a key of ``DEVICES``) of this machine's GPU, by its name; cpu without a GPU or a listed name.
+    Only for what a name tells (the dense peak): the memory to plan for is the device's own (``present.py``)."""
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name().lower().replace(" ", "")
+    return kind_of(torch.cuda.get_device_name()) or "cpu"
+
+
+def kind_of(gpu_name: str) -> str | None:
+    """The key of ``DEVICES`` whose parts all occur in a ``torch.cuda.get_device_name()`` string, or None. A MIG
+    slice or a GH200 matches the card it is part of or built like: its peak per SM, never its memory."""
+    name = gpu_name.lower().replace(" ", "")
     # longest keys first: l40s before l4, a100_40gb (a100 and 40gb) before a100
     return next((key for key in sorted(DEVICES, key=len, reverse=True)
-                 if all(part in name for part in key.split("_"))), "cpu")
+                 if all(part in name for part in key.split("_"))), None)

@@ -19,7 +19,7 @@ def _gib(nbytes: float) -> str:
 
 def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     out = Console(file=io.StringIO(), width=110, record=True, color_system=None)
-    device = f"{mp.device.name} ({mp.device.memory_gib:,.1f} GiB)"
+    device = f"{mp.device.name} ({mp.device.memory_text()})"
     table = Table(title=f"Peak memory per rank on {device}: one training step traced on fake tensors "
                         f"(micro batch {mp.micro_batch}, checkpointing {mp.checkpointing}, {mp.dtype} compute, "
                         f"{_STAGE_NAMES[mp.stage]} on {world_size} ranks)")
@@ -31,7 +31,7 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     for label, nbytes in mp.allowances.items.items():
         table.add_row(f"+ {label}", _gib(nbytes))
     verdict = "fits" if mp.fits else "does NOT fit"
-    table.add_row("total", f"{_gib(mp.total)}: {verdict} in {mp.device.memory_gib:,.1f} GiB")
+    table.add_row("total", f"{_gib(mp.total)}: {verdict} in {mp.device.free_gib:,.1f} GiB")
     out.print(table)
     if mp.logits is not None:
         share = mp.logits
@@ -53,13 +53,15 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
         rec.add_column(column, justify="left" if column == "stage" else "right")
     for o in mp.options:
         rec.add_row(_STAGE_NAMES[o.stage], str(o.checkpointing), str(o.micro_batch),
-                    str(o.grad_accum), f"{o.total / GiB:,.1f} of {mp.device.memory_gib:,.1f} GiB",
+                    str(o.grad_accum), f"{o.total / GiB:,.1f} of {mp.device.free_gib:,.1f} GiB",
                     "?" if o.step_s is None else f"{o.step_s * 1e3:,.1f} ms",
                     "?" if o.speedup is None else f"{o.speedup:.2f}x on {world_size}")
     out.print(rec)
     best = mp.options[0]
     out.print(f"Recommendation: micro batch {best.micro_batch} (grad_accum {best.grad_accum}), checkpointing "
               f"{best.checkpointing}, {_STAGE_NAMES[best.stage]}: fits "
-              f"({best.total / GiB:,.1f} of {mp.device.memory_gib:,.1f} GiB)"
+              f"({best.total / GiB:,.1f} of {mp.device.free_gib:,.1f} GiB)"
               + ("" if best.speedup is None else f", predicted {best.speedup:.2f}x on {world_size} devices") + ".")
+    if mp.host_note:
+        out.print(f"Host: {mp.host_note}.")
     return out.export_text()
