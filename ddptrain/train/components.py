@@ -126,7 +126,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
     if cfg.train.compile:
-        log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
+        blocks = compile_blocks(model, varying_shapes=cfg.data.format == DataFormat.prompt_completion)
+        log.info("train.compile: compiling %d transformer blocks (on the first step)", blocks)
     if cfg.train.precision == Precision.auto:
         log.info("train.precision=auto: %s on this %s device", precision, device.type)
     wrapped = wrap_model(model, cfg.parallel, device, precision, env.local_world_size)

@@ -191,12 +191,12 @@ def _dropout_scale(shape: torch.Size, dropout_p: float, seed: int, device: torch
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
             scale: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention on ``[batch, seq, heads, dim]``: the output in q's dtype, and the fp32 log-sum-exp."""
+    """Attention on ``[batch, seq, heads, dim]``: the output and the log-sum-exp, in fp32."""
     probs, lse = _probabilities(q, k, mask, scale)
     dropout = _dropout_scale(probs.shape, dropout_p, seed, q.device)
     values = v.float().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", probs if dropout is None else probs * dropout, values)
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def _gradients(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -223,6 +223,12 @@ def _gradients(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return grad_q, per_kv_head(grad_keys), per_kv_head(grad_values)
 
 
+def _like(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The output as the kernel allocates it, ``empty_like(q)`` (q's dtype and strides), which is what the fake
+    implementation promises: a compiled graph plans its views on those strides."""
+    return torch.empty_like(q).copy_(out)
+
+
 def _new_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
 
@@ -244,7 +250,7 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     mask = _dense_mask(q.shape[1], k.shape[1], causal, q.device)
     seed = _new_seed(dropout_p)
     out, lse = _attend(q, k, v, mask, dropout_p, softmax_scale, seed)
-    return out, lse, q.new_empty(0), _rng_state(seed, q)
+    return _like(q, out), lse, q.new_empty(0), _rng_state(seed, q)
 
 
 @_flash_attn_forward.register_fake
@@ -275,7 +281,7 @@ def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal)
     seed = _new_seed(dropout_p)
     out, lse = _attend(q[None], k[None], v[None], mask, dropout_p, softmax_scale, seed)
-    return out[0], lse[0], q.new_empty(0), _rng_state(seed, q)
+    return _like(q, out[0]), lse[0].contiguous(), q.new_empty(0), _rng_state(seed, q)
 
 
 @_flash_attn_varlen_forward.register_fake
