@@ -4,7 +4,8 @@ A CLI run on CPU that takes transformers' FlashAttention-2 path as a run on an H
 takes it: each worker installs the twin (``flash_attn_twin.install``: the package, transformers' availability
 checks, and the CPU among ddptrain's flash devices) before ``ddptrain`` runs; nothing else about the run changes.
 With ``DDPTRAIN_TWIN_REPORT`` set to a directory, each rank writes there what the twin was asked
-(``rank<N>.json``: dense and varlen calls, the most segments in one call, whether every maximum length came as an int, none read back).
+(``rank<N>.json``: dense and varlen calls, the most segments in one call, whether every maximum length came as an
+int, none read back).
 """
 
 from __future__ import annotations

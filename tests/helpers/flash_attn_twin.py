@@ -40,6 +40,7 @@ is imported (once per process: a process that imported the real flash-attn canno
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from collections.abc import Callable
@@ -129,13 +130,13 @@ def _refuse_offsets(name: str, cu: torch.Tensor, q: torch.Tensor, sequences: int
     if cu.shape != (sequences + 1,):
         raise RuntimeError(f"{name} must have shape (batch_size + 1)")
     offsets = cu.tolist()  # the twin reads them (the real kernel never does: it trusts them)
-    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+    if offsets[0] != 0 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise RuntimeError(f"{name} must start at 0 and never go down: {offsets} (the real kernel would read out "
                            "of its sequences)")
     if offsets[-1] != tokens:
         raise RuntimeError(f"{name} ends at {offsets[-1]}, not at the {tokens} tokens given (the real kernel would "
                            "leave tokens out or read past them)")
-    longest = max(b - a for a, b in zip(offsets, offsets[1:], strict=False))
+    longest = max(b - a for a, b in itertools.pairwise(offsets))
     if max_seqlen < longest:
         raise RuntimeError(f"max_seqlen {max_seqlen} is below the longest segment of {name} ({longest}): the real "
                            "kernel silently computes wrong results")
