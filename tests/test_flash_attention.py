@@ -427,6 +427,77 @@ def test_a_ready_mask_only_for_sdpa_and_the_same_segments_as_transformers_finds(
     assert not mask_packed_rows(eager)  # eager wants an additive mask: transformers builds its own
 
 
+COMPILED_LENGTHS = ([20, 5, 3, 17], [9, 7, 8, 6], [30, 2, 11, 4], [9, 7, 8, 6, 30, 31], [3, 4])  # rows: 2 1 2 3 1
+
+
+def _compiled_flash_blocks(rank: int, world_size: int) -> dict[str, Any]:
+    """A 12-block Llama on FlashAttention-2's varlen path (the twin), its blocks compiled by ``compile_blocks`` with
+    a backend that counts the graphs Dynamo hands it; five packed micro batches of changing shape, forward and
+    backward in bf16 autocast, beside an eager copy of the model."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from ddptrain.parallel.compile import compile_blocks
+    from tests.helpers.flash_attn_twin import Permanent
+
+    calls = install(Permanent())
+    torch.compiler.reset()
+    counters.clear()
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert use_varlen_attention(model, torch.device("cpu"), Precision.bf16)
+    eager = copy.deepcopy(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    original = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: original(self, **{**kw, "backend": counting})  # type: ignore
+    try:
+        blocks = compile_blocks(model, varying_shapes=True)
+    finally:
+        torch.nn.Module.compile = original  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(4)
+    out: dict[str, Any] = {"blocks": blocks, "graphs": [], "rows": [], "losses": [], "eager": [], "kernels": 0}
+    for lengths in COMPILED_LENGTHS:
+        examples = [{"input_ids": ids, "labels": ids}
+                    for ids in (torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths)]
+        batch = _inputs(PackCollate(pad_id=0, seq_len=32)(examples)) | {"labels": None}
+        batch["labels"] = batch["input_ids"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out["eager"].append(eager(**batch, use_cache=False).loss.item())
+            before = calls.varlen
+            loss = model(**batch, use_cache=False).loss
+            out["kernels"] += calls.varlen - before
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["graphs"].append(len(graphs))
+        out["rows"].append(batch["input_ids"].shape[0])
+    out.update(backward=calls.backward, breaks=sum(counters["graph_break"].values()))
+    return out
+
+
+@pytest.mark.slow  # Dynamo traces a 12-block model twice, forward and backward: ~40 s on a loaded 2-core machine
+def test_compiled_blocks_on_flash_attention_packed_rows_share_one_graph_across_layers_and_micro_batches() -> None:
+    """train.compile with FlashAttention-2's varlen kernel: transformers passes each layer's ``layer_idx`` into the
+    FA2 path (one graph per layer, then eager past Dynamo's recompile limit of 8), logs from inside it (a graph
+    break in every layer), and every micro batch brings new row counts, lengths, offsets and longest segment (a
+    recompile each). Through ``compile_blocks``: one graph serves all 12 layers and every micro batch of several
+    rows, one more the micro batches of one row (torch specializes a size of 1); no graph break; every layer ran
+    the kernel, compiled, forward and backward; the eager model's losses."""
+    (ran,) = run_distributed(_compiled_flash_blocks, 1, timeout=600)
+    assert ran["blocks"] == 12 and ran["rows"] == [2, 1, 2, 3, 1]
+    assert ran["graphs"] == [1, 2, 2, 2, 2], ran["graphs"]
+    assert ran["breaks"] == 0
+    assert ran["kernels"] == ran["backward"] == 12 * len(COMPILED_LENGTHS)
+    assert ran["losses"] == pytest.approx(ran["eager"], rel=1e-5)
+
+
 STARTUP: Overrides = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
     "data": {"source": "instructions", "format": "prompt_completion", "num_samples": 64, "seq_len": 48,
