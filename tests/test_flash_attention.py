@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from ddptrain.config.choices import Precision
 from ddptrain.data.packing import COUNTS, VARLEN_KEYS, PackCollate, to_device
 from ddptrain.errors import ConfigError
-from ddptrain.models.attention import block_causal_mask, mask_packed_rows, use_varlen_attention
+from ddptrain.models.attention import block_causal_mask, ready_attention_masks, use_varlen_attention
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
 from tests.helpers.dist import run_distributed
 from tests.helpers.flash_attn_twin import Calls, install
@@ -107,7 +107,7 @@ def _lora_grads(path: Path, flash: bool, batches: list[dict[str, Any]]) -> torch
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert flash or mask_packed_rows(model)  # on the adapted model, as the loop installs it
+    assert flash or ready_attention_masks(model)  # on the adapted model, as the loop installs it
     model.train()
     accumulate_gradients(model, iter(batches), len(batches), lambda _: nullcontext(),
                          torch.autocast("cpu", dtype=torch.bfloat16), TOKEN_MEAN_LOSS)
@@ -382,7 +382,7 @@ def test_sdpa_packed_rows_read_nothing_back_with_the_ready_mask_and_match_transf
 
     own, own_reads = forward()
     assert own_reads, "transformers' own detection reads the device (the read this removes)"
-    assert mask_packed_rows(model)
+    assert ready_attention_masks(model)
     ready, reads = forward()
     assert reads == []
     torch.testing.assert_close(ready, own, rtol=0, atol=1e-5)
@@ -424,7 +424,7 @@ def test_a_ready_mask_only_for_sdpa_and_the_same_segments_as_transformers_finds(
     expected = (segments[:, :, None] == segments[:, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
     assert mask.shape == (2, 1, 6, 6) and torch.equal(mask[:, 0], expected)
     eager = AutoModelForCausalLM.from_config(ARCHS["gpt2"], attn_implementation="eager")
-    assert not mask_packed_rows(eager)  # eager wants an additive mask: transformers builds its own
+    assert not ready_attention_masks(eager)  # eager wants an additive mask: transformers builds its own
 
 
 COMPILED_LENGTHS = ([20, 5, 3, 17], [9, 7, 8, 6], [30, 2, 11, 4], [9, 7, 8, 6, 30, 31], [3, 4])  # rows: 2 1 2 3 1
