@@ -390,6 +390,31 @@ def test_sdpa_packed_rows_read_nothing_back_with_the_ready_mask_and_match_transf
     torch.testing.assert_close(ready[0, 9:16], alone, rtol=0, atol=1e-5)  # the second example saw only itself
 
 
+def test_sdpa_padded_rows_read_nothing_back_with_the_ready_mask_and_give_transformers_logits() -> None:
+    """A padded prompt/completion batch: transformers' SDPA path asks the device twice per forward whether the
+    batch has padding at all; the ready causal-and-padding mask gives the same logits, padding positions included,
+    with no read."""
+    from ddptrain.data.instruct import PadCollate
+    from tests.helpers.host_reads import HostReads
+
+    model = _model("llama")
+    batch = {k: v for k, v in PadCollate(0)(_examples()).items() if k != "labels"}
+    assert (batch["attention_mask"] == 0).any()
+
+    def forward() -> tuple[torch.Tensor, list[str]]:
+        reads: list[str] = []
+        with torch.no_grad(), HostReads(torch.device("cpu"), lambda name, why: reads.append(name)):
+            out = model(**batch, use_cache=False).logits
+        return out, reads
+
+    own, own_reads = forward()
+    assert own_reads, "transformers' own padding check reads the device (the read this removes)"
+    assert ready_attention_masks(model)
+    ready, reads = forward()
+    assert reads == []
+    torch.testing.assert_close(ready, own, rtol=0, atol=1e-5)
+
+
 def test_flash_attention_with_the_varlen_arguments_reads_the_device_once_per_forward_not_per_layer(
     twin: Calls,
 ) -> None:
