@@ -1,5 +1,6 @@
-"""Attention for packed rows: causal SDPA without a mask for pretraining blocks; for packed prompt/completion rows,
-FlashAttention-2's varlen kernel where it serves, else SDPA with a block-diagonal causal mask built on the device.
+"""Attention for training batches: causal SDPA without a mask for pretraining blocks; for packed prompt/completion
+rows, FlashAttention-2's varlen kernel where it serves, else SDPA with a block-diagonal causal mask built on the
+device; for padded prompt/completion rows, SDPA with a causal-and-padding mask built the same way.
 
 Training forwards run without a KV cache (``use_cache=False``). Without a cache and without a padding mask,
 transformers' mask builder (``create_causal_mask``) first looks for several sequences packed into one row
