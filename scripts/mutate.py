@@ -270,6 +270,18 @@ MUTANTS = [
            (("ddptrain/plan/memory/host_cost.py", "    if host <= block_s:\n        return None",
              "    if True:\n        return None"),),
            ("tests/test_memory_trace.py", "-k", "host_the_bound")),
+    Mutant("checkpoint-reentrant-ignored", "model.checkpoint_reentrant=true runs torch's non-reentrant checkpoint",
+           (("ddptrain/models/checkpointing.py", 'return {"use_reentrant": cfg.checkpoint_reentrant}',
+             'return {"use_reentrant": False}'),),
+           ("tests/test_activation_checkpointing.py", "-k", "reentrant")),
+    Mutant("saved-ops-typo-sdpa-flash", "a typo in the selective policy's set: SDPA's CUDA flash kernel recomputed",
+           (("ddptrain/models/checkpointing.py", '"aten::_scaled_dot_product_flash_attention", "aten::_scaled',
+             '"aten::_scaled_dot_product_flash_atention", "aten::_scaled'),),
+           ("tests/test_activation_checkpointing.py", "-k", "exists")),
+    Mutant("saved-ops-typo-flash-attn", "a typo in the selective policy's set: flash-attn's varlen kernel recomputed",
+           (("ddptrain/models/checkpointing.py", '"flash_attn::_flash_attn_varlen_forward"',
+             '"flash_attn::_flash_attn_varlen_fwd"'),),
+           ("tests/test_activation_checkpointing.py", "-k", "exists or flash")),
 ]
 
 

@@ -154,6 +154,106 @@ def test_selective_checkpointing_compiles_and_keeps_its_policy(monkeypatch: pyte
     assert consulted["aten::mm"] > 0 and consulted["aten::mul"] + consulted["aten::mul.Tensor"] > 0
 
 
+# The attention kernels a GPU runs, by the names their ops carry there: SDPA's flash, memory-efficient and cuDNN
+# kernels, and flash-attn's (registered on this CPU by the twin, under its own names). Named here, not taken from
+# the policy: a typo in the policy's set would make selective checkpointing recompute them, silently, on a GPU only.
+GPU_ATTENTION = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+                 "aten::_scaled_dot_product_cudnn_attention", "flash_attn::_flash_attn_forward",
+                 "flash_attn::_flash_attn_varlen_forward"}
+
+
+def _op(name: str) -> Any:
+    """The op a qualified name names (its default overload, whose ``name()`` the policy compares)."""
+    namespace, op = name.split("::")
+    return getattr(getattr(torch.ops, namespace), op).default
+
+
+def test_every_op_the_selective_policy_keeps_exists_and_the_gpu_attention_kernels_are_among_them() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import tests.helpers.flash_attn_twin  # noqa: F401  (flash-attn's ops, as the package registers them)
+    from ddptrain.models.checkpointing import SAVED_OPS, save_matmuls
+    from ddptrain.models.lora import quiet_bitsandbytes
+
+    quiet_bitsandbytes()
+    import bitsandbytes  # noqa: F401  (registers bitsandbytes::gemm_4bit)
+
+    missing = []
+    for name in sorted(SAVED_OPS):
+        try:
+            assert _op(name).name() == name
+        except AttributeError:
+            missing.append(name)
+    assert missing == [], f"the policy names ops that do not exist: {missing}"
+    for name in sorted(GPU_ATTENTION | MATMULS):
+        assert save_matmuls(None, _op(name)) == CheckpointPolicy.MUST_SAVE, name
+
+
+def _flash_step(mode: str, twin: Any) -> tuple[float, int]:
+    """A 2-block Llama on FlashAttention-2's varlen kernel (the twin), one packed micro batch forward and backward in
+    bf16: the loss and how many times the forward kernel ran."""
+    from ddptrain.config.choices import Precision
+    from ddptrain.data.packing import COUNTS, PackCollate
+    from ddptrain.models.attention import use_varlen_attention
+
+    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, activation_checkpointing=mode)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB)
+    assert use_varlen_attention(model, torch.device("cpu"), Precision.bf16)
+    model = prepare_for_finetuning(model, cfg).train()
+    g = torch.Generator().manual_seed(2)
+    examples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, VOCAB, (4, 12), generator=g).tolist()]
+    batch = {k: v for k, v in PackCollate(pad_id=0, seq_len=24)(examples).items() if k not in COUNTS}
+    twin.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    assert twin.backward == cfg.num_layers
+    return loss.item(), twin.varlen
+
+
+def test_selective_checkpointing_keeps_flash_attentions_output_as_on_a_gpu_and_full_recomputes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """flash-attn's kernel is one op to the policy (the twin registers it as flash-attn does): selective
+    checkpointing keeps its output, so the kernel runs once per block, as without checkpointing; full checkpointing
+    runs it again in backward."""
+    from tests.helpers.flash_attn_twin import install
+
+    twin = install(monkeypatch)
+    ran = {mode: _flash_step(mode, twin) for mode in MODES}
+    assert {mode: kernels for mode, (_, kernels) in ran.items()} == {"none": 2, "full": 4, "selective": 2}
+    for mode in ("full", "selective"):  # the same loss, to bf16's rounding
+        assert ran[mode][0] == pytest.approx(ran["none"][0], rel=1e-4)
+
+
+def _autograd_nodes(tensor: torch.Tensor) -> Counter[str]:
+    """The autograd graph behind ``tensor``, node type by node type."""
+    seen, stack, kinds = set(), [tensor.grad_fn], Counter[str]()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kinds[type(node).__name__] += 1
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return kinds
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_reentrant_true_checkpoints_every_block_with_torchs_reentrant_variant(reentrant: bool) -> None:
+    """``model.checkpoint_reentrant=true`` takes effect: each block's recompute is torch's reentrant
+    ``CheckpointFunction`` (one node per block in the autograd graph); false leaves none."""
+    cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, activation_checkpointing="full",  # type: ignore[arg-type]
+                      checkpoint_reentrant=reentrant)
+    torch.manual_seed(0)
+    model = prepare_for_finetuning(build_model(cfg, VOCAB), cfg).train()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert _autograd_nodes(loss)["CheckpointFunctionBackward"] == (cfg.num_layers if reentrant else 0)
+    loss.backward()
+
+
 def test_the_deprecated_key_maps_to_the_new_one_and_a_contradiction_names_both() -> None:
     assert ModelConfig(gradient_checkpointing=True).activation_checkpointing == "full"
     assert ModelConfig(gradient_checkpointing=False).activation_checkpointing == "none"

@@ -5,17 +5,19 @@ catches a leak, fp32 keeps sdpa, and sdpa's packed path reads nothing back from 
 from __future__ import annotations
 
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from ddptrain.config.choices import Precision
 from ddptrain.data.packing import COUNTS, VARLEN_KEYS, PackCollate, to_device
 from ddptrain.errors import ConfigError
-from ddptrain.models.attention import block_causal_mask, mask_packed_rows, use_varlen_attention
+from ddptrain.models.attention import block_causal_mask, ready_attention_masks, use_varlen_attention
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
 from tests.helpers.dist import run_distributed
 from tests.helpers.flash_attn_twin import Calls, install
@@ -75,7 +77,7 @@ def test_the_second_example_of_each_packed_row_sees_only_itself_under_flash_atte
     assert (twin.varlen, twin.dense) == (layers, 0), "every layer ran the varlen kernel, none the per-row one"
     cu, longest = twin.segments[0]
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 9, 16, 24, 30, 32]  # the tail of 2: a segment of its own
-    assert type(longest) is int and longest == 9  # a Python int: no read back in any layer
+    assert longest == 9 and twin.read_back == 0  # a Python int: no read back in any layer
     starts = {0: 0, 1: 9, 2: 0, 3: 8}
     rows = {0: 0, 1: 0, 2: 1, 3: 1}
     worst = 0.0
@@ -105,7 +107,7 @@ def _lora_grads(path: Path, flash: bool, batches: list[dict[str, Any]]) -> torch
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert flash or mask_packed_rows(model)  # on the adapted model, as the loop installs it
+    assert flash or ready_attention_masks(model)  # on the adapted model, as the loop installs it
     model.train()
     accumulate_gradients(model, iter(batches), len(batches), lambda _: nullcontext(),
                          torch.autocast("cpu", dtype=torch.bfloat16), TOKEN_MEAN_LOSS)
@@ -153,8 +155,8 @@ def test_the_twin_refuses_fp32_and_computes_per_row_or_per_cu_seqlens_segment(tw
     with pytest.raises(RuntimeError, match=f"^{REFUSAL}$"):
         flash_attn_func(q.float(), k.float(), v.float(), causal=True)
     dense = flash_attn_func(q, k, v, causal=True)
-    row = torch.nn.functional.scaled_dot_product_attention(
-        q[1:].transpose(1, 2), k[1:].transpose(1, 2), v[1:].transpose(1, 2), is_causal=True).transpose(1, 2)
+    row = torch.nn.functional.scaled_dot_product_attention(  # in fp32, rounded once: the kernel accumulates in fp32
+        *(t[1:].float().transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2).to(torch.bfloat16)
     torch.testing.assert_close(dense[1:], row)
     cu = torch.tensor([0, 3, 5, 10], dtype=torch.int32)  # the two rows flattened: segments of 3, 2 and 5
     flat = [t.reshape(10, 4, 8) for t in (q, k, v)]
@@ -165,6 +167,175 @@ def test_the_twin_refuses_fp32_and_computes_per_row_or_per_cu_seqlens_segment(tw
     with pytest.raises(RuntimeError, match="cu_seqlens_q must have dtype int32"):
         flash_attn_varlen_func(*flat, cu.long(), cu, 5, 5, causal=True)
     assert (twin.dense, twin.varlen) == (4, 1)  # refused calls computed nothing
+
+
+def _varlen_args(dim: int = 8, kv_heads: int = 2) -> dict[str, Any]:
+    """Two rows of 5 flattened into segments of 3, 2 and 5; 4 query heads over ``kv_heads`` key/value heads."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(10, 4, dim, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(10, kv_heads, dim, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 3, 5, 10], dtype=torch.int32)
+    return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu, "cu_seqlens_k": cu.clone(), "max_seqlen_q": 5,
+            "max_seqlen_k": 5, "causal": True}
+
+
+def _offsets(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+REFUSED: dict[str, tuple[dict[str, Any], str]] = {  # what flash-attn's checks refuse, then what its kernel trusts
+    "fp32": ({"dtype": torch.float32}, r"^FlashAttention only support fp16 and bf16 data type$"),
+    "fp16 values beside bf16 queries": ({"v_dtype": torch.float16}, "query and value must have the same dtype"),
+    "head dim 264": ({"dim": 264}, "head dimension at most 256"),
+    "3 key/value heads for 4 query heads": ({"kv_heads": 3}, "must divide number of heads in query"),
+    "int64 offsets": ({"cu_seqlens_q": _offsets(0, 3, 5, 10).long()}, "cu_seqlens_q must have dtype int32"),
+    "offsets that go down": ({"cu_seqlens_k": _offsets(0, 5, 3, 10)}, "cu_seqlens_k must start at 0 and never go down"),
+    "offsets not from 0": ({"cu_seqlens_q": _offsets(1, 3, 5, 10)}, "cu_seqlens_q must start at 0"),
+    "a last offset short of the tokens": ({"cu_seqlens_q": _offsets(0, 3, 5, 9)}, "ends at 9, not at the 10 tokens"),
+    "a maximum length below the longest segment": ({"max_seqlen_q": 4}, "max_seqlen 4 is below the longest segment"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_the_twin_refuses_what_flash_attn_refuses_and_what_its_kernel_trusts(case: str, twin: Calls) -> None:
+    """The real kernel computes wrong results, silently, from offsets it trusts; the twin refuses them so that a
+    test catches the caller. A refused call computes nothing."""
+    from tests.helpers.flash_attn_twin import flash_attn_varlen_func
+
+    change, message = REFUSED[case]
+    args = _varlen_args(change.pop("dim", 8), change.pop("kv_heads", 2))
+    dtype = change.pop("dtype", None)
+    if dtype is not None:
+        args.update({name: args[name].to(dtype) for name in "qkv"})
+    if "v_dtype" in change:
+        args["v"] = args["v"].to(change.pop("v_dtype"))
+    args.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        flash_attn_varlen_func(**args)
+    assert twin.varlen == 0
+    flash_attn_varlen_func(**_varlen_args())  # the same call, well-formed, runs
+    assert twin.varlen == 1
+
+
+def test_the_twin_refuses_a_gpu_older_than_ampere_and_takes_the_capability_torch_cuda_reports(
+    twin: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.helpers.flash_attn_twin import PRE_AMPERE, device_capability, flash_attn_func, flash_attn_varlen_func
+
+    assert device_capability() == (9, 0)  # a CPU-only torch has no device to ask: the twin stands in for an H100
+    args = _varlen_args()
+    dense = [t.reshape(2, 5, -1, 8) for t in (args["q"], args["k"], args["v"])]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))  # a T4
+    with pytest.raises(RuntimeError, match=f"^{PRE_AMPERE}$"):
+        flash_attn_varlen_func(**args)
+    with pytest.raises(RuntimeError, match=f"^{PRE_AMPERE}$"):
+        flash_attn_func(*dense, causal=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # an A100
+    flash_attn_varlen_func(**args)
+    assert (twin.varlen, twin.dense) == (1, 0)
+
+
+def test_the_twins_backward_kernels_give_sdpas_gradients_with_grouped_query_heads(twin: Calls) -> None:
+    """Autograd does not run inside a custom op, so the twin's backward differentiates by hand: its gradients are
+    SDPA's, per row and per segment, for 4 query heads over 2 key/value heads and a head dim of 12 (padded to
+    16 around the kernels, as flash-attn pads it)."""
+    from tests.helpers.flash_attn_twin import flash_attn_func, flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 5, 4, 12, generator=g, dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, 5, 2, 12, generator=g, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    grad = torch.randn(2, 5, 4, 12, generator=g, dtype=torch.bfloat16)
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            *(t.float().transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True).transpose(1, 2)
+
+    want = torch.autograd.grad(sdpa(q, k, v), (q, k, v), grad.float())
+    dense = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), grad)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)  # the same rows, flattened
+    flat = flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu.clone(), 5, 5, causal=True)
+    varlen = torch.autograd.grad(flat, (q, k, v), grad.flatten(0, 1))
+    for got in (dense, varlen):
+        for g_got, g_want in zip(got, want, strict=True):
+            assert g_got.shape == g_want.shape
+            torch.testing.assert_close(g_got.float(), g_want.float(), rtol=1.6e-2, atol=1e-2)  # one bf16 rounding apart
+    assert (twin.dense, twin.varlen, twin.backward) == (1, 1, 2)
+
+
+def test_the_twins_kernels_are_custom_ops_under_flash_attns_names_whose_fakes_match_them() -> None:
+    """torch's own check of a custom op (schema, fake implementation against the kernel, shapes and strides
+    included, and AOT dispatch) passes for all four, each under flash-attn 2.8's name."""
+    from tests.helpers.flash_attn_twin import flash_attn_func  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.flash_attn
+    a = _varlen_args()
+    q, k, v, cu_q, cu_k = a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"]
+    varlen = (q, k, v, cu_q, cu_k, 5, 5, 0.0, 0.35, True)
+    out, lse, _, rng = ops._flash_attn_varlen_forward(*varlen)
+    dense = tuple(t.reshape(2, 5, -1, 8) for t in (q, k, v))
+    d_out, d_lse, _, d_rng = ops._flash_attn_forward(*dense, 0.0, 0.35, True, -1, -1, 0.0, None, False)
+    checks = {
+        ops._flash_attn_varlen_forward.default: varlen,
+        ops._flash_attn_varlen_backward.default: (torch.randn_like(out), q, k, v, out, lse, torch.empty_like(q),
+                                                  torch.empty_like(k), torch.empty_like(v), cu_q, cu_k, 5, 5, 0.0,
+                                                  0.35, True, -1, -1, 0.0, None, False, rng),
+        ops._flash_attn_forward.default: (*dense, 0.0, 0.35, True, -1, -1, 0.0, None, False),
+        ops._flash_attn_backward.default: (torch.randn_like(d_out), *dense, d_out, d_lse,
+                                           *(torch.empty_like(t) for t in dense), 0.0, 0.35, True, -1, -1, 0.0, None,
+                                           False, d_rng),
+    }
+    for op, args in checks.items():
+        assert op.name().startswith("flash_attn::_flash_attn_")
+        assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}, op.name()
+    assert str(ops._flash_attn_varlen_backward.default._schema).startswith(
+        "flash_attn::_flash_attn_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor softmax_lse, Tensor(a6!)? dq, Tensor(a7!)? dk, Tensor(a8!)? dv")  # writes dq, dk, dv in place
+
+
+class _Ops(TorchDispatchMode):
+    """Every op dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_and_dynamo_see_one_opaque_op_per_call_and_dynamo_compiles_it_once(twin: Calls) -> None:
+    """What a GPU shows them: a dispatch mode sees the forward and backward kernels by name and nothing inside
+    them; Dynamo puts the op in one graph and reuses it call after call (a counter the twin kept in traced Python
+    would be a constant Dynamo guards on: one recompile per call)."""
+    from tests.helpers.flash_attn_twin import flash_attn_varlen_func
+
+    args = _varlen_args()
+    leaves = [args[name].requires_grad_() for name in "qkv"]
+    with _Ops() as seen:
+        flash_attn_varlen_func(**args).float().sum().backward()
+    flash = {name for name in seen.names if name.startswith("flash_attn::")}
+    assert flash == {"flash_attn::_flash_attn_varlen_forward", "flash_attn::_flash_attn_varlen_backward"}
+    assert not {"aten::bmm", "aten::mm", "aten::_softmax", "aten::logsumexp"} & set(seen.names)  # the insides
+    assert all(t.grad is not None for t in leaves)
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    compiled = torch.compile(flash_attn_varlen_func, backend=backend, fullgraph=True)
+    plain = {**_varlen_args(), "causal": True}
+    twin.reset()
+    for _ in range(3):
+        compiled(**plain)
+    torch.compiler.reset()
+    assert len(graphs) == 1 and twin.varlen == 3
+    targets = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    op = torch.ops.flash_attn._flash_attn_varlen_forward
+    assert {op, op.default} & targets  # the op itself, one node
 
 
 class _WithoutVarlenArguments(torch.nn.Module):
@@ -211,12 +382,37 @@ def test_sdpa_packed_rows_read_nothing_back_with_the_ready_mask_and_match_transf
 
     own, own_reads = forward()
     assert own_reads, "transformers' own detection reads the device (the read this removes)"
-    assert mask_packed_rows(model)
+    assert ready_attention_masks(model)
     ready, reads = forward()
     assert reads == []
     torch.testing.assert_close(ready, own, rtol=0, atol=1e-5)
     alone = model(**_inputs(PackCollate(0, 16)([_examples()[1]])), use_cache=False).logits[0]
     torch.testing.assert_close(ready[0, 9:16], alone, rtol=0, atol=1e-5)  # the second example saw only itself
+
+
+def test_sdpa_padded_rows_read_nothing_back_with_the_ready_mask_and_give_transformers_logits() -> None:
+    """A padded prompt/completion batch: transformers' SDPA path asks the device twice per forward whether the
+    batch has padding at all; the ready causal-and-padding mask gives the same logits, padding positions included,
+    with no read."""
+    from ddptrain.data.instruct import PadCollate
+    from tests.helpers.host_reads import HostReads
+
+    model = _model("llama")
+    batch = {k: v for k, v in PadCollate(0)(_examples()).items() if k != "labels"}
+    assert (batch["attention_mask"] == 0).any()
+
+    def forward() -> tuple[torch.Tensor, list[str]]:
+        reads: list[str] = []
+        with torch.no_grad(), HostReads(torch.device("cpu"), lambda name, why: reads.append(name)):
+            out = model(**batch, use_cache=False).logits
+        return out, reads
+
+    own, own_reads = forward()
+    assert own_reads, "transformers' own padding check reads the device (the read this removes)"
+    assert ready_attention_masks(model)
+    ready, reads = forward()
+    assert reads == []
+    torch.testing.assert_close(ready, own, rtol=0, atol=1e-5)
 
 
 def test_flash_attention_with_the_varlen_arguments_reads_the_device_once_per_forward_not_per_layer(
@@ -253,7 +449,78 @@ def test_a_ready_mask_only_for_sdpa_and_the_same_segments_as_transformers_finds(
     expected = (segments[:, :, None] == segments[:, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
     assert mask.shape == (2, 1, 6, 6) and torch.equal(mask[:, 0], expected)
     eager = AutoModelForCausalLM.from_config(ARCHS["gpt2"], attn_implementation="eager")
-    assert not mask_packed_rows(eager)  # eager wants an additive mask: transformers builds its own
+    assert not ready_attention_masks(eager)  # eager wants an additive mask: transformers builds its own
+
+
+COMPILED_LENGTHS = ([20, 5, 3, 17], [9, 7, 8, 6], [30, 2, 11, 4], [9, 7, 8, 6, 30, 31], [3, 4])  # rows: 2 1 2 3 1
+
+
+def _compiled_flash_blocks(rank: int, world_size: int) -> dict[str, Any]:
+    """A 12-block Llama on FlashAttention-2's varlen path (the twin), its blocks compiled by ``compile_blocks`` with
+    a backend that counts the graphs Dynamo hands it; five packed micro batches of changing shape, forward and
+    backward in bf16 autocast, beside an eager copy of the model."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from ddptrain.parallel.compile import compile_blocks
+    from tests.helpers.flash_attn_twin import Permanent
+
+    calls = install(Permanent())
+    torch.compiler.reset()
+    counters.clear()
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert use_varlen_attention(model, torch.device("cpu"), Precision.bf16)
+    eager = copy.deepcopy(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    original = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: original(self, **{**kw, "backend": counting})  # type: ignore
+    try:
+        blocks = compile_blocks(model, varying_shapes=True)
+    finally:
+        torch.nn.Module.compile = original  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(4)
+    out: dict[str, Any] = {"blocks": blocks, "graphs": [], "rows": [], "losses": [], "eager": [], "kernels": 0}
+    for lengths in COMPILED_LENGTHS:
+        examples = [{"input_ids": ids, "labels": ids}
+                    for ids in (torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths)]
+        batch = _inputs(PackCollate(pad_id=0, seq_len=32)(examples)) | {"labels": None}
+        batch["labels"] = batch["input_ids"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out["eager"].append(eager(**batch, use_cache=False).loss.item())
+            before = calls.varlen
+            loss = model(**batch, use_cache=False).loss
+            out["kernels"] += calls.varlen - before
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["graphs"].append(len(graphs))
+        out["rows"].append(batch["input_ids"].shape[0])
+    out.update(backward=calls.backward, breaks=sum(counters["graph_break"].values()))
+    return out
+
+
+@pytest.mark.slow  # Dynamo traces a 12-block model twice, forward and backward: ~40 s on a loaded 2-core machine
+def test_compiled_blocks_on_flash_attention_packed_rows_share_one_graph_across_layers_and_micro_batches() -> None:
+    """train.compile with FlashAttention-2's varlen kernel: transformers passes each layer's ``layer_idx`` into the
+    FA2 path (one graph per layer, then eager past Dynamo's recompile limit of 8), logs from inside it (a graph
+    break in every layer), and every micro batch brings new row counts, lengths, offsets and longest segment (a
+    recompile each). Through ``compile_blocks``: one graph serves all 12 layers and every micro batch of several
+    rows, one more the micro batches of one row (torch specializes a size of 1); no graph break; every layer ran
+    the kernel, compiled, forward and backward; the eager model's losses."""
+    (ran,) = run_distributed(_compiled_flash_blocks, 1, timeout=600)
+    assert ran["blocks"] == 12 and ran["rows"] == [2, 1, 2, 3, 1]
+    assert ran["graphs"] == [1, 2, 2, 2, 2], ran["graphs"]
+    assert ran["breaks"] == 0
+    assert ran["kernels"] == ran["backward"] == 12 * len(COMPILED_LENGTHS)
+    assert ran["losses"] == pytest.approx(ran["eager"], rel=1e-5)
 
 
 STARTUP: Overrides = {
@@ -349,9 +616,13 @@ def test_a_packed_fine_tuning_run_from_the_command_line_goes_through_flash_atten
         assert calls["most_segments"] >= 4 and calls["int_lengths"], calls  # several rows of several examples
 
 
-def test_a_packed_batch_carries_the_varlen_arguments_and_moves_them_once() -> None:
+def test_a_packed_batch_carries_the_varlen_arguments_as_two_tensors_and_moves_them() -> None:
+    """The query and key offsets are equal but two tensors: Dynamo does not trace an autograd.Function given one
+    tensor as two inputs (flash-attn's varlen function takes both), a graph break in every layer when compiled."""
     batch = PackCollate(pad_id=0, seq_len=16)(_examples())
-    assert batch["cu_seq_lens_q"] is batch["cu_seq_lens_k"] and batch["max_length_q"] == batch["max_length_k"] == 9
+    assert batch["cu_seq_lens_q"] is not batch["cu_seq_lens_k"]
+    assert torch.equal(batch["cu_seq_lens_q"], batch["cu_seq_lens_k"])
+    assert batch["max_length_q"] == batch["max_length_k"] == 9
     moved = to_device(batch, torch.device("meta"))
-    assert moved["cu_seq_lens_q"].is_meta and moved["cu_seq_lens_q"] is moved["cu_seq_lens_k"]
+    assert moved["cu_seq_lens_q"].is_meta and moved["cu_seq_lens_k"].is_meta
     assert moved["max_length_q"] == 9 and moved["input_ids"].is_meta

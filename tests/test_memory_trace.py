@@ -157,6 +157,38 @@ def test_fake_step_peaks_like_the_real_cpu_step_in_every_category(
     assert fake.by_category["activations"] > 0 and fake.by_category["optimizer"] > 0
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_a_prompt_completion_step_is_planned_with_the_attention_mask_the_real_step_holds(packing: bool) -> None:
+    """Prompt/completion rows on SDPA carry a ``[rows, 1, T, T]`` attention mask that backward keeps (packed rows'
+    block-diagonal one, padded rows' causal-and-padding one): the plan traces it as the run builds it (one per micro
+    batch), so the traced peak is the real step's, category by category, at a length where the mask is a real part
+    of it (rows of 256: 3% of the step's peak at 2 layers)."""
+    from ddptrain.config.choices import DataFormat
+    from ddptrain.models.attention import ready_attention_masks
+
+    cfg = small_config("llama", "none", lora=True)
+    cfg.data.seq_len = 256
+    cfg.data.format, cfg.data.packing = DataFormat.prompt_completion, packing
+    setup = StepSetup("cpu", torch.bfloat16, cfg.optim.grad_clip)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, optimizer, batch = fake_training_state(cfg, VOCAB, BATCH, "cpu", mode)
+    assert set(batch) == {"input_ids", "labels", "position_ids" if packing else "attention_mask"}
+    with mode:
+        fake = trace_step(model, optimizer, batch, setup)[0].peak
+
+    real_model, real_optimizer, _ = real_training_state(cfg)
+    assert ready_attention_masks(real_model)  # as the run installs it
+    ids = torch.randint(0, VOCAB, (BATCH, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
+    index = torch.arange(cfg.data.seq_len).expand(BATCH, -1)
+    real_batch = {"input_ids": ids, "labels": ids,
+                  **({"position_ids": index % 100} if packing  # examples of 100, 100 and 56 tokens in each row
+                     else {"attention_mask": (index < torch.tensor([[256], [200], [150], [90]])).long()})}
+    measured = allocator_peak(real_model, real_optimizer, real_batch, setup)
+    assert fake.peak == pytest.approx(measured, rel=0.02)
+    real = trace_step(real_model, real_optimizer, real_batch, setup)[0].peak
+    assert_close(fake.by_category, real.by_category, measured)
+
+
 def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None:
     cfg = small_config()
     cfg.model.num_layers = 4

@@ -123,6 +123,53 @@ def test_packed_gradients_equal_the_padded_ones(pretrained: dict[str, Path], arc
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def _saved_masks(model: torch.nn.Module, batch: dict[str, Any], dtype: torch.dtype | None) -> tuple[int, torch.Tensor]:
+    """One training forward: how many distinct ``[rows, 1, T, T]`` storages autograd saved for backward (the
+    attention masks SDPA keeps), and the loss."""
+    rows, length = batch["input_ids"].shape
+    storages: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tuple(tensor.shape) == (rows, 1, length, length):
+            storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = model(**batch, use_cache=False).loss
+    return len(storages), loss.detach()
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpa_saves_one_attention_mask_per_micro_batch_not_one_per_layer(
+    layout: str, dtype: torch.dtype | None
+) -> None:
+    """SDPA's backward saves the mask it was given; a bool mask (or a float one in another dtype) is converted in
+    every layer, so 4 layers saved 4 masks. The ready mask is additive, in the attention's dtype, built once per
+    micro batch: 4 layers save 1, and the loss is transformers' own."""
+    from ddptrain.models.attention import ready_attention_masks
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    own = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    ready = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    ready.load_state_dict(own.state_dict())
+    assert ready_attention_masks(ready)
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": ids, "labels": ids}
+                for ids in (torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (11, 9, 7, 13))]
+    collate = PackCollate(pad_id=0, seq_len=20) if layout == "packed" else PadCollate(pad_id=0)
+    batch = {k: v for k, v in collate(examples).items() if k not in COUNTS}
+    assert batch["input_ids"].shape[1] != config.hidden_size // config.num_attention_heads  # no other [.., T, T]
+    masks, loss = _saved_masks(ready, batch, dtype)
+    assert masks == 1
+    own_masks, own_loss = _saved_masks(own, batch, dtype)
+    assert own_masks == config.num_hidden_layers  # transformers' bool mask, converted in every layer
+    assert loss.item() == pytest.approx(own_loss.item(), rel=1e-6 if dtype is None else 1e-3)
+
+
 class _Forcing(torch.nn.Module):
     """A model whose forward ignores the caller on one argument: ``use_cache=True`` or an all-ones 2-D mask."""
 

@@ -93,11 +93,13 @@ class PackCollate:
 
 
 def varlen_arguments(segments: Sequence[int]) -> dict[str, Any]:
-    """transformers' FlashAttention varlen kwargs for consecutive segments of these lengths (on the host)."""
+    """transformers' FlashAttention varlen kwargs for consecutive segments of these lengths (on the host). The
+    query and key offsets are equal but two tensors: Dynamo cannot trace an autograd.Function handed one tensor as
+    two inputs (flash-attn's varlen function takes both), and would break each compiled block's graph there."""
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
     longest = max(segments)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest, "max_length_k": longest}
 
 
 def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = False) -> dict[str, Any]:

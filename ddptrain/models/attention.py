@@ -1,5 +1,6 @@
-"""Attention for packed rows: causal SDPA without a mask for pretraining blocks; for packed prompt/completion rows,
-FlashAttention-2's varlen kernel where it serves, else SDPA with a block-diagonal causal mask built on the device.
+"""Attention for training batches: causal SDPA without a mask for pretraining blocks; for packed prompt/completion
+rows, FlashAttention-2's varlen kernel where it serves, else SDPA with a block-diagonal causal mask built on the
+device; for padded prompt/completion rows, SDPA with a causal-and-padding mask built the same way.
 
 Training forwards run without a KV cache (``use_cache=False``). Without a cache and without a padding mask,
 transformers' mask builder (``create_causal_mask``) first looks for several sequences packed into one row
@@ -17,6 +18,15 @@ rows. SDPA gets a ready 4-D block-diagonal causal mask, built on the device from
 by a forward pre-hook: transformers takes a 4-D mask as it is, so its packed-sequence detection and the host read
 it costs are skipped (the mask is the one it would have built). Either way the start-up check
 (``packed_attention.py``) measures that examples stay apart.
+
+The ready mask is additive (0 where a query may look, the dtype's lowest value where not) and in the dtype the
+attention computes in (autocast's, else the model's), built once per forward and handed to every layer. A bool
+mask, or a float one in another dtype, is converted inside every SDPA call, and SDPA's backward saves what it was
+given: one ``[rows, 1, T, T]`` tensor per layer (36 layers of Qwen3-4B at 8 rows of 2048: 2.25 GiB) instead of one
+per micro batch. Padded prompt/completion batches get the same: their 2-D padding mask becomes the one ready 4-D
+mask (causal, padding keys hidden), which also skips the host read transformers' SDPA path makes to see whether a
+batch has any padding. The mask's rows are laid out with a stride of a multiple of 8 elements: CUDA's
+memory-efficient kernel copies a mask whose strides are not, in every call.
 """
 
 from __future__ import annotations
@@ -89,20 +99,53 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
-def _with_block_mask(module: torch.nn.Module, args: tuple[Any, ...],
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` (bool ``[rows, 1, T, T]``) as an additive mask in ``dtype``: 0 where a query may attend, the
+    dtype's lowest value where not (a row with nothing allowed then averages instead of giving NaN). Each row of
+    the storage is padded to a multiple of 8 elements, the alignment CUDA's memory-efficient kernel needs to take
+    the mask as it is."""
+    rows, heads, length, keys = allowed.shape
+    width = -(-keys // 8) * 8
+    mask = torch.zeros((rows, heads, length, width), dtype=dtype, device=allowed.device)[..., :keys]
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def padding_causal_mask(padding: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1, T, T]`` bool from a 2-D padding mask (1 for a real token): a token sees the real tokens up to it
+    (transformers' own causal-and-padding mask for SDPA)."""
+    index = torch.arange(padding.shape[-1], device=padding.device)
+    causal = index[None, :] <= index[:, None]
+    return (causal[None] & padding.bool()[:, None, :])[:, None]
+
+
+def _attention_dtype(module: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on (SDPA is on its lower-precision list, and casts a
+    mask of another dtype in every call), else the model's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return getattr(module, "dtype", torch.float32)
+
+
+def _with_ready_mask(module: torch.nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    positions = kwargs.get("position_ids")
-    if positions is None or kwargs.get("attention_mask") is not None:
+    positions, padding = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if padding is None and positions is not None:  # packed rows: segments where positions restart
+        allowed = block_causal_mask(positions)
+    elif padding is not None and padding.dim() == 2:  # padded rows
+        allowed = padding_causal_mask(padding)
+    else:
         return None
-    return args, {**kwargs, "attention_mask": block_causal_mask(positions)}
+    return args, {**kwargs, "attention_mask": additive_mask(allowed, _attention_dtype(module, allowed.device))}
 
 
-def mask_packed_rows(model: torch.nn.Module) -> bool:
-    """SDPA on packed rows: hand every forward a ready block-diagonal causal mask (no per-forward host read in
-    transformers' detection). Only for ``sdpa``: FlashAttention takes the varlen arguments, and eager attention
-    wants an additive mask, so both keep transformers' own path. Installed on the model as the run calls it
-    (after adapter wrapping; peft forwards the keyword arguments). True when installed."""
+def ready_attention_masks(model: torch.nn.Module) -> bool:
+    """SDPA on prompt/completion batches: hand every forward one ready additive 4-D mask, built on the device once
+    and shared by every layer: block-diagonal causal for packed rows (no per-forward host read in transformers'
+    detection), causal with padding hidden for padded ones. Only for ``sdpa``: FlashAttention takes the varlen
+    arguments or unpads, and eager attention builds its additive mask once and saves none for backward, so both
+    keep transformers' own path. Installed on the model as the run calls it (after adapter wrapping; peft forwards
+    the keyword arguments). True when installed."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
-    model.register_forward_pre_hook(_with_block_mask, with_kwargs=True)
+    model.register_forward_pre_hook(_with_ready_mask, with_kwargs=True)
     return True

@@ -25,7 +25,7 @@ from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
-from ddptrain.models.attention import mask_packed_rows, use_causal_attention, use_varlen_attention
+from ddptrain.models.attention import ready_attention_masks, use_causal_attention, use_varlen_attention
 from ddptrain.models.checkpointing import deprecation_line
 from ddptrain.models.chunked_loss import chunked_loss_refusal, use_chunked_loss
 from ddptrain.models.flops import attention_flops, flops_per_token, head_dim, pretrained_attention_flops
@@ -118,8 +118,9 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
     if note := deprecation_line(cfg.model):
         log.info(note)
     model = prepare_for_finetuning(model.to(device), cfg.model)
+    if cfg.data.format == DataFormat.prompt_completion:
+        ready_attention_masks(model)  # sdpa: one additive mask per micro batch, shared by every layer
     if packed_examples:
-        mask_packed_rows(model)  # sdpa: a ready block-diagonal mask (no host read per forward)
         check_packed_attention(model, data.vocab_size, autocast)  # before compiling and wrapping; as training runs
     if cfg.train.chunked_loss:
         chunk = use_chunked_loss(model, cfg.train.loss_chunk_tokens)
@@ -129,7 +130,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
     log.info("model %s: %.2fM parameters (%s) | %d train / %d val sequences", cfg.model.name, n_params / 1e6,
              trainable_line(trainable, n_params, None), len(data.train), len(data.val))
     if cfg.train.compile:
-        log.info("train.compile: compiling %d transformer blocks (on the first step)", compile_blocks(model))
+        blocks = compile_blocks(model, varying_shapes=cfg.data.format == DataFormat.prompt_completion)
+        log.info("train.compile: compiling %d transformer blocks (on the first step)", blocks)
     if cfg.train.precision == Precision.auto:
         log.info("train.precision=auto: %s on this %s device", precision, device.type)
     wrapped = wrap_model(model, cfg.parallel, device, precision, env.local_world_size)

@@ -4,7 +4,8 @@ A CLI run on CPU that takes transformers' FlashAttention-2 path as a run on an H
 takes it: each worker installs the twin (``flash_attn_twin.install``: the package, transformers' availability
 checks, and the CPU among ddptrain's flash devices) before ``ddptrain`` runs; nothing else about the run changes.
 With ``DDPTRAIN_TWIN_REPORT`` set to a directory, each rank writes there what the twin was asked
-(``rank<N>.json``: dense and varlen calls, the most segments in one call, whether every maximum length was an int).
+(``rank<N>.json``: dense and varlen calls, the most segments in one call, whether every maximum length came as an
+int, none read back).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> int:
     if report := os.environ.get("DDPTRAIN_TWIN_REPORT"):
         record = {"dense": calls.dense, "varlen": calls.varlen,
                   "most_segments": max((cu.numel() - 1 for cu, _ in calls.segments), default=0),
-                  "int_lengths": all(type(n) is int for _, n in calls.segments)}
+                  "int_lengths": calls.read_back == 0}
         (Path(report) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
     return code
 

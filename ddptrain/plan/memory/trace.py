@@ -25,9 +25,10 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AutoModelForCausalLM, PreTrainedModel, masking_utils
 
-from ddptrain.config.choices import Quantize
-from ddptrain.config.schema import Config, ModelConfig
+from ddptrain.config.choices import DataFormat, Quantize
+from ddptrain.config.schema import Config, DataConfig, ModelConfig
 from ddptrain.models import chunked_loss
+from ddptrain.models.attention import ready_attention_masks
 from ddptrain.models.build import hf_config
 from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
@@ -320,4 +321,18 @@ def fake_training_state(
                                       **kwargs)
         create_optimizer_state(optimizer, model.parameters())
         ids = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long)
-    return model, optimizer, {"input_ids": ids, "labels": ids}
+        attention = prompt_completion_inputs(model, cfg.data, ids)
+    return model, optimizer, {"input_ids": ids, "labels": ids, **attention}
+
+
+def prompt_completion_inputs(model: torch.nn.Module, data: DataConfig, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a prompt/completion micro batch hands the model beside its tokens, with the ready attention mask the
+    run builds from it (SDPA: one additive ``[rows, 1, T, T]`` mask per micro batch, which backward keeps): packed
+    rows' ``position_ids``, padded rows' padding mask. Planned at full rows of ``data.seq_len``; the mask's size,
+    not its pattern, is what memory sees (one segment per row stands for any packing)."""
+    if data.format != DataFormat.prompt_completion:
+        return {}
+    ready_attention_masks(model)
+    if data.packing:
+        return {"position_ids": torch.arange(ids.shape[1]).expand_as(ids)}
+    return {"attention_mask": torch.ones_like(ids)}
