@@ -154,7 +154,8 @@ def _mismatch(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[st
         sides = []
         for m, c in sorted(same.items()):
             step, phase = (records[m]["step"], records[m]["phase"]) if m in records else where.get(m, (0, "start-up"))
-            sides.append(f"rank {m} {c['op']} of {_size(c['bytes'])} at step {step} in {PHASES.get(phase, phase)}")
+            at = f"at step {step} in {PHASES.get(phase, phase)}" if c is traces[m][-1] else "(the host ran ahead of it)"
+            sides.append(f"rank {m} {c['op']} of {_size(c['bytes'])} {at}")
         return (f"mismatched collectives: as collective #{seq}{jobs.label(group, r)} the ranks called different ones: "
                 + "; ".join(sides))
     return None

@@ -11,7 +11,9 @@ this twin does in its place:
   ``run_ahead_after_s`` (default: half the group's timeout): a collective still unfinished then is one a peer
   never joined, and the host goes on as NCCL's would have, enqueuing what follows. Two waits never let the host
   go: a barrier (NCCL's barrier synchronizes the host with the stream) and the collectives inside
-  ``*_object*`` calls (the host reads their results at once, a device-to-host copy on a GPU).
+  ``*_object*`` calls (the host reads their results at once, a device-to-host copy on a GPU). Once a collective
+  let the host go unfinished, the group's later collectives are recorded but never run (on NCCL they queue on
+  the stream behind it), so no mismatched traffic reaches gloo.
 - **The flight recorder.** One ring for the process (``TORCH_FR_BUFFER_SIZE``, default 2000; 0: off), every
   group's collectives in it, with NCCL's keys (``collective_seq_id`` per group, ``profiling_name``
   ``nccl:<op>``, ``input_sizes``/``input_dtypes``, ``state``, ``process_group`` (name, description), ``pg_id``);
@@ -168,6 +170,7 @@ class TwinGroup(dist.ProcessGroup):
         self._p2p_seq = 0
         self._discovered = 0  # the last collective the watchdog found completed (in order, as a stream's)
         self.pending: list[_Entry] = []
+        self.stalled = False  # a collective of this group let the host go unfinished: nothing after it runs
         RECORDER.status[str(self.pg_id)] = {"last_enqueued_collective": 0, "last_started_collective": -1,
                                             "last_completed_collective": 0}
         RECORDER.groups.append(self)
@@ -239,13 +242,14 @@ class TwinGroup(dist.ProcessGroup):
             with RECORDER.lock:
                 RECORDER.status[str(self.pg_id)]["last_enqueued_collective"] = self._seq
             WATCHDOG.pending(entry)
-        work = getattr(self._inner, inner)(*args, **kwargs)
+        if not self.stalled:  # behind a stuck collective, NCCL's stream never runs it: gloo is not asked
+            work = getattr(self._inner, inner)(*args, **kwargs)
 
-        def completed(value: Any) -> None:
-            entry.done.set()
-            release(value)
+            def completed(value: Any) -> None:
+                entry.done.set()
+                release(value)
 
-        _on_completion(work, completed)
+            _on_completion(work, completed)
         return torch._C._distributed_c10d._create_work_from_future(host)
 
     def discover(self) -> None:
@@ -340,6 +344,7 @@ class _Watchdog:
                 for entry in pending:  # a peer never joined it: the host goes on, as NCCL's never stopped
                     if entry.release_at is not None and now > entry.release_at:
                         entry.release_at = None
+                        group.stalled = True
                         entry.release()
                 if pending and now > pending[0].deadline and late is None:
                     late = pending[0]
