@@ -209,6 +209,23 @@ MUTANTS = [
              "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
              "self.events[slot] = 0.0"),),
            ("tests/test_nonfinite.py", "-k", "fp16")),
+    # issue 41 (verdict): what the hang verdict reads, and issue 40's two defects kept fixed
+    Mutant("verdict-record-ignores-dump", "a rank's record with no collectives ignores its NCCL dump",
+           (("ddptrain/diagnose/verdict.py", "        if not rec.get(\"collectives\") and dumps.get(r):",
+             "        if False:"),),
+           ("tests/test_verdict.py",)),
+    Mutant("verdict-reads-checkpoint-group", "the async checkpoint's gloo group is read with the training's groups",
+           (("ddptrain/diagnose/trace.py", "and _group(e) is not None and _desc(e) not in SIDE_GROUPS]",
+             "and _group(e) is not None]"),),
+           ("tests/test_verdict.py",)),
+    Mutant("verdict-last-entries-only", "the verdict reads a dump's last 8 entries, not the whole ring",
+           (("ddptrain/diagnose/trace.py", "    out = [_collective(e) for e in entries]\n",
+             "    out = [_collective(e) for e in entries[-8:]]\n"),),
+           ("tests/test_verdict.py",)),
+    Mutant("verdict-default-group-only", "the verdict reads the default process group's collectives only",
+           (("ddptrain/diagnose/trace.py", "and _group(e) is not None and _desc(e) not in SIDE_GROUPS]",
+             "and _group(e) == DEFAULT_GROUP and _desc(e) not in SIDE_GROUPS]"),),
+           ("tests/test_verdict.py",)),
 ]
 
 

@@ -53,6 +53,7 @@ CASES = {  # fault, ranks, what the last line must say (on gloo only: the last l
     "hsdp": ("hang@forward:3:1", 4, ["rank 1 (host ", "hung at step 3 in forward", "; rank 0 waited in all_gather",
                                      "of group mesh_shard [ranks 0, 1]"], [], HSDP),
 }
+START_ORDER = ("hsdp", "save", "data", "forward", "mismatch", "dead")  # "dead" waits for no timeout
 RUNS_AHEAD = ("data", "forward", "mismatch", "hsdp")  # on the twin: rank 0's host enqueued past its wait
 
 
@@ -63,6 +64,8 @@ def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     cache = tmp_path_factory.mktemp("cache")
     selected = [item.callspec.params for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")]
+    # the longest runs first, so that the last to start, whose whole run nothing overlaps, is a short one
+    selected.sort(key=lambda params: START_ORDER.index(params["case"]))
     todo: dict[str, Job] = {}
     for params in selected:
         case, backend = params["case"], params["backend"]

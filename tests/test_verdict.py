@@ -343,8 +343,8 @@ def test_on_nccl_a_stuck_collective_that_fell_out_of_a_shrunk_ring_is_read_from_
     _at(folder, 0, "backward", 6)
     _record(folder, 1, "SIGTERM from the launcher", 5, "data", [(2400, "all_reduce", BUCKET)])
     line = verdict(tmp_path, [Failure(0, -6, "SIGABRT"), Failure(1, -15, "SIGTERM")], 2, 300, "vm")
-    assert line == ("rank 1 (host vm) hung at step 5 in data loading; rank 0 waited in collective #2401 (backward "
-                    "of step 6; gone from the ring) for 300 s (dist.timeout_s)")
+    assert line == ("rank 1 (host vm) hung at step 5 in data loading; rank 0 waited in collective #2401 (gone from "
+                    "the flight recorder's ring, the host ran ahead of it) for 300 s (dist.timeout_s)")
 
 
 HSDP_GROUPS = {"0": ("default_pg", [0, 1, 2, 3]), "1": ("mesh_replicate", [0, 2]), "2": ("mesh_replicate", [1, 3]),

@@ -75,13 +75,14 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
             and f.rank not in records and f.rank not in dumps]
     traces = {r: rec.get("collectives") or [] for r, rec in records.items()}
     traces.update({r: d["collectives"] for r, d in dumps.items() if r not in records})  # e.g. stuck in native code
-    jobs = _Groups(world_size, [*records.values(), *dumps.values()], traces)
+    evidence = {r: [ev for ev in (records.get(r), dumps.get(r)) if ev] for r in range(world_size)}
+    groups = _Groups(world_size, evidence, traces)
     if dead:
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
         step, phase = where.get(first.rank, (0, "start-up"))
         frame = _stack_frame(folder / f"rank{first.rank}.stacks")
-        others = _waited(waiters, jobs, timeout_s, exclude={first.rank})
+        others = _waited(waiters, groups, timeout_s, exclude={first.rank})
         if first.signal == "SIGABRT" and frame is not None and frame[1]:
             return (f"rank {first.rank} (host {host_of}) aborted (SIGABRT) inside a collective at step {step} "
                     f"({frame[0]}): its collective does not match its peers' (another kind or size; gloo aborts "
@@ -93,9 +94,9 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
                 f"{PHASES.get(phase, phase)}{at}{others}")
     if not waiters:
         return None
-    if (mismatch := _mismatch(waiters, traces, records, where, jobs)) is not None:
+    if (mismatch := _mismatch(waiters, traces, records, where, groups)) is not None:
         return mismatch
-    late = _late(waiters, traces, jobs, world_size)
+    late = _late(waiters, traces, groups, world_size)
     if not late:
         return None
     parts = []
@@ -105,30 +106,37 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
         at = f" ({rec['where']})" if rec.get("where") else ""
         parts.append(f"rank {r} (host {rec.get('host', host)}) hung at step {step} in {PHASES.get(phase, phase)}{at}")
     # a late rank that timed out itself is named above, not among the ranks that waited
-    return "; ".join(parts) + _waited(waiters, jobs, timeout_s, exclude=late)
+    return "; ".join(parts) + _waited(waiters, groups, timeout_s, exclude=late)
 
 
 class _Groups:
-    """The process groups the ranks' evidence names: each group's global ranks (from any rank's record or dump;
-    the default group is every rank; else the ranks that recorded a collective of it) and its description."""
+    """The process groups the ranks' evidence names: each group's global ranks as each rank recorded them (torch
+    may give groups of different ranks one name on different ranks), else as any rank recorded them (the default
+    group: every rank), else the ranks that recorded a collective of it; and its description."""
 
-    def __init__(self, world_size: int, evidence: list[dict[str, Any]], traces: dict[int, list[dict[str, Any]]]):
+    def __init__(self, world_size: int, evidence: dict[int, list[dict[str, Any]]],
+                 traces: dict[int, list[dict[str, Any]]]) -> None:
+        self.own: dict[tuple[int, str], list[int]] = {}
         self.ranks: dict[str, list[int]] = {DEFAULT_GROUP: list(range(world_size))}
         self.desc: dict[str, str] = {}
-        for ev in evidence:
-            for name, group in (ev.get("groups") or {}).items():
-                self.desc.setdefault(name, group.get("desc") or "")
-                if group.get("ranks") and name not in self.ranks:
-                    self.ranks[name] = list(group["ranks"])
+        for r, found in evidence.items():
+            for ev in found:
+                for name, group in (ev.get("groups") or {}).items():
+                    self.desc.setdefault(name, group.get("desc") or "")
+                    if group.get("ranks"):
+                        self.own.setdefault((r, name), list(group["ranks"]))
+                        self.ranks.setdefault(name, list(group["ranks"]))
+        recorded: dict[str, list[int]] = {}
         for r, collectives in traces.items():
             for c in collectives:
-                self.ranks.setdefault(group_of(c), [])
-                if r not in self.ranks[group_of(c)]:
-                    self.ranks[group_of(c)].append(r)
+                if r not in recorded.setdefault(group_of(c), []):
+                    recorded[group_of(c)].append(r)
+        for name, ranks in recorded.items():
+            self.ranks.setdefault(name, ranks)
 
     def members(self, group: str, rank: int) -> list[int]:
-        """The ranks of ``group`` as ``rank`` knows it (groups of one name on other ranks may differ)."""
-        return sorted(self.ranks.get(group) or [rank])
+        """The ranks of ``group`` as ``rank`` knows it."""
+        return sorted(self.own.get((rank, group)) or self.ranks.get(group) or [rank])
 
     def label(self, group: str, rank: int) -> str:
         """`` of group mesh_shard [ranks 0, 1]``; nothing for the default group."""
@@ -140,14 +148,14 @@ class _Groups:
 
 
 def _mismatch(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, Any]]],
-              records: dict[int, dict[str, Any]], where: dict[int, tuple[int, str]], jobs: _Groups) -> str | None:
+              records: dict[int, dict[str, Any]], where: dict[int, tuple[int, str]], groups: _Groups) -> str | None:
     """Ranks that called different collectives (kind or size) as the collective a waiter is in."""
     for r in sorted(waiters):
         stuck = current(traces.get(r))
         if stuck is None or stuck.get("op") is None:
             continue
         group, seq = group_of(stuck), stuck["seq"]
-        same = {m: c for m in jobs.members(group, r) if (c := entered(traces.get(m), group, seq)) is not None
+        same = {m: c for m in groups.members(group, r) if (c := entered(traces.get(m), group, seq)) is not None
                 and c.get("op") is not None}
         if len({(c["op"], c["bytes"]) for c in same.values()}) < 2:
             continue
@@ -156,12 +164,12 @@ def _mismatch(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[st
             step, phase = (records[m]["step"], records[m]["phase"]) if m in records else where.get(m, (0, "start-up"))
             at = f"at step {step} in {PHASES.get(phase, phase)}" if c is traces[m][-1] else "(the host ran ahead of it)"
             sides.append(f"rank {m} {c['op']} of {_size(c['bytes'])} {at}")
-        return (f"mismatched collectives: as collective #{seq}{jobs.label(group, r)} the ranks called different ones: "
-                + "; ".join(sides))
+        return (f"mismatched collectives: as collective #{seq}{groups.label(group, r)} the ranks called different "
+                "ones: " + "; ".join(sides))
     return None
 
 
-def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, Any]]], jobs: _Groups,
+def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, Any]]], groups: _Groups,
           world_size: int) -> set[int]:
     """The ranks the waiting is traced back to. A waiter in collective #s of a group waits for each rank of that
     group that is behind it there: one that never enqueued #s, or whose own unfinished collective there is an
@@ -175,7 +183,7 @@ def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, A
             continue
         group, seq = group_of(stuck), stuck["seq"]
         behind[r] = set()
-        for m in jobs.members(group, r):
+        for m in groups.members(group, r):
             there = current([c for c in traces.get(m) or [] if group_of(c) == group])
             stuck_before = there is not None and there.get("completed") is False and there["seq"] < seq
             if m != r and (progress(traces.get(m), group) < seq or stuck_before):
@@ -203,7 +211,7 @@ def _records(folder: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _waited(waiters: dict[int, dict[str, Any]], jobs: _Groups, timeout_s: float, exclude: set[int]) -> str:
+def _waited(waiters: dict[int, dict[str, Any]], groups: _Groups, timeout_s: float, exclude: set[int]) -> str:
     """``; ranks 0, 2 waited in all_reduce #41 (the loss mean ..., 8 bytes) for 15 s (dist.timeout_s)``, one
     clause per collective waited in (HSDP: a shard group's all-gather, a replica group's all-reduce)."""
     ranks = sorted(r for r in waiters if r not in exclude)
@@ -212,7 +220,7 @@ def _waited(waiters: dict[int, dict[str, Any]], jobs: _Groups, timeout_s: float,
     clauses: dict[tuple[Any, ...], list[int]] = {}
     for r in ranks:
         c = current(waiters[r].get("collectives"))
-        key = (group_of(c), tuple(jobs.members(group_of(c), r)), c["seq"], c.get("op")) if c else ()
+        key = (group_of(c), tuple(groups.members(group_of(c), r)), c["seq"], c.get("op")) if c else ()
         clauses.setdefault(key, []).append(r)
     parts = []
     for who_ranks in clauses.values():
@@ -222,13 +230,14 @@ def _waited(waiters: dict[int, dict[str, Any]], jobs: _Groups, timeout_s: float,
         c = current(rec.get("collectives"))
         if c is None:
             what = f"a collective ({phase})"
-        elif c.get("op") is None:  # known from pg_status only: the ring no longer holds it
-            what = f"collective #{c['seq']}{jobs.label(group_of(c), who_ranks[0])} ({phase}; gone from the ring)"
+        elif c.get("op") is None:  # known from pg_status only: the host enqueued so much after it that the ring
+            what = (f"collective #{c['seq']}{groups.label(group_of(c), who_ranks[0])} (gone from the flight "
+                    "recorder's ring, the host ran ahead of it)")
         elif c is not (rec.get("collectives") or [None])[-1]:  # NCCL: the host enqueued more after it
-            what = (f"{c['op']} #{c['seq']}{jobs.label(group_of(c), who_ranks[0])} ({_size(c['bytes'])}, the host "
+            what = (f"{c['op']} #{c['seq']}{groups.label(group_of(c), who_ranks[0])} ({_size(c['bytes'])}, the host "
                     "ran ahead of it)")
         else:
-            what = f"{c['op']} #{c['seq']}{jobs.label(group_of(c), who_ranks[0])} ({phase}, {_size(c['bytes'])})"
+            what = f"{c['op']} #{c['seq']}{groups.label(group_of(c), who_ranks[0])} ({phase}, {_size(c['bytes'])})"
         parts.append(f"{who} waited in {what}")
     return "; " + "; ".join(parts) + f" for {timeout_s:g} s (dist.timeout_s)"
 
