@@ -155,8 +155,11 @@ MUTANTS = [
            (("ddptrain/checkpoint/offline.py", "    checkpoint, _, _ = open_checkpoint(path, checksums=True)",
              "    checkpoint = find_checkpoint(path, \"checkpoints\", \"PATH\")"),),
            ("tests/test_checkpoint_safety.py", "-k", "info or export")),
-    Mutant("verdict-lowest-waiter", "the hang verdict takes the lowest collective a waiter sits in, not the highest",
-           (("ddptrain/diagnose/verdict.py", "top = max((s for r in waiters", "top = min((s for r in waiters"),),
+    # (issue 40 rewrote the verdict: it follows "waits for" links now, with no highest collective to pick; this is
+    # the same behaviour's break there, a waiter below the others' collective never named as the late one)
+    Mutant("verdict-lowest-waiter", "the hang verdict never names a waiter whose peers all went past it as late",
+           (("ddptrain/diagnose/verdict.py", "    return {m for m in reached if not behind.get(m)}",
+             "    return {m for m in reached if m not in waiters}"),),
            ("tests/test_verdict.py",)),
     Mutant("prepare-reencodes-finished", "a resumed preparation encodes every document again (finished shards kept)",
            (("ddptrain/data/prepare.py",
