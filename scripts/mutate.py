@@ -155,8 +155,11 @@ MUTANTS = [
            (("ddptrain/checkpoint/offline.py", "    checkpoint, _, _ = open_checkpoint(path, checksums=True)",
              "    checkpoint = find_checkpoint(path, \"checkpoints\", \"PATH\")"),),
            ("tests/test_checkpoint_safety.py", "-k", "info or export")),
-    Mutant("verdict-lowest-waiter", "the hang verdict takes the lowest collective a waiter sits in, not the highest",
-           (("ddptrain/diagnose/verdict.py", "top = max((s for r in waiters", "top = min((s for r in waiters"),),
+    # (issue 40 rewrote the verdict: it follows "waits for" links now, with no highest collective to pick; this is
+    # the same behaviour's break there, a waiter below the others' collective never named as the late one)
+    Mutant("verdict-lowest-waiter", "the hang verdict never names a waiter whose peers all went past it as late",
+           (("ddptrain/diagnose/verdict.py", "    return {m for m in reached if not behind.get(m)}",
+             "    return {m for m in reached if m not in waiters}"),),
            ("tests/test_verdict.py",)),
     Mutant("prepare-reencodes-finished", "a resumed preparation encodes every document again (finished shards kept)",
            (("ddptrain/data/prepare.py",
@@ -282,6 +285,23 @@ MUTANTS = [
            (("ddptrain/models/checkpointing.py", '"flash_attn::_flash_attn_varlen_forward"',
              '"flash_attn::_flash_attn_varlen_fwd"'),),
            ("tests/test_activation_checkpointing.py", "-k", "exists or flash")),
+    # issue 41 (verdict): what the hang verdict reads, and issue 40's two defects kept fixed
+    Mutant("verdict-record-ignores-dump", "a rank's record with no collectives ignores its NCCL dump",
+           (("ddptrain/diagnose/verdict.py", "        if not rec.get(\"collectives\") and dumps.get(r):",
+             "        if False:"),),
+           ("tests/test_verdict.py",)),
+    Mutant("verdict-reads-checkpoint-group", "the async checkpoint's gloo group is read with the training's groups",
+           (("ddptrain/diagnose/trace.py", "and _group(e) is not None and _desc(e) not in SIDE_GROUPS]",
+             "and _group(e) is not None]"),),
+           ("tests/test_verdict.py",)),
+    Mutant("verdict-last-entries-only", "the verdict reads a dump's last 8 entries, not the whole ring",
+           (("ddptrain/diagnose/trace.py", "    out = [_collective(e) for e in entries]\n",
+             "    out = [_collective(e) for e in entries[-8:]]\n"),),
+           ("tests/test_verdict.py",)),
+    Mutant("verdict-default-group-only", "the verdict reads the default process group's collectives only",
+           (("ddptrain/diagnose/trace.py", "and _group(e) is not None and _desc(e) not in SIDE_GROUPS]",
+             "and _group(e) == DEFAULT_GROUP and _desc(e) not in SIDE_GROUPS]"),),
+           ("tests/test_verdict.py",)),
 ]
 
 

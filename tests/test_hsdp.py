@@ -116,3 +116,27 @@ def test_an_hsdp_checkpoint_resumes_under_zero3_and_ddp_on_two_ranks(
 def test_shard_group_node_needs_a_sharding_stage() -> None:
     with pytest.raises(ConfigError, match=r"parallel.shard_group=node needs parallel.zero_stage=2 or 3"):
         validate_config(make_config("/tmp", {"parallel": {"zero_stage": 1, "shard_group": "node"}}), 2)
+
+
+def _mesh_groups(rank: int, world_size: int) -> list[tuple[str, list[int], str, float]]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddptrain.parallel.zero import hybrid_mesh
+
+    mesh = hybrid_mesh(torch.device("cpu"), 2, timedelta(seconds=7))
+    out = []
+    for dim in ("replicate", "shard"):
+        group = mesh.get_group(dim)
+        timeout = group._get_backend(torch.device("cpu")).options._timeout  # no public getter; gloo's own options
+        out.append((dim, dist.get_process_group_ranks(group), group.group_desc, timeout.total_seconds()))
+    return out
+
+
+def test_the_hsdp_meshs_groups_time_out_at_dist_timeout_s_not_torchs_default() -> None:
+    """A hang inside FSDP2's all-gather sits on a mesh group: built by init_device_mesh it would wait torch's
+    default (30 minutes on gloo, 10 on NCCL) instead of dist.timeout_s."""
+    for rank, groups in enumerate(run_distributed(_mesh_groups, 4)):
+        assert groups == [("replicate", [rank % 2, rank % 2 + 2], "mesh_replicate", 7.0),
+                          ("shard", [rank - rank % 2, rank - rank % 2 + 1], "mesh_shard", 7.0)], (rank, groups)

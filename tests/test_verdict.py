@@ -103,23 +103,34 @@ def _collectives(rank: int, world_size: int) -> list[dict[str, Any]]:
 
     dist.all_reduce(torch.zeros((), dtype=torch.float64))
     dist.barrier()
-    return flight_record()
+    return flight_record()["collectives"]
 
 
-def test_the_flight_recorder_is_on_by_default_and_records_gloo_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_flight_recorder_keeps_torchs_whole_ring_by_default_and_zero_turns_it_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch's ring is one per process, every group's collectives in it (default 2000 entries): the default never
+    shrinks it, and dist.flight_recorder=0 is a real off (torch records nothing), not torch's own default."""
+    import os
+
     from ddptrain.config.schema import DistConfig
     from ddptrain.diagnose.evidence import enable_flight_recorder
     from tests.helpers.dist import run_distributed
 
-    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
     enable_flight_recorder(DistConfig().flight_recorder)  # what every worker does before its process group exists
-    import os
-
-    assert int(os.environ["TORCH_FR_BUFFER_SIZE"]) == DistConfig().flight_recorder > 0
+    assert int(os.environ.get("TORCH_FR_BUFFER_SIZE", 2000)) >= 2000  # unset: torch 2.13's default, 2000 entries
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     for rank_record in run_distributed(_collectives, 2):
         (reduce, barrier) = rank_record[-2:]
         assert (reduce["op"], reduce["bytes"], barrier["op"]) == ("all_reduce", 8, "barrier")
         assert barrier["seq"] == reduce["seq"] + 1
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "5000")  # the user's own ring, where the key says nothing
+    enable_flight_recorder(DistConfig().flight_recorder)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "5000"
+    enable_flight_recorder(0)
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert run_distributed(_collectives, 2) == [[], []]
 
 
 # --- NCCL: the watchdog aborts a waiting rank (SIGABRT, no Python exception, no record of its own); its flight
@@ -196,7 +207,7 @@ def test_on_nccl_a_rank_that_died_before_any_dump_is_the_cause_and_the_aborted_o
                                                 "waited in all_reduce #50"), line
 
 
-def test_a_record_takes_its_collectives_from_the_nccl_trace_when_it_holds_the_default_groups(
+def test_a_record_takes_its_collectives_from_the_nccl_trace_when_it_holds_the_trainings(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
@@ -204,15 +215,16 @@ def test_a_record_takes_its_collectives_from_the_nccl_trace_when_it_holds_the_de
     from tests.helpers.nccl_twin import nccl_dump
 
     c10d = torch._C._distributed_c10d
-    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda: nccl_dump([(7, "broadcast", 64, "scheduled")]), raising=False)
-    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda: nccl_dump([(40, "all_reduce", 8, "completed"),
-                                                                     (41, "all_reduce_barrier", 4, "started")]),
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *_: nccl_dump([(7, "broadcast", 64, "scheduled")]),
                         raising=False)
-    assert [(c["seq"], c["op"], c["completed"]) for c in flight_record()] == [(40, "all_reduce", True),
-                                                                                (41, "barrier", False)]
-    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda: nccl_dump([]), raising=False)  # a CUDA build on gloo
-    assert [(c["seq"], c["op"]) for c in flight_record()] == [(7, "broadcast")]
-    assert "completed" not in flight_record()[0]  # gloo's entries stay "scheduled": their state says nothing
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *_: nccl_dump([(40, "all_reduce", 8, "completed"),
+                                                                        (41, "all_reduce_barrier", 4, "started")]),
+                        raising=False)
+    assert [(c["seq"], c["op"], c["completed"]) for c in flight_record()["collectives"]] == [
+        (40, "all_reduce", True), (41, "barrier", False)]
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *_: nccl_dump([]), raising=False)  # a CUDA build on gloo
+    assert [(c["seq"], c["op"]) for c in flight_record()["collectives"]] == [(7, "broadcast")]
+    assert "completed" not in flight_record()["collectives"][0]  # gloo's states stay "scheduled": they say nothing
 
 
 def test_nccls_dump_is_pointed_into_the_run_dir_unless_the_user_pointed_it_elsewhere(
@@ -238,7 +250,7 @@ def test_nccls_dump_is_pointed_into_the_run_dir_unless_the_user_pointed_it_elsew
     assert nccl_dump_prefix(tmp_path / HANG_DIR) == "/elsewhere/trace_"
 
 
-def _dump_to_file(rank: int, world_size: int, folder: str) -> list[dict[str, Any]] | None:
+def _dump_to_file(rank: int, world_size: int, folder: str) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -257,7 +269,7 @@ def test_torchs_own_flight_recorder_dump_reads_without_running_code_from_it(
 
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
     for read in run_distributed(_dump_to_file, 2, str(tmp_path)):
-        assert read is not None and [c["op"] for c in read[-2:]] == ["all_reduce", "barrier"], read
+        assert read is not None and [c["op"] for c in read["collectives"][-2:]] == ["all_reduce", "barrier"], read
     (tmp_path / "evil").write_bytes(b"cos\nsystem\n(S'true'\ntR.")  # a pickle that would call os.system
     from ddptrain.diagnose.evidence import read_nccl_dump
 
@@ -277,3 +289,209 @@ def test_of_waiters_in_different_collectives_the_one_below_the_highest_is_the_la
     assert verdict(tmp_path, failures, 3, 15, "vm") == (
         "rank 1 (host vm) hung at step 4 in backward; ranks 0, 2 waited in all_reduce #41 (the loss mean of a "
         "logging step of step 4, 8 bytes) for 15 s (dist.timeout_s)")
+
+
+# ---- NCCL run-ahead, the whole ring, every process group (issue 40) ----------------------------------------------
+
+BUCKET = 2**20  # bytes of one gradient bucket's all-reduce
+BUCKETS = 600  # bucket all-reduces per step
+
+
+def _run_ahead(last_enqueued: int, completed: int) -> list[tuple[int, str, int, str]]:
+    """A rank's default-group collectives: BUCKETS per step; finished up to ``completed``, enqueued to
+    ``last_enqueued`` (NCCL returns at enqueue: the host queued the rest without waiting)."""
+    return [(s, "all_reduce", BUCKET, "completed" if s <= completed else "scheduled")
+            for s in range(1, last_enqueued + 1)]
+
+
+def _at(folder: Path, rank: int, phase: str, step: int) -> None:
+    where = Whereabouts()
+    where.open(folder / f"rank{rank}.where")
+    where.at(phase, step)
+
+
+def test_on_nccl_a_waiter_whose_host_ran_ahead_is_read_to_its_first_unfinished_collective(tmp_path: Path) -> None:
+    """4 ranks, 600 bucket all-reduces per step, rank 3 hung in data loading at step 5 (4 steps done: #2400);
+    the other ranks' hosts enqueued on to #3500, #3400 and #3000 before their watchdogs fired. Each dump holds
+    torch's default ring of 2000 entries; the collective they wait in is #2401, far from their last."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    ranks = {"0": ("default_pg", [0, 1, 2, 3])}
+    for rank, enqueued in ((0, 3500), (1, 3400), (2, 3000)):
+        (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(_run_ahead(enqueued, 2400), groups=ranks))
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, "backward", 1 + enqueued // BUCKETS)
+    (folder / "nccl_trace_rank_3").write_bytes(nccl_dump(_run_ahead(2400, 2400), groups=ranks))
+    _at(folder, 3, "data", 5)
+    _record(folder, 3, "SIGTERM from the launcher", 5, "data", [], "ddptrain/train/observer.py:60")
+    failures = [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT"), Failure(2, -6, "SIGABRT"),
+                Failure(3, -15, "SIGTERM")]
+    assert verdict(tmp_path, failures, 4, 300, "vm") == (
+        "rank 3 (host vm) hung at step 5 in data loading (ddptrain/train/observer.py:60); ranks 0, 1, 2 waited in "
+        "all_reduce #2401 (1.0 MB, the host ran ahead of it) for 300 s (dist.timeout_s)")
+
+
+def test_on_nccl_a_stuck_collective_that_fell_out_of_a_shrunk_ring_is_read_from_pg_status(tmp_path: Path) -> None:
+    """dist.flight_recorder=64 asked explicitly: the ring holds #3437-#3500, the stuck #2401 is gone from it; the
+    dump's pg_status (last completed: #2400) still says which collective it is."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    (folder / "nccl_trace_rank_0").write_bytes(nccl_dump(_run_ahead(3500, 2400), ring=64))
+    _aborted_by_the_watchdog(folder, 0)
+    _at(folder, 0, "backward", 6)
+    _record(folder, 1, "SIGTERM from the launcher", 5, "data", [(2400, "all_reduce", BUCKET)])
+    line = verdict(tmp_path, [Failure(0, -6, "SIGABRT"), Failure(1, -15, "SIGTERM")], 2, 300, "vm")
+    assert line == ("rank 1 (host vm) hung at step 5 in data loading; rank 0 waited in collective #2401 (gone from "
+                    "the flight recorder's ring, the host ran ahead of it) for 300 s (dist.timeout_s)")
+
+
+HSDP_GROUPS = {"0": ("default_pg", [0, 1, 2, 3]), "1": ("mesh_replicate", [0, 2]), "2": ("mesh_replicate", [1, 3]),
+               "3": ("mesh_shard", [0, 1]), "4": ("mesh_shard", [2, 3])}
+
+
+def _hsdp_dump(folder: Path, rank: int, collectives: list[tuple[str, int, str, int, str]]) -> None:
+    from tests.helpers.nccl_twin import nccl_dump
+
+    mine = {name: HSDP_GROUPS[name] for name in ("0", _replicate(rank), _shard(rank))}
+    (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(_renumber(collectives), groups=mine))
+
+
+def _replicate(rank: int) -> str:
+    return "1" if rank in (0, 2) else "2"
+
+
+def _shard(rank: int) -> str:
+    return "3" if rank < 2 else "4"
+
+
+def _hsdp_step(rank: int, states: tuple[str, str, str, str]) -> list[tuple[str, str, int, str]]:
+    """One HSDP step of one FSDP2 unit, each collective with its state: two all-gathers (forward, backward) and a
+    reduce-scatter on the shard group, the replicas' all-reduce, the loss mean on the default group."""
+    shard, replicate = _shard(rank), _replicate(rank)
+    gathers, scatter, reduce, mean = states
+    return [(shard, "_allgather_base", 4096, gathers), (shard, "_allgather_base", 4096, gathers),
+            (shard, "_reduce_scatter_base", 8192, scatter), (replicate, "all_reduce", 4096, reduce),
+            ("0", "all_reduce", 4, mean)]
+
+
+def _renumber(collectives: list[tuple[str, str, int, str]]) -> list[tuple[str, int, str, int, str]]:
+    """Sequence numbers counted per group, in enqueue order, as torch counts them."""
+    seen: dict[str, int] = {}
+    out = []
+    for group, op, nbytes, state in collectives:
+        seen[group] = seen.get(group, 0) + 1
+        out.append((group, seen[group], op, nbytes, state))
+    return out
+
+
+def test_an_hsdp_hang_is_named_from_the_mesh_groups_collectives(tmp_path: Path) -> None:
+    """HSDP on a 2x2 mesh (shard groups [0, 1], [2, 3]; replica groups [0, 2], [1, 3]): rank 1 hung in forward at
+    step 3, before its FSDP2 all-gather. Rank 0 waits in that all-gather on its shard group; ranks 2 and 3 got
+    through forward and backward on theirs and wait in the replicas' all-reduce, their hosts past it. The default
+    group's collectives all completed: reading only those, there is no verdict."""
+    folder = _folder(tmp_path)
+    done = ("completed",) * 4
+    for rank in range(4):
+        steps = _hsdp_step(rank, done) + _hsdp_step(rank, done)
+        if rank == 0:  # step 3: its forward's all-gather waits for rank 1; the host enqueued the next one
+            steps += [(_shard(0), "_allgather_base", 4096, "scheduled")] * 2
+        if rank in (2, 3):  # step 3 on their own shard group, then the replicas' all-reduce and on
+            steps += _hsdp_step(rank, ("completed", "completed", "scheduled", "scheduled"))
+        _hsdp_dump(folder, rank, steps)
+    for rank, phase in ((0, "forward"), (2, "check"), (3, "check")):
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, phase, 3)
+    _record(folder, 1, "SIGTERM from the launcher", 3, "forward", [], "ddptrain/train/observer.py:61")
+    failures = [Failure(0, -6, "SIGABRT"), Failure(2, -6, "SIGABRT"), Failure(3, -6, "SIGABRT"),
+                Failure(1, -15, "SIGTERM")]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "rank 1 (host vm) hung at step 3 in forward (ddptrain/train/observer.py:61); rank 0 waited in "
+        "all_gather_into_tensor #7 of group mesh_shard [ranks 0, 1] (4.0 KB, the host ran ahead of it); "
+        "rank 2 waited in all_reduce #3 of group mesh_replicate [ranks 0, 2] (4.0 KB, the host ran ahead of it); "
+        "rank 3 waited in all_reduce #3 of group mesh_replicate [ranks 1, 3] (4.0 KB, the host ran ahead of it) "
+        "for 5 s (dist.timeout_s)")
+
+
+def test_a_record_without_collectives_takes_its_ranks_nccl_dump_so_a_mismatch_stays_a_mismatch(
+        tmp_path: Path) -> None:
+    """Rank 1's own read of the recorder found nothing (its record's list is empty); its NCCL dump shows the
+    collective #39 it called, which differs from rank 0's: a mismatch, not a hung rank 1."""
+    folder = _folder(tmp_path)
+    _nccl_dump(folder, 0, [(38, "all_reduce", 1024, "completed"), (39, "broadcast", 64, "scheduled")])
+    _aborted_by_the_watchdog(folder, 0)
+    _at(folder, 0, "forward", 4)
+    _nccl_dump(folder, 1, [(38, "all_reduce", 1024, "completed"), (39, "all_reduce", 12, "scheduled")])
+    _record(folder, 1, "SIGTERM from the launcher", 3, "after the update", [])
+    line = verdict(tmp_path, [Failure(0, -6, "SIGABRT"), Failure(1, -15, "SIGTERM")], 2, 15, "vm")
+    assert line == ("mismatched collectives: as collective #39 the ranks called different ones: rank 0 broadcast of "
+                    "64 bytes at step 4 in forward; rank 1 all_reduce of 12 bytes at step 3 in the end of the step "
+                    "(after the update)")
+
+
+def _gloo_trace(default: list[tuple[int, str, int]], checkpoint_seqs: int) -> dict[str, Any]:
+    """A gloo rank's flight-recorder dump in torch 2.13's format: the default group's collectives, then the async
+    checkpoint's background thread's on its own gloo group (numbered from 1 on that group); states stay
+    ``scheduled`` on gloo and ``pg_config`` is empty."""
+    from ddptrain.diagnose.trace import CHECKPOINT_GROUP
+
+    def entry(pg: tuple[str, str], pg_id: int, seq: int, op: str, nbytes: int) -> dict[str, Any]:
+        return {"pg_id": pg_id, "process_group": pg, "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+                "profiling_name": f"gloo:{op}", "time_created_ns": 0, "input_sizes": [[nbytes // 4]],
+                "input_dtypes": ["Float"], "output_sizes": [[nbytes // 4]], "output_dtypes": ["Float"],
+                "state": "scheduled", "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
+                "retired": True, "timeout_ms": 300000, "is_p2p": False}
+
+    entries = [entry(("0", "default_pg"), 0, s, op, b) for s, op, b in default]
+    entries += [entry(("1", CHECKPOINT_GROUP), 1, s, "all_gather", 64) for s in range(1, checkpoint_seqs + 1)]
+    return {"version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[]"}}, "comm_lib_version": "",
+            "pg_status": {}, "entries": entries}
+
+
+def test_the_async_checkpoints_group_is_never_read_as_the_trainings(tmp_path: Path) -> None:
+    """On gloo the async checkpoint's writer thread records its own group's collectives (numbered 1, 2, ... there)
+    after the training's in the ring; the verdict reads the training's groups only."""
+    from ddptrain.diagnose.trace import read_trace
+
+    folder = _folder(tmp_path)
+    for rank, reason, step, phase, default in (
+            (0, "collective timed out", 4, "loss mean", [(40, "all_reduce", 4096), (41, "all_reduce", 8)]),
+            (1, "SIGTERM from the launcher", 4, "data", [(39, "all_reduce", 8), (40, "all_reduce", 4096)])):
+        record = {"rank": rank, "host": "vm", "pid": 1, "time": 0.0, "reason": reason, "error": None, "step": step,
+                  "phase": phase, "where": None, **read_trace(_gloo_trace(default, 60), nccl=False)}
+        (folder / f"rank{rank}.json").write_text(json.dumps(record))
+    assert verdict(tmp_path, [Failure(0, 1, None), Failure(1, -15, "SIGTERM")], 2, 15, "vm") == (
+        "rank 1 (host vm) hung at step 4 in data loading; rank 0 waited in all_reduce #41 (the loss mean of a "
+        "logging step of step 4, 8 bytes) for 15 s (dist.timeout_s)")
+
+
+def _mesh_record(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ddptrain.diagnose.evidence import flight_record
+    from ddptrain.diagnose.trace import CHECKPOINT_GROUP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    side = dist.new_group(backend="gloo", group_desc=CHECKPOINT_GROUP)
+    dist.all_reduce(torch.zeros(2), group=mesh.get_group("shard"))
+    dist.all_reduce(torch.zeros(3), group=side)
+    dist.all_reduce(torch.zeros(4), group=mesh.get_group("replicate"))
+    return flight_record()
+
+
+def test_a_ranks_record_holds_every_training_groups_collectives_with_the_groups_global_ranks() -> None:
+    """Real gloo groups of a 2x2 device mesh: torch's dump leaves pg_config empty on gloo, the record fills each
+    group's global ranks in; the checkpoint writer's group is left out."""
+    from tests.helpers.dist import run_distributed
+
+    for rank, record in enumerate(run_distributed(_mesh_record, 4)):
+        shard, replicate = record["collectives"][-2:]
+        assert (shard["op"], shard["bytes"], replicate["op"], replicate["bytes"]) == ("all_reduce", 8, "all_reduce", 16)
+        groups = record["groups"]
+        assert (groups[shard["group"]]["desc"], groups[replicate["group"]]["desc"]) == ("mesh_shard", "mesh_replicate")
+        assert groups[shard["group"]]["ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert groups[replicate["group"]]["ranks"] == [rank % 2, rank % 2 + 2]
+        assert all(g["desc"] != "ddptrain_checkpoint" for g in groups.values()), groups

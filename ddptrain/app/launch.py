@@ -17,6 +17,7 @@ from ddptrain.app.preflight import validate_config
 from ddptrain.config.compose import Run
 from ddptrain.config.schema import AUTO, Config
 from ddptrain.diagnose.evidence import Evidence
+from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, one_line
 from ddptrain.runtime.allocator import allocator_conf
 from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
@@ -225,7 +226,9 @@ def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Co
 
 def lost_peer_line(record: dict[str, Any], timeout_s: float, run_dir: Path) -> str:
     """This rank's own line after a collective timed out: what it waited in; the launcher names the late rank."""
-    last = record["collectives"][-1] if record["collectives"] else None
-    what = f"{last['op']} #{last['seq']}" if last else "a collective"
+    waited = current(record["collectives"])
+    what = f"{waited['op'] or 'collective'} #{waited['seq']}" if waited else "a collective"
+    if waited and group_of(waited) != DEFAULT_GROUP:
+        what += f" of group {record['groups'].get(group_of(waited), {}).get('desc') or group_of(waited)}"
     return (f"rank {record['rank']} stopped waiting in {what} at step {record['step']} ({record['phase']}) after "
             f"at most {timeout_s:g} s (dist.timeout_s): a peer never came or left; evidence in {run_dir / 'hang'}")

@@ -41,6 +41,7 @@ from ddptrain.checkpoint.format import (
 from ddptrain.checkpoint.safe import SafeReader, load_plain, rng_state, set_rng_state
 from ddptrain.checkpoint.state import load_named_state, named_state
 from ddptrain.config.schema import Config
+from ddptrain.diagnose.trace import CHECKPOINT_GROUP
 from ddptrain.errors import ConfigError, ResourceError, flat
 from ddptrain.models.lora import export_adapter_and_merged, is_adapted
 from ddptrain.runtime.hooks import StepHooks
@@ -65,7 +66,9 @@ class Checkpointer:
         # Async saves coordinate on their own gloo group from a background thread, so their collectives never
         # interleave with training's on the default group. Created on every rank alike (a collective call).
         timeout = timedelta(seconds=cfg.dist.timeout_s)
-        self._group = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
+        # Its description keeps its collectives out of the hang verdict's reading of the training's.
+        self._group = dist.new_group(backend="gloo", timeout=timeout, group_desc=CHECKPOINT_GROUP) \
+            if cfg.checkpoint.async_save else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if cfg.checkpoint.async_save else None
         self._pending: Future[None] | None = None  # the save in flight: done once its commit is
         self._saving: tuple[int, Path] = (0, self.root)  # the step and directory of the save in flight

@@ -341,12 +341,16 @@ class DistConfig:
     backend: Backend = Backend.auto
     timeout_s: float = 300.0  # collective timeout
     debug: DebugLevel = DebugLevel.off  # TORCH_DISTRIBUTED_DEBUG: info or detail checks collectives
-    flight_recorder: int = 64  # collectives torch's flight recorder keeps per rank, to name a hang (0: off)
+    # entries in torch's flight-recorder ring, one per process for every group, read to name a hang: null keeps
+    # torch's (TORCH_FR_BUFFER_SIZE, else 2000); a number sets it (below 2000 it can lose a waiter's collective);
+    # 0 turns the recorder and NCCL's dump off
+    flight_recorder: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, f"dist.timeout_s={self.timeout_s}: expected a positive number of seconds")
-        _require(self.flight_recorder >= 0,
-                 f"dist.flight_recorder={self.flight_recorder}: expected a number of entries >= 0 (0: off)")
+        _require(self.flight_recorder is None or self.flight_recorder >= 0,
+                 f"dist.flight_recorder={self.flight_recorder}: expected a number of entries >= 0 (0: off; null: "
+                 "torch's own ring)")
 
 
 @dataclass

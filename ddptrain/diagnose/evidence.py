@@ -5,8 +5,8 @@
   SIGABRT: gloo aborts a rank whose collective's size differs from its peers'), and on a collective timeout or
   the launcher's SIGTERM.
 - ``rank{r}.json``: on a collective timeout or SIGTERM: step, phase, the innermost ddptrain frame, the error,
-  and the last collectives of the default process group from torch's flight recorder (``dist.flight_recorder``
-  entries; gloo and NCCL both record, NCCL into its own trace).
+  and every collective of the training's process groups that torch's flight recorder holds, with each group's
+  global ranks (``diagnose.trace``; gloo and NCCL both record, NCCL into its own trace).
 - ``nccl_trace_rank_{r}``: on NCCL, torch's own flight-recorder dump, written by NCCL's watchdog when a collective
   times out (on this rank, or on another that signalled it). NCCL's collectives return at enqueue and its
   watchdog aborts a waiting rank (SIGABRT from a native thread, no Python exception), so a waiting rank writes
@@ -32,29 +32,31 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
 
+from ddptrain.diagnose.trace import Trace, read_trace
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
 
 log = logging.getLogger(__name__)
 HANG_DIR = "hang"
 TIMED_OUT = "collective timed out"  # the reason a rank records when one of its collectives timed out or lost a peer
-FLIGHT_RECORDS = 8  # collectives kept in a rank's record (the flight recorder's own buffer is larger)
 NCCL_DUMP = "nccl_trace_rank_"  # + global rank: torch's dump file name is a prefix and the rank
 # torch's variables for the dump's file prefix: the current name first, then the older one it still reads
 _DUMP_PREFIX_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-_OP_NAMES = {"all_reduce_barrier": "barrier"}  # NCCL records a barrier as a 1-element all-reduce
 _PACKAGE = Path(__file__).resolve().parents[1]
 _NOT_WHERE = (_PACKAGE / "testing", _PACKAGE / "diagnose")  # fault injection and this package are never "where"
 _LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
-_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-          "Byte": 1, "Bool": 1}
 
 
-def enable_flight_recorder(entries: int) -> None:
-    """Turn on torch's flight recorder for the process groups created from now on (``dist.flight_recorder``),
-    and NCCL's dump of it on a timeout (read when a group is created; torch 2.13's default is on already)."""
-    if entries > 0:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
+def enable_flight_recorder(entries: int | None) -> None:
+    """``dist.flight_recorder``, before the process group exists (torch reads the variables when it creates the
+    recorder, once per process): None leaves torch's ring as the environment sets it (``TORCH_FR_BUFFER_SIZE``,
+    else torch's default of 2000 entries) and NCCL's dump on a timeout on; N > 0 sets the ring to N entries (it
+    is one ring for the whole process, every group's collectives in it: fewer than the default can lose a
+    waiting rank's collective); 0 turns the recorder and NCCL's dump off."""
+    if entries is None:
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        return
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(entries)
+    os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1" if entries > 0 else "0"
 
 
 _POINTED: set[str] = set()  # the prefixes this process pointed the dump to: an earlier run's here, not the user's
@@ -114,8 +116,7 @@ class Evidence:
         where = innermost(error.__traceback__ if error is not None else None, frame)
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                   "reason": reason, "error": _first_line(error) if error is not None else None,
-                  "step": WHEREABOUTS.step, "phase": WHEREABOUTS.phase, "where": where,
-                  "collectives": flight_record()}
+                  "step": WHEREABOUTS.step, "phase": WHEREABOUTS.phase, "where": where, **flight_record()}
         (self.dir / f"rank{self.rank}.json").write_text(json.dumps(record) + "\n")
         self._stacks.write(f"\n--- {reason}: every thread's stack ---\n")
         self._stacks.flush()
@@ -158,11 +159,12 @@ def innermost(tb: TracebackType | None, frame: FrameType | None) -> str | None:
     return None
 
 
-def flight_record() -> list[dict[str, Any]]:
-    """The last collectives of the default process group that torch's flight recorder holds (empty when off).
+def flight_record() -> Trace:
+    """Every collective of the training's process groups that torch's flight recorder holds, and each group's
+    global ranks (empty when the recorder is off).
 
     NCCL records into its own trace (``_dump_nccl_trace``, in a CUDA build of torch), gloo into the other
-    (``_dump_fr_trace``); the NCCL trace is read when it holds the default group's collectives.
+    (``_dump_fr_trace``); the NCCL trace is read when it holds any training collective.
     """
     import torch
 
@@ -170,41 +172,41 @@ def flight_record() -> list[dict[str, Any]]:
     for dump, nccl in ((getattr(c10d, "_dump_nccl_trace", None), True), (getattr(c10d, "_dump_fr_trace", None), False)):
         if dump is None:
             continue
-        try:
-            found = collectives(pickle.loads(dump()), nccl)
+        try:  # without stack traces: a record keeps none, and collecting them for a full ring takes time
+            found = read_trace(pickle.loads(dump(True, False, False)), nccl)
         except Exception:  # noqa: BLE001 - no recorder (off, or a build without it): no entries, not an error
             continue
-        if found:
+        if found["collectives"]:
+            _add_group_ranks(found)
             return found
-    return []
+    return {"collectives": [], "groups": {}}
 
 
-def collectives(trace: dict[str, Any], nccl: bool) -> list[dict[str, Any]]:
-    """The default group's last collectives in a flight-recorder dump: sequence number, kind, sizes, bytes, and
-    on NCCL whether each completed (gloo leaves every entry's state at ``scheduled``, so it says nothing)."""
-    entries = [e for e in trace.get("entries", []) if tuple(e.get("process_group", ()))[:1] == ("0",)
-               and not e.get("is_p2p")]
-    out = []
-    for e in entries[-FLIGHT_RECORDS:]:
-        sizes, dtypes = e.get("input_sizes") or [], e.get("input_dtypes") or []
-        nbytes = sum(_numel(s) * _BYTES.get(d, 4) for s, d in zip(sizes, dtypes, strict=False))
-        op = str(e.get("profiling_name", "")).split(":")[-1]
-        entry = {"seq": e.get("collective_seq_id"), "op": _OP_NAMES.get(op, op), "sizes": sizes, "bytes": nbytes}
-        if nccl:
-            entry["completed"] = e.get("state") == "completed"
-        out.append(entry)
-    return out
+def _add_group_ranks(trace: Trace) -> None:
+    """Each group's global ranks where the dump left them out (gloo's dump has no ``pg_config``): from this
+    process's own groups. ``_get_all_pg_configs`` is private to torch; without it the verdict takes a group's
+    ranks from the ranks that recorded its collectives."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        configs = distributed_c10d._get_all_pg_configs()
+    except Exception:  # noqa: BLE001 - an older or newer torch, or no process group: the fallback above
+        return
+    for config in configs:
+        group = trace["groups"].get(str(config.get("pg_name")))
+        if group is not None and group.get("ranks") is None:
+            group["ranks"] = [int(r) for r in config.get("ranks") or []] or None
 
 
-def read_nccl_dump(path: Path) -> list[dict[str, Any]] | None:
-    """The default group's last collectives in NCCL's dump at ``path``; None when there is none or it cannot be
-    read. The dump is a pickle of plain dicts, lists and strings: it is read without running code from it."""
+def read_nccl_dump(path: Path) -> Trace | None:
+    """The training groups' collectives in NCCL's dump at ``path``; None when there is none or it cannot be read.
+    The dump is a pickle of plain dicts, lists and strings: it is read without running code from it."""
     try:
         with path.open("rb") as stream:
             trace = _PlainUnpickler(stream).load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
         return None
-    return collectives(trace, nccl=True) if isinstance(trace, dict) else None
+    return read_trace(trace, nccl=True) if isinstance(trace, dict) else None
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -212,13 +214,6 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a flight-recorder dump")
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _first_line(error: BaseException) -> str:

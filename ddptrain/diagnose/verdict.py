@@ -8,9 +8,14 @@ worker. Three shapes:
   different size). On NCCL a rank whose dump (``nccl_trace_rank_{r}``) or record shows a collective it had not
   finished was waiting: NCCL's watchdog aborted it (SIGABRT) at ``dist.timeout_s``, or the agent stopped it;
   it is a waiter, like a rank that recorded its own timeout;
-- ranks in the same collective number with different kinds or sizes: a mismatch, both sides named;
-- otherwise the rank(s) whose last collective number is below the one the others timed out in: late (hung),
-  named with their step, phase and innermost ddptrain frame.
+- ranks in the same collective number of a group with different kinds or sizes: a mismatch, both sides named;
+- otherwise the rank(s) the waiting traces back to: late (hung), named with their step, phase and innermost
+  ddptrain frame.
+
+Every training process group is read (``diagnose.trace``): under HSDP FSDP2 runs on the 2-D mesh's shard and
+replica groups, not the default group, and a rank waits in collective #s of one group for the ranks of that
+group that never enqueued #s. A waiter's collective is its first unfinished one on NCCL (the host enqueues more
+after it), its last on gloo. A collective of a group other than the default is named with its group.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT, nccl_dump_prefix, read_nccl_dump
+from ddptrain.diagnose.trace import DEFAULT_GROUP, current, entered, group_of, progress, unfinished
 from ddptrain.diagnose.whereabouts import read_whereabouts
 
 NCCL_WATCHDOG = "aborted by NCCL's watchdog"  # the reason the verdict gives a waiter that NCCL aborted
@@ -51,28 +57,32 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     dumps = {r: d for r in range(world_size) if (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
     for r, rec in records.items():  # a record whose own read of the recorder found nothing takes the dump's
         if not rec.get("collectives") and dumps.get(r):
-            rec["collectives"] = dumps[r]
+            rec["collectives"], rec["groups"] = dumps[r]["collectives"], dumps[r]["groups"]
     # On NCCL a waiting rank raises nothing: the watchdog aborts it (SIGABRT) at dist.timeout_s, or the agent
     # stops it first; its dump (or its record) shows the collective it had not finished. It waited, as a rank
     # that recorded its own timeout did.
     for r, dump in dumps.items():
-        if r not in records and _unfinished(dump):
+        if r not in records and unfinished(dump["collectives"]):
             step, phase = where.get(r, (0, "start-up"))
             records[r] = {"rank": r, "host": host, "reason": NCCL_WATCHDOG, "step": step, "phase": phase,
-                          "where": None, "collectives": dump}
+                          "where": None, **dump}
     waiters = {r: rec for r, rec in records.items()
-               if rec["reason"] in (TIMED_OUT, NCCL_WATCHDOG) or _unfinished(rec.get("collectives"))}
+               if rec["reason"] in (TIMED_OUT, NCCL_WATCHDOG) or unfinished(rec.get("collectives"))}
     # A rank writes a record (or, on NCCL, a dump) only while alive, on its own timeout or the launcher's stop
     # (NCCL: or another rank's timeout): it was alive when the job began to fail, so a SIGKILL after that is the
     # agent ending a rank that did not stop within launch.stop_grace_s, not a cause.
     dead = [f for f in failures if f.exitcode < 0 and f.signal not in ("SIGTERM", "SIGINT", None)
             and f.rank not in records and f.rank not in dumps]
+    traces = {r: rec.get("collectives") or [] for r, rec in records.items()}
+    traces.update({r: d["collectives"] for r, d in dumps.items() if r not in records})  # e.g. stuck in native code
+    evidence = {r: [ev for ev in (records.get(r), dumps.get(r)) if ev] for r in range(world_size)}
+    groups = _Groups(world_size, evidence, traces)
     if dead:
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
         step, phase = where.get(first.rank, (0, "start-up"))
         frame = _stack_frame(folder / f"rank{first.rank}.stacks")
-        others = _waited(waiters, timeout_s, exclude=first.rank)
+        others = _waited(waiters, groups, timeout_s, exclude={first.rank})
         if first.signal == "SIGABRT" and frame is not None and frame[1]:
             return (f"rank {first.rank} (host {host_of}) aborted (SIGABRT) inside a collective at step {step} "
                     f"({frame[0]}): its collective does not match its peers' (another kind or size; gloo aborts "
@@ -84,32 +94,110 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
                 f"{PHASES.get(phase, phase)}{at}{others}")
     if not waiters:
         return None
-    last = {r: _last(rec) for r, rec in records.items()}
-    last.update({r: _current(d) for r, d in dumps.items() if r not in records})  # e.g. a rank stuck in native code
-    top = max((s for r in waiters if (s := last[r]) is not None), key=lambda c: c["seq"], default=None)
-    if top is not None:
-        same_seq = {r: c for r, c in last.items() if c is not None and c["seq"] == top["seq"]}
-        kinds = {(c["op"], c["bytes"]) for c in same_seq.values()}
-        if len(kinds) > 1:
-            sides = "; ".join(f"rank {r} {c['op']} of {_size(c['bytes'])} at step {records[r]['step']} in "
-                              f"{PHASES.get(records[r]['phase'], records[r]['phase'])}"
-                              for r, c in sorted(same_seq.items()))
-            return f"mismatched collectives: as collective #{top['seq']} the ranks called different ones: {sides}"
-        late = [r for r in range(world_size) if r not in same_seq]
-    else:
-        late = [r for r in range(world_size) if r not in waiters]
+    if (mismatch := _mismatch(waiters, traces, records, where, groups)) is not None:
+        return mismatch
+    late = _late(waiters, traces, groups, world_size)
     if not late:
         return None
     parts = []
-    for r in late:
+    for r in sorted(late):
         rec = records.get(r, {})
         step, phase = (rec["step"], rec["phase"]) if rec else where.get(r, (0, "start-up"))
         at = f" ({rec['where']})" if rec.get("where") else ""
         parts.append(f"rank {r} (host {rec.get('host', host)}) hung at step {step} in {PHASES.get(phase, phase)}{at}")
-    # only the ranks that reached the highest collective waited in it; a late rank that timed out below it is named
-    # above, not among them
-    return "; ".join(parts) + _waited({r: rec for r, rec in waiters.items() if r not in late}, timeout_s,
-                                      exclude=None)
+    # a late rank that timed out itself is named above, not among the ranks that waited
+    return "; ".join(parts) + _waited(waiters, groups, timeout_s, exclude=late)
+
+
+class _Groups:
+    """The process groups the ranks' evidence names: each group's global ranks as each rank recorded them (torch
+    may give groups of different ranks one name on different ranks), else as any rank recorded them (the default
+    group: every rank), else the ranks that recorded a collective of it; and its description."""
+
+    def __init__(self, world_size: int, evidence: dict[int, list[dict[str, Any]]],
+                 traces: dict[int, list[dict[str, Any]]]) -> None:
+        self.own: dict[tuple[int, str], list[int]] = {}
+        self.ranks: dict[str, list[int]] = {DEFAULT_GROUP: list(range(world_size))}
+        self.desc: dict[str, str] = {}
+        for r, found in evidence.items():
+            for ev in found:
+                for name, group in (ev.get("groups") or {}).items():
+                    self.desc.setdefault(name, group.get("desc") or "")
+                    if group.get("ranks"):
+                        self.own.setdefault((r, name), list(group["ranks"]))
+                        self.ranks.setdefault(name, list(group["ranks"]))
+        recorded: dict[str, list[int]] = {}
+        for r, collectives in traces.items():
+            for c in collectives:
+                if r not in recorded.setdefault(group_of(c), []):
+                    recorded[group_of(c)].append(r)
+        for name, ranks in recorded.items():
+            self.ranks.setdefault(name, ranks)
+
+    def members(self, group: str, rank: int) -> list[int]:
+        """The ranks of ``group`` as ``rank`` knows it."""
+        return sorted(self.own.get((rank, group)) or self.ranks.get(group) or [rank])
+
+    def label(self, group: str, rank: int) -> str:
+        """`` of group mesh_shard [ranks 0, 1]``; nothing for the default group."""
+        if group == DEFAULT_GROUP:
+            return ""
+        desc = self.desc.get(group, "")
+        name = desc if desc and desc != "undefined" else group
+        return f" of group {name} [ranks {', '.join(map(str, self.members(group, rank)))}]"
+
+
+def _mismatch(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, Any]]],
+              records: dict[int, dict[str, Any]], where: dict[int, tuple[int, str]], groups: _Groups) -> str | None:
+    """Ranks that called different collectives (kind or size) as the collective a waiter is in."""
+    for r in sorted(waiters):
+        stuck = current(traces.get(r))
+        if stuck is None or stuck.get("op") is None:
+            continue
+        group, seq = group_of(stuck), stuck["seq"]
+        same = {m: c for m in groups.members(group, r) if (c := entered(traces.get(m), group, seq)) is not None
+                and c.get("op") is not None}
+        if len({(c["op"], c["bytes"]) for c in same.values()}) < 2:
+            continue
+        sides = []
+        for m, c in sorted(same.items()):
+            step, phase = (records[m]["step"], records[m]["phase"]) if m in records else where.get(m, (0, "start-up"))
+            at = f"at step {step} in {PHASES.get(phase, phase)}" if c is traces[m][-1] else "(the host ran ahead of it)"
+            sides.append(f"rank {m} {c['op']} of {_size(c['bytes'])} {at}")
+        return (f"mismatched collectives: as collective #{seq}{groups.label(group, r)} the ranks called different "
+                "ones: " + "; ".join(sides))
+    return None
+
+
+def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, Any]]], groups: _Groups,
+          world_size: int) -> set[int]:
+    """The ranks the waiting is traced back to. A waiter in collective #s of a group waits for each rank of that
+    group that is behind it there: one that never enqueued #s, or whose own unfinished collective there is an
+    earlier one. Following those edges from every waiter, the late ranks are the ones reached that wait for no
+    one (a rank stuck outside any collective; or a waiter whose peers all went past it). Without any
+    collective numbers, the ranks that are not waiting."""
+    behind: dict[int, set[int]] = {}
+    for r in waiters:
+        stuck = current(traces.get(r))
+        if stuck is None:
+            continue
+        group, seq = group_of(stuck), stuck["seq"]
+        behind[r] = set()
+        for m in groups.members(group, r):
+            there = current([c for c in traces.get(m) or [] if group_of(c) == group])
+            stuck_before = there is not None and there.get("completed") is False and there["seq"] < seq
+            if m != r and (progress(traces.get(m), group) < seq or stuck_before):
+                behind[r].add(m)
+    if not behind:
+        return set(range(world_size)) - set(waiters)
+    reached: set[int] = set()
+    todo = [m for r in behind for m in behind[r]]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo.extend(behind.get(m, ()))
+    return {m for m in reached if not behind.get(m)}
 
 
 def _records(folder: Path) -> dict[int, dict[str, Any]]:
@@ -123,34 +211,35 @@ def _records(folder: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _last(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The collective a rank was in, or last finished (``_current``)."""
-    return _current(record.get("collectives") or [])
-
-
-def _current(collectives: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The collective a rank was in: on gloo its last one (a collective blocks its caller); on NCCL, whose
-    collectives return at enqueue, its first unfinished one (the host may have enqueued more before it blocked);
-    when all finished, its last."""
-    return next((c for c in collectives if c.get("completed") is False), collectives[-1] if collectives else None)
-
-
-def _unfinished(collectives: list[dict[str, Any]] | None) -> bool:
-    return any(c.get("completed") is False for c in collectives or [])
-
-
-def _waited(waiters: dict[int, dict[str, Any]], timeout_s: float, exclude: int | None) -> str:
-    """``; rank 0 waited in all_reduce #41 (the loss mean ..., 8 bytes) for 15 s (dist.timeout_s)``."""
-    ranks = sorted(r for r in waiters if r != exclude)
+def _waited(waiters: dict[int, dict[str, Any]], groups: _Groups, timeout_s: float, exclude: set[int]) -> str:
+    """``; ranks 0, 2 waited in all_reduce #41 (the loss mean ..., 8 bytes) for 15 s (dist.timeout_s)``, one
+    clause per collective waited in (HSDP: a shard group's all-gather, a replica group's all-reduce)."""
+    ranks = sorted(r for r in waiters if r not in exclude)
     if not ranks:
         return ""
-    rec = waiters[ranks[0]]
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-    phase = PHASES.get(rec["phase"], rec["phase"])
-    c = _last(rec)
-    what = f"{c['op']} #{c['seq']} ({phase} of step {rec['step']}, {_size(c['bytes'])})" if c else \
-        f"a collective ({phase} of step {rec['step']})"
-    return f"; {who} waited in {what} for {timeout_s:g} s (dist.timeout_s)"
+    clauses: dict[tuple[Any, ...], list[int]] = {}
+    for r in ranks:
+        c = current(waiters[r].get("collectives"))
+        key = (group_of(c), tuple(groups.members(group_of(c), r)), c["seq"], c.get("op")) if c else ()
+        clauses.setdefault(key, []).append(r)
+    parts = []
+    for who_ranks in clauses.values():
+        rec = waiters[who_ranks[0]]
+        who = f"rank {who_ranks[0]}" if len(who_ranks) == 1 else "ranks " + ", ".join(map(str, who_ranks))
+        phase = f"{PHASES.get(rec['phase'], rec['phase'])} of step {rec['step']}"
+        c = current(rec.get("collectives"))
+        if c is None:
+            what = f"a collective ({phase})"
+        elif c.get("op") is None:  # known from pg_status only: the host enqueued so much after it that the ring
+            what = (f"collective #{c['seq']}{groups.label(group_of(c), who_ranks[0])} (gone from the flight "
+                    "recorder's ring, the host ran ahead of it)")
+        elif c is not (rec.get("collectives") or [None])[-1]:  # NCCL: the host enqueued more after it
+            what = (f"{c['op']} #{c['seq']}{groups.label(group_of(c), who_ranks[0])} ({_size(c['bytes'])}, the host "
+                    "ran ahead of it)")
+        else:
+            what = f"{c['op']} #{c['seq']}{groups.label(group_of(c), who_ranks[0])} ({phase}, {_size(c['bytes'])})"
+        parts.append(f"{who} waited in {what}")
+    return "; " + "; ".join(parts) + f" for {timeout_s:g} s (dist.timeout_s)"
 
 
 def _stack_frame(path: Path) -> tuple[str, bool] | None:

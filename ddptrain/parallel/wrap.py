@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -76,13 +77,15 @@ class EngineMeter:
 
 
 def wrap_model(
-    model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str = "auto", ranks_per_node: int = 1
+    model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str = "auto", ranks_per_node: int = 1,
+    timeout: timedelta | None = None,
 ) -> Wrapped:
     """The bare model at world size 1; else torch DDP (stages 0-1, with its knobs and a compression hook),
     FSDP2 (stages 2-3, in ``precision`` resolved for ``device``), or our own engines. The choice is logged, and
     so is a backend whose clock cannot time gradient sync (those figures are then absent). ``ranks_per_node``
-    (torchrun's LOCAL_WORLD_SIZE) lays out the 2-D mesh of ``parallel.shard_group=node``."""
-    wrapped = _wrap(model, cfg, device, precision, ranks_per_node)
+    (torchrun's LOCAL_WORLD_SIZE) lays out the 2-D mesh of ``parallel.shard_group=node``, whose groups get
+    ``timeout`` (``dist.timeout_s``)."""
+    wrapped = _wrap(model, cfg, device, precision, ranks_per_node, timeout)
     log.info("data parallel: %s", wrapped.strategy if wrapped.strategy != "none" else
              "none (world size 1: the bare model, no gradient sync; parallel.wrap_single=true wraps it)")
     clock = wrapped.comm_clock()
@@ -91,14 +94,14 @@ def wrap_model(
     return wrapped
 
 
-def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str, ranks_per_node: int
-          ) -> Wrapped:
+def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, precision: str, ranks_per_node: int,
+          timeout: timedelta | None) -> Wrapped:
     # One rank has nothing to synchronise: a wrapper would only add its own overhead to the single-device
     # baseline that scaling efficiency divides by. CPU offload still needs FSDP2 to move the state.
     if dist.get_world_size() == 1 and not (cfg.wrap_single or cfg.cpu_offload):
         return Wrapped(model, model, lambda _sync: nullcontext(), None, "none")
     if cfg.zero_stage >= 2:
-        sharded = shard_model(model, cfg, device, precision, ranks_per_node)
+        sharded = shard_model(model, cfg, device, precision, ranks_per_node, timeout)
         return Wrapped(sharded, model, partial(fsdp_sync, sharded), None, f"FSDP2 (ZeRO-{cfg.zero_stage})")
     if cfg.engine != "torch":
         from ddptrain.engines import build_engine

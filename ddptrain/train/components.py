@@ -13,6 +13,7 @@ import logging
 import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
         log.info("train.compile: compiling %d transformer blocks (on the first step)", blocks)
     if cfg.train.precision == Precision.auto:
         log.info("train.precision=auto: %s on this %s device", precision, device.type)
-    wrapped = wrap_model(model, cfg.parallel, device, precision, env.local_world_size)
+    wrapped = wrap_model(model, cfg.parallel, device, precision, env.local_world_size,
+                         timedelta(seconds=cfg.dist.timeout_s))
     # Every rank built the same initial weights from train.seed (and DDP broadcasts rank 0's). From here on each
     # rank draws from its own stream (dropout masks differ across ranks, as in one large-batch run); checkpoints
     # save and restore each rank's stream.

@@ -1,30 +1,45 @@
-"""An NCCL-semantics twin for the hang tests: NCCL's failure behaviour on CPU, over gloo.
+"""An NCCL-semantics twin for the hang tests: NCCL's behaviour where the hang verdict depends on it, on CPU, over gloo.
 
-What a real NCCL job does when a collective never completes (torch 2.13's ``ProcessGroupNCCL``, read from its
-source), and what this twin does in its place:
+What a real NCCL job does (torch 2.13's ``ProcessGroupNCCL`` and flight recorder, read from their source), and what
+this twin does in its place:
 
-- A collective's Python call never raises a timeout. NCCL returns at enqueue and the host blocks later, at a
-  sync on the stream; here the call enqueues on an inner gloo group (whose own timeout is pushed far out) and
-  blocks the caller until the inner collective completes. A peer that died or left gives no error here either
-  (on NCCL the kernel just spins): the caller blocks on.
-- A watchdog thread aborts the process ``dist.timeout_s`` after the collective was enqueued: it logs NCCL's
-  "Watchdog caught collective operation timeout" line, writes this rank's flight-recorder dump to
-  ``TORCH_FR_DUMP_TEMP_FILE`` (or ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; default ``~/.cache/torch/
-  comm_lib_trace_rank_``) + global rank, signals the other ranks through the group's store to dump theirs, and
-  then SIGABRTs the process from a native thread (no Python exception, no Python frame on the aborting thread,
-  as ``std::abort`` from NCCL's watchdog). ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` turns the dump off, as on NCCL.
-- The flight recorder: each collective is an entry with NCCL's keys (``collective_seq_id``, ``profiling_name``
-  ``nccl:<op>``, ``input_sizes``/``input_dtypes``, ``state`` scheduled/started/completed, ``frames``, ...) in a
-  dump with ``version``, ``pg_config``, ``pg_status`` and ``entries``, pickled as torch pickles it;
-  ``torch._C._distributed_c10d._dump_nccl_trace`` returns it (a CPU build of torch has no such function).
-- Another rank that sees the dump signal (polled every second, as ``TORCH_NCCL_COORD_CHECK_MILSEC``) writes its
-  dump too and carries on; real NCCL aborts it after ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (8 min), by which
-  time the launcher has stopped it.
+- **Host run-ahead.** A collective returns at enqueue and completes later on the device; ``wait()`` only orders
+  the compute stream after it, so the host goes on enqueuing (the rest of a backward's buckets, FSDP2's next
+  all-gathers, the step's other collectives) until it reads a device value. Here a collective is enqueued on an
+  inner gloo group and returns at once; a ``wait()`` (or the work's future, which DDP's reducer waits on) blocks
+  the host while the collective completes, as a CPU must (the tensors are the result), but for at most
+  ``run_ahead_after_s`` (default: half the group's timeout): a collective still unfinished then is one a peer
+  never joined, and the host goes on as NCCL's would have, enqueuing what follows. Two waits never let the host
+  go: a barrier (NCCL's barrier synchronizes the host with the stream) and the collectives inside
+  ``*_object*`` calls (the host reads their results at once, a device-to-host copy on a GPU). Once a collective
+  let the host go unfinished, the group's later collectives are recorded but never run (on NCCL they queue on
+  the stream behind it), so no mismatched traffic reaches gloo.
+- **The flight recorder.** One ring for the process (``TORCH_FR_BUFFER_SIZE``, default 2000; 0: off), every
+  group's collectives in it, with NCCL's keys (``collective_seq_id`` per group, ``profiling_name``
+  ``nccl:<op>``, ``input_sizes``/``input_dtypes``, ``state``, ``process_group`` (name, description), ``pg_id``);
+  the dump has ``version``, ``pg_config`` (each group's global ranks), ``pg_status`` (per ``pg_id``: last enqueued
+  and last completed collective) and ``entries``, pickled as torch pickles it; ``_dump_nccl_trace`` returns it (a
+  CPU build of torch has no such function). Timing is off, as by default: an entry stays ``scheduled`` until the
+  watchdog discovers its completion (polled every 100 ms, in order per group, as a stream completes them), then
+  it is ``completed``; ``started`` is never seen.
+- **The watchdog.** ``dist.timeout_s`` after a collective was enqueued and not completed, it logs NCCL's
+  "Watchdog caught collective operation timeout" line, sets the dump signal in the job's store, asks the heartbeat
+  monitor for this rank's dump, waits for it (at most ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 15 s) and then
+  SIGABRTs the process from a native thread (no Python exception, no Python frame on the aborting thread, as
+  ``std::abort`` from NCCL's watchdog). A peer that died or left gives no error (on NCCL the kernel just spins).
+- **The heartbeat monitor.** Its own thread, waking every ``TORCH_NCCL_COORD_CHECK_MILSEC`` (1 s): it writes the
+  dump (to ``TORCH_FR_DUMP_TEMP_FILE``, or ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; default ``~/.cache/torch/
+  comm_lib_trace_rank_``, + global rank) when this rank's watchdog asked or another rank's signal is in the
+  store, so a dump lands up to a second after the timeout while the host may still be enqueuing.
+  ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` turns the dump off.
+- **Sub-groups.** ``new_group`` and device-mesh groups (HSDP's shard and replica groups) are twin groups too,
+  each with its own sequence numbers, ``pg_id`` and ``pg_config`` entry (its name, description and global ranks).
 
-Not emulated: the host running ahead of the stream (on a GPU a rank may enqueue several more collectives
-before it blocks; here it blocks in the first one), CUDA events and timing, NCCL's desync report, error
-propagation between ranks (``TORCH_NCCL_PROPAGATE_ERROR``), the heartbeat monitor's own abort, NCCL's
-communicator and its kernels. Collectives run on gloo underneath, so results are gloo's.
+Not emulated: the host running past a wait while the collective is merely slow (here it blocks up to
+``run_ahead_after_s``), past a read of a pending result (a CPU tensor is read at once), CUDA events and
+timing, NCCL's desync report, error propagation between ranks (``TORCH_NCCL_PROPAGATE_ERROR``), the heartbeat
+monitor's own abort of a rank whose watchdog is stuck (8 minutes), ``split_group`` (groups are built with
+``new_group``), NCCL's communicator, kernels and streams. Collectives run on gloo underneath, so results are gloo's.
 
 Turned on by ``TWIN_NCCL=1`` with ``tests/helpers/nccl_twin_site`` on ``PYTHONPATH`` (its ``sitecustomize``
 installs the twin when ``torch.distributed`` is imported): ``init_process_group("gloo")`` then builds this
@@ -35,13 +50,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import pickle
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +69,9 @@ from torch.distributed import distributed_c10d as c10d
 
 BACKEND = "nccl_twin"
 ENV = "TWIN_NCCL"
+RUN_AHEAD_ENV = "TWIN_NCCL_RUN_AHEAD_AFTER_S"  # seconds a wait blocks on an unfinished collective (default: timeout/2)
 DUMP_SIGNAL = "nccl_twin/exception_dump"  # the store key a timed-out rank sets (NCCL's "exception_dump")
+WATCHDOG_POLL_S = 0.1  # NCCL's watchdog loop (kWatchdogThreadSleepMillis)
 _DTYPES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
            torch.bool: "Bool"}
@@ -65,6 +83,8 @@ _OPS: dict[str, tuple[str, str, Callable[[tuple], list[torch.Tensor]]]] = {
     "allgather": ("all_gather", "allgather", lambda a: list(a[1])),
     "allgather_coalesced": ("allgather_coalesced", "allgather_coalesced", lambda a: list(a[1])),
     "all_gather_single": ("_allgather_base", "_allgather_base", lambda a: [a[1]]),
+    "allgather_into_tensor_coalesced": ("allgather_into_tensor_coalesced", "allgather_into_tensor_coalesced",
+                                        lambda a: list(a[1])),
     "reduce_scatter": ("reduce_scatter", "reduce_scatter", lambda a: list(a[0])),
     "reduce_scatter_single": ("_reduce_scatter_base", "_reduce_scatter_base", lambda a: [a[1]]),
     "alltoall": ("all_to_all", "alltoall", lambda a: list(a[1])),
@@ -75,39 +95,57 @@ _OPS: dict[str, tuple[str, str, Callable[[tuple], list[torch.Tensor]]]] = {
     "barrier": ("all_reduce_barrier", "barrier", lambda a: [torch.zeros(1)]),  # NCCL's barrier: a 1-element all-reduce
 }
 _P2P = {"send": "send", "recv": "recv"}
+_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                       "send_object_list", "recv_object_list")
+_HOST_READS = threading.local()  # depth of *_object* calls on this thread: their collectives never release the host
+
+
+@dataclass
+class _Entry:
+    """One collective: its flight-recorder entry, and what only the twin knows (done on gloo, host released)."""
+
+    record: dict[str, Any]
+    group: TwinGroup
+    deadline: float  # monotonic time of its timeout
+    release: Callable[[], None]  # lets the host past its wait
+    release_at: float | None  # monotonic time the host goes on without it (None: never, a barrier or a read)
+    done: threading.Event = field(default_factory=threading.Event)  # completed underneath (not yet discovered)
 
 
 @dataclass
 class _Recorder:
-    """The process's flight recorder (one for every group, as NCCL's is): entries in a ring of
-    ``TORCH_FR_BUFFER_SIZE`` (NCCL's default 2000)."""
+    """The process's flight recorder (one ring for every group, as torch's is)."""
 
     size: int = field(default_factory=lambda: int(os.environ.get("TORCH_FR_BUFFER_SIZE",
                                                                  os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", 2000))))
     entries: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[TwinGroup] = field(default_factory=list)
     status: dict[str, dict[str, int]] = field(default_factory=dict)
-    config: dict[str, dict[str, str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_id: int = 0
 
     def record(self, entry: dict[str, Any]) -> None:
+        if self.size <= 0:
+            return
         with self.lock:
             entry["record_id"] = self.next_id
             self.next_id += 1
             self.entries.append(entry)
             del self.entries[: max(0, len(self.entries) - self.size)]
 
-    def dump(self, include_collectives: bool = True, include_stack_traces: bool = True,
-             only_active: bool = False) -> bytes:
+    def dump(self, include_collectives: bool | None = True, include_stack_traces: bool | None = True,
+             only_active: bool | None = False) -> bytes:
         """What ``_dump_nccl_trace`` returns: torch's pickled dump (protocol 2, plain dicts and lists)."""
         with self.lock:
             entries = [dict(e) for e in self.entries if not (only_active and e["state"] == "completed")]
+            status = {k: dict(v) for k, v in self.status.items()}
         for e in entries:
-            if not include_stack_traces:
+            if include_stack_traces is False:
                 e.pop("frames", None)
-        trace: dict[str, Any] = {"version": "2.10", "comm_lib_version": "nccl_twin", "pg_config": dict(self.config),
-                                 "pg_status": dict(self.status)}
-        if include_collectives:
+        config = {g.name: {"name": g.name, "desc": g.desc, "ranks": str(g.global_ranks)} for g in self.groups}
+        trace: dict[str, Any] = {"version": "2.10", "comm_lib_version": "nccl_twin", "pg_config": config,
+                                 "pg_status": status}
+        if include_collectives is not False:
             trace["entries"] = entries
         return pickle.dumps(trace, protocol=2)
 
@@ -116,7 +154,7 @@ RECORDER = _Recorder()
 
 
 class TwinGroup(dist.ProcessGroup):
-    """A process group with NCCL's failure behaviour over an inner gloo group (module docstring)."""
+    """A process group with NCCL's host and failure behaviour over an inner gloo group (module docstring)."""
 
     def __init__(self, opts: Any) -> None:
         super().__init__(opts.group_rank, opts.group_size)
@@ -124,23 +162,46 @@ class TwinGroup(dist.ProcessGroup):
         # gloo's own timeout far out: the watchdog acts first, at the configured timeout, as NCCL's does
         far = opts.timeout * 4 + timedelta(seconds=30)
         self._inner = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, far)
-        self._store = opts.store
-        self._pg_id = len(RECORDER.status)
-        self._pg_name = (str(opts.group_id), "default_pg" if self._pg_id == 0 else "undefined")
+        self.store = opts.store
+        self.global_ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        self._fallback_name = str(opts.group_id)
+        self.pg_id = len(RECORDER.groups)  # torch's pg_id: this process's count of groups so far
         self._seq = 0
         self._p2p_seq = 0
-        RECORDER.status[str(self._pg_id)] = {"last_enqueued_collective": 0, "last_started_collective": 0,
-                                             "last_completed_collective": 0}
-        RECORDER.config[self._pg_name[0]] = {"name": self._pg_name[0], "desc": self._pg_name[1],
-                                             "ranks": str(list(range(opts.group_size)))}
+        self._discovered = 0  # the last collective the watchdog found completed (in order, as a stream's)
+        self.pending: list[_Entry] = []
+        self.stalled = False  # a collective of this group let the host go unfinished: nothing after it runs
+        RECORDER.status[str(self.pg_id)] = {"last_enqueued_collective": 0, "last_started_collective": -1,
+                                            "last_completed_collective": 0}
+        RECORDER.groups.append(self)
         WATCHDOG.watch(self)
+
+    # torch keeps a group's name and description on its backends; this group is its own backend (a Python
+    # ProcessGroup that c10d returns as it is), so it keeps them itself: device meshes read ``group_name``.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return str(getattr(self, "_name", "") or self._fallback_name)
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return str(getattr(self, "_desc", "") or ("default_pg" if self.group_name == "0" else "undefined"))
+
+    @property
+    def name(self) -> str:
+        return self.group_name
+
+    @property
+    def desc(self) -> str:
+        return self.group_desc
 
     def getBackendName(self) -> str:
         return BACKEND
-
-    @staticmethod
-    def _seq_of(entry: dict[str, Any]) -> int:
-        return int(entry["collective_seq_id"])
 
     def _enqueue(self, name: str, args: tuple, kwargs: dict) -> Any:
         op, inner, inputs = _OPS[name] if name in _OPS else (_P2P[name], name, lambda a: list(a[0]))
@@ -150,37 +211,65 @@ class TwinGroup(dist.ProcessGroup):
         else:
             self._seq += 1
         tensors = inputs(args)
-        now = time.time_ns()
-        entry = {"pg_id": self._pg_id, "process_group": self._pg_name, "thread_name": threading.current_thread().name,
-                 "thread_id": str(threading.get_ident()), "collective_seq_id": self._seq,
-                 "p2p_seq_id": self._p2p_seq, "op_id": self._seq, "profiling_name": f"nccl:{op}",
-                 "time_created_ns": now, "input_sizes": [list(t.shape) for t in tensors],
-                 "input_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors],
-                 # in place, as the ops here mostly are (gathers and scatters have other outputs: not recorded)
-                 "output_sizes": [list(t.shape) for t in tensors],
-                 "output_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors], "state": "started",
-                 "time_discovered_started_ns": now,
-                 "time_discovered_completed_ns": None, "retired": False,
-                 "timeout_ms": int(self.timeout.total_seconds() * 1000), "is_p2p": p2p,
-                 "frames": [{"name": f.name, "filename": f.filename, "line": f.lineno}
-                            for f in reversed(traceback.extract_stack()[:-2])]}
-        RECORDER.record(entry)
-        status = RECORDER.status[str(self._pg_id)]
+        record = {"pg_id": self.pg_id, "process_group": (self.name, self.desc),
+                  "thread_name": threading.current_thread().name, "thread_id": str(threading.get_ident()),
+                  "collective_seq_id": self._seq, "p2p_seq_id": self._p2p_seq, "op_id": self._seq,
+                  "profiling_name": f"nccl:{op}", "time_created_ns": time.time_ns(),
+                  "input_sizes": [list(t.shape) for t in tensors],
+                  "input_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors],
+                  # in place, as the ops here mostly are (gathers and scatters have other outputs: not recorded)
+                  "output_sizes": [list(t.shape) for t in tensors],
+                  "output_dtypes": [_DTYPES.get(t.dtype, "Float") for t in tensors],
+                  "state": "scheduled", "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
+                  "retired": False, "timeout_ms": int(self.timeout.total_seconds() * 1000), "is_p2p": p2p,
+                  "frames": [{"name": f.name, "filename": f.filename, "line": f.lineno}
+                             for f in reversed(traceback.extract_stack()[:-2])]}
+        RECORDER.record(record)
+        host = torch.futures.Future()  # what the host's wait (and DDP's reducer) waits on
+        lock = threading.Lock()
+
+        def release(value: Any = None) -> None:
+            with lock:
+                if not host.done():
+                    host.set_result(_results(name, args) if value is None else value)
+
+        now = time.monotonic()
+        holds_host = name == "barrier" or getattr(_HOST_READS, "depth", 0) > 0
+        after = float(os.environ.get(RUN_AHEAD_ENV, self.timeout.total_seconds() / 2))
+        entry = _Entry(record, self, now + self.timeout.total_seconds(), release,
+                       None if holds_host else now + after)
         if not p2p:
-            status["last_enqueued_collective"] = status["last_started_collective"] = self._seq
-        work = getattr(self._inner, inner)(*args, **kwargs)
-        done = torch.futures.Future()
+            with RECORDER.lock:
+                RECORDER.status[str(self.pg_id)]["last_enqueued_collective"] = self._seq
+            WATCHDOG.pending(entry)
+        if not self.stalled:  # behind a stuck collective, NCCL's stream never runs it: gloo is not asked
+            work = getattr(self._inner, inner)(*args, **kwargs)
 
-        def completed(value: Any) -> None:
-            entry["state"], entry["retired"] = "completed", True
-            entry["time_discovered_completed_ns"] = time.time_ns()
-            if not p2p:
-                status["last_completed_collective"] = max(status["last_completed_collective"], self._seq_of(entry))
-            done.set_result(value)
+            def completed(value: Any) -> None:
+                entry.done.set()
+                release(value)
 
-        WATCHDOG.pending(entry, time.monotonic() + self.timeout.total_seconds(), self)
-        _on_completion(work, completed)
-        return torch._C._distributed_c10d._create_work_from_future(done)
+            _on_completion(work, completed)
+        return torch._C._distributed_c10d._create_work_from_future(host)
+
+    def discover(self) -> None:
+        """The watchdog's poll: mark the collectives completed underneath, in order, as completed."""
+        with RECORDER.lock:
+            while self.pending and self.pending[0].done.is_set():
+                entry = self.pending.pop(0)
+                entry.record.update(state="completed", retired=True, time_discovered_completed_ns=time.time_ns())
+                self._discovered = int(entry.record["collective_seq_id"])
+                RECORDER.status[str(self.pg_id)]["last_completed_collective"] = self._discovered
+
+
+def _results(name: str, args: tuple) -> Any:
+    """What a future's value is for this op (the tensors it writes), as gloo's own futures give it."""
+    if name in ("allgather", "allgather_coalesced", "gather"):
+        return args[0]
+    if name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "reduce_scatter",
+                "allgather_into_tensor_coalesced", "alltoall"):
+        return [args[0]] if isinstance(args[0], torch.Tensor) else args[0]
+    return args[0] if args and isinstance(args[0], list) else []
 
 
 def _on_completion(work: Any, completed: Callable[[Any], None]) -> None:
@@ -222,70 +311,87 @@ for _name in (*_OPS, *_P2P):
 
 
 class _Watchdog:
-    """NCCL's watchdog and heartbeat monitor in one thread: a timeout dumps, signals the others, and aborts."""
+    """NCCL's watchdog (discovers completions, times collectives out, aborts) and heartbeat monitor (dumps)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[dict[str, Any], float, TwinGroup]] = []
         self._groups: list[TwinGroup] = []
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._dumped = False
+        self._started = False
+        self._dump_asked = threading.Event()
+        self._dumped = threading.Event()
 
     def watch(self, group: TwinGroup) -> None:
         with self._lock:
             self._groups.append(group)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="pt_nccl_watchdg")
-                self._thread.start()
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._run, daemon=True, name="pt_nccl_watchdg").start()
+                threading.Thread(target=self._monitor, daemon=True, name="pt_nccl_heartbt").start()
 
-    def pending(self, entry: dict[str, Any], deadline: float, group: TwinGroup) -> None:
-        with self._lock:
-            self._pending.append((entry, deadline, group))
+    def pending(self, entry: _Entry) -> None:
+        with RECORDER.lock:
+            entry.group.pending.append(entry)
 
     def _run(self) -> None:
-        last_poll = time.monotonic()
         while True:
-            time.sleep(0.05)
+            time.sleep(WATCHDOG_POLL_S)
             now = time.monotonic()
-            with self._lock:
-                self._pending = [p for p in self._pending if p[0]["state"] != "completed"]
-                late = next((p for p in self._pending if now > p[1]), None)
+            late = None
+            for group in list(self._groups):
+                group.discover()
+                with RECORDER.lock:
+                    pending = list(group.pending)
+                for entry in pending:  # a peer never joined it: the host goes on, as NCCL's never stopped
+                    if entry.release_at is not None and now > entry.release_at:
+                        entry.release_at = None
+                        group.stalled = True
+                        entry.release()
+                if pending and now > pending[0].deadline and late is None:
+                    late = pending[0]
             if late is not None:
-                self._time_out(*late)
-            if now - last_poll >= float(os.environ.get("TORCH_NCCL_COORD_CHECK_MILSEC", 1000)) / 1e3:
-                last_poll = now
-                self._poll_dump_signal()
+                self._time_out(late)
 
-    def _time_out(self, entry: dict[str, Any], deadline: float, group: TwinGroup) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else group.rank()
-        ran_ms = int((time.time_ns() - entry["time_created_ns"]) / 1e6)
+    def _time_out(self, entry: _Entry) -> None:
+        rank = _rank(entry.group)
+        record = entry.record
+        ran_ms = int((time.time_ns() - record["time_created_ns"]) / 1e6)
+        op = record["profiling_name"].split(":")[1].upper()
         print(f"[rank{rank}]:[E nccl_twin] [Rank {rank}] Watchdog caught collective operation timeout: "
-              f"WorkNCCL(SeqNum={entry['collective_seq_id']}, OpType={entry['profiling_name'].split(':')[1].upper()}, "
-              f"Timeout(ms)={entry['timeout_ms']}) ran for {ran_ms} milliseconds before timing out.",
+              f"WorkNCCL(SeqNum={record['collective_seq_id']}, OpType={op}, "
+              f"Timeout(ms)={record['timeout_ms']}) ran for {ran_ms} milliseconds before timing out.",
               file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):  # best effort, as NCCL's
-            group._store.set(DUMP_SIGNAL, str(rank))
-        self._dump(rank)
+        for group in list(self._groups):  # every group's store, so a peer polling any of them sees it
+            with contextlib.suppress(Exception):  # best effort, as NCCL's
+                group.store.set(DUMP_SIGNAL, str(rank))
+        if _dump_on_timeout():
+            self._dump_asked.set()
+            self._dumped.wait(float(os.environ.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", 15000)) / 1e3)
         print(f"[rank{rank}]:[F nccl_twin] [Rank {rank}] Terminating the process after attempting to dump debug "
               "info, due to collective timeout or exception.", file=sys.stderr, flush=True)
         _abort_from_native_thread()
 
-    def _poll_dump_signal(self) -> None:
-        if self._dumped:
-            return
+    def _monitor(self) -> None:
+        """The heartbeat monitor: each interval, dump if this rank's watchdog asked or a peer signalled."""
+        interval = float(os.environ.get("TORCH_NCCL_COORD_CHECK_MILSEC", 1000)) / 1e3
+        while not self._dumped.is_set():
+            time.sleep(interval)
+            if self._dump_asked.is_set() or self._signalled():
+                self._dump()
+                self._dumped.set()
+
+    def _signalled(self) -> bool:
         for group in list(self._groups):
             try:
-                signalled = group._store.check([DUMP_SIGNAL])
+                if group.store.check([DUMP_SIGNAL]):
+                    return True
             except Exception:  # noqa: BLE001 - the store is gone (the job is ending): nothing to dump for
-                return
-            if signalled:
-                self._dump(dist.get_rank() if dist.is_initialized() else group.rank())
-                return
+                return False
+        return False
 
-    def _dump(self, rank: int) -> None:
-        if self._dumped or os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1") == "0" or RECORDER.size <= 0:
+    def _dump(self) -> None:
+        if not _dump_on_timeout() or RECORDER.size <= 0 or not self._groups:
             return
-        self._dumped = True
+        rank = _rank(self._groups[0])
         prefix = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
                   or str(Path.home() / ".cache" / "torch" / "comm_lib_trace_rank_"))
         try:
@@ -298,20 +404,45 @@ class _Watchdog:
 WATCHDOG = _Watchdog()
 
 
-def nccl_dump(collectives: list[tuple[int, str, int, str]]) -> bytes:
-    """A dump in the format above of the default group's collectives ``(seq, op, bytes, state)`` (fp32 inputs),
-    for tests that write a rank's evidence by hand."""
-    recorder = _Recorder()
-    recorder.config["0"] = {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}
-    for seq, op, nbytes, state in collectives:
-        recorder.record({"pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq, "p2p_seq_id": 0,
-                         "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": 0,
-                         "input_sizes": [[nbytes // 4]], "input_dtypes": ["Float"],
-                         "output_sizes": [[nbytes // 4]], "output_dtypes": ["Float"], "state": state,
-                         "time_discovered_started_ns": None,
-                         "time_discovered_completed_ns": None, "retired": state == "completed", "timeout_ms": 0,
-                         "is_p2p": False, "frames": []})
-    return recorder.dump()
+def _rank(group: TwinGroup) -> int:
+    return dist.get_rank() if dist.is_initialized() else group.rank()
+
+
+def _dump_on_timeout() -> bool:
+    return os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1") != "0"
+
+
+def nccl_dump(collectives: list[tuple[Any, ...]], ring: int = 2000,
+              groups: dict[str, tuple[str, list[int]]] | None = None) -> bytes:
+    """A dump in the format above, for tests that write a rank's evidence by hand. Each collective is
+    ``(seq, op, bytes, state)`` of the default group or ``(group name, seq, op, bytes, state)``, fp32 inputs, in
+    enqueue order; ``ring`` keeps the last ones, as torch's ring does; ``groups`` gives each group's description
+    and global ranks (the default group: ``default_pg``, ranks [0, 1] unless given). ``pg_status`` holds each
+    group's last enqueued and last completed collective (those before the first one given count as completed),
+    whether or not the ring still holds them."""
+    groups = {"0": ("default_pg", [0, 1]), **(groups or {})}
+    pg_ids = {name: i for i, name in enumerate(groups)}
+    status = {str(i): {"last_enqueued_collective": 0, "last_started_collective": -1, "last_completed_collective": 0}
+              for i in pg_ids.values()}
+    entries = []
+    for item in collectives:
+        group, (seq, op, nbytes, state) = ("0", item) if len(item) == 4 else (item[0], item[1:])
+        st = status[str(pg_ids[group])]
+        if st["last_enqueued_collective"] == 0:  # the collectives before the first one given completed
+            st["last_completed_collective"] = seq - 1
+        st["last_enqueued_collective"] = seq
+        if state == "completed":
+            st["last_completed_collective"] = max(st["last_completed_collective"], seq)
+        entries.append({"record_id": len(entries), "pg_id": pg_ids[group], "process_group": (group, groups[group][0]),
+                        "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{op}",
+                        "time_created_ns": 0, "input_sizes": [[nbytes // 4]], "input_dtypes": ["Float"],
+                        "output_sizes": [[nbytes // 4]], "output_dtypes": ["Float"], "state": state,
+                        "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
+                        "retired": state == "completed", "timeout_ms": 0, "is_p2p": False, "frames": []})
+    config = {name: {"name": name, "desc": desc, "ranks": str(ranks)} for name, (desc, ranks) in groups.items()}
+    trace = {"version": "2.10", "comm_lib_version": "nccl_twin", "pg_config": config, "pg_status": status,
+             "entries": entries[-ring:] if ring > 0 else []}
+    return pickle.dumps(trace, protocol=2)
 
 
 def _abort_from_native_thread() -> None:
@@ -325,12 +456,31 @@ def _abort_from_native_thread() -> None:
         os.abort()
 
 
+@contextlib.contextmanager
+def _reading_results() -> Iterator[None]:
+    _HOST_READS.depth = getattr(_HOST_READS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST_READS.depth -= 1
+
+
+def _holding_the_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _reading_results():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def _create(opts: Any, _options: Any) -> TwinGroup:
     return TwinGroup(opts)
 
 
 def install() -> None:
-    """Register the backend, make ``init_process_group("gloo")`` build it, and serve ``_dump_nccl_trace``."""
+    """Register the backend, make ``init_process_group("gloo")`` build it (and ``new_group`` with the default
+    backend, device meshes included), serve ``_dump_nccl_trace``, and keep the host in ``*_object*`` calls."""
     if BACKEND.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
@@ -341,4 +491,8 @@ def install() -> None:
 
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
+    for name in _OBJECT_COLLECTIVES:
+        wrapped = _holding_the_host(getattr(c10d, name))
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
     torch._C._distributed_c10d._dump_nccl_trace = RECORDER.dump

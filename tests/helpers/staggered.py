@@ -1,9 +1,10 @@
 """Run several real CLI jobs whose start-ups take turns and whose waits overlap.
 
-A hang test's job spends its first seconds importing (CPU-bound: a second job starting then only slows both) and
-its last ones waiting on a collective timeout and a stop grace (idle). Each job here starts when the one before it
-has printed ``ready`` (or ended), so one job's imports run while the one before it waits. Each job's time is its
-own, from its start to its exit, and the processes it leaves behind are listed the moment it exits.
+A hang test's job spends its first seconds importing (CPU-bound) and its last ones waiting on a collective
+timeout and a stop grace (idle). The jobs run in ``lanes`` (1 or more sequences side by side); in a lane each job
+starts when the one before it has printed ``ready`` (or ended), so one job's imports run while the one before it
+waits. Each job's time is its own, from its start to its exit (and from its ``ready`` to its exit), and the
+processes it leaves behind are listed the moment it exits.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -38,6 +39,7 @@ class Finished:
     stdout: str
     stderr: str
     elapsed: float  # seconds from the job's start to its exit
+    ready_s: float | None  # seconds from the job's start to its ``ready`` line (None: it never printed one)
     survivors: list[str]  # command lines naming the job's cwd, read as soon as it exited
 
 
@@ -51,28 +53,44 @@ def survivors(marker: str) -> list[str]:
     return found
 
 
-def run_staggered(jobs: dict[str, Job], ready: str, timeout: float) -> dict[str, Future[Finished]]:
-    """Start ``jobs`` in order, each once the one before it printed ``ready`` on stderr or ended; return at once,
-    with a future per job. A job that runs longer than ``timeout`` s is killed and its future fails."""
+def run_staggered(jobs: dict[str, Job], ready: str, timeout: float, lanes: int = 1) -> dict[str, Future[Finished]]:
+    """Start ``jobs`` in ``lanes`` sequences (job i in lane i mod ``lanes``), in each one job once the one before
+    it printed ``ready`` on stderr or ended; return at once, with a future per job. A job that runs longer than
+    ``timeout`` s is killed and its future fails."""
     futures: dict[str, Future[Finished]] = {name: Future() for name in jobs}
+    names = list(jobs)
 
-    def start_all() -> None:
-        for name, job in jobs.items():
+    def start_lane(lane: list[str]) -> None:
+        for name in lane:
+            job = jobs[name]
             try:
                 proc, stdout, stderr = _start(job)
             except BaseException as exc:  # noqa: BLE001 - the test waiting on this job reports it
                 futures[name].set_exception(exc)
                 continue
             started = time.monotonic()
-            threading.Thread(target=_finish, args=(proc, job, stdout, stderr, started, timeout, futures[name]),
+            seen = _Ready()
+            threading.Thread(target=_finish, args=(proc, job, stdout, stderr, started, timeout, seen, futures[name]),
                              daemon=True).start()
             while proc.poll() is None and ready not in stderr.read_text(errors="replace"):
                 if time.monotonic() - started > timeout:
                     break
                 time.sleep(0.2)
+            if ready in stderr.read_text(errors="replace"):
+                seen.at = time.monotonic() - started
+            seen.known.set()
 
-    threading.Thread(target=start_all, daemon=True, name="staggered_jobs").start()
+    for lane in range(lanes):
+        threading.Thread(target=start_lane, args=(names[lane::lanes],), daemon=True, name="staggered_jobs").start()
     return futures
+
+
+@dataclass
+class _Ready:
+    """When a job printed its ``ready`` line (seconds from its start), once its lane knows."""
+
+    at: float | None = None
+    known: threading.Event = field(default_factory=threading.Event)
 
 
 def _start(job: Job) -> tuple[subprocess.Popen[bytes], Path, Path]:
@@ -84,7 +102,7 @@ def _start(job: Job) -> tuple[subprocess.Popen[bytes], Path, Path]:
 
 
 def _finish(proc: subprocess.Popen[bytes], job: Job, stdout: Path, stderr: Path, started: float, timeout: float,
-            future: Future[Finished]) -> None:
+            seen: _Ready, future: Future[Finished]) -> None:
     try:
         returncode = proc.wait(timeout=max(0.0, started + timeout - time.monotonic()))
     except subprocess.TimeoutExpired as exc:
@@ -94,5 +112,6 @@ def _finish(proc: subprocess.Popen[bytes], job: Job, stdout: Path, stderr: Path,
         return
     elapsed = time.monotonic() - started
     left = survivors(str(job.cwd))
+    seen.known.wait(5)  # the lane reads the job's last output at once after its exit
     future.set_result(Finished(job.cwd, returncode, stdout.read_text(errors="replace"),
-                               stderr.read_text(errors="replace"), elapsed, left))
+                               stderr.read_text(errors="replace"), elapsed, seen.at, left))

@@ -1,6 +1,13 @@
-"""Installs the NCCL-semantics twin (``tests/helpers/nccl_twin.py``) in every process that imports
-``torch.distributed`` while ``TWIN_NCCL=1``: the hang tests put this folder on ``PYTHONPATH`` of the real command
-(launcher and torchrun workers), so the product runs unchanged and never names the twin."""
+"""What the hang tests change in every process of the real command (launcher and torchrun workers), through this
+folder on ``PYTHONPATH``, so that the product runs unchanged and never names them:
+
+- ``TWIN_NCCL=1``: installs the NCCL-semantics twin (``tests/helpers/nccl_twin.py``) once ``torch.distributed``
+  is imported;
+- ``TWIN_NODES=N``: each worker of one launcher takes itself for one of N nodes (``LOCAL_WORLD_SIZE``,
+  ``LOCAL_RANK`` and ``GROUP_RANK`` as torchrun would set them on N machines), so that HSDP
+  (``parallel.shard_group=node``) builds its 2-D mesh under ddptrain's own launcher, whose last line is the
+  verdict.
+"""
 
 from __future__ import annotations
 
@@ -36,5 +43,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _as_nodes(nodes: int) -> None:
+    """Renumber this worker as torchrun numbers ranks on ``nodes`` machines (node by node)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_node = world // nodes
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node), GROUP_RANK=str(rank // per_node))
+
+
 if os.environ.get("TWIN_NCCL") == "1":
     sys.meta_path.insert(0, _AfterImport())
+if os.environ.get("TWIN_NODES") and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    _as_nodes(int(os.environ["TWIN_NODES"]))
