@@ -190,6 +190,28 @@ def test_the_head_gradient_under_autocast_is_at_least_as_close_to_fp32_as_the_fu
             assert _rel(g, e) <= max(1.01 * _rel(w, e), 1e-6), (dtype, name, _rel(g, e), _rel(w, e))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_a_gpu_the_head_gradient_accumulates_in_fp32_inside_the_matmul(dtype: torch.dtype) -> None:
+    """CUDA's path (the half-precision matmul writes the fp32 accumulator itself, ``addmm(out_dtype=float32)``)
+    gives the loss and gradients of the CPU's path (fp32 sums of the same products) and moves 12 x V*H bytes of
+    the head per chunk: the two matmuls' half-precision reads (2 + 2) and the accumulator's read and write."""
+    torch.manual_seed(0)
+    vocab, width = 2048, 64
+    hidden, weight = torch.randn(1, 97, width), torch.randn(vocab, width) * 0.05
+    labels = torch.randint(0, vocab, (1, 97))
+    out = {}
+    for device in ("cpu", "cuda"):
+        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        with torch.autocast(device, dtype=dtype):
+            loss = linear_cross_entropy(h, w, labels.to(device), None, 16)
+        out[device] = (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    for name, got, want in zip(("loss", "hidden", "weight"), out["cuda"], out["cpu"], strict=True):
+        assert _rel(got.cpu(), want) < 1e-2, name
+    per_chunk, _ = head_bytes_per_chunk(vocab, width, dtype, device="cuda")
+    assert per_chunk == 12 * vocab * width
+
+
 def _first_finite_step(loss_of, hidden: torch.Tensor, weight: torch.Tensor  # type: ignore[no-untyped-def]
                        ) -> tuple[float | None, list[float]]:
     """Steps on ``loss_of(hidden, weight)`` under fp16 autocast with torch's GradScaler from its initial scale,
@@ -253,11 +275,13 @@ def test_evaluation_and_logits_without_labels_are_unchanged() -> None:
 
 def test_the_default_chunk_is_sized_by_the_vocabulary() -> None:
     """null train.loss_chunk_tokens: one fp32 [chunk, vocab] block of 64 MiB off CUDA (110 tokens at Qwen3's
-    151,936; the hidden size would give 524,288 at 32); on CUDA at least 1,024 tokens (compute-bound GEMMs)."""
+    151,936; the hidden size would give 524,288 at 32); on CUDA at least 1,024 tokens for a trainable head and
+    256 for a frozen one (compute-bound matmuls)."""
     _, chunked = _pair()
     assert use_chunked_loss(copy.deepcopy(chunked), None) == 64 * 2**20 // (4 * VOCAB) == 52428
     assert chunk_tokens_for(151_936) == 110 and chunk_tokens_for(32_000) == 524
     assert chunk_tokens_for(151_936, "cuda") == 1024 and chunk_tokens_for(8_192, "cuda") == 2048
+    assert chunk_tokens_for(151_936, "cuda", trainable_head=False) == 256
 
 
 def test_a_deep_copy_runs_its_own_weights_through_its_own_chunked_forward() -> None:

@@ -41,16 +41,18 @@ from ddptrain.data.types import IGNORE
 # (the CPU) this alone sizes the chunk: a CPU's matmuls are compute-bound at any chunk of tens of tokens.
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 # On CUDA the chunk is at least this many tokens, so that the head's matmuls stay compute-bound. Per chunk of c
-# tokens each matmul does 2*c*V*H FLOPs and must read the head once: the logits' and the hidden-state gradient's
-# matmuls read the half-precision weight (2*V*H bytes), an arithmetic intensity of about c FLOP/byte (their
-# [c, V] and [c, H] sides are small against V*H when c << H); the weight gradient's matmul reads and writes the
-# fp32 accumulator (8*V*H bytes), about c/4 FLOP/byte, the binding one. An H100's ridge point is ~295 FLOP/byte
-# (989 dense bf16 TFLOP/s over 3.35 TB/s), an A100's ~150, an RTX 4090's ~165, an H200's ~205: at c = 1,024 the
-# weight gradient runs at 2*1024*H/(8*H + 2*1024) ~ 230 FLOP/byte at H = 2,560 (compute-bound but on an H100,
-# where it is ~80 % of the ridge) and the other two at ~700. At Qwen3's 151,936 entries the 64 MiB budget above
-# gives 110 tokens, ~27 FLOP/byte for the weight gradient: bound by reading the head, ~10 % of an H100's
-# tensor cores. The price is memory: an fp32 [1024, 151,936] block is 0.58 GiB, ~1.5 GiB live in a chunk.
-CUDA_CHUNK_TOKENS = 1024
+# tokens each matmul does 2*c*V*H FLOPs and must move the head once: the logits' and the hidden-state
+# gradient's matmuls read the half-precision weight (2*V*H bytes, beside their small [c, V] and [c, H] sides), an
+# arithmetic intensity of 2*c*H/(2*H + 2*c) FLOP/byte, about c; a trainable head's weight-gradient matmul also
+# reads and writes the fp32 accumulator (8*V*H bytes), 2*c*H/(8*H + 2*c), about c/4: the binding one. A GPU's
+# ridge point (dense bf16 FLOP/s over memory bytes/s) is ~295 FLOP/byte on an H100 SXM (989 TFLOP/s, 3.35 TB/s),
+# ~205 on an H200, ~165 on an RTX 4090, ~150 on an A100. The chunks below bring the binding matmul to ~230
+# FLOP/byte at H = 2,560 (compute-bound on all but an H100, ~80 % of its ridge there): 1,024 tokens for a
+# trainable head, 256 for a frozen one (LoRA), whose binding matmuls are the two that only read the weight.
+# The 64 MiB budget alone gives 110 tokens at Qwen3's 151,936 entries: ~25 FLOP/byte for the weight gradient,
+# bound by moving the head (~10 % of an H100's tensor cores). The price is memory: at 151,936 entries an fp32
+# [1024, vocab] block is 0.58 GiB, and a chunk holds about three (~1.7 GiB; a frozen head's 256 tokens ~0.4 GiB).
+CUDA_CHUNK_TOKENS = {True: 1024, False: 256}  # trainable head -> tokens per chunk at least
 # Causal LMs whose forward is exactly: base model -> lm_head(hidden states) -> the causal-LM cross-entropy
 # (no logit soft-capping, scaling or auxiliary loss), so the chunked path computes the same loss.
 EXACT_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -59,15 +61,16 @@ EXACT_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCaus
 # of two before the fp16 matmuls and unscaled after (exact: a power of two). Both matmuls stay finite whatever
 # the loss scale: the weight gradient's accumulates in fp32 (an fp16 output would overflow once a few tokens
 # share a target and a hidden channel is ~25: 4 x 25 x 2^10 > 65504, at every loss scale), and the hidden
-# states' sums |prescaled gradient| <= 2^11 times a head weight.
+# states' stays below 65504 unless a head weight exceeds 32 (a row of the prescaled gradient sums to <= 2^11).
 FP16_PRESCALE = 2.0**10
 
 
-def chunk_tokens_for(vocab_size: int, device_type: str = "cpu", budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+def chunk_tokens_for(vocab_size: int, device_type: str = "cpu", trainable_head: bool = True,
+                     budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Tokens per chunk: one fp32 ``[chunk, vocab]`` block within ``budget_bytes`` (at least 1), and on CUDA at
-    least ``CUDA_CHUNK_TOKENS`` (compute-bound matmuls)."""
+    least ``CUDA_CHUNK_TOKENS`` for a trainable or frozen head (compute-bound matmuls)."""
     by_memory = max(1, budget_bytes // (4 * vocab_size))
-    return max(by_memory, CUDA_CHUNK_TOKENS) if device_type == "cuda" else by_memory
+    return max(by_memory, CUDA_CHUNK_TOKENS[trainable_head]) if device_type == "cuda" else by_memory
 
 
 def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
@@ -189,15 +192,17 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int | None, device_ty
     """Compute ``model``'s training loss chunk by chunk from now on, if that is exact for it (see
     ``chunked_loss_refusal``); returns the tokens per chunk, or None where it stays off.
 
-    ``chunk_tokens``: tokens per chunk (None: ``chunk_tokens_for`` the vocabulary on ``device_type``, by default
-    the device the head is on; the memory plan, building on ``meta``, names its target's). The model keeps its
+    ``chunk_tokens``: tokens per chunk (None: ``chunk_tokens_for`` the vocabulary and the head, trainable or
+    frozen, on ``device_type``: by default the device the head is on; the memory plan, building on ``meta``, names
+    its target's). The model keeps its
     parameters, state dict and modules; only the causal LM's ``forward`` changes, and only when labels are given.
     """
     if chunked_loss_refusal(model) is not None:
         return None
     lm = causal_lm_of(model)
     head = lm.get_output_embeddings()
-    chunk = chunk_tokens or chunk_tokens_for(head.out_features, device_type or head.weight.device.type)
+    chunk = chunk_tokens or chunk_tokens_for(head.out_features, device_type or head.weight.device.type,
+                                             head.weight.requires_grad)
     def forward(self: torch.nn.Module, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> Any:
         if labels is None or kwargs.get("logits_to_keep", 0) != 0 or "shift_labels" in kwargs:

@@ -62,8 +62,8 @@ def _tensors(tree: object) -> list[torch.Tensor]:
 class HeadTraffic(TorchDispatchMode):
     """What the ops run while the mode is on do with tensors shaped like the LM head's weight (``[vocab, hidden]``
     or its transpose): the bytes they read and write (``bytes``; an in-place op reads and writes its target, a view
-    moves nothing), the dtypes of the head-shaped tensors they create (``created``), and each matmul's output
-    shape and dtype (``matmuls``)."""
+    moves nothing, an ``out=`` argument is written, not read), the dtypes of the head-shaped tensors they create
+    (``created``), and each matmul's output shape and dtype (``matmuls``)."""
 
     def __init__(self, vocab: int, hidden: int) -> None:
         super().__init__()
@@ -80,24 +80,25 @@ class HeadTraffic(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view:
             return out
-        inputs = _tensors((args, kwargs))
+        read = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
         outputs = _tensors(out)
-        self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs if self._head(t))
-        self.created += [t.dtype for t in outputs if self._head(t) and not any(t is i for i in inputs)]
+        self.bytes += sum(t.numel() * t.element_size() for t in read + outputs if self._head(t))
+        given = read + _tensors(kwargs.get("out"))
+        self.created += [t.dtype for t in outputs if self._head(t) and not any(t is i for i in given)]
         if func.overloadpacket in MATMULS:
             self.matmuls += [(tuple(t.shape), t.dtype) for t in outputs]
         return out
 
 
 def head_bytes_per_chunk(vocab: int, hidden: int, compute_dtype: torch.dtype, chunk: int = 4,
-                         weight_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+                         weight_dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[float, float]:
     """The LM head's bytes (``HeadTraffic``) one chunk of a trainable head's forward and backward moves, and what
     one call moves besides its chunks: from two calls of 2 and 6 chunks (the difference over 4 chunks)."""
     moved = []
     for chunks in (2, 6):
-        hidden_states = torch.randn(chunks * chunk, hidden, requires_grad=True)
-        weight = (torch.randn(vocab, hidden) * 0.02).to(weight_dtype).requires_grad_()
-        targets = torch.randint(0, vocab, (chunks * chunk,))
+        hidden_states = torch.randn(chunks * chunk, hidden, device=device, requires_grad=True)
+        weight = (torch.randn(vocab, hidden, device=device) * 0.02).to(weight_dtype).requires_grad_()
+        targets = torch.randint(0, vocab, (chunks * chunk,), device=device)
         with HeadTraffic(vocab, hidden) as traffic:
             LinearCrossEntropy.apply(hidden_states, weight, targets, chunk, compute_dtype).backward()
         moved.append(traffic.bytes)
