@@ -6,7 +6,8 @@ model's step (Qwen3's 151,936 entries per token: 0.6 MB per token in fp32, each)
 the final hidden states and the head's weight and, for one chunk of tokens at a time, computes the logits, their
 log-softmax and the loss, and at once the gradient with respect to the chunk's hidden states and the head weight
 (softmax minus the one-hot target, times the weight or the hidden states). Only those gradients are kept (the
-size of the hidden states and of the head weight); backward scales them by the incoming gradient. This is the
+size of the hidden states and of the head weight; the head weight's accumulated in fp32, chunk by chunk, with no
+half-precision ``[vocab, hidden]`` temporary); backward scales them in place by the incoming gradient. This is the
 design of Liger's fused linear cross-entropy: the head's matmuls run once each, as in the full path (a
 recomputing backward, TRL's and torchtitan's choice, runs the head's forward matmul twice).
 
@@ -193,9 +194,9 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int | None, device_ty
     ``chunked_loss_refusal``); returns the tokens per chunk, or None where it stays off.
 
     ``chunk_tokens``: tokens per chunk (None: ``chunk_tokens_for`` the vocabulary and the head, trainable or
-    frozen, on ``device_type``: by default the device the head is on; the memory plan, building on ``meta``, names
-    its target's). The model keeps its
-    parameters, state dict and modules; only the causal LM's ``forward`` changes, and only when labels are given.
+    frozen, on ``device_type``: by default the device the head is on; the memory plan, building on ``meta``,
+    names its target's). The model keeps its parameters, state dict and modules; only the causal LM's
+    ``forward`` changes, and only when labels are given.
     """
     if chunked_loss_refusal(model) is not None:
         return None
