@@ -119,7 +119,7 @@ def test_a_tied_head_gets_its_gradient_on_the_shared_embedding_weight() -> None:
     assert _rel(embed_only, full.get_input_embeddings().weight.grad) > 0.1
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_under_autocast_the_chunked_loss_equals_the_full_logits_loss_and_is_as_close_to_fp32(dtype: torch.dtype
                                                                                               ) -> None:
     """The same autocast: the head's matmul in its dtype, one per chunk (never in fp32), the log-softmax in fp32
@@ -141,7 +141,7 @@ def test_under_autocast_the_chunked_loss_equals_the_full_logits_loss_and_is_as_c
         assert chunked_err < max(2 * full_err, tol), (name, full_err, chunked_err)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_a_trainable_head_in_half_precision_moves_no_more_head_bytes_per_chunk_than_in_fp32(dtype: torch.dtype
                                                                                             ) -> None:
     """The head's gradient accumulates in fp32 without a half-precision [vocab, hidden] product, its copy and its
@@ -152,7 +152,7 @@ def test_a_trainable_head_in_half_precision_moves_no_more_head_bytes_per_chunk_t
     assert half <= 1.25 * fp32, f"{dtype}: {half / head:g} x V*H bytes per chunk, fp32 {fp32 / head:g} x V*H"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_backward_scales_the_kept_gradients_in_place_without_a_copy_of_the_head(dtype: torch.dtype) -> None:
     hidden = torch.randn(3 * CHUNK, TINY.hidden_size, requires_grad=True)
     weight = (torch.randn(VOCAB, TINY.hidden_size) * 0.02).requires_grad_()
@@ -191,7 +191,7 @@ def test_the_head_gradient_under_autocast_is_at_least_as_close_to_fp32_as_the_fu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_on_a_gpu_the_head_gradient_accumulates_in_fp32_inside_the_matmul(dtype: torch.dtype) -> None:
     """CUDA's path (the half-precision matmul writes the fp32 accumulator itself, ``addmm(out_dtype=float32)``)
     gives the loss and gradients of the CPU's path (fp32 sums of the same products) and moves 12 x V*H bytes of
