@@ -302,6 +302,24 @@ MUTANTS = [
            (("ddptrain/diagnose/trace.py", "and _group(e) is not None and _desc(e) not in SIDE_GROUPS]",
              "and _group(e) == DEFAULT_GROUP and _desc(e) not in SIDE_GROUPS]"),),
            ("tests/test_verdict.py",)),
+    # issue 41: the chunked loss's mutants that survived an audit
+    Mutant("chunked-logsoftmax-not-upcast", "the chunked loss's log-softmax in the autocast dtype, not fp32",
+           (("ddptrain/models/chunked_loss.py", "logp = torch.log_softmax(torch.mm(h, w.t()).float(), dim=1)",
+             "logp = torch.log_softmax(torch.mm(h, w.t()), dim=1).float()"),),
+           ("tests/test_chunked_loss.py", "-k", "autocast")),
+    Mutant("chunked-head-matmul-fp32", "the chunked head's logits matmul in fp32 under bf16/fp16 autocast",
+           (("ddptrain/models/chunked_loss.py", "logp = torch.log_softmax(torch.mm(h, w.t()).float(), dim=1)",
+             "logp = torch.log_softmax(torch.mm(h.float(), w.t().float()), dim=1)"),),
+           ("tests/test_chunked_loss.py", "-k", "autocast")),
+    Mutant("chunked-eval-computes-gradients", "evaluation (no_grad) computes the chunked head's gradients too",
+           (("ddptrain/models/chunked_loss.py",
+             "    if not torch.is_grad_enabled():  # evaluation: no gradient to compute in forward\n"
+             "        hidden, weight = hidden.detach(), weight.detach()\n", ""),),
+           ("tests/test_chunked_loss.py", "-k", "evaluation")),
+    Mutant("chunked-default-chunk-by-hidden", "the default chunk sized by the hidden size, not the vocabulary",
+           (("ddptrain/models/chunked_loss.py", "chunk_tokens_for(head.out_features,",
+             "chunk_tokens_for(head.in_features,"),),
+           ("tests/test_chunked_loss.py", "-k", "default_chunk")),
 ]
 
 

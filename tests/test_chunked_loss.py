@@ -14,18 +14,25 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ddptrain.config.schema import LoraSettings, ModelConfig, ParallelConfig
 from ddptrain.data.instruct import generated_instructions
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
-from ddptrain.models.chunked_loss import LinearCrossEntropy, chunked_loss_refusal, use_chunked_loss
+from ddptrain.models.chunked_loss import (
+    LinearCrossEntropy,
+    chunk_tokens_for,
+    chunked_loss_refusal,
+    linear_cross_entropy,
+    use_chunked_loss,
+)
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.parallel import wrap_model
 from ddptrain.train.step import accumulate_gradients
 from ddptrain.train.weighting import TOKEN_MEAN_LOSS
-from tests.helpers.chunks import CountedChunks, outcomes_counting_chunks
+from tests.helpers.chunks import CountedChunks, HeadTraffic, head_bytes_per_chunk, outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides
 
@@ -112,42 +119,169 @@ def test_a_tied_head_gets_its_gradient_on_the_shared_embedding_weight() -> None:
     assert _rel(embed_only, full.get_input_embeddings().weight.grad) > 0.1
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_under_autocast_the_chunked_loss_is_as_close_to_fp32_as_the_full_logits_are(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_under_autocast_the_chunked_loss_equals_the_full_logits_loss_and_is_as_close_to_fp32(dtype: torch.dtype
+                                                                                              ) -> None:
+    """The same autocast: the head's matmul in its dtype, one per chunk (never in fp32), the log-softmax in fp32
+    (a log-softmax in bf16 moves the loss by ~1e-3 relative): the loss equals the full path's to 1e-6; the
+    gradients are as close to fp32's as the full path's are."""
     full, chunked = _pair()
     ids, labels = _batch()
     _, exact_grads = _loss_and_grads(full, ids, labels)
     autocast = torch.autocast("cpu", dtype=dtype)
     want, want_grads = _loss_and_grads(full, ids, labels, autocast)
-    got, got_grads = _loss_and_grads(chunked, ids, labels, autocast)
+    with HeadTraffic(VOCAB, TINY.hidden_size) as traffic:
+        got, got_grads = _loss_and_grads(chunked, ids, labels, autocast)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    head_matmuls = [m for m in traffic.matmuls if m[0][-1] == VOCAB]
+    assert head_matmuls == [((CHUNK, VOCAB), dtype)] * 6 + [((6, VOCAB), dtype)]
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    assert abs(float(got - want)) / float(want) < tol
     for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"):
         full_err, chunked_err = _rel(want_grads[name], exact_grads[name]), _rel(got_grads[name], exact_grads[name])
         assert chunked_err < max(2 * full_err, tol), (name, full_err, chunked_err)
 
 
-def test_fp16_softmax_gradients_survive_the_cast_through_the_prescale() -> None:
-    """Without the power-of-two prescale, fp16 softmax gradients of a large vocabulary underflow to zero."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_trainable_head_in_half_precision_moves_no_more_head_bytes_per_chunk_than_in_fp32(dtype: torch.dtype
+                                                                                            ) -> None:
+    """The head's gradient accumulates in fp32 without a half-precision [vocab, hidden] product, its copy and its
+    rescaling per chunk: bytes read and written in head-shaped tensors, per chunk, within 1.25x of fp32's."""
+    head = VOCAB * TINY.hidden_size
+    fp32, _ = head_bytes_per_chunk(VOCAB, TINY.hidden_size, torch.float32)
+    half, _ = head_bytes_per_chunk(VOCAB, TINY.hidden_size, dtype)
+    assert half <= 1.25 * fp32, f"{dtype}: {half / head:g} x V*H bytes per chunk, fp32 {fp32 / head:g} x V*H"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_backward_scales_the_kept_gradients_in_place_without_a_copy_of_the_head(dtype: torch.dtype) -> None:
+    hidden = torch.randn(3 * CHUNK, TINY.hidden_size, requires_grad=True)
+    weight = (torch.randn(VOCAB, TINY.hidden_size) * 0.02).requires_grad_()
+    loss = LinearCrossEntropy.apply(hidden, weight, torch.randint(0, VOCAB, (3 * CHUNK,)), CHUNK, dtype)
+    with HeadTraffic(VOCAB, TINY.hidden_size) as traffic:
+        (loss * 3.0).backward()
+    assert traffic.created == []  # the fp32 weight takes the fp32 gradient that forward kept, scaled in place
+    assert weight.grad is not None and hidden.grad is not None
+
+
+def test_the_head_gradient_under_autocast_is_at_least_as_close_to_fp32_as_the_full_logits_one() -> None:
+    """Accumulated in fp32 from the half-precision products (the full path rounds its one product to half)."""
     torch.manual_seed(0)
-    vocab, width = 40_000, 16
-    hidden = torch.randn(4, width, requires_grad=True)
-    weight = torch.randn(vocab, width) * 0.01
-    targets = torch.tensor([1, 2, 3, 4])
-    exact = LinearCrossEntropy.apply(hidden, weight, targets, 2, torch.float32)
-    (grad_exact,) = torch.autograd.grad(exact, hidden)
-    half = LinearCrossEntropy.apply(hidden, weight, targets, 2, torch.float16)
-    (grad_half,) = torch.autograd.grad(half, hidden)
-    assert _rel(grad_half, grad_exact) < 1e-2
+    tokens, width, vocab = 96, 64, 2048
+    hidden = torch.randn(1, tokens + 1, width, requires_grad=True)
+    weight = (torch.randn(vocab, width) * 0.05).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens + 1))
+    items = torch.tensor(float(tokens))
+
+    def full_loss() -> torch.Tensor:
+        return ForCausalLMLoss(torch.nn.functional.linear(hidden, weight), labels, vocab, items)
+
+    def grads(loss_of, autocast) -> tuple[torch.Tensor, ...]:  # type: ignore[no-untyped-def]
+        with autocast:
+            loss = loss_of()
+        return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight)))
+
+    exact = grads(full_loss, nullcontext())
+    for dtype in (torch.bfloat16, torch.float16):
+        autocast = torch.autocast("cpu", dtype=dtype)
+        want = grads(full_loss, autocast)
+        got = grads(lambda: linear_cross_entropy(hidden, weight, labels, items, 16), autocast)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+        for name, g, w, e in zip(("hidden", "weight"), got[1:], want[1:], exact[1:], strict=True):
+            assert _rel(g, e) <= max(1.01 * _rel(w, e), 1e-6), (dtype, name, _rel(g, e), _rel(w, e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_on_a_gpu_the_head_gradient_accumulates_in_fp32_inside_the_matmul(dtype: torch.dtype) -> None:
+    """CUDA's path (the half-precision matmul writes the fp32 accumulator itself, ``addmm(out_dtype=float32)``)
+    gives the loss and gradients of the CPU's path (fp32 sums of the same products) and moves 12 x V*H bytes of
+    the head per chunk: the two matmuls' half-precision reads (2 + 2) and the accumulator's read and write."""
+    torch.manual_seed(0)
+    vocab, width = 2048, 64
+    hidden, weight = torch.randn(1, 97, width), torch.randn(vocab, width) * 0.05
+    labels = torch.randint(0, vocab, (1, 97))
+    out = {}
+    for device in ("cpu", "cuda"):
+        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        with torch.autocast(device, dtype=dtype):
+            loss = linear_cross_entropy(h, w, labels.to(device), None, 16)
+        out[device] = (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    for name, got, want in zip(("loss", "hidden", "weight"), out["cuda"], out["cpu"], strict=True):
+        assert _rel(got.cpu(), want) < 1e-2, name
+    per_chunk, _ = head_bytes_per_chunk(vocab, width, dtype, device="cuda")
+    assert per_chunk == 12 * vocab * width
+
+
+def _first_finite_step(loss_of, hidden: torch.Tensor, weight: torch.Tensor  # type: ignore[no-untyped-def]
+                       ) -> tuple[float | None, list[float]]:
+    """Steps on ``loss_of(hidden, weight)`` under fp16 autocast with torch's GradScaler from its initial scale,
+    2^16: the scale of the first step the scaler takes (None: it backed off 24 times, to 2^-8, and never took
+    one), and the scales it tried."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    optimizer = torch.optim.SGD([hidden, weight], lr=0.1)
+    tried = []
+    for _ in range(25):
+        optimizer.zero_grad(set_to_none=True)
+        scale = scaler.get_scale()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(hidden, weight)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        tried.append(scale)
+        if scaler.get_scale() == scale:  # no back-off: the gradients were finite and the step was taken
+            return scale, tried
+    return None, tried
+
+
+def test_fp16_with_a_trainable_head_takes_a_step_at_the_loss_scale_the_full_logits_recover_at() -> None:
+    """Realistic magnitudes: a hidden channel at 25 (the massive activations trained LMs' final hidden states
+    have) and four tokens sharing a target overflow the fp16 head-weight gradient of the full logits at the loss
+    scale 2^16 (4 x 25 x 2^16 / 64 tokens > 65504); one back-off cures it. A fixed 2^10 prescale before an fp16
+    head GEMM overflowed at every loss scale (4 x 25 x 2^10), so the scaler backed off forever."""
+    tokens, width, vocab = 64, 64, 4096
+    labels = torch.randint(0, vocab, (1, tokens + 1), generator=torch.Generator().manual_seed(3))
+    labels[0, 1:5] = 7
+    paths = {
+        "full": lambda h, w: ForCausalLMLoss(torch.nn.functional.linear(h, w), labels, vocab, tokens),
+        "chunked": lambda h, w: linear_cross_entropy(h, w, labels, tokens, 16),
+    }
+    found = {}
+    for name, loss_of in paths.items():
+        torch.manual_seed(0)
+        hidden = torch.randn(1, tokens + 1, width)
+        hidden[..., 0] = 25.0
+        weight = torch.randn(vocab, width) * 0.02
+        found[name] = _first_finite_step(loss_of, hidden.requires_grad_(), weight.requires_grad_())
+    (full_scale, full_tried), (chunked_scale, chunked_tried) = found["full"], found["chunked"]
+    assert full_tried[0] == 2.0**16 and full_scale == 2.0**15, full_tried  # the overflow, then its cure
+    assert chunked_scale is not None, f"chunked fp16 never took a step; loss scales tried: {chunked_tried}"
+    assert chunked_scale >= full_scale, (chunked_tried, full_tried)
 
 
 def test_evaluation_and_logits_without_labels_are_unchanged() -> None:
+    """Evaluation computes the loss only: one head matmul per chunk, no gradient, no head-shaped buffer."""
     full, chunked = _pair()
     ids, labels = _batch()
     with torch.no_grad():
-        torch.testing.assert_close(chunked(input_ids=ids, labels=labels).loss, full(input_ids=ids, labels=labels).loss,
-                                   rtol=1e-6, atol=0)
+        with HeadTraffic(VOCAB, TINY.hidden_size) as traffic:
+            loss = chunked(input_ids=ids, labels=labels).loss
+        torch.testing.assert_close(loss, full(input_ids=ids, labels=labels).loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(chunked(input_ids=ids).logits, full(input_ids=ids).logits)
+    head_matmuls = [m for m in traffic.matmuls if VOCAB in m[0]]
+    assert head_matmuls == [((CHUNK, VOCAB), torch.float32)] * 6 + [((6, VOCAB), torch.float32)]
+    assert traffic.created == []
+
+
+def test_the_default_chunk_is_sized_by_the_vocabulary() -> None:
+    """null train.loss_chunk_tokens: one fp32 [chunk, vocab] block of 64 MiB off CUDA (110 tokens at Qwen3's
+    151,936; the hidden size would give 524,288 at 32); on CUDA at least 1,024 tokens for a trainable head and
+    256 for a frozen one (compute-bound matmuls)."""
+    _, chunked = _pair()
+    assert use_chunked_loss(copy.deepcopy(chunked), None) == 64 * 2**20 // (4 * VOCAB) == 52428
+    assert chunk_tokens_for(151_936) == 110 and chunk_tokens_for(32_000) == 524
+    assert chunk_tokens_for(151_936, "cuda") == 1024 and chunk_tokens_for(8_192, "cuda") == 2048
+    assert chunk_tokens_for(151_936, "cuda", trainable_head=False) == 256
 
 
 def test_a_deep_copy_runs_its_own_weights_through_its_own_chunked_forward() -> None:

@@ -532,8 +532,10 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
     assert abs(plan["fit_gap"]) < 0.02
     # the LM head and loss chunk by chunk (on by default): their share with chunking on and off
     share = plan["logits_and_loss"]
-    assert plan["chunked_loss"] and share["chunk_tokens"] == 16
-    assert 0 < share["chunked"]["logits_and_loss_bytes"] < share["full logits"]["logits_and_loss_bytes"] / 4
+    assert plan["chunked_loss"] and share["chunk_tokens"] == 16  # a number only where the two traces differ
+    # 0 here: this step peaks outside the chunk loop (a chunk's fp16 head gradient makes no [vocab, hidden]
+    # temporaries, whose ~6 MB per chunk put the peak inside it)
+    assert 0 <= share["chunked"]["logits_and_loss_bytes"] < share["full logits"]["logits_and_loss_bytes"] / 4
     assert share["chunked"]["peak_bytes_per_rank"] == plan["peak_bytes_per_rank"]
     assert share["full logits"]["peak_bytes_per_rank"] > plan["peak_bytes_per_rank"]
     assert "LM head and loss at the peak (train.chunked_loss on, chunks of 16 tokens)" in result.stdout

@@ -306,7 +306,8 @@ class TrainConfig:
     # LM head + cross-entropy chunk by chunk over the tokens: the [tokens, vocab] logits never exist whole; on for
     # the heads where it is exact (Llama, Mistral, Qwen2/3, GPT-2; a plain linear head), else the full logits
     chunked_loss: bool = True
-    loss_chunk_tokens: int | None = None  # tokens per chunk; null: one fp32 [chunk, vocab] block <= 64 MiB
+    # tokens per chunk; null: one fp32 [chunk, vocab] block <= 64 MiB, on CUDA at least 1024 (256: a frozen head)
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "log_every", "eval_batches", "check_every")

@@ -380,7 +380,9 @@ def logits_share(tracer: Tracer, micro_batch: int, working_copy: bool, accumulat
     names = {True: "chunked", False: "full logits"}
     here = traced[cfg.train.chunked_loss].peak
     chunked = traced[True].by_category["logits and loss"] != traced[False].by_category["logits and loss"]
-    chunk = (cfg.train.loss_chunk_tokens or chunk_tokens_for(tracer.vocab)) if chunked else None
+    # LoRA freezes the head (an adapted head keeps the full logits)
+    device_chunk = chunk_tokens_for(tracer.vocab, tracer.device.device_type, not cfg.model.lora.enabled)
+    chunk = (cfg.train.loss_chunk_tokens or device_chunk) if chunked else None
     return LogitsShare(chunk, {names[on]: t.by_category["logits and loss"] for on, t in traced.items()},
                        {names[on]: configured_peak + t.peak - here for on, t in traced.items()})
 

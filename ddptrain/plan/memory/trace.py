@@ -309,7 +309,7 @@ def fake_training_state(
         if param_dtype is not None:
             model.to(param_dtype)
         if cfg.train.chunked_loss:
-            use_chunked_loss(model, cfg.train.loss_chunk_tokens)
+            use_chunked_loss(model, cfg.train.loss_chunk_tokens, device_type)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()
