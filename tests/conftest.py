@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # tests/test_kernels_gpu.py runs its CUDA checks in a fresh interpreter without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["pytester"]  # tests/test_layout.py runs a small suite through this conftest's hooks
+pytest_plugins = ["pytester", "tests.helpers.timing"]  # pytester: tests/test_layout.py runs a small suite here
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
