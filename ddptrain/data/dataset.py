@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, disable_progress_bars
+import torch
 
 from ddptrain.config.choices import DataFormat
 from ddptrain.config.schema import DataConfig
@@ -25,13 +25,15 @@ VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the strea
 
 def build_token_data(cfg: DataConfig) -> TokenData:
     """The data set named by ``cfg``. Real corpora are tokenized once into ``data.cache_dir`` and read from there."""
+    if cfg.source == "synthetic" and cfg.format != DataFormat.prompt_completion:
+        return synthetic_data(cfg)  # without ``datasets``: a second of imports a throughput run does not need
+    from datasets import disable_progress_bars
+
     disable_progress_bars()
     if cfg.format == DataFormat.prompt_completion:
         from ddptrain.data.instruct import build_instruct_data
 
         return build_instruct_data(cfg)
-    if cfg.source == "synthetic":
-        return synthetic_data(cfg)
     if cfg.streaming:
         return streamed_data(cfg)
     refuse_in_worker()
@@ -90,6 +92,19 @@ def synthetic_data(cfg: DataConfig) -> TokenData:
     rng = np.random.default_rng(0)
     n_val = max(cfg.num_samples // 50, 8)
     ids = rng.integers(0, cfg.vocab_size, size=(cfg.num_samples + n_val, cfg.seq_len), dtype=np.int64)
-    train = Dataset.from_dict({"input_ids": ids[: cfg.num_samples]}).with_format("torch")
-    val = Dataset.from_dict({"input_ids": ids[cfg.num_samples :]}).with_format("torch")
-    return TokenData(train, val, cfg.vocab_size, None)
+    rows = torch.from_numpy(ids)
+    return TokenData(TokenRows(rows[: cfg.num_samples]), TokenRows(rows[cfg.num_samples :]), cfg.vocab_size, None)
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Rows of token ids held in memory; item ``i`` is ``{"input_ids": LongTensor[seq_len]}``, like a row of a
+    packed data set (``TokenWindows``)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index]}
