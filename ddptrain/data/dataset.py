@@ -25,15 +25,16 @@ VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the strea
 
 def build_token_data(cfg: DataConfig) -> TokenData:
     """The data set named by ``cfg``. Real corpora are tokenized once into ``data.cache_dir`` and read from there."""
-    if cfg.source == "synthetic" and cfg.format != DataFormat.prompt_completion:
-        return synthetic_data(cfg)  # without ``datasets``: a second of imports a throughput run does not need
-    from datasets import disable_progress_bars
+    if uses_datasets(cfg):
+        from datasets import disable_progress_bars
 
-    disable_progress_bars()
+        disable_progress_bars()
     if cfg.format == DataFormat.prompt_completion:
         from ddptrain.data.instruct import build_instruct_data
 
         return build_instruct_data(cfg)
+    if cfg.source == "synthetic":
+        return synthetic_data(cfg)
     if cfg.streaming:
         return streamed_data(cfg)
     refuse_in_worker()
@@ -58,6 +59,13 @@ def build_token_data(cfg: DataConfig) -> TokenData:
                 f"(data.max_documents) or a larger data.val_fraction"
             )
     return TokenData(train, val, len(tok), tok)
+
+
+def uses_datasets(cfg: DataConfig) -> bool:
+    """Whether ``cfg``'s data goes through ``datasets`` (prompt/completion rows, a stream, a hub data set). Local
+    corpora are read into our own shards and synthetic data is made in memory: those runs never import it (about a
+    second of every worker's start-up)."""
+    return cfg.format == DataFormat.prompt_completion or cfg.streaming or cfg.source == "hub"
 
 
 def streamed_data(cfg: DataConfig) -> TokenData:
