@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 # tests/test_kernels_gpu.py runs its CUDA checks in a fresh interpreter without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["pytester", "tests.helpers.timing"]  # pytester: tests/test_layout.py runs a small suite here
+# pytester: tests/test_layout.py runs small suites through these hooks; timing: each test's wall and CPU seconds and
+# the fast tier's budget; xdist_groups: tests sharing a module fixture run on one pytest-xdist worker
+pytest_plugins = ["pytester", "tests.helpers.timing", "tests.helpers.xdist_groups"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,6 +17,10 @@ setup and call together (a module fixture's work is charged to the test that fir
   under load the allowance grows with the queue every process waits in, so a shared machine does not fail a test
   for the time other jobs took.
 
+Each test's record also counts the processes its pytest process started (``subprocess`` calls, seen through
+Python's audit hook) and, among them, the runs of the command (``ddptrain``, directly or under torchrun): the
+start-ups a CLI-level check pays for.
+
 A test over budget fails with both figures. ``--test-budget-s=0`` turns the check off. ``--timing-report`` prints
 the per-file and per-tier table at the end; ``--timing-json=PATH`` writes every test's figures (what
 ``scripts/bench_tests.py`` reads). Both work under pytest-xdist: the figures travel with the test reports.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,8 +41,20 @@ import psutil
 import pytest
 
 DEFAULT_BUDGET_S = 20.0
-_START = pytest.StashKey[tuple[float, float]]()
-_SETUP_CALL = pytest.StashKey[tuple[float, float]]()
+_START = pytest.StashKey[tuple[float, float, int]]()
+_STARTED: list[list[str]] = []  # every command line this process has started, in order
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        argv = args[1]
+        _STARTED.append([str(a) for a in argv] if isinstance(argv, (list, tuple)) else [str(argv)])
+
+
+def is_cli_run(argv: list[str]) -> bool:
+    """A run of the command: ``python -m ddptrain``, under ``torch.distributed.run``, or the console script."""
+    modules = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-m"}
+    return "ddptrain" in modules or "tests.helpers.flash_attn_cli" in modules or Path(argv[0]).name == "ddptrain"
 
 
 def tree_cpu_s() -> float:
@@ -60,6 +77,13 @@ def oversubscription() -> float:
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
+def plain_nodeid(item: pytest.Item) -> str:
+    """The test's id without the ``@group`` pytest-xdist's loadgroup appends to it."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    return item.nodeid.removesuffix("@" + "_".join(groups)) if groups else item.nodeid
+
+
 def tier(item: pytest.Item) -> str:
     return "slow" if item.get_closest_marker("slow") is not None else "fast"
 
@@ -75,12 +99,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    item.stash[_START] = (time.perf_counter(), tree_cpu_s())
+    item.stash[_START] = (time.perf_counter(), tree_cpu_s(), len(_STARTED))
 
 
 def _since_start(item: pytest.Item) -> tuple[float, float]:
-    wall0, cpu0 = item.stash[_START]
+    wall0, cpu0, _ = item.stash[_START]
     return time.perf_counter() - wall0, tree_cpu_s() - cpu0
+
+
+def _started_since(item: pytest.Item) -> list[list[str]]:
+    return _STARTED[item.stash[_START][2]:]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -89,7 +117,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if _START not in item.stash:
         return report
     if call.when == "call":
-        wall, cpu = item.stash[_SETUP_CALL] = _since_start(item)
+        wall, cpu = _since_start(item)
         budget = item.config.getoption("test_budget_s")
         if budget and tier(item) == "fast" and report.passed:
             allowed_wall = budget * oversubscription()
@@ -100,8 +128,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                                    f"to the slow tier")
     elif call.when == "teardown":
         wall, cpu = _since_start(item)
-        report.user_properties.append(("timing", {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                                                   "tier": tier(item)}))
+        started = _started_since(item)
+        record = {"test": plain_nodeid(item), "tier": tier(item), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                  "processes": len(started), "cli_runs": sum(map(is_cli_run, started))}
+        report.user_properties.append(("timing", record))
     return report
 
 
@@ -114,16 +144,15 @@ class Timings:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for key, value in report.user_properties:
             if key == "timing":
-                self.tests[report.nodeid] = value
+                self.tests[str(value["test"])] = value
 
     def per_file(self) -> dict[tuple[str, str], list[float]]:
-        """(file, tier) -> [tests, wall s, CPU s]."""
-        rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        """(file, tier) -> [tests, wall s, CPU s, processes started, CLI runs]."""
+        rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
         for nodeid, t in self.tests.items():
             row = rows[(nodeid.split("::")[0], str(t["tier"]))]
-            row[0] += 1
-            row[1] += float(t["wall_s"])
-            row[2] += float(t["cpu_s"])
+            for i, value in enumerate((1, t["wall_s"], t["cpu_s"], t["processes"], t["cli_runs"])):
+                row[i] += float(value)
         return rows
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -134,16 +163,26 @@ class Timings:
         write = terminalreporter.write_line
         rows = self.per_file()
         terminalreporter.section("time per file and tier (wall and CPU seconds of each test's process tree)")
-        write(f"{'file':<45} {'tier':<5} {'tests':>5} {'wall s':>8} {'CPU s':>8}")
-        for (file, tier_name), (n, wall, cpu) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
-            write(f"{file:<45} {tier_name:<5} {n:>5.0f} {wall:>8.1f} {cpu:>8.1f}")
+        write(f"{'file':<45} {'tier':<5} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'procs':>6} {'CLI':>5}")
+        for (file, tier_name), row in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+            write(f"{file:<45} {tier_name:<5} " + _cells(row))
         for tier_name in ("fast", "slow"):
             mine = [r for (_, t), r in rows.items() if t == tier_name]
             if mine:
-                write(f"{'all':<45} {tier_name:<5} {sum(r[0] for r in mine):>5.0f} {sum(r[1] for r in mine):>8.1f} "
-                      f"{sum(r[2] for r in mine):>8.1f}")
+                write(f"{'all':<45} {tier_name:<5} " + _cells([sum(r[i] for r in mine) for i in range(5)]))
+
+
+def _cells(row: list[float]) -> str:
+    n, wall, cpu, procs, cli = row
+    return f"{n:>5.0f} {wall:>8.1f} {cpu:>8.1f} {procs:>6.0f} {cli:>5.0f}"
+
+
+_AUDITING: list[bool] = []  # an audit hook cannot be removed: one per process, even when pytest runs in pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not _AUDITING:
+        sys.addaudithook(_audit)
+        _AUDITING.append(True)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) gathers the figures
         config.pluginmanager.register(Timings({}), "ddptrain-timings")
