@@ -124,7 +124,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             if cpu > budget or wall > allowed_wall:
                 report.outcome = "failed"
                 report.longrepr = (f"over the fast tier's budget: {cpu:.1f} CPU s (budget {budget:g}), {wall:.1f} "
-                                   f"wall s (budget {allowed_wall:.0f} at this load): make it cheaper, or move it "
+                                   f"wall s (budget {allowed_wall:.3g} at this load): make it cheaper, or move it "
                                    f"to the slow tier")
     elif call.when == "teardown":
         wall, cpu = _since_start(item)
