@@ -81,8 +81,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def all_packages() -> list[str]:
-    """Every package of ``ddptrain`` and subpackage of its plan, as mark names."""
-    top = sorted(p.name for p in (REPO / "ddptrain").iterdir() if (p / "__init__.py").is_file())
+    """Every package (and top-level module, ``errors``) of ``ddptrain`` and subpackage of its plan, as mark names."""
+    root = REPO / "ddptrain"
+    top = sorted([p.name for p in root.iterdir() if (p / "__init__.py").is_file()] +
+                 [p.stem for p in root.glob("*.py") if p.stem not in ("__init__", "__main__")])
     plan = sorted(f"plan_{p.name}" for p in (REPO / "ddptrain" / "plan").iterdir() if (p / "__init__.py").is_file())
     return top + plan
 

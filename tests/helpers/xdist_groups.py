@@ -7,6 +7,11 @@ of a joined set gets one ``xdist_group`` mark, which ``--dist loadgroup`` sends 
 nothing stay free to go anywhere. Session-scoped fixtures do not join tests (they would join most of the suite):
 an expensive one keeps its result across workers itself (``tests/helpers/run_cache.py``).
 
+pytest-xdist 3.8 writes a test's group into its node id as ``<id>@<group>`` (what ``loadgroup`` schedules by), through
+an attribute pytest 9 no longer reads: there the marks alone group nothing and tests that share a fixture are
+spread over the workers anyway. ``pytest_collection_finish`` below then writes the suffix itself, through
+pytest 9's node id; under a pytest or xdist that does it, it finds the suffix there and changes nothing.
+
 A test carries its own ``xdist_group`` mark only where tests must not run at the same time as each other (timing
 checks); its joined set takes that name. Two such names in one set are refused at collection: the set would have
 to run on two workers at once.
@@ -80,3 +85,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = groups.get(item.nodeid)
         if group is not None and group not in explicit_groups(item):
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def group_suffix(item: pytest.Item) -> str | None:
+    names = sorted(explicit_groups(item))
+    return f"@{'_'.join(names)}" if names else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist sends the collected ids to the controller
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not getattr(session.config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
+        return
+    for item in session.items:
+        suffix = group_suffix(item)
+        if suffix is not None and not item.nodeid.endswith(suffix):
+            from _pytest.nodeid import NodeId  # pytest >= 9: the id is this object, not a string attribute
+
+            item._id = NodeId.parse(item.nodeid + suffix)  # type: ignore[attr-defined]
