@@ -56,6 +56,7 @@ def test_a_config_error_is_answered_before_torch_is_imported(args: list[str], me
     assert modules == []
 
 
+@pytest.mark.slow  # a one-step run in a fresh interpreter: torch and transformers imported, a model built
 def test_a_synthetic_data_worker_imports_no_data_finetuning_or_plotting_library(tmp_path: Path) -> None:
     """torch and transformers it needs; ``datasets`` (and its Arrow and pandas), peft, bitsandbytes, matplotlib,
     wandb and our Triton kernels it does not. Triton and scipy themselves are imported by transformers' model
