@@ -197,3 +197,10 @@ def test_every_package_has_tests_and_the_development_guide_names_every_mark() ->
     guide = (REPO / "docs" / "development.md").read_text()
     listed = set(re.findall(r"`-m (\w+)`", guide))
     assert sorted(set(package_marks.all_packages()) ^ listed) == []
+
+
+def test_ci_runs_exactly_the_readmes_test_command_on_both_cores() -> None:
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "[test]" in line)
+    assert command.endswith(".venv/bin/pytest -q -n 2 --dist loadgroup")
+    assert command in (REPO / ".ci" / "run").read_text().splitlines()
