@@ -157,6 +157,7 @@ def _agree(rank: int, world_size: int, memory_gib: list[float],
     return typed.data.micro_batch_size, out["data"], "", alone
 
 
+@pytest.mark.slow  # two 2-rank groups, each rank searching its choice: about 15 CPU seconds
 def test_every_rank_takes_the_smallest_choice_and_all_stop_when_one_cannot_fit_any() -> None:
     cfg = tiny_auto(global_batch=24)
     need = {m: full_trace(cfg, m, 12) for m in (2, 3, 12)}

@@ -88,7 +88,10 @@ def _load_and_resume(rank: int, world_size: int, tmp: str, jobs: list[tuple[str,
             for state, run in zip(loaded, resumed, strict=True)]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+# every pair on 1 and on 2 ranks: a dozen resumed runs each, about 12 CPU seconds: the slow tier; the 3-rank case
+# (one pair) stays in the fast one
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow),
+                                        pytest.param(2, marks=pytest.mark.slow), 3])
 def test_every_strategy_resumes_every_other_on_any_world_size(
     tmp_path: Path, sources: dict[str, dict[str, Any]], world_size: int
 ) -> None:
