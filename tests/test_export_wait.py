@@ -65,7 +65,7 @@ def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str)
         raise OSError("No space left on device")
 
     failed = _outcome(lambda: main_only(fail, 60, "checkpoint.export_timeout_s", "exporting the model"))
-    late = _outcome(lambda: main_only(lambda: time.sleep(1.0), 0.5, "checkpoint.export_timeout_s",
+    late = _outcome(lambda: main_only(lambda: time.sleep(2.0), 0.5, "checkpoint.export_timeout_s",
                                       "exporting the model"))
     _meet(store, "finished", world_size)
     return {"exported": exported, "waited": waited, "saved": saved, "works": works, "failed": failed, "late": late}
