@@ -1,17 +1,24 @@
-"""How long tests take here against another checkout of the project, interleaved, and what the launcher imports.
+"""How long tests take here against another checkout of the project, interleaved, and what the launcher imports;
+and the suite's time per file and per tier from one run's figures.
 
     python scripts/bench_tests.py --base /path/to/other/checkout --repeats 2 -- tests/test_cli.py -k bad_input
+    pytest -q -n 2 --dist loadgroup --timing-json=times.json && python scripts/bench_tests.py --report times.json
 
 Runs the same pytest selection in the other checkout and in this one, alternating, ``--repeats`` times each, and
 prints a markdown table of each test's median time (setup + call + teardown) in both, with the ratio. Tests that
 exist in one checkout only get a dash on the other side. It also prints the CPU seconds that importing the
 launcher costs in each checkout (user + system, so a busy machine changes it less than wall time), and the load
 average before and after: on a shared machine compare ratios taken in one run, not seconds across runs.
+
+``--report`` reads the figures ``tests/helpers/timing.py`` wrote (``--timing-json``: each test's wall and CPU
+seconds, its tier, the processes and CLI runs it started) and prints them per file and per tier as markdown. CPU
+seconds (user + system of each test's process tree) move little with the machine's load; wall seconds do.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -56,12 +63,36 @@ def _load() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def report(path: Path) -> None:
+    """Per file and tier, then per tier: tests, wall s, CPU s, processes started, CLI runs (markdown)."""
+    tests: dict[str, dict] = json.loads(path.read_text())
+    rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
+    for name, t in tests.items():
+        row = rows[(name.split("::")[0], t["tier"])]
+        for i, value in enumerate((1, t["wall_s"], t["cpu_s"], t.get("processes", 0), t.get("cli_runs", 0))):
+            row[i] += value
+    print("| file | tier | tests | wall s | CPU s | processes | CLI runs |\n|---|---|---:|---:|---:|---:|---:|")
+    for (file, tier), (n, wall, cpu, procs, cli) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+        print(f"| {file} | {tier} | {n:.0f} | {wall:.1f} | {cpu:.1f} | {procs:.0f} | {cli:.0f} |")
+    for tier in ("fast", "slow"):
+        mine = [r for (_, t), r in rows.items() if t == tier]
+        if mine:
+            n, wall, cpu, procs, cli = (sum(r[i] for r in mine) for i in range(5))
+            print(f"| **all** | {tier} | {n:.0f} | {wall:.1f} | {cpu:.1f} | {procs:.0f} | {cli:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, required=True, help="the other checkout (e.g. main's)")
+    parser.add_argument("--report", type=Path, help="a --timing-json file: print it per file and tier, run nothing")
+    parser.add_argument("--base", type=Path, help="the other checkout (e.g. main's)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("selection", nargs="+", help="pytest arguments: files, -k, -m")
+    parser.add_argument("selection", nargs="*", help="pytest arguments: files, -k, -m")
     args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
+    if args.base is None or not args.selection:
+        parser.error("--base and a selection are needed to compare two checkouts")
     trees = {"base": args.base.resolve(), "this": HERE}
     load_before = _load()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}

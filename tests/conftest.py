@@ -12,6 +12,7 @@ import pytest
 
 if TYPE_CHECKING:
     from ddptrain.config.schema import Config
+    from tests.helpers.run_cache import RunCache
 
 # Triton decides between compiling and interpreting when a kernel is first defined, and several libraries
 # the suite imports (transformers, bitsandbytes, torch's inductor) import Triton on their own: so the
@@ -19,7 +20,10 @@ if TYPE_CHECKING:
 # tests/test_kernels_gpu.py runs its CUDA checks in a fresh interpreter without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["pytester"]  # tests/test_layout.py runs a small suite through this conftest's hooks
+# pytester: tests/test_layout.py runs small suites through these hooks; timing: each test's wall and CPU seconds and
+# the fast tier's budget; xdist_groups: tests sharing a module fixture run on one pytest-xdist worker;
+# package_marks: each test marked with the packages its file uses (pytest -m data)
+pytest_plugins = ["pytester", "tests.helpers.timing", "tests.helpers.xdist_groups", "tests.helpers.package_marks"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,16 +67,22 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def cli_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> RunCache:
+    """The session's CLI runs, each distinct command line run once across all pytest-xdist workers
+    (``tests/helpers/run_cache.py``). A test must not change a cached run's files: copy them first."""
+    from tests.helpers.run_cache import RunCache, shared_root
+
+    return RunCache(shared_root(tmp_path_factory, worker_id))
+
+
+@pytest.fixture(scope="session")
+def torchrun_run(cli_runs: RunCache) -> tuple[Path, Path]:
     """A finished 2-step run of 2 ranks under plain torchrun, with no ``hydra.run.dir`` (rank 0's clock names the
     one run dir, under ``outputs/``) and a checkpoint: (its run dir, its data cache). Tests must not change it."""
-    from tests.helpers.cli import run_cli
-
-    cwd, cache = tmp_path_factory.mktemp("torchrun_run"), tmp_path_factory.mktemp("torchrun_cache")
     args = ["train.steps=2", "train.log_every=1", "data.max_documents=60", "data.global_batch_size=4",
             "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false", "checkpoint.export=false"]
-    result = run_cli(args, cwd=cwd, cache=cache, torchrun_nproc=2)
+    result = cli_runs.run(args, torchrun_nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = list((cwd / "outputs").rglob("summary.json"))
+    runs = list((result.cwd / "outputs").rglob("summary.json"))
     assert len(runs) == 1, f"expected one run dir shared by both ranks, got {runs}"
-    return runs[0].parent, cache
+    return runs[0].parent, cli_runs.data_cache

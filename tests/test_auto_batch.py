@@ -135,13 +135,17 @@ def test_the_dry_run_reports_the_chosen_micro_batch_and_plans_it() -> None:
     assert record["peak_bytes_per_rank"] == need[6]  # the configured step is the chosen one
 
 
-def _agree(rank: int, world_size: int, memory_gib: list[float]) -> tuple[int, dict, str, int]:
+def _agree(rank: int, world_size: int, memory_gib: list[float],
+           search_alone: bool = True) -> tuple[int, dict, str, int]:
     """For ``run_distributed``: each rank resolves auto with its own device memory; what it ends with, and what
-    it would have chosen alone (0: nothing fits)."""
+    it would have chosen alone (0: nothing fits; -1: not searched, ``search_alone=False``)."""
     cfg = tiny_auto(global_batch=24)
     cfg.plan.device_memory_gib = memory_gib[rank]
+    alone = -1
     try:
-        alone = choose_micro_batch(cfg, world_size, target_device("cpu", memory_gib[rank], None), VOCAB).micro_batch
+        if search_alone:
+            alone = choose_micro_batch(cfg, world_size, target_device("cpu", memory_gib[rank], None),
+                                       VOCAB).micro_batch
     except ConfigError:
         alone = 0
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
@@ -153,6 +157,7 @@ def _agree(rank: int, world_size: int, memory_gib: list[float]) -> tuple[int, di
     return typed.data.micro_batch_size, out["data"], "", alone
 
 
+@pytest.mark.slow  # two 2-rank groups, each rank searching its choice: about 15 CPU seconds
 def test_every_rank_takes_the_smallest_choice_and_all_stop_when_one_cannot_fit_any() -> None:
     cfg = tiny_auto(global_batch=24)
     need = {m: full_trace(cfg, m, 12) for m in (2, 3, 12)}
@@ -163,7 +168,7 @@ def test_every_rank_takes_the_smallest_choice_and_all_stop_when_one_cannot_fit_a
     assert alone[0] == 12 and 0 < alone[1] < 12  # alone, each rank would choose its own
     assert [r[0] for r in results] == [alone[1], alone[1]]
     assert all(r[1]["micro_batch_size"] == alone[1] and r[1]["grad_accum"] is None for r in results)
-    failed = run_distributed(_agree, 2, [roomy, need[2] / 4 / GiB])
+    failed = run_distributed(_agree, 2, [roomy, need[2] / 4 / GiB], False)  # what each alone would pick: above
     assert [r[0] for r in failed] == [0, 0]
     assert failed[1][2].startswith("data.micro_batch_size=auto: even micro batch 1 needs")
     assert failed[0][2].startswith("data.micro_batch_size=auto: another rank cannot fit micro batch 1")

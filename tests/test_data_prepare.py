@@ -6,8 +6,6 @@ import json
 import logging
 import pickle
 import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,45 +226,34 @@ def test_a_stale_temporary_of_a_killed_job_is_cleaned_up(tmp_path: Path) -> None
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
 
 
-RACE = textwrap.dedent("""
-    import logging, os, sys, time
-    from pathlib import Path
-    from ddptrain.config.schema import DataConfig
-    if __name__ == "__main__":
-        from ddptrain.data import BatchShape, build_token_data
-        logging.basicConfig(level=logging.INFO)
-        ready, jobs = Path(sys.argv[3]), int(sys.argv[4])  # start together, once every job has imported
-        (ready / str(os.getpid())).touch()
-        deadline = time.monotonic() + 120
-        while len(list(ready.iterdir())) < jobs and time.monotonic() < deadline:
-            time.sleep(0.01)
-        cfg = DataConfig(source="files", paths=[sys.argv[1]], cache_dir=sys.argv[2], vocab_size=300, seq_len=16,
-                         val_fraction=0.1)
-        data = build_token_data(cfg)
-        print("ok", len(data.train), int(data.train[0]["input_ids"].sum()))
-""")
+def _prepare_at_once(rank: int, world_size: int, corpus: str, cache: str) -> tuple[str, list[str]]:
+    """For ``run_distributed``: every rank prepares the same new corpus into one cache at the same moment, as
+    separate jobs would (the group serves only to start them together); what it got and what it logged."""
+    import torch.distributed as dist
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    dist.barrier()
+    cfg = DataConfig(source="files", paths=[corpus], cache_dir=cache, vocab_size=300, seq_len=16, val_fraction=0.1)
+    data = build_token_data(cfg)
+    return f"ok {len(data.train)} {int(data.train[0]['input_ids'].sum())}", logged
 
 
 def test_jobs_preparing_the_same_new_corpus_at_once_share_one_cache(tmp_path: Path) -> None:
     """Three jobs start together on one new corpus and one cache: all get the same data, nothing is left over.
-    (Before the lock, the tokenizer's shared temporary directory made all but one crash.)"""
-    script = tmp_path / "job.py"
-    script.write_text(RACE)
+    (Before the lock, the tokenizer's shared temporary directory made all but one crash.) The jobs are forked
+    ranks: processes of their own, without three interpreters' imports."""
     corpus = _jsonl(tmp_path, [d * 30 for d in DOCS])
     cache = tmp_path / "cache"
-    ready = tmp_path / "ready"
-    ready.mkdir()
-    jobs = [subprocess.Popen([sys.executable, str(script), str(corpus), str(cache), str(ready), "3"],
-                             env=test_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(3)]
-    outs = [job.communicate(timeout=300) for job in jobs]
-    for job, (_, err) in zip(jobs, outs, strict=True):
-        assert job.returncode == 0, err[-2000:]
-    assert len({out.strip() for out, _ in outs}) == 1 and outs[0][0].startswith("ok")
+    outs = run_distributed(_prepare_at_once, 3, str(corpus), str(cache), timeout=300)
+    assert len({out for out, _ in outs}) == 1 and outs[0][0].startswith("ok")
     assert len(list(cache.glob("tokens-*/DONE.json"))) == 1 and len(list(cache.glob("bpe-*/tokenizer.json"))) == 1
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
     # one job prepared, the others waited for it and reused its shards
-    assert sum(err.count("prepared:") for _, err in outs) == 1
+    assert sum(line.count("prepared:") for _, logged in outs for line in logged) == 1
 
 
 @pytest.mark.slow

@@ -161,6 +161,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
 
     from ddptrain.app import launch
     from ddptrain.config.compose import Run, build_config
+    from ddptrain.runtime import process_group
 
     class Joined(Exception):
         pass
@@ -171,7 +172,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
         seen.append(cpu_collectives)
         raise Joined
 
-    monkeypatch.setattr(launch, "distributed", joining)
+    monkeypatch.setattr(process_group, "distributed", joining)  # run_worker imports it when called
     monkeypatch.setattr(launch, "validate_config", lambda *_: None)  # offload is refused without CUDA
     monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
     for offload in (True, False):

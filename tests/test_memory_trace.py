@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
+from ddptrain.app.cli import run_cli as ddptrain_main
 from ddptrain.config.choices import ActivationCheckpointing
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
@@ -55,7 +56,6 @@ from ddptrain.plan.memory.trace import (
     trace_step,
     training_model,
 )
-from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
 
@@ -509,15 +509,20 @@ def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bou
     assert selective_host_bound(ActivationCheckpointing.full, False, 0.9 * host, 1) is None
 
 
-def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> None:
+def test_dry_run_prints_the_traced_peak_and_writes_plan_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's own entry, in this process: the dry run starts no worker, so a fresh interpreter would only add
+    its imports (the slow tier's CLI tests cover the command's process)."""
     run_dir = tmp_path / "run"
-    result = run_cli(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
-                      "data.global_batch_size=16", "data.micro_batch_size=4", "train.loss_chunk_tokens=16",
-                      f"hydra.run.dir={run_dir}"],
-                     cwd=tmp_path, cache=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "Peak memory per rank on t4" in result.stdout and "Recommendation: micro batch" in result.stdout
-    assert "DDP gradient buckets" in result.stdout and "Precision: fp16 compute, loss-scaled" in result.stdout
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path))
+    code = ddptrain_main(["launch.dry_run=true", "plan.device=t4", "plan.world_size=2", "data.seq_len=64",
+                          "data.global_batch_size=16", "data.micro_batch_size=4", "train.loss_chunk_tokens=16",
+                          f"hydra.run.dir={run_dir}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Peak memory per rank on t4" in out and "Recommendation: micro batch" in out
+    assert "DDP gradient buckets" in out and "Precision: fp16 compute, loss-scaled" in out
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["device"] == "t4" and plan["compute_dtype"] == "float16"  # what train.precision=auto runs on a T4
     # the step was traced under fp16 autocast: its parameters' fp16 copies are held for backward
@@ -538,14 +543,14 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(tmp_path: Path) -> 
     assert 0 <= share["chunked"]["logits_and_loss_bytes"] < share["full logits"]["logits_and_loss_bytes"] / 4
     assert share["chunked"]["peak_bytes_per_rank"] == plan["peak_bytes_per_rank"]
     assert share["full logits"]["peak_bytes_per_rank"] > plan["peak_bytes_per_rank"]
-    assert "LM head and loss at the peak (train.chunked_loss on, chunks of 16 tokens)" in result.stdout
+    assert "LM head and loss at the peak (train.chunked_loss on, chunks of 16 tokens)" in out
     # the activations in each checkpointing mode at the configured micro batch (none is configured)
     modes = plan["by_checkpointing"]
     assert plan["activation_checkpointing"] == "none" and set(modes) == {"none", "selective", "full"}
     activations = [modes[mode]["activations_bytes"] for mode in ("none", "selective", "full")]
     assert activations == sorted(activations, reverse=True) and len(set(activations)) == 3 and activations[2] > 0
     assert modes["none"]["peak_bytes_per_rank"] == pytest.approx(plan["peak_bytes_per_rank"], rel=0.02)
-    assert "Activations by model.activation_checkpointing" in result.stdout
+    assert "Activations by model.activation_checkpointing" in out
 
 
 def step_times(bandwidth_gbps: float, latency_us: float, grad_accum: int) -> dict[int, float]:

@@ -15,12 +15,12 @@ from types import ModuleType
 
 import pytest
 
+from ddptrain.app.cli import run_cli as ddptrain_main
 from ddptrain.config.schema import PlanConfig
 from ddptrain.errors import ConfigError
 from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif import Calibration, Layout, allreduce_seconds, predict, sync_timeline
 from ddptrain.plan.whatif.own_run import GLOO_LOOPBACK, predict_own_step
-from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
 
@@ -287,15 +287,22 @@ def test_a_run_records_its_buckets_and_predicts_itself(calibration_run: Path) ->
     assert two.exposed_s >= tail - 1e-12 and tail > 0 and two.step_s == pytest.approx(itself.step_s + two.exposed_s)
 
 
-def test_dry_run_prints_the_prediction(calibration_run: Path, tmp_path: Path) -> None:
-    result = run_cli(["launch.dry_run=true", f"plan.from_run={calibration_run}", "plan.world_size=16",
-                      "plan.nodes=2"], cwd=tmp_path, cache=tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_dry_run_prints_the_prediction(
+    calibration_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's own entry, in this process (a dry run starts no worker)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path))
+    code = ddptrain_main(["launch.dry_run=true", f"plan.from_run={calibration_run}", "plan.world_size=16",
+                          "plan.nodes=2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     for text in ("Calibrated from", "1 node x 8 (nvlink)", "2 nodes x 8 (nvlink + infiniband_ndr, hierarchical)",
                  "2 nodes x 8 (nvlink + infiniband_ndr, flat ring)", "efficiency"):
-        assert text in result.stdout, result.stdout
-    bad = run_cli(["launch.dry_run=true", f"plan.from_run={tmp_path}/nope"], cwd=tmp_path, cache=tmp_path)
-    assert bad.returncode == 2 and "plan.from_run=" in bad.stderr and "summary.json" in bad.stderr
+        assert text in out, out
+    bad = ddptrain_main(["launch.dry_run=true", f"plan.from_run={tmp_path}/nope"])
+    err = capsys.readouterr().err
+    assert bad == 2 and "plan.from_run=" in err and "summary.json" in err
 
 
 def test_the_dry_run_waits_for_the_slowest_rank_as_the_calibrating_run_measured(calibration_run: Path,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 
 # One in-process run: its group works (a collective, the store that main_first/main_only wait on) and it never
@@ -34,6 +36,7 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slow  # two fresh interpreters, each importing torch: a check of processes, not of a loop
 def test_one_rank_runs_started_together_need_no_port_and_both_train() -> None:
     runs = [subprocess.Popen([sys.executable, "-c", ONE_RANK_RUN], env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.cli import DDPTRAIN, run_cli, test_env
+from tests.helpers.run_cache import RunCache
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 
@@ -29,20 +30,28 @@ KILLS = {  # strategy -> faults, one per run, each run resuming the last: every 
 }
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+@pytest.fixture
+def cache(cli_runs: RunCache) -> Path:
+    """The data cache every run here shares (with the session's cached runs): prepared once."""
+    return cli_runs.data_cache
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> dict[str, Path]:
-    out = {}
-    for name, extra in STRATEGIES.items():
-        run = tmp_path_factory.mktemp(f"ref-{name}")
-        result = run_cli([*RUN, *extra, f"hydra.run.dir={run}"], cwd=run, cache=cache)
+class Uninterrupted:
+    """The uninterrupted reference run of each strategy, run once per session (``tests/helpers/run_cache.py``),
+    when a test first asks for it: kill, restart and resume cases all compare with these. Do not change them."""
+
+    def __init__(self, cli_runs: RunCache) -> None:
+        self.cli_runs = cli_runs
+
+    def __getitem__(self, strategy: str) -> Path:
+        result = self.cli_runs.run([*RUN, *STRATEGIES[strategy], "hydra.run.dir=run"])
         assert result.returncode == 0, result.stderr[-3000:]
-        out[name] = run
-    return out
+        return result.run_dir
+
+
+@pytest.fixture
+def uninterrupted(cli_runs: RunCache) -> Uninterrupted:
+    return Uninterrupted(cli_runs)
 
 
 def _weights(run: Path) -> dict:
@@ -58,7 +67,7 @@ def _assert_bitwise_equal(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("strategy", list(KILLS), ids=[f"{s}-{'-then-'.join(f)}" for s, f in KILLS.items()])
 def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
-    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path], strategy: str
+    tmp_path: Path, cache: Path, uninterrupted: Uninterrupted, strategy: str
 ) -> None:
     args = [*RUN, *STRATEGIES[strategy], f"hydra.run.dir={tmp_path}"]
     for attempt, fault in enumerate(KILLS[strategy]):
@@ -83,7 +92,7 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
 
 
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_latest(
-    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path]
+    tmp_path: Path, cache: Path, uninterrupted: Uninterrupted
 ) -> None:
     args = [*RUN, "checkpoint.async_save=true", f"hydra.run.dir={tmp_path}"]
     killed = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": "kill@save:4"})
@@ -98,7 +107,7 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_latest(
 
 
 def test_sigkilled_worker_is_restarted_and_the_run_completes(
-    tmp_path: Path, cache: Path, uninterrupted: dict[str, Path]
+    tmp_path: Path, cache: Path, uninterrupted: Uninterrupted
 ) -> None:
     result = run_cli([*RUN, "launch.max_restarts=1", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, cache=cache,
                      extra_env={"DDPTRAIN_FAULT": "kill@step:3:1"})
@@ -147,7 +156,7 @@ def test_non_finite_loss_is_decided_alike_on_every_rank(tmp_path: Path, cache: P
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
 
 
-def test_export_loads_with_transformers_alone(uninterrupted: dict[str, Path]) -> None:
+def test_export_loads_with_transformers_alone(uninterrupted: Uninterrupted) -> None:
     code = (
         "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(uninterrupted['zero3'] / 'model')!r})\n"
@@ -163,7 +172,7 @@ def test_export_loads_with_transformers_alone(uninterrupted: dict[str, Path]) ->
 
 
 def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path: Path, cache: Path,
-                                                             uninterrupted: dict[str, Path]) -> None:
+                                                             uninterrupted: Uninterrupted) -> None:
     run = tmp_path / "run"
     shutil.copytree(uninterrupted["ddp"], run)  # 5 steps on 2 ranks, checkpoints of steps 4 and 5
     more = run_cli([*RUN, "launch.nproc_per_node=1", "train.steps=6", "train.resume=auto", f"hydra.run.dir={run}"],

@@ -50,7 +50,7 @@ def test_offline_wandb_run_holds_the_jsonl_metrics_and_resolved_config(tmp_path:
 
 def test_unreachable_wandb_warns_and_the_run_completes(tmp_path: Path) -> None:
     env = {"WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40}
-    result = run_cli([*TINY, "logger.wandb.init_timeout_s=5", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path,
+    result = run_cli([*TINY, "logger.wandb.init_timeout_s=2", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path,
                      cache=tmp_path / "cache", extra_env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "W&B unavailable, continuing without it" in result.stderr

@@ -64,9 +64,9 @@ def run_cli(argv: list[str]) -> int:
         if args.cfg:
             print_config(cfg, args.cfg, args.resolve)
             return 0
+        run = typed_config(cfg)  # the schema's checks, before the launch module's imports
         from ddptrain.app import launch
 
-        run = typed_config(cfg)
         if run.typed.launch.dry_run:
             return launch.dry_run(run)
         if not launch.is_worker() and run.typed.launch.backend == Launcher.ray:

@@ -8,9 +8,8 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from omegaconf import OmegaConf
 
 from ddptrain.app.preflight import validate_config
@@ -20,10 +19,16 @@ from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, one_line
 from ddptrain.runtime.allocator import allocator_conf
-from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
-from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
+
+if TYPE_CHECKING:
+    import torch
+
+    from ddptrain.runtime.process_group import DistEnv
+
+# torch (and the runtime, which needs it) is imported in the functions that use it, after the config's checks: a
+# config error, --help and --cfg answer without it (tests/test_startup.py holds what they import)
 
 log = logging.getLogger("ddptrain")
 
@@ -36,6 +41,7 @@ def is_worker() -> bool:
 def dry_run(run: Run) -> int:
     """Print the plan (batch, memory per stage, communication, overlap) without devices or training."""
     from ddptrain.plan.analytic.render import render_plan
+    from ddptrain.runtime.process_group import DistEnv
 
     typed = run.typed
     world_size = int(os.environ.get("WORLD_SIZE", typed.launch.nproc_per_node))
@@ -114,6 +120,9 @@ def launch_workers(run: Run, argv: list[str]) -> int:
 
     The run directory is fixed here, once, so every worker and every restart writes to the same place.
     """
+    typed = run.typed
+    options, world_size, local = torchrun_options(typed.launch.nproc_per_node, typed.launch.max_restarts)
+    validate_config(typed, world_size)  # fail here once, not in every worker
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
@@ -121,9 +130,6 @@ def launch_workers(run: Run, argv: list[str]) -> int:
 
     from ddptrain.diagnose.verdict import Failure, verdict
 
-    typed = run.typed
-    options, world_size, local = torchrun_options(typed.launch.nproc_per_node, typed.launch.max_restarts)
-    validate_config(typed, world_size)  # fail here once, not in every worker
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
     threads = max(1, (os.cpu_count() or 1) // local)
@@ -155,10 +161,11 @@ def launch_workers(run: Run, argv: list[str]) -> int:
 def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     """Train as one rank of the job (a job of one when nothing launched us); returns the run's summary.
     ``device``: the one a launcher assigned (Ray Train), else ``cuda:LOCAL_RANK`` or the CPU."""
-    env = DistEnv.from_environ()
-    setup_logging(env.rank)
     typed, resolved = run.typed, run.resolved
-    validate_config(typed, env.world_size)
+    validate_config(typed, int(os.environ.get("WORLD_SIZE", "1")))  # as DistEnv reads it; before torch's import
+    setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
+    from ddptrain.runtime.process_group import distributed, shared_run_dir
+    from ddptrain.runtime.topology import check_shared_run_dir
     from ddptrain.train import train
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
@@ -190,6 +197,8 @@ def agreed_micro_batch(run: Run, env: DistEnv, device: torch.device) -> tuple[Co
     rank), and all take the smallest choice (one all-reduce): every rank then agrees, and the chosen micro batch
     fits the smallest device, even where ranks' memories differ. A rank whose device cannot fit even one sequence
     reports 0, and every rank stops with a line (that rank's names what would fit)."""
+    import torch
+
     from ddptrain.models.build import model_vocab_size
     from ddptrain.plan.memory.auto_batch import choose_micro_batch, with_micro_batch
     from ddptrain.plan.memory.overheads import RunOverheads

@@ -3,17 +3,19 @@
 They need the data, model, kernel and telemetry packages, so they live in the app, above them all; checks that
 need only the config live beside the schema (``ddptrain/config/schema.py``). Every failure is a
 ConfigError whose one-line message names the key and what was expected.
+
+Only the questions about devices import torch, when a key asks them (``parallel.cpu_offload``,
+``parallel.kernels=triton``, ``data.micro_batch_size=auto``): the launcher answers a wrong batch size or a missing
+file without the second or more torch's import costs (``tests/test_startup.py``).
 """
 
 from __future__ import annotations
 
-import torch
-
+from ddptrain.config.choices import Kernels
 from ddptrain.config.schema import AUTO, AUTO_NEEDS_MEMORY, Config
 from ddptrain.data import BatchShape, validate_source
 from ddptrain.errors import ConfigError
-from ddptrain.kernels import check_kernels
-from ddptrain.models.lora import validate_finetune_config
+from ddptrain.models.finetune_rules import validate_finetune_config
 from ddptrain.telemetry.baseline import load_baseline
 
 
@@ -22,16 +24,25 @@ def validate_config(cfg: Config, world_size: int) -> BatchShape | None:
     ``data.micro_batch_size=auto`` is still to be chosen)."""
     validate_finetune_config(cfg.model, cfg.parallel)
     validate_source(cfg.data)
-    if cfg.parallel.cpu_offload and not torch.cuda.is_available():
+    if cfg.parallel.cpu_offload and not cuda_available():
         raise ConfigError("parallel.cpu_offload=true needs CUDA devices: it keeps FSDP2's state on the CPU and "
                           "computes on the GPU")
-    check_kernels(cfg.parallel.kernels, "cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.parallel.kernels == Kernels.triton:  # the one choice the kernels' check can refuse (auto falls back)
+        from ddptrain.kernels import check_kernels
+
+        check_kernels(cfg.parallel.kernels, "cuda" if cuda_available() else "cpu")
     load_baseline(cfg.metrics.baseline)
     if cfg.data.micro_batch_size == AUTO:  # chosen later, once the device is known; its memory must be known
-        if cfg.plan.device_memory_gib is None and not torch.cuda.is_available():
+        if cfg.plan.device_memory_gib is None and not cuda_available():
             raise ConfigError(AUTO_NEEDS_MEMORY)
         if cfg.data.global_batch_size % world_size:
             raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "
                               f"dp={world_size}: data.micro_batch_size=auto needs a whole number of sequences per rank")
         return None
     return BatchShape.from_config(cfg, world_size)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

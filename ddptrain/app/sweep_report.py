@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app.sweep_job import JobResult, results_in, source_argv
@@ -131,6 +130,8 @@ def _cell(value: Any, exact: bool = False) -> str:
 
 def plot(results: list[JobResult], keys: list[str], path: Path) -> None:
     """Left: tokens/s per job; right: the step-time breakdown per job (failed jobs are left empty)."""
+    from matplotlib.figure import Figure  # here, not at import: matplotlib costs every command half a second
+
     labels = ["\n".join(f"{k.split('.')[-1]}={o.partition('=')[2]}" for k in keys
                         for o in r.overrides if o.partition("=")[0].lstrip("+~") == k) or str(r.num)
               for r in results]

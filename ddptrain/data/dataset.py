@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, disable_progress_bars
+import torch
 
 from ddptrain.config.choices import DataFormat
 from ddptrain.config.schema import DataConfig
@@ -25,7 +25,10 @@ VAL_WINDOWS = 512  # data.streaming=true: validation windows read from the strea
 
 def build_token_data(cfg: DataConfig) -> TokenData:
     """The data set named by ``cfg``. Real corpora are tokenized once into ``data.cache_dir`` and read from there."""
-    disable_progress_bars()
+    if uses_datasets(cfg):
+        from datasets import disable_progress_bars
+
+        disable_progress_bars()
     if cfg.format == DataFormat.prompt_completion:
         from ddptrain.data.instruct import build_instruct_data
 
@@ -56,6 +59,13 @@ def build_token_data(cfg: DataConfig) -> TokenData:
                 f"(data.max_documents) or a larger data.val_fraction"
             )
     return TokenData(train, val, len(tok), tok)
+
+
+def uses_datasets(cfg: DataConfig) -> bool:
+    """Whether ``cfg``'s data goes through ``datasets`` (prompt/completion rows, a stream, a hub data set). Local
+    corpora are read into our own shards and synthetic data is made in memory: those runs never import it (about a
+    second of every worker's start-up)."""
+    return cfg.format == DataFormat.prompt_completion or cfg.streaming or cfg.source == "hub"
 
 
 def streamed_data(cfg: DataConfig) -> TokenData:
@@ -90,6 +100,19 @@ def synthetic_data(cfg: DataConfig) -> TokenData:
     rng = np.random.default_rng(0)
     n_val = max(cfg.num_samples // 50, 8)
     ids = rng.integers(0, cfg.vocab_size, size=(cfg.num_samples + n_val, cfg.seq_len), dtype=np.int64)
-    train = Dataset.from_dict({"input_ids": ids[: cfg.num_samples]}).with_format("torch")
-    val = Dataset.from_dict({"input_ids": ids[cfg.num_samples :]}).with_format("torch")
-    return TokenData(train, val, cfg.vocab_size, None)
+    rows = torch.from_numpy(ids)
+    return TokenData(TokenRows(rows[: cfg.num_samples]), TokenRows(rows[cfg.num_samples :]), cfg.vocab_size, None)
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Rows of token ids held in memory; item ``i`` is ``{"input_ids": LongTensor[seq_len]}``, like a row of a
+    packed data set (``TokenWindows``)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index]}

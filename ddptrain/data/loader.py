@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from datasets import Dataset
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ddptrain.data.batch import BatchShape
 from ddptrain.data.packing import REAL_TOKENS, SEGMENT_SQUARES, to_device
 from ddptrain.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where it is used: a synthetic run never loads ``datasets``
+    from datasets import Dataset as ArrowDataset
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +182,7 @@ class MicroBatches:
         return int(self._lengths[self._order[1][:count]].sum())
 
 
-def real_lengths(dataset: Dataset) -> torch.Tensor:
+def real_lengths(dataset: ArrowDataset) -> torch.Tensor:
     """Each prompt/completion row's length (its real tokens), read from the Arrow column without decoding rows."""
     import pyarrow.compute as pc
 

@@ -1,0 +1,188 @@
+"""A pytest plugin: each test's wall-clock and CPU seconds, a per-file and per-tier report, and the fast tier's budget.
+
+CPU is counted over the test's whole process tree: the pytest process itself, every process it started and has
+reaped (``RUSAGE_CHILDREN``), and every live descendant with what it has reaped in turn (the forkserver of
+``tests/helpers/dist.py`` reaps the forked ranks, so their CPU lands in its counters). Summed before and after a
+test, the difference is what the test's processes computed, whichever of them did it; a rank that outlives its
+parent and is adopted by init is the one thing lost. CPU seconds hardly move with the machine's load, wall seconds
+do: a test whose wall time is far above its CPU time waits (timeouts, sleeps, polls) instead of computing.
+
+The budget (``--test-budget-s``, default ``DEFAULT_BUDGET_S``) holds every fast-tier test (not marked ``slow``),
+setup and call together (a module fixture's work is charged to the test that first asks for it, as pytest's
+``--durations`` does), in two ways:
+
+- its CPU seconds may not exceed the budget: work does not depend on what else runs on the machine;
+- its wall seconds may not exceed the budget times the machine's oversubscription (the 1-minute load average per
+  core, at least 1): on a quiet machine that is the budget itself, so an idle wait longer than it fails there;
+  under load the allowance grows with the queue every process waits in, so a shared machine does not fail a test
+  for the time other jobs took.
+
+Each test's record also counts the processes its pytest process started (``subprocess`` calls, seen through
+Python's audit hook) and, among them, the runs of the command (``ddptrain``, directly or under torchrun): the
+start-ups a CLI-level check pays for.
+
+A test over budget fails with both figures. ``--test-budget-s=0`` turns the check off. ``--timing-report`` prints
+the per-file and per-tier table at the end; ``--timing-json=PATH`` writes every test's figures (what
+``scripts/bench_tests.py`` reads). Both work under pytest-xdist: the figures travel with the test reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+DEFAULT_BUDGET_S = 20.0
+_START = pytest.StashKey[tuple[float, float, int]]()
+_STARTED: list[list[str]] = []  # every command line this process has started, in order
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        argv = args[1]
+        _STARTED.append([str(a) for a in argv] if isinstance(argv, (list, tuple)) else [str(argv)])
+
+
+def is_cli_run(argv: list[str]) -> bool:
+    """A run of the command: ``python -m ddptrain``, under ``torch.distributed.run``, or the console script."""
+    modules = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-m"}
+    return "ddptrain" in modules or "tests.helpers.flash_attn_cli" in modules or Path(argv[0]).name == "ddptrain"
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) this process, its reaped children and its live descendants (with theirs) used."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:  # exited between the listing and the read: its parent's counters hold it now
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def oversubscription() -> float:
+    """Runnable processes per core over the last minute, at least 1: how much longer than on a quiet machine a
+    computing process takes here."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def plain_nodeid(item: pytest.Item) -> str:
+    """The test's id without the ``@group`` pytest-xdist's loadgroup appends to it."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    return item.nodeid.removesuffix("@" + "_".join(groups)) if groups else item.nodeid
+
+
+def tier(item: pytest.Item) -> str:
+    return "slow" if item.get_closest_marker("slow") is not None else "fast"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ddptrain timing")
+    group.addoption("--test-budget-s", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"a fast-tier test fails over this many CPU seconds, or wall seconds times the load per "
+                         f"core (default {DEFAULT_BUDGET_S:g}; 0: off)")
+    group.addoption("--timing-report", action="store_true", help="print wall and CPU seconds per file and per tier")
+    group.addoption("--timing-json", default=None, help="write each test's wall and CPU seconds to this file")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_START] = (time.perf_counter(), tree_cpu_s(), len(_STARTED))
+
+
+def _since_start(item: pytest.Item) -> tuple[float, float]:
+    wall0, cpu0, _ = item.stash[_START]
+    return time.perf_counter() - wall0, tree_cpu_s() - cpu0
+
+
+def _started_since(item: pytest.Item) -> list[list[str]]:
+    return _STARTED[item.stash[_START][2]:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if _START not in item.stash:
+        return report
+    if call.when == "call":
+        wall, cpu = _since_start(item)
+        budget = item.config.getoption("test_budget_s")
+        if budget and tier(item) == "fast" and report.passed:
+            allowed_wall = budget * oversubscription()
+            if cpu > budget or wall > allowed_wall:
+                report.outcome = "failed"
+                report.longrepr = (f"over the fast tier's budget: {cpu:.1f} CPU s (budget {budget:g}), {wall:.1f} "
+                                   f"wall s (budget {allowed_wall:.3g} at this load): make it cheaper, or move it "
+                                   f"to the slow tier")
+    elif call.when == "teardown":
+        wall, cpu = _since_start(item)
+        started = _started_since(item)
+        record = {"test": plain_nodeid(item), "tier": tier(item), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                  "processes": len(started), "cli_runs": sum(map(is_cli_run, started))}
+        report.user_properties.append(("timing", record))
+    return report
+
+
+@dataclass
+class Timings:
+    """What the controller heard: each test's figures, from its teardown report."""
+
+    tests: dict[str, dict[str, float | str]]
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for key, value in report.user_properties:
+            if key == "timing":
+                self.tests[str(value["test"])] = value
+
+    def per_file(self) -> dict[tuple[str, str], list[float]]:
+        """(file, tier) -> [tests, wall s, CPU s, processes started, CLI runs]."""
+        rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
+        for nodeid, t in self.tests.items():
+            row = rows[(nodeid.split("::")[0], str(t["tier"]))]
+            for i, value in enumerate((1, t["wall_s"], t["cpu_s"], t["processes"], t["cli_runs"])):
+                row[i] += float(value)
+        return rows
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+        if path := config.getoption("timing_json"):
+            Path(path).write_text(json.dumps(self.tests, indent=1, sort_keys=True))
+        if not config.getoption("timing_report"):
+            return
+        write = terminalreporter.write_line
+        rows = self.per_file()
+        terminalreporter.section("time per file and tier (wall and CPU seconds of each test's process tree)")
+        write(f"{'file':<45} {'tier':<5} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'procs':>6} {'CLI':>5}")
+        for (file, tier_name), row in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+            write(f"{file:<45} {tier_name:<5} " + _cells(row))
+        for tier_name in ("fast", "slow"):
+            mine = [r for (_, t), r in rows.items() if t == tier_name]
+            if mine:
+                write(f"{'all':<45} {tier_name:<5} " + _cells([sum(r[i] for r in mine) for i in range(5)]))
+
+
+def _cells(row: list[float]) -> str:
+    n, wall, cpu, procs, cli = row
+    return f"{n:>5.0f} {wall:>8.1f} {cpu:>8.1f} {procs:>6.0f} {cli:>5.0f}"
+
+
+_AUDITING: list[bool] = []  # an audit hook cannot be removed: one per process, even when pytest runs in pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _AUDITING:
+        sys.addaudithook(_audit)
+        _AUDITING.append(True)
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) gathers the figures
+        config.pluginmanager.register(Timings({}), "ddptrain-timings")

@@ -1,0 +1,70 @@
+"""Start-up is a feature: what ``ddptrain`` imports before its first line. ``--help``, ``--cfg`` and a config error
+answer without torch, transformers or the data and plotting libraries (each costs a second or more of a fresh
+process), and a worker imports only what its run uses. Each case runs the command's own entry (``run_cli``) in a
+fresh interpreter and reads ``sys.modules`` after it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import test_env
+
+REPO = Path(__file__).parents[1]
+HEAVY = ("torch", "transformers", "datasets", "pyarrow", "pandas", "numpy", "matplotlib", "peft", "bitsandbytes",
+         "triton", "wandb", "scipy")
+PROBE = """
+import json, sys
+from ddptrain.app.cli import run_cli
+code = run_cli(sys.argv[1:])
+heavy = {heavy!r}
+print("EXIT", code, json.dumps(sorted(m for m in (*heavy, "ddptrain.kernels.triton_ops") if m in sys.modules)))
+"""
+
+
+def imported_by(args: list[str], cwd: Path) -> tuple[int, list[str], str]:
+    """Exit code of ``ddptrain <args>`` in a fresh interpreter, the heavy modules loaded when it returned, and its
+    stderr."""
+    env = test_env(cwd / "cache")
+    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("EXIT ")), None)
+    assert line is not None, done.stdout[-2000:] + done.stderr[-2000:]
+    code, _, modules = line.removeprefix("EXIT ").partition(" ")
+    return int(code), json.loads(modules), done.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job", "+experiment=quickstart"]], ids=["help", "cfg"])
+def test_help_and_cfg_import_no_heavy_library(args: list[str], tmp_path: Path) -> None:
+    code, modules, stderr = imported_by(args, tmp_path)
+    assert code == 0, stderr[-2000:]
+    assert modules == []
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["launch.nproc_per_node=0"], "launch.nproc_per_node must be >= 1"),  # the schema's own check
+    (["data.global_batch_size=3", "data.micro_batch_size=2"], "not divisible"),  # preflight, in this process
+    (["data.global_batch_size=3", "data.micro_batch_size=2", "launch.nproc_per_node=2"], "not divisible"),  # launcher
+], ids=["schema", "preflight", "launcher"])
+def test_a_config_error_is_answered_before_torch_is_imported(args: list[str], message: str, tmp_path: Path) -> None:
+    code, modules, stderr = imported_by(args, tmp_path)
+    assert code == 2 and message in stderr, stderr[-2000:]
+    assert modules == []
+
+
+@pytest.mark.slow  # a one-step run in a fresh interpreter: torch and transformers imported, a model built
+def test_a_synthetic_data_worker_imports_no_data_finetuning_or_plotting_library(tmp_path: Path) -> None:
+    """torch and transformers it needs; ``datasets`` (and its Arrow and pandas), peft, bitsandbytes, matplotlib,
+    wandb and our Triton kernels it does not. Triton and scipy themselves are imported by transformers' model
+    classes (through torch._dynamo and its loss utilities) whenever they are installed, as they are here."""
+    args = ["data=synthetic", "data.num_samples=16", "data.seq_len=16", "data.global_batch_size=4",
+            "data.micro_batch_size=4", "model.num_layers=1", "train.steps=1", "train.eval_every=0",
+            "logger.progress=false", "checkpoint.export=false", "hydra.run.dir=run"]
+    code, modules, stderr = imported_by(args, tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert sorted(set(modules) - {"triton", "scipy"}) == ["numpy", "torch", "transformers"]
+

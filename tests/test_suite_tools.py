@@ -1,0 +1,206 @@
+"""The suite's own machinery: the fast tier's time budget, tests sharing a module fixture kept on one xdist worker,
+each CLI run once per session, and the package marks that find a module's tests."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import package_marks, run_cache, timing, xdist_groups
+
+REPO = Path(__file__).parents[1]
+
+BUSY_AND_IDLE = """
+import time
+import pytest
+
+def burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+def test_computes():
+    burn(0.6)
+
+def test_waits():
+    time.sleep(0.6)
+
+@pytest.mark.slow
+def test_slow_computes():
+    burn(0.6)
+
+def test_quick():
+    pass
+"""
+
+
+def _with_timing(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest('pytest_plugins = ["tests.helpers.timing"]\n')
+    pytester.makeini("[pytest]\nmarkers =\n    slow: slow tier\n")
+    pytester.makepyfile(test_budget=BUSY_AND_IDLE)
+
+
+def test_a_fast_test_over_the_budget_fails_whether_it_computes_or_waits(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _with_timing(pytester)
+    monkeypatch.setattr(timing, "oversubscription", lambda: 1.0)  # as on a quiet machine
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--test-budget-s=0.3")
+    result.assert_outcomes(passed=2, failed=2)  # the slow tier's test and the quick one pass
+    result.stdout.fnmatch_lines(["over the fast tier's budget: 0.6 CPU s (budget 0.3), * wall s (budget 0.3 at *",
+                                 "over the fast tier's budget: 0.0 CPU s (budget 0.3), * wall s (budget 0.3 at *",
+                                 "FAILED test_budget.py::test_computes*", "FAILED test_budget.py::test_waits*"])
+
+
+def test_the_wall_budget_grows_with_the_load_and_the_cpu_budget_does_not(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _with_timing(pytester)
+    monkeypatch.setattr(timing, "oversubscription", lambda: 4.0)  # four runnable processes per core
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--test-budget-s=0.3")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_budget.py::test_computes*"])
+
+
+def test_the_budget_is_off_at_zero_and_the_report_counts_per_file_and_tier(pytester: pytest.Pytester) -> None:
+    _with_timing(pytester)
+    out = pytester.path / "timing.json"
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--test-budget-s=0", "--timing-report",
+                                          f"--timing-json={out}")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["test_budget.py*fast*3*", "test_budget.py*slow*1*"])
+    tests = json.loads(out.read_text())
+    assert tests["test_budget.py::test_computes"]["cpu_s"] >= 0.5
+    assert tests["test_budget.py::test_waits"]["cpu_s"] < 0.4 <= tests["test_budget.py::test_waits"]["wall_s"]
+
+
+def test_cpu_of_the_process_tree_counts_a_child_that_computes() -> None:
+    before = timing.tree_cpu_s()
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert timing.tree_cpu_s() - before >= 0.45
+
+
+@pytest.mark.parametrize(("argv", "cli"), [
+    (["/venv/bin/python", "-m", "ddptrain", "train.steps=2"], True),
+    (["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "-m", "ddptrain"], True),
+    (["/venv/bin/ddptrain", "--help"], True),
+    (["/venv/bin/python", "-c", "import ddptrain"], False),
+    (["shellcheck", "scripts/multinode.sh"], False),
+])
+def test_a_run_of_the_command_is_told_from_other_processes(argv: list[str], cli: bool) -> None:
+    assert timing.is_cli_run(argv) == cli
+
+
+SHARED_FIXTURE = """
+import os
+import pytest
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent / f"setup-{os.getpid()}").write_text("")
+    return 1
+
+@pytest.mark.parametrize("i", range(6))
+def test_uses_it(shared, i):
+    assert shared == 1
+
+@pytest.mark.parametrize("i", range(6))
+def test_alone(i):
+    pass
+
+@pytest.mark.xdist_group("timing")
+def test_timed():
+    pass
+"""
+
+
+def test_tests_sharing_a_module_fixture_get_one_group_and_the_others_none(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_shared=SHARED_FIXTURE)
+    items = pytester.getitems(pytester.path / "test_shared.py")
+    groups = xdist_groups.assign_groups(items)
+    shared = {groups[i.nodeid] for i in items if "uses_it" in i.nodeid}
+    assert len(shared) == 1 and shared != {"timing"}
+    assert not any("alone" in i.nodeid and i.nodeid in groups for i in items)
+    assert [groups[i.nodeid] for i in items if "timed" in i.nodeid] == ["timing"]
+
+
+def test_two_timing_groups_sharing_a_fixture_are_refused(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_shared=SHARED_FIXTURE + """
+@pytest.mark.xdist_group("other")
+def test_other(shared):
+    pass
+
+@pytest.mark.xdist_group("timing")
+def test_timed_too(shared):
+    pass
+""")
+    with pytest.raises(pytest.UsageError, match=r"xdist groups \['other', 'timing'\] share a module fixture"):
+        xdist_groups.assign_groups(pytester.getitems(pytester.path / "test_shared.py"))
+
+
+def test_under_xdist_a_module_fixture_is_set_up_once(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the groups, ``--dist load`` spreads the six tests over both workers and each sets the fixture up."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    pytester.makeconftest('pytest_plugins = ["tests.helpers.xdist_groups"]\n')
+    pytester.makepyfile(test_shared=SHARED_FIXTURE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup")
+    result.assert_outcomes(passed=13)
+    setups = list(pytester.path.glob("**/setup-*"))
+    assert len(setups) == 1, setups
+
+
+def test_each_distinct_run_starts_once_for_every_worker_of_the_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[list[str]] = []
+
+    def fake_run(args: list[str], cwd: Path, **_: object) -> subprocess.CompletedProcess[str]:
+        started.append(args)
+        (cwd / "run").mkdir()
+        return subprocess.CompletedProcess(args, 0, "out", f"err {len(started)}")
+
+    monkeypatch.setattr(run_cache, "run_cli", fake_run)
+    gw0, gw1 = run_cache.RunCache(tmp_path), run_cache.RunCache(tmp_path)  # two workers, one shared root
+    first = gw0.run(["train.steps=2", "hydra.run.dir=run"])
+    again = gw1.run(["train.steps=2", "hydra.run.dir=run"])
+    other = gw1.run(["train.steps=2", "hydra.run.dir=run"], torchrun_nproc=2)
+    assert started == [["train.steps=2", "hydra.run.dir=run"]] * 2
+    assert first == again and first.stderr == "err 1" and first.run_dir.is_dir()
+    assert other.cwd != first.cwd and other.stderr == "err 2"
+
+
+def test_the_shared_root_is_above_each_workers_own(tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.getbasetemp()
+    assert run_cache.shared_root(tmp_path_factory, "gw1") == base.parent / "run-cache"
+    assert run_cache.shared_root(tmp_path_factory, "master") == base / "run-cache"
+
+
+def test_a_test_is_marked_with_the_packages_its_file_and_helpers_import(request: pytest.FixtureRequest) -> None:
+    marks = {m.name for m in request.node.iter_markers()}
+    assert {"app", "plan"} <= package_marks.file_packages(REPO / "tests" / "test_predict.py")  # through helpers.cli
+    assert "plan_memory" in package_marks.file_packages(REPO / "tests" / "test_memory_trace.py")
+    assert "data" not in marks  # this file imports no ddptrain package, only the suite's helpers
+
+
+def test_every_package_has_tests_and_the_development_guide_names_every_mark() -> None:
+    tests = sorted((REPO / "tests").glob("test_*.py"))
+    covered = set().union(*(package_marks.file_packages(t) for t in tests))
+    assert sorted(set(package_marks.all_packages()) - covered) == []
+    guide = (REPO / "docs" / "development.md").read_text()
+    listed = set(re.findall(r"`-m (\w+)`", guide))
+    assert sorted(set(package_marks.all_packages()) ^ listed) == []
+
+
+def test_ci_runs_exactly_the_readmes_test_command_on_both_cores() -> None:
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "[test]" in line)
+    assert command.endswith(".venv/bin/pytest -q -n 2 --dist loadgroup")
+    assert command in (REPO / ".ci" / "run").read_text().splitlines()
