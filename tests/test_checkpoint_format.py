@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.format import manifest
 from ddptrain.data import BatchShape, MicroBatches
+from tests.helpers.cli import DDPTRAIN_CKPT, test_env
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each
 from tests.helpers.tiny import TINY_MODEL
@@ -194,9 +193,9 @@ def test_export_of_a_zero3_checkpoint_on_one_process_matches_the_run_export(
     tmp_path: Path, sources: dict[str, dict[str, Any]]
 ) -> None:
     run_dir = sources["zero3"]["dir"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    out = subprocess.run([sys.executable, "-m", "ddptrain.checkpoint", "export", str(run_dir), str(tmp_path / "x")],
-                         capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    out = subprocess.run([*DDPTRAIN_CKPT, "export", str(run_dir), str(tmp_path / "x")], cwd=tmp_path,
+                         capture_output=True, text=True, env=test_env(tmp_path / "cache"), timeout=300,
+                         stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step_000003" in out.stdout  # a run directory means its latest checkpoint: the final step
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

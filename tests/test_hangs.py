@@ -20,7 +20,7 @@ from tests.helpers.staggered import Finished, Job, run_staggered
 ROOT = Path(__file__).parents[1]
 BACKENDS = {  # what the real command runs on: gloo itself, or the twin installed into every process
     "gloo": {},
-    "nccl_twin": {TWIN_ENV: "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'nccl_twin_site'}:{ROOT}"},
+    "nccl_twin": {TWIN_ENV: "1", "PYTHONPATH": str(ROOT / "tests" / "helpers" / "nccl_twin_site")},
 }
 
 pytestmark = pytest.mark.slow  # the real CLI, 2 or 3 worker processes, a collective timeout each

@@ -1,13 +1,17 @@
 """Installs the NCCL-semantics twin (``tests/helpers/nccl_twin.py``) in every process that imports
-``torch.distributed`` while ``TWIN_NCCL=1``: the hang tests put this folder on ``PYTHONPATH`` of the real command
-(launcher and torchrun workers), so the product runs unchanged and never names the twin."""
+``torch.distributed`` while ``TWIN_NCCL=1``: the hang tests put this folder, and only it, on ``PYTHONPATH`` of the
+real command (launcher and torchrun workers), so the product runs unchanged and never names the twin. The twin is
+loaded from its file beside this folder: the checkout's root stays off the command's path (the command must find
+ddptrain as it is installed, tests/helpers/cli.py)."""
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -28,12 +32,20 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_install(module: ModuleType) -> None:
             exec_module(module)
-            from tests.helpers.nccl_twin import install
-
-            install()
+            _load_twin().install()
 
         loader.exec_module = exec_then_install  # type: ignore[method-assign]
         return spec
+
+
+def _load_twin() -> ModuleType:
+    """``tests/helpers/nccl_twin.py`` as the module ``nccl_twin``, from its file (no package on the path)."""
+    spec = importlib.util.spec_from_file_location("nccl_twin", Path(__file__).parents[1] / "nccl_twin.py")
+    assert spec is not None and spec.loader is not None
+    twin = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = twin  # before it runs: its dataclasses look their module up there
+    spec.loader.exec_module(twin)
+    return twin
 
 
 if os.environ.get("TWIN_NCCL") == "1":
