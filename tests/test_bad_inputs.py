@@ -167,6 +167,11 @@ def test_a_malformed_prompt_completion_record_is_one_line_on_every_rank(tmp_path
     assert "Traceback" not in result.stderr and "DatasetGenerationError" not in result.stderr, result.stderr[-3000:]
     _fails_on_both_ranks_with(result, f"ddptrain: error: data.paths: {records}: line 7: 'completion' "
                                       "(data.completion_field) is a list, expected a string")
+    # torch elastic's own record of the failed worker ("E... torch/distributed/elastic/multiprocessing/api.py:...]
+    # failed (exitcode: 2) local_rank: 0 ...") stays in the run dir's log, off the console
+    ended = result.stderr[result.stderr.index("ddptrain: error:"):].splitlines()
+    assert all(line.startswith("ddptrain: ") for line in ended if line.strip()), ended
+    assert "failed (exitcode: 2)" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_readme_table_lists_every_case() -> None:

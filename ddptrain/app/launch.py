@@ -23,6 +23,7 @@ from ddptrain.runtime.process_group import DistEnv, distributed, shared_run_dir
 from ddptrain.runtime.topology import check_shared_run_dir
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
+from ddptrain.telemetry.logs import elastic_records_to_run_log
 
 log = logging.getLogger("ddptrain")
 
@@ -81,6 +82,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     typed = run.typed
     validate_config(typed, typed.launch.nproc_per_node)  # fail here once, not in every worker
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
+    elastic_records_to_run_log(Path(os.environ["DDPTRAIN_RUN_DIR"]))
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
     threads = max(1, (os.cpu_count() or 1) // typed.launch.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
