@@ -133,6 +133,8 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     per_rank = cfg.data.global_batch_size // dp
     need = StepNeed(tracer, planned_run(cfg, dp, device), per_rank)
     usable = usable_bytes(device)
+    if (state_alone := state_exceeds(cfg, need.plan, usable, device)) is not None:
+        raise ConfigError(state_alone)
     ckpt, stage = checkpointing(cfg), cfg.parallel.zero_stage
 
     def fits(m: int, fitted: bool = False) -> bool:
@@ -152,16 +154,40 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     return AutoBatch(micro, per_rank // micro, largest, per_rank, need(micro, ckpt, stage), usable, device)
 
 
+def stages_weighed(cfg: Config, dp: int) -> range:
+    """The ZeRO stages ``nothing_fits`` weighs: the configured one and, on several ranks, each higher one that the
+    run allows (LoRA adapters: ZeRO-1 at most)."""
+    stage = cfg.parallel.zero_stage
+    return range(stage, ((1 if cfg.model.lora.enabled else 3) if dp > 1 else stage) + 1)
+
+
+def state_exceeds(cfg: Config, plan: Plan, usable: float, device: Device) -> str | None:
+    """The one line when the model state alone (parameters, gradients, optimizer state per rank, the planner's
+    arithmetic) exceeds the usable memory at every ZeRO stage weighed: then no micro batch, checkpointing or
+    chunked loss can fit, and the answer is given before any step is traced (a trace takes seconds to a minute).
+    A traced step holds at least this state (tests/test_auto_batch.py checks it), so the answer is certain."""
+    stages = stages_weighed(cfg, plan.batch.dp)
+    state = {s: plan.memory[s].total for s in stages}
+    least = min(stages, key=state.__getitem__)
+    if state[least] <= usable:
+        return None
+    at = f"parallel.zero_stage={least}" + ("" if len(stages) == 1 else
+                                           f", the least of stages {stages[0]}-{stages[-1]} on {plan.batch.dp} ranks")
+    return (f"data.micro_batch_size=auto: the model state alone (parameters, gradients, optimizer state) needs "
+            f"{state[least] / GiB:.2f} GiB per rank ({at}), over the {usable / GiB:.2f} GiB usable on {device.name} "
+            f"({device.memory_gib:g} GiB less a {AUTO_MARGIN:.0%} margin): no micro batch fits; a device with more "
+            "memory (plan.device_memory_gib), more ranks to shard the state over, or a smaller model")
+
+
 def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> str:
     """The one line when micro batch 1 does not fit: what alone (else together) would make it fit, from the
     options the planner weighs (checkpointing, a higher ZeRO stage, the chunked loss)."""
     ckpt, stage, chunked = checkpointing(cfg), cfg.parallel.zero_stage, cfg.train.chunked_loss
-    top = (1 if cfg.model.lora.enabled else 3) if need.plan.batch.dp > 1 else stage
     remedies: list[tuple[str, dict]] = []
     remedies += [(f"model.activation_checkpointing={mode}", {"checkpointing": mode})  # selective, then full
                  for mode in sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
                  if RECOMPUTE[mode] > RECOMPUTE[ckpt]]
-    remedies += [(f"parallel.zero_stage={s}", {"stage": s}) for s in range(stage + 1, top + 1)]
+    remedies += [(f"parallel.zero_stage={s}", {"stage": s}) for s in stages_weighed(cfg, need.plan.batch.dp)[1:]]
     if not chunked:
         remedies.append(("train.chunked_loss=true", {"chunked_loss": True}))
     setting = {"checkpointing": ckpt, "stage": stage, "chunked_loss": chunked}
