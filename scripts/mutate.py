@@ -6,10 +6,13 @@
 
 Each mutant is a scripted edit (file, exact old text, new text; several edits for one mutant where a feature has
 several call sites) and the tests that should notice it. The working tree (tracked and untracked files, not
-ignored ones) is copied once to a temporary directory; each mutant is applied there, its tests run with that copy
-first on ``PYTHONPATH``, and the files are restored before the next. "killed": a test failed; "survived": every
-test passed with the feature broken; "stale": the old text is no longer in the file (update the mutant). A
-baseline run first checks that each mutant's tests pass unmutated (a kill on a failing test proves nothing).
+ignored ones) is copied once to a temporary directory and installed editable into a venv of its own beside it
+(seeing this environment's packages; ``tests/helpers/install.py``), so that the command-line tests, which run the
+installed ``ddptrain`` with nothing on ``PYTHONPATH``, run the mutated copy too; each mutant is applied there, its
+tests run by that venv's python with the copy first on ``PYTHONPATH``, and the files are restored before the
+next. "killed": a test failed; "survived": every test passed with the feature broken; "stale": the old text is no
+longer in the file (update the mutant). A baseline run first checks that each mutant's tests pass unmutated (a
+kill on a failing test proves nothing).
 Prints a markdown table ready for docs/mutation.md; exits 1 when a mutant survived or went stale.
 """
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.helpers.install import venv_with  # noqa: E402  # the checkout's own test helper, by path
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,17 @@ MUTANTS = [
              "self.events[slot] = torch.where(torch.isfinite(loss.detach()), 0.0, float(step))",
              "self.events[slot] = 0.0"),),
            ("tests/test_nonfinite.py", "-k", "fp16")),
+    # issue 41: mutants of the previous round that survived an audit (auto micro batch, goodput, FLOPs,
+    # tokens_seen, malformed records, sweeps), and the assertions that kill them
+    Mutant("auto-whole-batch-unchecked", "auto takes the whole per-rank batch on the fit's word, no exact trace",
+           (("ddptrain/plan/memory/auto_batch.py",
+             "if per_rank > 1 and fits(per_rank, fitted=True) and fits(per_rank):",
+             "if per_rank > 1 and fits(per_rank, fitted=True):"),),
+           ("tests/test_auto_batch.py", "-k", "whole_per_rank or whole_batch or largest")),
+    Mutant("auto-whole-batch-accumulates", "auto plans the whole per-rank batch as an accumulating micro batch",
+           (("ddptrain/plan/memory/auto_batch.py", "n, accumulating = plan.batch.dp, micro_batch < self.per_rank",
+             "n, accumulating = plan.batch.dp, micro_batch <= self.per_rank"),),
+           ("tests/test_auto_batch.py", "-k", "whole_per_rank or whole_batch or largest")),
 ]
 
 
@@ -225,8 +241,9 @@ def _copy_tree(dest: Path) -> None:
 
 def _pytest(tree: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    python = tree.parent / "venv" / "bin" / "python"  # the venv the copy is installed in (main)
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        done = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                               cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return -1, "timed out"
@@ -265,8 +282,9 @@ def main() -> int:
         return 0
     rows, bad = [], 0
     with tempfile.TemporaryDirectory(prefix="ddptrain-mutants-") as tmp:
-        tree = Path(tmp)
+        tree = Path(tmp) / "tree"
         _copy_tree(tree)
+        venv_with(tree, Path(tmp) / "venv", editable=True)
         for m in chosen:
             start = time.perf_counter()
             if not args.no_baseline:

@@ -80,9 +80,34 @@ def test_auto_picks_the_largest_micro_batch_that_fits_and_derives_grad_accum_for
     chosen = choose_micro_batch(cfg, 1, device, VOCAB)
     usable = device.memory_gib * GiB * (1 - AUTO_MARGIN)
     assert chosen.largest == 5 and need[5] <= usable < need[6]  # 5 fits, 6 does not
+    assert chosen.need <= chosen.usable == usable
     # 5 does not divide the 12 sequences per rank: 4, with grad_accum 3, keeps the global batch
     assert (chosen.micro_batch, chosen.grad_accum) == (4, 3)
     assert "micro batch 4, grad_accum 3" in chosen.line() and "5 fits but does not divide" in chosen.line()
+
+
+def test_the_whole_per_rank_batch_is_taken_only_when_its_exact_trace_fits() -> None:
+    """The fit through micro batches 1-3 is a shortcut: with full checkpointing it under-estimates the whole batch
+    of 14 here (by 3.8 kB), so a device between the fitted and the exact need must not get it."""
+    cfg = tiny_auto(global_batch=14)
+    cfg.model.activation_checkpointing = ActivationCheckpointing.full
+    need = StepNeed(Tracer(cfg, VOCAB, CPU), planned_run(cfg, 1, CPU), 14)
+    fitted, exact = (need(14, ActivationCheckpointing.full, 0, fitted=f) for f in (True, False))
+    assert fitted < exact
+    chosen = choose_micro_batch(cfg, 1, device_between(fitted, exact), VOCAB)
+    assert chosen.need <= chosen.usable and chosen.micro_batch < 14
+
+
+def test_a_whole_batch_that_fits_without_accumulating_is_not_halved() -> None:
+    """The whole per-rank batch in one micro batch needs less than the same micro batch as one of several
+    (accumulation keeps more state): a device between the two takes it whole, grad_accum 1."""
+    cfg = tiny_auto(global_batch=12)
+    tracer = Tracer(cfg, VOCAB, CPU)
+    whole, accumulating = (StepNeed(tracer, planned_run(cfg, 1, CPU), per_rank)(12, ActivationCheckpointing.none, 0)
+                           for per_rank in (12, 13))
+    assert whole < accumulating
+    chosen = choose_micro_batch(cfg, 1, device_between(whole, accumulating), VOCAB)
+    assert (chosen.micro_batch, chosen.grad_accum) == (12, 1) and chosen.need == whole <= chosen.usable
 
 
 def test_the_search_finds_the_boundary_from_any_guess() -> None:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent  # the console scripts of the environment the tests run in
-TORCHRUN = [str(BIN / "torchrun"), "--standalone"]
+# torchrun's own module, run by this interpreter (an environment made for a test, scripts/mutate.py's, holds
+# ddptrain's console scripts but not torch's)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 DDPTRAIN = [str(BIN / "ddptrain")]
 DDPTRAIN_CKPT = [str(BIN / "ddptrain-ckpt")]
 

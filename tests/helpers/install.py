@@ -21,9 +21,16 @@ NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*
 
 
 def throwaway_install(root: Path, editable: bool = False) -> Path:
-    """A venv under ``root`` with ddptrain installed (``pip install .``, or ``pip install -e .``): its ``bin``."""
-    venv, source = root / "venv", root / "source"
+    """A venv under ``root`` with ddptrain installed from a clean copy of the checkout (``pip install .``, or
+    ``pip install -e .``): its ``bin``."""
+    source = root / "source"
     shutil.copytree(REPO, source, ignore=NOT_SOURCE)
+    return venv_with(source, root / "venv", editable)
+
+
+def venv_with(source: Path, venv: Path, editable: bool) -> Path:
+    """A new venv at ``venv`` that sees the tested environment's packages, with ddptrain installed from
+    ``source`` as it is (``scripts/mutate.py`` installs its mutated copy editable): the venv's ``bin``."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "tested_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -31,5 +38,5 @@ def throwaway_install(root: Path, editable: bool = False) -> Path:
     # --ignore-installed: the tested environment's ddptrain is not this one's to replace
     subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--ignore-installed", *(["-e"] if editable else []), str(source)],
-                   check=True, capture_output=True, timeout=300, cwd=root)
+                   check=True, capture_output=True, timeout=300, cwd=venv.parent)
     return venv / "bin"
