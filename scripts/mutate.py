@@ -225,6 +225,19 @@ MUTANTS = [
            (("ddptrain/plan/memory/auto_batch.py", "n, accumulating = plan.batch.dp, micro_batch < self.per_rank",
              "n, accumulating = plan.batch.dp, micro_batch <= self.per_rank"),),
            ("tests/test_auto_batch.py", "-k", "whole_per_rank or whole_batch or largest")),
+    Mutant("goodput-blocking-is-productive", "a step's eval and save time also counted as productive",
+           (("ddptrain/telemetry/goodput.py", "seconds[bucket] += now - self._step_start - self._inside",
+             "seconds[bucket] += now - self._step_start"),),
+           ("tests/test_goodput.py",)),
+    Mutant("goodput-save-not-recorded", "a save on a step that does not log is recorded only later (a kill loses it)",
+           (("ddptrain/telemetry/goodput.py", "if record or saved or now - self.attempt.recorded_at >= RECORD_EVERY_S:",
+             "if record or now - self.attempt.recorded_at >= RECORD_EVERY_S:"),),
+           ("tests/test_goodput.py",)),
+    Mutant("goodput-redone-over-step-number", "redone time prorated over the step number, not the attempt's steps",
+           (("ddptrain/telemetry/goodput.py",
+             "return productive * (a.last_step - kept_upto) / done if done else 0.0",
+             "return productive * (a.last_step - kept_upto) / a.last_step if done else 0.0"),),
+           ("tests/test_goodput.py",)),
 ]
 
 
