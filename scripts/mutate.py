@@ -238,6 +238,14 @@ MUTANTS = [
              "return productive * (a.last_step - kept_upto) / done if done else 0.0",
              "return productive * (a.last_step - kept_upto) / a.last_step if done else 0.0"),),
            ("tests/test_goodput.py",)),
+    Mutant("flops-pretrained-no-attention", "a pretrained model's FLOPs per token leave out attention",
+           (("ddptrain/train/components.py", "fpt = 4.0 * n_params + 2.0 * trainable + attention * shape.seq_len",
+             "fpt = 4.0 * n_params + 2.0 * trainable"),),
+           ("tests/test_pretrained.py", "-k", "every_step_of_a_run")),
+    Mutant("flops-gqa-per-kv-head", "a pretrained model's attention FLOPs counted per key/value head (GQA)",
+           (("ddptrain/models/flops.py", "    heads = config.num_attention_heads\n",
+             "    heads = getattr(config, \"num_key_value_heads\", None) or config.num_attention_heads\n"),),
+           ("tests/test_flops.py",)),
 ]
 
 
