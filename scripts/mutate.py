@@ -246,6 +246,10 @@ MUTANTS = [
            (("ddptrain/models/flops.py", "    heads = config.num_attention_heads\n",
              "    heads = getattr(config, \"num_key_value_heads\", None) or config.num_attention_heads\n"),),
            ("tests/test_flops.py",)),
+    Mutant("tokens-seen-streamed-restarts", "a streamed run resumed from a checkpoint without the count restarts at 0",
+           (("ddptrain/train/components.py", "batches.tokens_seen = shape.tokens_per_step * start",
+             "batches.tokens_seen = 0"),),
+           ("tests/test_data_prepare.py", "-k", "streamed_training_run")),
 ]
 
 
