@@ -250,6 +250,18 @@ MUTANTS = [
            (("ddptrain/train/components.py", "batches.tokens_seen = shape.tokens_per_step * start",
              "batches.tokens_seen = 0"),),
            ("tests/test_data_prepare.py", "-k", "streamed_training_run")),
+    Mutant("parquet-record-per-batch", "a parquet record's number restarts at every 1,024-row Arrow batch",
+           (("ddptrain/data/corpus.py",
+             "    number = 0\n    for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):\n",
+             "    for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):\n        number = 0\n"),),
+           ("tests/test_malformed_records.py",)),
+    Mutant("hub-record-counted-after", "a hub record is counted after it is read (record 3 reported as 2)",
+           (("ddptrain/data/instruct.py",
+             "            number += 1\n            yield _pair({cfg.prompt_field: prompt, cfg.completion_field: "
+             "completion}, fields,\n                        f\"data.name={cfg.name}: record {number}\")\n",
+             "            yield _pair({cfg.prompt_field: prompt, cfg.completion_field: completion}, fields,\n"
+             "                        f\"data.name={cfg.name}: record {number}\")\n            number += 1\n"),),
+           ("tests/test_malformed_records.py",)),
 ]
 
 
