@@ -1,7 +1,7 @@
 """On-demand mutation check (not in CI): does the suite notice when a feature silently stops working?
 
     python scripts/mutate.py                 # every mutant, after a baseline run of their tests
-    python scripts/mutate.py -k kernels      # the mutants whose name contains "kernels"
+    python scripts/mutate.py -k kernels      # the mutants whose name contains "kernels" (-k again: or another)
     python scripts/mutate.py --list          # names, files and tests, nothing run
 
 Each mutant is a scripted edit (file, exact old text, new text; several edits for one mutant where a feature has
@@ -262,6 +262,13 @@ MUTANTS = [
              "            yield _pair({cfg.prompt_field: prompt, cfg.completion_field: completion}, fields,\n"
              "                        f\"data.name={cfg.name}: record {number}\")\n            number += 1\n"),),
            ("tests/test_malformed_records.py",)),
+    Mutant("fail-fast-any-launcher", "--fail-fast accepted with a launcher that runs the jobs at once",
+           (("ddptrain/app/sweep.py", 'if fail_fast and chosen.get("hydra/launcher", "ddptrain") != "ddptrain":',
+             'if fail_fast and chosen.get("hydra.launcher", "ddptrain") != "ddptrain":'),),
+           ("tests/test_sweep.py", "-k", "one_line_before_any_job")),
+    Mutant("sweep-md-objective-3-digits", "sweep.md rounds the objective to 3 digits (2.123449 and 2.123351: 2.12)",
+           (("ddptrain/app/sweep_report.py", '        return f"{value:.6g}"\n', '        return f"{value:.3g}"\n'),),
+           ("tests/test_sweep.py", "-k", "digits or optuna_search_gets")),
 ]
 
 
@@ -306,12 +313,13 @@ def _apply(tree: Path, mutant: Mutant) -> dict[Path, str] | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-k", default="", help="only the mutants whose name contains this")
+    parser.add_argument("-k", action="append", default=[],
+                        help="only the mutants whose name contains this (repeat it for several)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each mutant's tests")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if args.k in m.name]
+    chosen = [m for m in MUTANTS if not args.k or any(k in m.name for k in args.k)]
     if args.list:
         for m in chosen:
             print(f"{m.name}: {m.what}\n  edits: {', '.join(sorted({e[0] for e in m.edits}))}\n"
