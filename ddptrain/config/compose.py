@@ -149,8 +149,11 @@ def typed_config(cfg: DictConfig) -> Run:
 
 def register_schema() -> None:
     """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there. Our
-    launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, when Hydra's plugin scan
-    imports it (pyproject lists ``hydra_plugins`` so that every install lays it where the scan looks)."""
+    launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, on import: imported here,
+    composing never depends on Hydra's plugin scan. Running it as a launcher does: the scan must find it in the
+    ``hydra_plugins`` namespace, which pyproject's package list makes every install (editable too) lay out."""
+    import hydra_plugins.ddptrain_launcher.ddptrain_launcher  # noqa: F401  # registers on import
+
     ConfigStore.instance().store(name="ddptrain_schema", node=Config)
 
 

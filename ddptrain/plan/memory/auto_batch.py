@@ -6,7 +6,8 @@ depth (exact), sharded for the run's ZeRO stage, plus the planner's allowances; 
 device's memory less ``AUTO_MARGIN``. The search starts from the fit through micro batches 1-3 (free once
 traced), doubles its step outward from there until the answer is bracketed, and bisects, each probe an exact
 trace. ``grad_accum`` is then derived so that the configured global batch holds: the micro batch is the largest
-one that fits and divides the per-rank batch.
+one that fits and divides the per-rank batch. When the model state alone (the planner's arithmetic) exceeds the
+usable memory at every ZeRO stage weighed, nothing can fit and the answer comes before any trace.
 """
 
 from __future__ import annotations
