@@ -134,8 +134,7 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     per_rank = cfg.data.global_batch_size // dp
     need = StepNeed(tracer, planned_run(cfg, dp, device), per_rank)
     usable = usable_bytes(device)
-    if (state_alone := state_exceeds(cfg, need.plan, usable, device)) is not None:
-        raise ConfigError(state_alone)
+    refuse_unfittable_state(cfg, dp, device, need.plan)
     ckpt, stage = checkpointing(cfg), cfg.parallel.zero_stage
 
     def fits(m: int, fitted: bool = False) -> bool:
@@ -160,6 +159,14 @@ def stages_weighed(cfg: Config, dp: int) -> range:
     run allows (LoRA adapters: ZeRO-1 at most)."""
     stage = cfg.parallel.zero_stage
     return range(stage, ((1 if cfg.model.lora.enabled else 3) if dp > 1 else stage) + 1)
+
+
+def refuse_unfittable_state(cfg: Config, dp: int, device: Device, plan: Plan | None = None) -> None:
+    """ConfigError (``state_exceeds``' line) when the model state alone cannot fit ``device`` at any stage weighed:
+    arithmetic only, no trace, so the launcher can ask it before any worker starts."""
+    plan = plan or planned_run(cfg, dp, device)
+    if (line := state_exceeds(cfg, plan, usable_bytes(device), device)) is not None:
+        raise ConfigError(line)
 
 
 def state_exceeds(cfg: Config, plan: Plan, usable: float, device: Device) -> str | None:
