@@ -22,9 +22,9 @@ class TestDdptrainLauncher(LauncherTestSuite):
     left unset, resolvers; each job's directory as Hydra's launchers leave it (``.hydra/`` and the job log)."""
 
 
-@pytest.mark.slow  # a Python process per case (ten, about a second each): the slow tier's kind of test
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"),
                          [({"defaults": [{"override hydra/launcher": "ddptrain"}]}, ["-m"])])
 class TestDdptrainLauncherIntegration(IntegrationTestSuite):
     """Hydra's integration suite: a Hydra app (a script run in its own process, which finds our launcher through
-    Hydra's plugin scan of this environment's install) whose config picks our launcher."""
+    Hydra's plugin scan of this environment's install) whose config picks our launcher. Ten processes of about
+    0.4 s each on a quiet machine (no torch): the fast tier."""
