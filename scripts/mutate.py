@@ -1,15 +1,18 @@
 """On-demand mutation check (not in CI): does the suite notice when a feature silently stops working?
 
     python scripts/mutate.py                 # every mutant, after a baseline run of their tests
-    python scripts/mutate.py -k kernels      # the mutants whose name contains "kernels"
+    python scripts/mutate.py -k kernels      # the mutants whose name contains "kernels" (-k again: or another)
     python scripts/mutate.py --list          # names, files and tests, nothing run
 
 Each mutant is a scripted edit (file, exact old text, new text; several edits for one mutant where a feature has
 several call sites) and the tests that should notice it. The working tree (tracked and untracked files, not
-ignored ones) is copied once to a temporary directory; each mutant is applied there, its tests run with that copy
-first on ``PYTHONPATH``, and the files are restored before the next. "killed": a test failed; "survived": every
-test passed with the feature broken; "stale": the old text is no longer in the file (update the mutant). A
-baseline run first checks that each mutant's tests pass unmutated (a kill on a failing test proves nothing).
+ignored ones) is copied once to a temporary directory and installed editable into a venv of its own beside it
+(seeing this environment's packages; ``tests/helpers/install.py``), so that the command-line tests, which run the
+installed ``ddptrain`` with nothing on ``PYTHONPATH``, run the mutated copy too; each mutant is applied there, its
+tests run by that venv's python with the copy first on ``PYTHONPATH``, and the files are restored before the
+next. "killed": a test failed; "survived": every test passed with the feature broken; "stale": the old text is no
+longer in the file (update the mutant). A baseline run first checks that each mutant's tests pass unmutated (a
+kill on a failing test proves nothing).
 Prints a markdown table ready for docs/mutation.md; exits 1 when a mutant survived or went stale.
 """
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.helpers.install import venv_with  # noqa: E402  # the checkout's own test helper, by path
 
 
 @dataclass(frozen=True)
@@ -342,6 +347,61 @@ MUTANTS = [
     Mutant("run-cache-runs-again", "the run cache starts a run again for every test that asks",
            (("tests/helpers/run_cache.py", "            if not record.is_file():", "            if True:"),),
            ("tests/test_suite_tools.py", "-k", "each_distinct_run")),
+    # issue 41: mutants of the previous round that survived an audit (auto micro batch, goodput, FLOPs,
+    # tokens_seen, malformed records, sweeps), and the assertions that kill them
+    Mutant("auto-whole-batch-unchecked", "auto takes the whole per-rank batch on the fit's word, no exact trace",
+           (("ddptrain/plan/memory/auto_batch.py",
+             "if per_rank > 1 and fits(per_rank, fitted=True) and fits(per_rank):",
+             "if per_rank > 1 and fits(per_rank, fitted=True):"),),
+           ("tests/test_auto_batch.py", "-k", "whole_per_rank or whole_batch or largest")),
+    Mutant("auto-whole-batch-accumulates", "auto plans the whole per-rank batch as an accumulating micro batch",
+           (("ddptrain/plan/memory/auto_batch.py", "n, accumulating = plan.batch.dp, micro_batch < self.per_rank",
+             "n, accumulating = plan.batch.dp, micro_batch <= self.per_rank"),),
+           ("tests/test_auto_batch.py", "-k", "whole_per_rank or whole_batch or largest")),
+    Mutant("goodput-blocking-is-productive", "a step's eval and save time also counted as productive",
+           (("ddptrain/telemetry/goodput.py", "seconds[bucket] += now - self._step_start - self._inside",
+             "seconds[bucket] += now - self._step_start"),),
+           ("tests/test_goodput.py",)),
+    Mutant("goodput-save-not-recorded", "a save on a step that does not log is recorded only later (a kill loses it)",
+           (("ddptrain/telemetry/goodput.py", "if record or saved or now - self.attempt.recorded_at >= RECORD_EVERY_S:",
+             "if record or now - self.attempt.recorded_at >= RECORD_EVERY_S:"),),
+           ("tests/test_goodput.py",)),
+    Mutant("goodput-redone-over-step-number", "redone time prorated over the step number, not the attempt's steps",
+           (("ddptrain/telemetry/goodput.py",
+             "return productive * (a.last_step - kept_upto) / done if done else 0.0",
+             "return productive * (a.last_step - kept_upto) / a.last_step if done else 0.0"),),
+           ("tests/test_goodput.py",)),
+    Mutant("flops-pretrained-no-attention", "a pretrained model's FLOPs per token leave out attention",
+           (("ddptrain/train/components.py", "fpt = 4.0 * n_params + 2.0 * trainable + attention * shape.seq_len",
+             "fpt = 4.0 * n_params + 2.0 * trainable"),),
+           ("tests/test_pretrained.py", "-k", "every_step_of_a_run")),
+    Mutant("flops-gqa-per-kv-head", "a pretrained model's attention FLOPs counted per key/value head (GQA)",
+           (("ddptrain/models/flops.py", "    heads = config.num_attention_heads\n",
+             "    heads = getattr(config, \"num_key_value_heads\", None) or config.num_attention_heads\n"),),
+           ("tests/test_flops.py",)),
+    Mutant("tokens-seen-streamed-restarts", "a streamed run resumed from a checkpoint without the count restarts at 0",
+           (("ddptrain/train/components.py", "batches.tokens_seen = shape.tokens_per_step * start",
+             "batches.tokens_seen = 0"),),
+           ("tests/test_data_prepare.py", "-k", "streamed_training_run")),
+    Mutant("parquet-record-per-batch", "a parquet record's number restarts at every 1,024-row Arrow batch",
+           (("ddptrain/data/corpus.py",
+             "    number = 0\n    for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):\n",
+             "    for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):\n        number = 0\n"),),
+           ("tests/test_malformed_records.py",)),
+    Mutant("hub-record-counted-after", "a hub record is counted after it is read (record 3 reported as 2)",
+           (("ddptrain/data/instruct.py",
+             "            number += 1\n            yield _pair({cfg.prompt_field: prompt, cfg.completion_field: "
+             "completion}, fields,\n                        f\"data.name={cfg.name}: record {number}\")\n",
+             "            yield _pair({cfg.prompt_field: prompt, cfg.completion_field: completion}, fields,\n"
+             "                        f\"data.name={cfg.name}: record {number}\")\n            number += 1\n"),),
+           ("tests/test_malformed_records.py",)),
+    Mutant("fail-fast-any-launcher", "--fail-fast accepted with a launcher that runs the jobs at once",
+           (("ddptrain/app/sweep.py", 'if fail_fast and chosen.get("hydra/launcher", "ddptrain") != "ddptrain":',
+             'if fail_fast and chosen.get("hydra.launcher", "ddptrain") != "ddptrain":'),),
+           ("tests/test_sweep.py", "-k", "one_line_before_any_job")),
+    Mutant("sweep-md-objective-3-digits", "sweep.md rounds the objective to 3 digits (2.123449 and 2.123351: 2.12)",
+           (("ddptrain/app/sweep_report.py", '        return f"{value:.6g}"\n', '        return f"{value:.3g}"\n'),),
+           ("tests/test_sweep.py", "-k", "digits or optuna_search_gets")),
 ]
 
 
@@ -358,8 +418,9 @@ def _copy_tree(dest: Path) -> None:
 
 def _pytest(tree: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    python = tree.parent / "venv" / "bin" / "python"  # the venv the copy is installed in (main)
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        done = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                               cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return -1, "timed out"
@@ -385,12 +446,13 @@ def _apply(tree: Path, mutant: Mutant) -> dict[Path, str] | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-k", default="", help="only the mutants whose name contains this")
+    parser.add_argument("-k", action="append", default=[],
+                        help="only the mutants whose name contains this (repeat it for several)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of each mutant's tests")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if args.k in m.name]
+    chosen = [m for m in MUTANTS if not args.k or any(k in m.name for k in args.k)]
     if args.list:
         for m in chosen:
             print(f"{m.name}: {m.what}\n  edits: {', '.join(sorted({e[0] for e in m.edits}))}\n"
@@ -398,8 +460,9 @@ def main() -> int:
         return 0
     rows, bad = [], 0
     with tempfile.TemporaryDirectory(prefix="ddptrain-mutants-") as tmp:
-        tree = Path(tmp)
+        tree = Path(tmp) / "tree"
         _copy_tree(tree)
+        venv_with(tree, Path(tmp) / "venv", editable=True)
         for m in chosen:
             start = time.perf_counter()
             if not args.no_baseline:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import ddptrain.plan.memory.planner as memory_planner
 import ddptrain.plan.memory.trace as memory_trace
 from ddptrain.app.launch import agreed_micro_batch
 from ddptrain.app.preflight import validate_config
@@ -19,7 +20,16 @@ from ddptrain.config.compose import Run, build_config
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.plan.dry_run import plan_for_target
-from ddptrain.plan.memory.auto_batch import AUTO_MARGIN, choose_micro_batch, largest_fitting
+from ddptrain.plan.memory.auto_batch import (
+    AUTO_MARGIN,
+    StepNeed,
+    choose_micro_batch,
+    largest_fitting,
+    planned_run,
+    stages_weighed,
+    state_exceeds,
+    usable_bytes,
+)
 from ddptrain.plan.memory.planner import GiB, Tracer, target_device, trace_peak
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.cli import run_cli
@@ -70,9 +80,34 @@ def test_auto_picks_the_largest_micro_batch_that_fits_and_derives_grad_accum_for
     chosen = choose_micro_batch(cfg, 1, device, VOCAB)
     usable = device.memory_gib * GiB * (1 - AUTO_MARGIN)
     assert chosen.largest == 5 and need[5] <= usable < need[6]  # 5 fits, 6 does not
+    assert chosen.need <= chosen.usable == usable
     # 5 does not divide the 12 sequences per rank: 4, with grad_accum 3, keeps the global batch
     assert (chosen.micro_batch, chosen.grad_accum) == (4, 3)
     assert "micro batch 4, grad_accum 3" in chosen.line() and "5 fits but does not divide" in chosen.line()
+
+
+def test_the_whole_per_rank_batch_is_taken_only_when_its_exact_trace_fits() -> None:
+    """The fit through micro batches 1-3 is a shortcut: with full checkpointing it under-estimates the whole batch
+    of 14 here (by 3.8 kB), so a device between the fitted and the exact need must not get it."""
+    cfg = tiny_auto(global_batch=14)
+    cfg.model.activation_checkpointing = ActivationCheckpointing.full
+    need = StepNeed(Tracer(cfg, VOCAB, CPU), planned_run(cfg, 1, CPU), 14)
+    fitted, exact = (need(14, ActivationCheckpointing.full, 0, fitted=f) for f in (True, False))
+    assert fitted < exact
+    chosen = choose_micro_batch(cfg, 1, device_between(fitted, exact), VOCAB)
+    assert chosen.need <= chosen.usable and chosen.micro_batch < 14
+
+
+def test_a_whole_batch_that_fits_without_accumulating_is_not_halved() -> None:
+    """The whole per-rank batch in one micro batch needs less than the same micro batch as one of several
+    (accumulation keeps more state): a device between the two takes it whole, grad_accum 1."""
+    cfg = tiny_auto(global_batch=12)
+    tracer = Tracer(cfg, VOCAB, CPU)
+    whole, accumulating = (StepNeed(tracer, planned_run(cfg, 1, CPU), per_rank)(12, ActivationCheckpointing.none, 0)
+                           for per_rank in (12, 13))
+    assert whole < accumulating
+    chosen = choose_micro_batch(cfg, 1, device_between(whole, accumulating), VOCAB)
+    assert (chosen.micro_batch, chosen.grad_accum) == (12, 1) and chosen.need == whole <= chosen.usable
 
 
 def test_the_search_finds_the_boundary_from_any_guess() -> None:
@@ -120,9 +155,10 @@ def test_when_even_one_does_not_fit_the_error_names_what_would() -> None:
     assert "\n" not in line and line.startswith("data.micro_batch_size=auto: even micro batch 1 needs")
     for remedy, need in remedies.items():  # the remedies that fit alone, and only those
         assert (remedy in line) == (need == lowest)
+    state = planned_run(cfg, 1, CPU).memory[0].total  # below it, auto answers before tracing (tested below)
     with pytest.raises(ConfigError, match=r"nothing the planner weighs makes it fit .tried: "
                        r"model\.activation_checkpointing=selective"):
-        choose_micro_batch(cfg, 1, target_device("cpu", lowest / 2 / GiB, None), VOCAB)
+        choose_micro_batch(cfg, 1, device_between(state, lowest), VOCAB)
 
 
 def test_the_dry_run_reports_the_chosen_micro_batch_and_plans_it() -> None:
@@ -160,7 +196,7 @@ def _agree(rank: int, world_size: int, memory_gib: list[float],
 @pytest.mark.slow  # two 2-rank groups, each rank searching its choice: about 15 CPU seconds
 def test_every_rank_takes_the_smallest_choice_and_all_stop_when_one_cannot_fit_any() -> None:
     cfg = tiny_auto(global_batch=24)
-    need = {m: full_trace(cfg, m, 12) for m in (2, 3, 12)}
+    need = {m: full_trace(cfg, m, 12) for m in (1, 2, 3, 12)}
     roomy, tight = (device_between(need[12], 2 * need[12]).memory_gib,
                     device_between(need[2], need[3]).memory_gib)
     results = run_distributed(_agree, 2, [roomy, tight])
@@ -168,7 +204,8 @@ def test_every_rank_takes_the_smallest_choice_and_all_stop_when_one_cannot_fit_a
     assert alone[0] == 12 and 0 < alone[1] < 12  # alone, each rank would choose its own
     assert [r[0] for r in results] == [alone[1], alone[1]]
     assert all(r[1]["micro_batch_size"] == alone[1] and r[1]["grad_accum"] is None for r in results)
-    failed = run_distributed(_agree, 2, [roomy, need[2] / 4 / GiB], False)  # what each alone would pick: above
+    state = planned_run(cfg, 2, CPU).memory[0].total
+    failed = run_distributed(_agree, 2, [roomy, device_between(state, need[1]).memory_gib], False)  # state fits, 1 not
     assert [r[0] for r in failed] == [0, 0]
     assert failed[1][2].startswith("data.micro_batch_size=auto: even micro batch 1 needs")
     assert failed[0][2].startswith("data.micro_batch_size=auto: another rank cannot fit micro batch 1")
@@ -188,3 +225,43 @@ def test_a_run_with_auto_logs_the_chosen_micro_batch_and_writes_it_to_config_yam
     assert f"global batch 2 = micro batch {micro} x grad accum {accum} x dp 1" in logged
     saved = OmegaConf.load(run_dir / "config.yaml")
     assert saved.data.micro_batch_size == micro and saved.data.grad_accum is None
+
+
+STATE_CASES = {  # (config, ranks, target device): the early answer must never refuse what a trace would fit
+    "fp32, 2 ranks (stages 0-3)": (lambda: tiny_auto(global_batch=24), 2, CPU),
+    "bf16 on an H100, 2 ranks (stages 0-3)": (lambda: tiny_auto(global_batch=24), 2, target_device("h100", 1, None)),
+    "LoRA, 2 ranks (stages 0-1)": (lambda: tiny_auto(global_batch=24), 2, CPU),
+}
+
+
+@pytest.mark.parametrize("case", STATE_CASES)
+def test_a_traced_step_holds_at_least_the_model_state_the_early_answer_reads(case: str) -> None:
+    """``auto`` refuses before tracing when the planner's model state alone exceeds the usable memory at every
+    stage weighed; that is certain only if no traced step needs less than that state, whatever is weighed:
+    checked at micro batch 1 with the least activations (full checkpointing and the chunked loss) at each stage."""
+    make, dp, device = STATE_CASES[case]
+    cfg = make()
+    cfg.model.lora.enabled = case.startswith("LoRA")
+    need = StepNeed(Tracer(cfg, VOCAB, device), planned_run(cfg, dp, device), cfg.data.global_batch_size // dp)
+    stages = stages_weighed(cfg, dp)
+    assert len(stages) == (2 if cfg.model.lora.enabled else 4)
+    for s in stages:
+        assert need(1, ActivationCheckpointing.full, s, chunked_loss=True) >= need.plan.memory[s].total, s
+
+
+def test_auto_refuses_at_once_when_the_model_state_alone_exceeds_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_auto(global_batch=24)
+    plan = planned_run(cfg, 2, CPU)
+    least = min(plan.memory[s].total for s in range(4))
+    traced: list[object] = []
+    monkeypatch.setattr(memory_planner, "trace_peak", lambda *a, **k: traced.append(a) or pytest.fail("traced"))
+    below = target_device("cpu", least * 0.99 / (1 - AUTO_MARGIN) / GiB, None)
+    with pytest.raises(ConfigError) as caught:
+        choose_micro_batch(cfg, 2, below, VOCAB)
+    assert str(caught.value).startswith(
+        f"data.micro_batch_size=auto: the model state alone (parameters, gradients, optimizer state) needs "
+        f"{least / GiB:.2f} GiB per rank (parallel.zero_stage=3, the least of stages 0-3 on 2 ranks)")
+    assert not traced
+    above = target_device("cpu", least * 1.01 / (1 - AUTO_MARGIN) / GiB, None)  # the traced answer decides
+    assert state_exceeds(cfg, plan, usable_bytes(above), above) is None
+    assert state_exceeds(cfg, plan, usable_bytes(below), below) == str(caught.value)

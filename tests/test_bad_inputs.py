@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddptrain.plan.memory.planner as memory_planner
 from ddptrain.app.cli import run_cli as ddptrain_main
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv, pick_device
@@ -30,6 +31,16 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
     return {"EMPTY": str(tmp / "empty.txt"), "CORRUPT": str(tmp / "bad.parquet")}
 
+
+# Refused at once, with no trace of the step (which takes from seconds to a minute): the case, its line, and the
+# most seconds it may take in-process (the command adds its start-up)
+AT_ONCE = [
+    (["data.micro_batch_size=auto", "plan.device_memory_gib=-3"],
+     "plan.device_memory_gib=-3.0: expected a positive number of GiB per device (or null: the device's own)", 10),
+    (["data.micro_batch_size=auto", "plan.device_memory_gib=4", "model=llama_1b"],
+     "data.micro_batch_size=auto: the model state alone (parameters, gradients, optimizer state) needs 16.39 GiB "
+     "per rank (parallel.zero_stage=0), over the 3.60 GiB usable", 10),
+]
 
 IN_PROCESS = [
     (["data.micro_batch_size=0"], "data.micro_batch_size=0: expected a positive number of sequences"),
@@ -75,6 +86,7 @@ IN_PROCESS = [
     (["data.num_proc=0"], "data.num_proc=0: expected a positive number of processes"),
     (["data.streaming=true"], "data.streaming=true: expected data.source=files or hub, data.format=packed and a "
                               "data.tokenizer"),
+    *[(args, message) for args, message, _ in AT_ONCE],
 ]
 
 
@@ -94,6 +106,23 @@ def test_bad_input_is_one_line_and_exits_non_zero(
     assert code != 0
     assert err and err[-1].startswith("ddptrain: error: ") and message in err[-1], err
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize(("overrides", "message", "seconds"), AT_ONCE, ids=[m[:40] for _, m, _ in AT_ONCE])
+def test_a_memory_that_cannot_hold_the_run_is_refused_before_any_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], overrides: list[str],
+    message: str, seconds: float,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    traced: list[int] = []
+    monkeypatch.setattr(memory_planner, "trace_peak", lambda *args, **kwargs: traced.append(1) or pytest.fail(
+        "the step was traced"))
+    start = time.monotonic()
+    assert ddptrain_main([*overrides, "data=synthetic", "train.steps=1"]) == 2
+    assert time.monotonic() - start < seconds and not traced
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"ddptrain: error: {message}"), err
 
 
 def test_more_local_processes_than_cuda_devices_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +197,11 @@ def test_a_malformed_prompt_completion_record_is_one_line_on_every_rank(tmp_path
     assert "Traceback" not in result.stderr and "DatasetGenerationError" not in result.stderr, result.stderr[-3000:]
     _fails_on_both_ranks_with(result, f"ddptrain: error: data.paths: {records}: line 7: 'completion' "
                                       "(data.completion_field) is a list, expected a string")
+    # torch elastic's own record of the failed worker ("E... torch/distributed/elastic/multiprocessing/api.py:...]
+    # failed (exitcode: 2) local_rank: 0 ...") stays in the run dir's log, off the console
+    ended = result.stderr[result.stderr.index("ddptrain: error:"):].splitlines()
+    assert all(line.startswith("ddptrain: ") for line in ended if line.strip()), ended
+    assert "failed (exitcode: 2)" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_readme_table_lists_every_case() -> None:

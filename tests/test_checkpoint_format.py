@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import runpy
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -20,6 +21,7 @@ from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.format import manifest
 from ddptrain.data import BatchShape, MicroBatches
+from tests.helpers.cli import DDPTRAIN_CKPT, test_env
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each
 from tests.helpers.tiny import TINY_MODEL
@@ -190,6 +192,19 @@ def test_data_position_is_exact_across_two_one_two_ranks() -> None:
     resumed = first + second + third
     for step in range(12):  # each optimizer step sees the same global batch, whatever the world size
         assert sorted(resumed[8 * step : 8 * step + 8]) == sorted(straight[8 * step : 8 * step + 8]), step
+
+
+@pytest.mark.slow  # one process of the installed command: what the in-process export below does not show
+def test_the_installed_ddptrain_ckpt_verifies_a_run_from_a_directory_outside_the_checkout(
+    tmp_path: Path, sources: dict[str, dict[str, Any]]
+) -> None:
+    """``ddptrain-ckpt`` as a user runs it: the environment's console script, from a temporary directory, with no
+    ``PYTHONPATH`` (tests/helpers/cli.py)."""
+    run_dir = sources["zero3"]["dir"]
+    out = subprocess.run([*DDPTRAIN_CKPT, "verify", str(run_dir)], cwd=tmp_path, capture_output=True, text=True,
+                         env=test_env(tmp_path / "cache"), timeout=300, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step_000003" in out.stdout and "tensors read; shapes match the model, all values finite" in out.stdout
 
 
 def test_export_of_a_zero3_checkpoint_on_one_process_matches_the_run_export(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.bad_inputs import UNDER_TORCHRUN
-from tests.helpers.cli import run_cli, test_env
+from tests.helpers.cli import DDPTRAIN, run_cli, test_env
 
 SMALL = ["data.max_documents=120", "train.log_every=5"]
 
@@ -47,6 +47,20 @@ def test_ranks_under_torchrun_share_one_run_dir(torchrun_run: tuple[Path, Path])
     run, _ = torchrun_run  # the fixture checks there is one run dir under outputs/
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert (run / "checkpoints" / "step_000002").is_dir() and (run / "metrics.jsonl").is_file()
+
+
+# what a process of the command under test can import: ddptrain (installed), not the checkout's tests
+PATH_PROBE = ("import importlib.util, sys; print(importlib.util.find_spec('tests') is None, "
+              "importlib.util.find_spec('ddptrain') is not None)")
+
+
+def test_the_command_under_test_sees_the_install_and_not_the_checkout(tmp_path: Path) -> None:
+    assert Path(DDPTRAIN[0]).parent == Path(sys.executable).parent  # this environment's console script
+    probe = subprocess.run([sys.executable, "-c", PATH_PROBE], cwd=tmp_path, env=test_env(tmp_path / "cache"),
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.split() == ["True", "True"], probe.stderr[-2000:]
+    with pytest.raises(ValueError, match="a CLI test runs outside the checkout"):
+        run_cli(["--help"], cwd=Path(__file__).parent, cache=tmp_path / "cache")
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:

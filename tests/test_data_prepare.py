@@ -31,7 +31,7 @@ from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
 from tests.helpers.cli import DDPTRAIN, test_env
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import train_each
+from tests.helpers.runs import train_each, without_token_count
 from tests.helpers.tiny import TINY_MODEL
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 7)}\n" * (1 + i % 5) for i in range(120)]
@@ -328,7 +328,9 @@ def test_the_streaming_position_on_two_ranks_advances_by_the_micro_batch_times_t
 
 @pytest.mark.slow
 def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(tmp_path: Path) -> None:
-    """Through the real loop and checkpoint on 2 ranks: the resumed run's losses equal the uninterrupted run's."""
+    """Through the real loop and checkpoint on 2 ranks: the resumed run's losses equal the uninterrupted run's, and
+    its token count continues, also from a checkpoint of a version that did not record the count (derived from the
+    steps: fixed windows)."""
     tok_dir = tmp_path / "tok"
     train_bpe(DOCS, 300).save_pretrained(str(tok_dir))
     base = {
@@ -338,12 +340,16 @@ def test_a_streamed_training_run_resumed_from_its_checkpoint_continues_bitwise(t
         "train": {"steps": 4, "log_every": 1, "eval_every": 2},
         "checkpoint": {"every_n_steps": 2},
     }
-    resumed_from = str(tmp_path / "w2-run0" / "checkpoints" / "step_000002")
-    runs = run_distributed(train_each, 2, str(tmp_path), base, [{}, {"train": {"resume": resumed_from}}])[0]
-    straight, resumed = ([m["loss"] for m in run["metrics"] if "loss" in m] for run in runs)
-    assert len(straight) == 4 and straight[2:] == resumed
+    (first,) = run_distributed(train_each, 2, str(tmp_path / "straight"), base, [{}])[0]
+    checkpoint = Path(first["dir"]) / "checkpoints" / "step_000002"
+    assert without_token_count(checkpoint, tmp_path / "earlier" / checkpoint.name) == 2 * 8 * 32
+    resumed_from = [{"train": {"resume": str(path)}} for path in (checkpoint, tmp_path / "earlier" / checkpoint.name)]
+    runs = [first, *run_distributed(train_each, 2, str(tmp_path / "resumed"), base, resumed_from)[0]]
+    straight, resumed, earlier = ([m["loss"] for m in run["metrics"] if "loss" in m] for run in runs)
+    assert len(straight) == 4 and straight[2:] == resumed == earlier
     seen = [[m["tokens_seen"] for m in run["metrics"] if "loss" in m] for run in runs]
-    assert seen[0] == [8 * 32 * step for step in (1, 2, 3, 4)] and seen[1] == seen[0][2:]  # fixed windows of 32
+    assert seen[0] == [8 * 32 * step for step in (1, 2, 3, 4)]  # fixed windows of 32
+    assert seen[1] == seen[2] == seen[0][2:]
 
 
 def test_prompt_completion_records_stream_into_cached_rows_equal_to_encoding_the_list(tmp_path: Path) -> None:

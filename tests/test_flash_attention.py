@@ -604,8 +604,10 @@ def test_a_packed_fine_tuning_run_from_the_command_line_goes_through_flash_atten
             "data.seq_len=48", "data.global_batch_size=16", "data.micro_batch_size=8", "train.steps=2",
             "train.log_every=1", "train.eval_every=2", "train.precision=bf16", "logger.progress=false",
             "checkpoint.export=false"]
-    env = test_env(tmp_path / "cache", {"DDPTRAIN_TWIN_REPORT": str(report)})
-    proc = subprocess.run([*TORCHRUN, "--nproc-per-node=2", "-m", "tests.helpers.flash_attn_cli", *args],
+    # PYTHONSAFEPATH: the script's folder stays off the workers' path (tests/helpers/flash_attn_cli.py)
+    env = test_env(tmp_path / "cache", {"DDPTRAIN_TWIN_REPORT": str(report), "PYTHONSAFEPATH": "1"})
+    script = Path(__file__).parent / "helpers" / "flash_attn_cli.py"
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node=2", str(script), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -80,6 +80,10 @@ def test_flops_per_token_is_six_per_matmul_weight_plus_attention() -> None:
     cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=False)
     matmul_weights = count_params(cfg, VOCAB).non_embedding + VOCAB * 64
     assert flops_per_token(cfg, VOCAB, seq_len=32) == 6 * matmul_weights + 12 * 2 * 4 * 16 * 32
+    # grouped-query attention: every query head attends (4 here), however few key/value heads they share (1)
+    gqa = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1, tie_embeddings=False)
+    matmul_weights = count_params(gqa, VOCAB).non_embedding + VOCAB * 64
+    assert flops_per_token(gqa, VOCAB, seq_len=32) == 6 * matmul_weights + 12 * 2 * 4 * 16 * 32
 
 
 def _examples(lengths: list[int]) -> list[dict[str, list[int]]]:
@@ -129,6 +133,9 @@ def test_a_pretrained_models_attention_flops_come_from_its_own_config() -> None:
     assert pretrained_attention_flops(config) == attention_flops(3, 4, 32) == 12 * 3 * 4 * 32
     assert pretrained_attention_flops(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)) == (
         12 * 2 * 4 * 16)
+    # grouped-query attention: per query head (8), not per key/value head (2)
+    gqa = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+    assert pretrained_attention_flops(gqa) == 12 * 2 * 8 * 8
 
 
 def test_the_qwen3_presets_rope_theta_sets_the_built_models_rotary_frequencies(

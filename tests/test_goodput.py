@@ -6,10 +6,21 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from ddptrain.telemetry.goodput import REPORTED, Attempt, account, goodput_line, read_attempts
+import ddptrain.telemetry.goodput as goodput_module
+from ddptrain.telemetry.goodput import (
+    RECORD_EVERY_S,
+    REPORTED,
+    Attempt,
+    Goodput,
+    account,
+    goodput_line,
+    read_attempts,
+    redone_seconds,
+)
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
 
@@ -103,3 +114,45 @@ def test_an_unreadable_record_starts_the_account_again_instead_of_stopping_the_r
     record.write_text('{"attempts": [{"started": 1.0}]}')  # an attempt without its fields
     assert read_attempts(record) == [] and "unreadable" in caplog.text
     assert read_attempts(tmp_path / "absent.json") == []
+
+
+def test_time_inside_a_step_goes_to_its_bucket_and_a_save_is_recorded_at_once_even_between_logging_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a clock the test moves: a step's eval and save are their buckets' time, not productive time; a step
+    that saved writes the record right away (a kill before the next logging step must not lose the save), a step
+    that neither saved nor logs waits for ``RECORD_EVERY_S``."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(goodput_module, "time", SimpleNamespace(time=lambda: clock.now))
+    goodput = Goodput(90.0, tmp_path, is_main=True, world_size=2, resumed_from=0, earlier=False, compiles=False)
+
+    def step(number: int, train_s: float, eval_s: float = 0.0, save_s: float = 0.0) -> None:
+        goodput.step_started()
+        clock.now += train_s
+        with goodput.blocking("eval"):
+            clock.now += eval_s
+        with goodput.blocking("checkpoint"):
+            clock.now += save_s
+        goodput.step_ended(number, saved=save_s > 0, record=False)
+
+    def recorded() -> dict:
+        (attempt,) = json.loads((tmp_path / "goodput.json").read_text())["attempts"]
+        return attempt
+
+    step(1, train_s=1.0, eval_s=2.0, save_s=3.0)  # started at 100: 10 s of start-up
+    assert goodput.attempt.seconds == {"startup": 10.0, "compile": 0.0, "checkpoint": 3.0, "eval": 2.0,
+                                       "productive": 1.0}
+    step(2, train_s=1.0)  # 1 s after the first record: nothing written
+    assert recorded()["last_step"] == 1 and RECORD_EVERY_S > 2.0
+    step(3, train_s=1.0, save_s=0.5)  # a save on a step that does not log
+    assert (recorded()["last_step"], recorded()["productive_at"]) == (3, {"1": 1.0, "3": 3.0})
+    assert recorded()["seconds"]["checkpoint"] == 3.5
+
+
+def test_an_unrecorded_save_of_a_resumed_attempt_is_prorated_over_that_attempts_own_steps() -> None:
+    # resumed from step 4, ran steps 5..10 (6 s), saved at 8 without recording it; a later attempt resumed from 8
+    resumed = _attempt(100.0, 8.0, 4, 10, productive=6.0)
+    assert redone_seconds(resumed, 8) == pytest.approx(2.0)  # 2 of its own 6 steps, not 2 of 10
+    report = account([resumed, _attempt(110.0, 6.0, 8, 12, restart=1, productive=4.0)])
+    _adds_up(report)
+    assert (report["goodput"]["redone_steps"], report["goodput"]["redone_steps_s"]) == (2, pytest.approx(2.0))

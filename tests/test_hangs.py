@@ -22,7 +22,7 @@ from tests.helpers.nccl_twin import ENV as TWIN_ENV
 from tests.helpers.staggered import Finished, Job, run_staggered
 
 ROOT = Path(__file__).parents[1]
-SITE = {"PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'nccl_twin_site'}:{ROOT}"}
+SITE = {"PYTHONPATH": str(ROOT / "tests" / "helpers" / "nccl_twin_site")}  # that folder only: never the checkout
 BACKENDS = {  # what the real command runs on: gloo itself, or the twin installed into every process
     "gloo": {},
     "nccl_twin": {TWIN_ENV: "1", **SITE},

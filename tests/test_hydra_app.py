@@ -20,36 +20,83 @@ from ddptrain.app.help import config_groups, schema_keys
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
 from tests.helpers.cli import test_env
+from tests.helpers.install import throwaway_install
 from tests.helpers.tiny import TINY_RUN_ARGS as TINY
+from tests.helpers.tiny import without
 
 REPO = Path(__file__).parents[1]
 def test_every_package_ships_in_the_wheel() -> None:
-    """pyproject lists packages by hand (find cannot map configs/ in): a new subpackage must not be forgotten."""
+    """pyproject lists packages by hand (find cannot map configs/ in): a new subpackage must not be forgotten.
+    ``hydra_plugins``, Hydra's namespace package, is listed too (see the plugin scan test below)."""
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     present = {".".join(p.parent.relative_to(REPO).parts)
                for root in ("ddptrain", "hydra_plugins") for p in (REPO / root).rglob("__init__.py")}
-    assert present | {"ddptrain.configs"} == listed
+    assert not (REPO / "hydra_plugins" / "__init__.py").exists()  # a namespace: other plugins share it
+    assert present | {"ddptrain.configs", "hydra_plugins"} == listed
+
+
+# Hydra's plugin scan alone, as ``ddptrain -m`` meets it (no ddptrain module imported first)
+PLUGIN_SCAN = ("from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
+               "print(sorted(c.__name__ for c in Plugins.instance().discover(Launcher)))")
+
+
+def test_hydras_plugin_scan_finds_our_launcher_in_this_environments_install(tmp_path: Path) -> None:
+    """The launcher is found by Hydra's scan of the ``hydra_plugins`` namespace as the install laid it out (here
+    the README's ``pip install -e``), from outside the checkout; with setuptools' editable finder that needs
+    ``hydra_plugins`` listed as a package in pyproject (otherwise its path holds no directory of ours)."""
+    found = subprocess.run([sys.executable, "-c", PLUGIN_SCAN], capture_output=True, text=True, cwd=tmp_path,
+                           env=test_env(tmp_path / "cache"), timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert "DdptrainLauncher" in found.stdout, (
+        f"Hydra's scan lists {found.stdout.strip()}: an install made before hydra_plugins was listed as a "
+        f"package in pyproject.toml needs re-installing (pip install -e .)")
 
 
 @pytest.mark.slow
-def test_plain_install_finds_the_configs_and_trains(tmp_path: Path) -> None:
-    """``pip install .`` (not editable): the configs travel inside the package; compose and train from elsewhere."""
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-                    str(site), str(REPO)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
+def test_a_fresh_editable_install_exposes_the_launcher_to_hydras_plugin_scan(tmp_path: Path) -> None:
+    """The same scan after ``pip install -e .`` into a new environment (not this one, which may predate a change
+    of pyproject): no ddptrain module imported first, from outside the checkout."""
+    bin_dir = throwaway_install(tmp_path, editable=True)
+    found = subprocess.run([bin_dir / "python", "-c", PLUGIN_SCAN], capture_output=True, text=True, cwd=tmp_path,
+                           env=test_env(tmp_path / "cache"), timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert "DdptrainLauncher" in found.stdout, found.stdout
+
+
+@pytest.mark.slow
+def test_a_plain_install_trains_and_sweeps_on_a_grid_and_with_optuna(tmp_path: Path) -> None:
+    """``pip install .`` (not editable) into a new environment: the configs travel inside the package, the
+    launcher plugin in ``hydra_plugins``; its ``ddptrain`` composes, trains, and runs both kinds of sweep from a
+    directory of the user's own."""
+    bin_dir = throwaway_install(tmp_path)
+    site = next((tmp_path / "venv" / "lib").glob("python3*/site-packages"))
     assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
     assert (site / "hydra_plugins" / "ddptrain_launcher" / "ddptrain_launcher.py").is_file()  # ddptrain -m's
-    env = {**test_env(tmp_path / "cache"), "PYTHONPATH": str(site)}  # the installed copy, not the checkout
-    where = subprocess.run([sys.executable, "-c", "import ddptrain.config.compose as c; print(c.config_dir())"],
-                           env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert not (site / "hydra_plugins" / "__init__.py").exists()  # the namespace other plugins share
+    cwd, env = tmp_path / "project", test_env(tmp_path / "cache")
+    cwd.mkdir()
+
+    def ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([bin_dir / "ddptrain", *args], env=env, capture_output=True, text=True, cwd=cwd,
+                              timeout=300, stdin=subprocess.DEVNULL)
+
+    where = subprocess.run([bin_dir / "python", "-c", "import ddptrain.config.compose as c; print(c.config_dir())"],
+                           env=env, capture_output=True, text=True, cwd=cwd, check=True)
     assert where.stdout.strip() == str(site / "ddptrain" / "configs")
-    shown = subprocess.run([sys.executable, "-m", "ddptrain", "--cfg", "job", "+experiment=quickstart"], env=env,
-                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    shown = ddptrain("--cfg", "job", "+experiment=quickstart")
     assert shown.returncode == 0 and "nproc_per_node: 2" in shown.stdout, shown.stderr[-2000:]
-    trained = subprocess.run([sys.executable, "-m", "ddptrain", *TINY, "hydra.run.dir=run"], env=env,
-                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    trained = ddptrain(*TINY, "hydra.run.dir=run")
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    assert json.loads((cwd / "run" / "summary.json").read_text())["steps"] == 2
+    grid = ddptrain("-m", "train.steps=1,2", *without(TINY, "train.steps"), "hydra.sweep.dir=grid")
+    assert grid.returncode == 0, grid.stderr[-3000:]
+    assert [json.loads((cwd / "grid" / str(n) / "summary.json").read_text())["steps"] for n in (0, 1)] == [1, 2]
+    # one trial: what is tested here is that the plugins load from this install (test_sweep.py searches)
+    search = ddptrain("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "optim.lr=interval(1e-4,3e-3)",
+                      *without(TINY, "train.eval_every"), "train.eval_every=2", "hydra.sweep.dir=search")
+    assert search.returncode == 0, search.stderr[-3000:]
+    assert "Best of the optuna search" in (cwd / "search" / "sweep.md").read_text()
+    assert "final_val_loss" in json.loads((cwd / "search" / "0" / "summary.json").read_text())
 
 
 @pytest.fixture

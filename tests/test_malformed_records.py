@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -109,3 +110,35 @@ def test_blank_lines_between_records_are_accepted(tmp_path: Path, pretrained_bas
         data = build_token_data(cfg)
         built.append((data.train["input_ids"], data.val["input_ids"]))
     assert built[0] == built[1] and len(built[0][0]) + len(built[0][1]) == len(GOOD)
+
+
+ROWS = 1100  # past the first 1,024-row batch the records are read in
+
+
+def test_a_parquet_record_is_numbered_across_the_files_arrow_batches(tmp_path: Path, pretrained_base: Path) -> None:
+    prompts = [f"q{i}" for i in range(ROWS)]
+    completions: list[str | None] = [f"a{i}" for i in range(ROWS)]
+    completions[ROWS - 1] = None  # record 1100, the 76th of the second batch
+    _parquet(pa.array(prompts), pa.array(completions))(tmp_path / "big.parquet")
+    with pytest.raises(ConfigError) as raised:
+        _build(tmp_path, "big.parquet", pretrained_base)
+    assert str(raised.value) == (f"data.paths: {tmp_path / 'big.parquet'}: record 1100: 'completion' "
+                                 "(data.completion_field) is null, expected a string")
+
+
+@pytest.mark.parametrize("bad", [3, ROWS])
+def test_a_hub_record_is_numbered_from_one_as_it_is_read(
+    tmp_path: Path, pretrained_base: Path, monkeypatch: pytest.MonkeyPatch, bad: int
+) -> None:
+    """A hub data set (here an in-memory one in place of the download) read in batches: the bad record's number
+    counts every record before it, across batches, from 1."""
+    completions: list[str | None] = [f"a{i}" for i in range(ROWS)]
+    completions[bad - 1] = None
+    loaded = datasets.Dataset.from_dict({"prompt": [f"q{i}" for i in range(ROWS)], "completion": completions})
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: loaded)
+    cfg = DataConfig(source="hub", name="someone/pairs", format="prompt_completion", tokenizer=str(pretrained_base),
+                     cache_dir=str(tmp_path / "cache"), seq_len=40, val_fraction=0.1)
+    with pytest.raises(ConfigError) as raised:
+        build_token_data(cfg)
+    assert str(raised.value) == (f"data.name=someone/pairs: record {bad}: 'completion' (data.completion_field) is "
+                                 "null, expected a string")

@@ -113,6 +113,11 @@ def test_every_step_of_a_run_trains_every_module_checkpointed_and_without_a_cach
     assert run["training"] == [True] * 3
     assert run["checkpoint_calls"] == 2 * 2 * 3  # 2 blocks x 2 micro batches x 3 steps
     assert run["kv_caches"] == 0
+    # its FLOPs per token from its own shape: 2N forward + 2N input gradients + 2 per trainable weight, and
+    # attention over seq_len 40 from the saved config (2 layers, 2 heads of width 32): 12·L·H·Q·T
+    summary = run["summary"]
+    assert summary["flops_per_token"] == (4 * summary["parameters"] + 2 * summary["trainable_parameters"]
+                                          + 12 * 2 * 2 * 32 * 40)
 
 
 def test_a_pretraining_run_without_checkpointing_builds_no_kv_cache(tmp_path: Path) -> None:

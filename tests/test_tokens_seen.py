@@ -7,20 +7,14 @@ recorded derives it from its data position.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from ddptrain.checkpoint import MARKER
-from ddptrain.checkpoint.format import MANIFEST_KEY, manifest
-from ddptrain.checkpoint.safe import load_plain
 from ddptrain.data import build_token_data
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import make_config, train_each
+from tests.helpers.runs import make_config, train_each, without_token_count
 from tests.helpers.tiny import TINY_MODEL
 
 SEQ_LEN, GBS = 32, 8
@@ -82,13 +76,7 @@ def prompt_completion_runs(pretrained_base: Path, tmp_path_factory: pytest.TempP
     (straight,) = run_distributed(train_each, 2, str(tmp / "straight"), base, [{}])[0]
     checkpoint = Path(straight["dir"]) / "checkpoints" / "step_000003"
     earlier = tmp / "earlier" / checkpoint.name
-    shutil.copytree(checkpoint, earlier)
-    state = load_plain(earlier / "trainer.pt")
-    recorded = state.pop("tokens_seen")
-    torch.save(state, earlier / "trainer.pt")
-    marker = json.loads((earlier / MARKER).read_text())
-    marker[MANIFEST_KEY] = manifest(earlier, skip=frozenset({MARKER}))  # its recorded sizes renewed
-    (earlier / MARKER).write_text(json.dumps(marker))
+    recorded = without_token_count(checkpoint, earlier)
     resumed = run_distributed(train_each, 2, str(tmp / "resumed"), base,
                               [{"train": {"resume": str(checkpoint)}}, {"train": {"resume": str(earlier)}}])[0]
     lengths = [len(ids) for ids in build_token_data(make_config(str(tmp), base).data).train["input_ids"]]

@@ -21,6 +21,7 @@ from ddptrain.errors import ConfigError, PeerLost, one_line
 from ddptrain.runtime.allocator import allocator_conf
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
+from ddptrain.telemetry.logs import elastic_records_to_run_log
 
 if TYPE_CHECKING:
     import torch
@@ -131,6 +132,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from ddptrain.diagnose.verdict import Failure, verdict
 
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
+    elastic_records_to_run_log(Path(os.environ["DDPTRAIN_RUN_DIR"]))
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
     threads = max(1, (os.cpu_count() or 1) // local)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker

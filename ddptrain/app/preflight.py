@@ -38,6 +38,11 @@ def validate_config(cfg: Config, world_size: int) -> BatchShape | None:
         if cfg.data.global_batch_size % world_size:
             raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "
                               f"dp={world_size}: data.micro_batch_size=auto needs a whole number of sequences per rank")
+        if not cuda_available():  # the device is this CPU with plan.device_memory_gib: known before any
+            from ddptrain.plan.memory.auto_batch import refuse_unfittable_state  # worker starts (a GPU's, after)
+            from ddptrain.plan.memory.planner import target_device
+
+            refuse_unfittable_state(cfg, world_size, target_device("cpu", cfg.plan.device_memory_gib, None))
         return None
     return BatchShape.from_config(cfg, world_size)
 

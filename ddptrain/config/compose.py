@@ -149,22 +149,12 @@ def typed_config(cfg: DictConfig) -> Run:
 
 def register_schema() -> None:
     """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there. Our
-    launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, on import."""
-    _expose_our_plugin()
+    launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, on import: imported here,
+    composing never depends on Hydra's plugin scan. Running it as a launcher does: the scan must find it in the
+    ``hydra_plugins`` namespace, which pyproject's package list makes every install (editable too) lay out."""
+    import hydra_plugins.ddptrain_launcher.ddptrain_launcher  # noqa: F401  # registers on import
+
     ConfigStore.instance().store(name="ddptrain_schema", node=Config)
-
-
-def _expose_our_plugin() -> None:
-    """Import our launcher plugin and make sure Hydra's plugin scan sees it. An editable install (``pip install
-    -e``) serves ``hydra_plugins.ddptrain_launcher`` through setuptools' import hook, which the scan (``pkgutil``
-    over ``hydra_plugins.__path__``) cannot list: Hydra would then refuse the launcher as unknown. Adding the
-    real directory to the namespace path, before Hydra first scans, lets it find the plugin as installed."""
-    import hydra_plugins
-    import hydra_plugins.ddptrain_launcher.ddptrain_launcher as ours
-
-    root = str(Path(ours.__file__).parents[1])
-    if root not in list(hydra_plugins.__path__):
-        hydra_plugins.__path__.append(root)
 
 
 def _stored_primary(name: str) -> str:

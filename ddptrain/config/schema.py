@@ -388,6 +388,11 @@ class PlanConfig:
     inter_node: Interconnect = Interconnect.infiniband_ndr  # the link between nodes; plan.interconnect: within one
     hierarchical: bool = True  # multi-node all-reduce: within nodes, then across (false: one flat ring)
 
+    def __post_init__(self) -> None:
+        _require(self.device_memory_gib is None or self.device_memory_gib > 0,
+                 f"plan.device_memory_gib={self.device_memory_gib}: expected a positive number of GiB per device "
+                 "(or null: the device's own)")
+
 
 @dataclass
 class MetricsConfig:

@@ -31,3 +31,25 @@ def setup_logging(rank: int, run_dir: Path | None = None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+
+
+# torch's elastic launcher: its agent and worker processes, its launcher API and torch.distributed.run
+ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+def elastic_records_to_run_log(run_dir: Path) -> None:
+    """In the process that launches the workers: torch elastic's records (its own error line for a worker that
+    failed, ``E... torch/distributed/elastic/multiprocessing/api.py:...] failed (exitcode: 2) local_rank: 0 ...``,
+    and its restarts) go to the run dir's ``train.log``, not to the console, where ddptrain's own line already
+    says what failed. Torch prints them through its own handler, so they must not propagate to it."""
+    handler: logging.Handler
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / "train.log", delay=True)  # appends beside rank 0's lines
+        handler.setFormatter(logging.Formatter(_FORMAT))
+    except OSError:  # an unwritable run dir: the workers' own line names it
+        handler = logging.NullHandler()
+    for name in ELASTIC_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False

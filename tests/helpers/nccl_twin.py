@@ -42,8 +42,8 @@ monitor's own abort of a rank whose watchdog is stuck (8 minutes), ``split_group
 ``new_group``), NCCL's communicator, kernels and streams. Collectives run on gloo underneath, so results are gloo's.
 
 Turned on by ``TWIN_NCCL=1`` with ``tests/helpers/nccl_twin_site`` on ``PYTHONPATH`` (its ``sitecustomize``
-installs the twin when ``torch.distributed`` is imported): ``init_process_group("gloo")`` then builds this
-backend (its name: ``nccl_twin``). The product never names it.
+loads this file and installs the twin when ``torch.distributed`` is imported): ``init_process_group("gloo")``
+then builds this backend (its name: ``nccl_twin``). The product never names it.
 """
 
 from __future__ import annotations

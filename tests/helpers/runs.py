@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,20 @@ def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
         results.append({"summary": summary, "error": error, "exit_code": code, "dir": str(run_dir),
                         "metrics": [json.loads(line) for line in lines]})
     return results
+
+
+def without_token_count(checkpoint: Path, dest: Path) -> int:
+    """A copy of ``checkpoint`` at ``dest`` as a version before ``tokens_seen`` was recorded wrote it: its trainer
+    state without the count (the recorded file sizes renewed, so that it still loads). Returns the count removed."""
+    from ddptrain.checkpoint import MARKER
+    from ddptrain.checkpoint.format import MANIFEST_KEY, manifest
+    from ddptrain.checkpoint.safe import load_plain
+
+    shutil.copytree(checkpoint, dest)
+    state = load_plain(dest / "trainer.pt")
+    recorded = state.pop("tokens_seen")
+    torch.save(state, dest / "trainer.pt")
+    marker = json.loads((dest / MARKER).read_text())
+    marker[MANIFEST_KEY] = manifest(dest, skip=frozenset({MARKER}))
+    (dest / MARKER).write_text(json.dumps(marker))
+    return int(recorded)

@@ -6,7 +6,8 @@ depth (exact), sharded for the run's ZeRO stage, plus the planner's allowances; 
 device's memory less ``AUTO_MARGIN``. The search starts from the fit through micro batches 1-3 (free once
 traced), doubles its step outward from there until the answer is bracketed, and bisects, each probe an exact
 trace. ``grad_accum`` is then derived so that the configured global batch holds: the micro batch is the largest
-one that fits and divides the per-rank batch.
+one that fits and divides the per-rank batch. When the model state alone (the planner's arithmetic) exceeds the
+usable memory at every ZeRO stage weighed, nothing can fit and the answer comes before any trace.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     overheads = overheads or RunOverheads.of(cfg, ranks_per_node(cfg, dp), os.environ)
     need = StepNeed(tracer, planned_run(cfg, dp, device), per_rank, overheads)
     usable = usable_bytes(device)
+    refuse_unfittable_state(cfg, dp, device, need.plan)
     ckpt, stage = checkpointing(cfg), cfg.parallel.zero_stage
 
     def fits(m: int, fitted: bool = False) -> bool:
@@ -159,16 +161,48 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     return AutoBatch(micro, per_rank // micro, largest, per_rank, need(micro, ckpt, stage), usable, device)
 
 
+def stages_weighed(cfg: Config, dp: int) -> range:
+    """The ZeRO stages ``nothing_fits`` weighs: the configured one and, on several ranks, each higher one that the
+    run allows (LoRA adapters: ZeRO-1 at most)."""
+    stage = cfg.parallel.zero_stage
+    return range(stage, ((1 if cfg.model.lora.enabled else 3) if dp > 1 else stage) + 1)
+
+
+def refuse_unfittable_state(cfg: Config, dp: int, device: Device, plan: Plan | None = None) -> None:
+    """ConfigError (``state_exceeds``' line) when the model state alone cannot fit ``device`` at any stage weighed:
+    arithmetic only, no trace, so the launcher can ask it before any worker starts."""
+    plan = plan or planned_run(cfg, dp, device)
+    if (line := state_exceeds(cfg, plan, usable_bytes(device), device)) is not None:
+        raise ConfigError(line)
+
+
+def state_exceeds(cfg: Config, plan: Plan, usable: float, device: Device) -> str | None:
+    """The one line when the model state alone (parameters, gradients, optimizer state per rank, the planner's
+    arithmetic) exceeds the usable memory at every ZeRO stage weighed: then no micro batch, checkpointing or
+    chunked loss can fit, and the answer is given before any step is traced (a trace takes seconds to a minute).
+    A traced step holds at least this state (tests/test_auto_batch.py checks it), so the answer is certain."""
+    stages = stages_weighed(cfg, plan.batch.dp)
+    state = {s: plan.memory[s].total for s in stages}
+    least = min(stages, key=state.__getitem__)
+    if state[least] <= usable:
+        return None
+    at = f"parallel.zero_stage={least}" + ("" if len(stages) == 1 else
+                                           f", the least of stages {stages[0]}-{stages[-1]} on {plan.batch.dp} ranks")
+    return (f"data.micro_batch_size=auto: the model state alone (parameters, gradients, optimizer state) needs "
+            f"{state[least] / GiB:.2f} GiB per rank ({at}), over the {usable / GiB:.2f} GiB usable on {device.name} "
+            f"({device.memory_gib:g} GiB less a {AUTO_MARGIN:.0%} margin): no micro batch fits; a device with more "
+            "memory (plan.device_memory_gib), more ranks to shard the state over, or a smaller model")
+
+
 def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> str:
     """The one line when micro batch 1 does not fit: what alone (else together) would make it fit, from the
     options the planner weighs (checkpointing, a higher ZeRO stage, the chunked loss)."""
     ckpt, stage, chunked = checkpointing(cfg), cfg.parallel.zero_stage, cfg.train.chunked_loss
-    top = (1 if cfg.model.lora.enabled else 3) if need.plan.batch.dp > 1 else stage
     remedies: list[tuple[str, dict]] = []
     remedies += [(f"model.activation_checkpointing={mode}", {"checkpointing": mode})  # selective, then full
                  for mode in sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
                  if RECOMPUTE[mode] > RECOMPUTE[ckpt]]
-    remedies += [(f"parallel.zero_stage={s}", {"stage": s}) for s in range(stage + 1, top + 1)]
+    remedies += [(f"parallel.zero_stage={s}", {"stage": s}) for s in stages_weighed(cfg, need.plan.batch.dp)[1:]]
     if not chunked:
         remedies.append(("train.chunked_loss=true", {"chunked_loss": True}))
     setting = {"checkpointing": ckpt, "stage": stage, "chunked_loss": chunked}

@@ -7,14 +7,19 @@ folder on ``PYTHONPATH``, so that the product runs unchanged and never names the
   ``LOCAL_RANK`` and ``GROUP_RANK`` as torchrun would set them on N machines), so that HSDP
   (``parallel.shard_group=node``) builds its 2-D mesh under ddptrain's own launcher, whose last line is the
   verdict.
+
+The twin is loaded from its file beside this folder: the checkout's root stays off the command's path (the command
+must find ddptrain as it is installed, tests/helpers/cli.py).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -35,9 +40,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_install(module: ModuleType) -> None:
             exec_module(module)
-            from tests.helpers.nccl_twin import install
-
-            install()
+            _load_twin().install()
 
         loader.exec_module = exec_then_install  # type: ignore[method-assign]
         return spec
@@ -48,6 +51,16 @@ def _as_nodes(nodes: int) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     per_node = world // nodes
     os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node), GROUP_RANK=str(rank // per_node))
+
+
+def _load_twin() -> ModuleType:
+    """``tests/helpers/nccl_twin.py`` as the module ``nccl_twin``, from its file (no package on the path)."""
+    spec = importlib.util.spec_from_file_location("nccl_twin", Path(__file__).parents[1] / "nccl_twin.py")
+    assert spec is not None and spec.loader is not None
+    twin = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = twin  # before it runs: its dataclasses look their module up there
+    spec.loader.exec_module(twin)
+    return twin
 
 
 if os.environ.get("TWIN_NCCL") == "1":
