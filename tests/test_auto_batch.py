@@ -3,6 +3,7 @@ ranks agreeing, the dry run; and the trace shortcuts it relies on (depth scaling
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from unittest import mock
@@ -30,6 +31,7 @@ from ddptrain.plan.memory.auto_batch import (
     state_exceeds,
     usable_bytes,
 )
+from ddptrain.plan.memory.overheads import RunOverheads, ranks_per_node
 from ddptrain.plan.memory.planner import GiB, Tracer, target_device, trace_peak
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.cli import run_cli
@@ -86,12 +88,20 @@ def test_auto_picks_the_largest_micro_batch_that_fits_and_derives_grad_accum_for
     assert "micro batch 4, grad_accum 3" in chosen.line() and "5 fits but does not divide" in chosen.line()
 
 
+def step_need(tracer: Tracer, dp: int, per_rank: int) -> StepNeed:
+    """The need ``choose_micro_batch`` weighs for the tracer's run and device on ``dp`` ranks, with the same
+    allowances for the run's communicators and allocator (its default ``overheads``)."""
+    cfg = tracer.cfg
+    overheads = RunOverheads.of(cfg, ranks_per_node(cfg, dp), os.environ)
+    return StepNeed(tracer, planned_run(cfg, dp, tracer.device), per_rank, overheads)
+
+
 def test_the_whole_per_rank_batch_is_taken_only_when_its_exact_trace_fits() -> None:
     """The fit through micro batches 1-3 is a shortcut: with full checkpointing it under-estimates the whole batch
     of 14 here (by 3.8 kB), so a device between the fitted and the exact need must not get it."""
     cfg = tiny_auto(global_batch=14)
     cfg.model.activation_checkpointing = ActivationCheckpointing.full
-    need = StepNeed(Tracer(cfg, VOCAB, CPU), planned_run(cfg, 1, CPU), 14)
+    need = step_need(Tracer(cfg, VOCAB, CPU), 1, 14)
     fitted, exact = (need(14, ActivationCheckpointing.full, 0, fitted=f) for f in (True, False))
     assert fitted < exact
     chosen = choose_micro_batch(cfg, 1, device_between(fitted, exact), VOCAB)
@@ -103,7 +113,7 @@ def test_a_whole_batch_that_fits_without_accumulating_is_not_halved() -> None:
     (accumulation keeps more state): a device between the two takes it whole, grad_accum 1."""
     cfg = tiny_auto(global_batch=12)
     tracer = Tracer(cfg, VOCAB, CPU)
-    whole, accumulating = (StepNeed(tracer, planned_run(cfg, 1, CPU), per_rank)(12, ActivationCheckpointing.none, 0)
+    whole, accumulating = (step_need(tracer, 1, per_rank)(12, ActivationCheckpointing.none, 0)
                            for per_rank in (12, 13))
     assert whole < accumulating
     chosen = choose_micro_batch(cfg, 1, device_between(whole, accumulating), VOCAB)
@@ -242,7 +252,7 @@ def test_a_traced_step_holds_at_least_the_model_state_the_early_answer_reads(cas
     make, dp, device = STATE_CASES[case]
     cfg = make()
     cfg.model.lora.enabled = case.startswith("LoRA")
-    need = StepNeed(Tracer(cfg, VOCAB, device), planned_run(cfg, dp, device), cfg.data.global_batch_size // dp)
+    need = step_need(Tracer(cfg, VOCAB, device), dp, cfg.data.global_batch_size // dp)
     stages = stages_weighed(cfg, dp)
     assert len(stages) == (2 if cfg.model.lora.enabled else 4)
     for s in stages:

@@ -136,7 +136,9 @@ def package_files(root: Path) -> dict[str, str]:
         modules = [p.name for p in sorted((root / source).glob("*.py"))]
         globbed = {p.relative_to(root / source).as_posix() for pattern in data.get(package, [])
                    for p in (root / source).glob(pattern) if p.is_file()}
-        assert modules or globbed, f"pyproject lists {package}, but {source} holds none of its files"
+        # a namespace package (hydra_plugins: Hydra scans it for plugins) holds no file of its own, only packages
+        namespace = any(other.startswith(f"{package}.") for other in setuptools["packages"])
+        assert modules or globbed or namespace, f"pyproject lists {package}, but {source} holds none of its files"
         files.update({f"{inside}/{name}": f"{source.as_posix()}/{name}" for name in [*modules, *sorted(globbed)]})
     return files
 

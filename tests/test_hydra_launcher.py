@@ -10,6 +10,17 @@ import pytest
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
+from hydra.version import VersionBase
+from packaging.version import Version
+
+
+@pytest.fixture(autouse=True)
+def hydras_own_defaults(hydra_restore_singletons: None) -> None:
+    """Hydra's suites run as in Hydra's own test sessions: with no ``version_base`` given, so Hydra 1.1's defaults
+    (a job runs in its own directory, where its log is). Hydra keeps the version base process-wide: an earlier test
+    of this session that composed ddptrain's config (``version_base="1.3"``: jobs stay in the working directory)
+    would otherwise decide it for them. Hydra's own fixture puts every singleton back afterwards."""
+    VersionBase.instance().setbase(Version("1.1"))  # what an unspecified version_base resolves to
 
 
 def test_hydra_discovers_the_ddptrain_launcher() -> None:

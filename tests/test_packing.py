@@ -330,6 +330,9 @@ def test_packed_rows_take_flashattention_varlen_only_on_cuda_with_flash_attn_in_
     without the package, or in fp32 (flash-attn refuses it), they keep sdpa's block-diagonal mask."""
     from ddptrain.config.choices import Precision
     from ddptrain.models import attention
+    from tests.helpers.fake_cuda import H100, fake_cuda
+
+    fake_cuda(monkeypatch, H100)  # an Ampere-or-newer GPU: its capability is no reason to refuse (test_gpu_path.py)
 
     class Model:
         def __init__(self, dtype: torch.dtype) -> None:

@@ -272,9 +272,13 @@ def test_a_run_records_its_buckets_and_predicts_itself(calibration_run: Path) ->
     assert cal.buckets_measured and len(cal.buckets) > 2 and cal.grad_accum == 2
     assert sum(n for _, n in cal.buckets) == 4 * summary["parameters"]  # every fp32 gradient, once
     # launched in order as backward makes them ready: each no earlier than the one before, the last at its end,
-    # the first within the step's backward as its own timer measured it
+    # the first within the step's backward as its own timer measured it. The leads are one sampled step's (within
+    # its last micro batch's backward), the backward time the run's median over both micro batches: a loaded
+    # machine can stretch the one step past the median, so the bound is twice it (a lead in other units, or
+    # counted from the step's start, is still far over)
     leads = [lead for lead, _ in cal.buckets]
-    assert leads == sorted(leads, reverse=True) and leads[-1] == 0.0 and 0.0 < leads[0] <= summary["time_backward_s"]
+    assert leads == sorted(leads, reverse=True) and leads[-1] == 0.0
+    assert 0.0 < leads[0] <= 2 * summary["time_backward_s"]
     micro = sum(summary.get(k, 0.0) for k in ("time_data_s", "time_forward_sync_s", "time_forward_s",
                                               "time_backward_s")) / 2
     assert cal.micro_step_s == pytest.approx(micro) and cal.optimizer_s == summary["time_optimizer_s"]
