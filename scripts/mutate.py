@@ -247,7 +247,7 @@ MUTANTS = [
              "        if False:"),),
            ("tests/test_k8s.py", "-k", "starts_torchrun")),
     Mutant("k8s-schema-lax", "the CRD check lets unknown fields through (what kubectl's strict validation refuses)",
-           (("tests/helpers/crds.py", "            out[\"additionalProperties\"] = False", "            pass"),),
+           (("tests/helpers/crds.py", "        out[\"additionalProperties\"] = False", "        pass"),),
            ("tests/test_k8s.py", "-k", "schema_check")),
     Mutant("ray-attempt-not-counted", "a Ray restart is not an attempt: no forced resume, the fault fires again",
            (("ddptrain/app/ray_worker.py", 'os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)',

@@ -19,7 +19,7 @@ import yaml
 from ddptrain.app import k8s
 from ddptrain.app.k8s_manifest import KINDS, manifest
 from tests.helpers.cli import run_cli, test_env
-from tests.helpers.crds import schema_errors
+from tests.helpers.crds import CRDS, PINNED, schema_errors, strict
 from tests.helpers.pods import Pod, pods
 
 BIN = Path(sys.executable).parent
@@ -58,6 +58,58 @@ def test_the_schema_check_refuses_an_unknown_field_a_wrong_type_and_a_bad_quanti
     assert "'eight' does not match" in errors
     assert "'3' is not of type 'integer'" in errors
 
+
+def _holders(doc: Any, key: str) -> list[dict[str, Any]]:
+    """Every mapping in ``doc`` that has ``key``, outermost first."""
+    if isinstance(doc, list):
+        return [h for v in doc for h in _holders(v, key)]
+    if not isinstance(doc, dict):
+        return []
+    return ([doc] if key in doc else []) + [h for v in doc.values() for h in _holders(v, key)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_crd_refuses_a_typo_deep_in_the_pod_and_a_missing_required_field(kind: str) -> None:
+    """Strictness reaches the core Kubernetes types the operators embed (the pod template, or the TrainJob's
+    runtime patch), not only the operator's own fields."""
+    doc = generated(kind, VARIANTS["gpu-ib-wandb"])
+    container = _holders(doc, "volumeMounts")[0]
+    container["volumeMount"] = container.pop("volumeMounts")
+    claim = _holders(doc, "claimName")[0]
+    claim["readonly"] = claim.pop("claimName")
+    errors = "\n".join(schema_errors(doc))
+    assert "'volumeMount' was unexpected" in errors, errors
+    assert "'readonly' was unexpected" in errors and "'claimName' is a required property" in errors, errors
+
+def test_the_strict_schema_closes_named_objects_keeps_preserved_ones_open_and_takes_int_or_string() -> None:
+    """The derivation on a schema of each form, including those the vendored CRDs do not use."""
+    import jsonschema
+
+    named = {"type": "object", "properties": {"a": {"type": "string"}}}
+    schema = strict({"type": "object", "properties": {
+        "closed": named, "kept": {**named, "x-kubernetes-preserve-unknown-fields": True},
+        "quantity": {"x-kubernetes-int-or-string": True, "pattern": "^[0-9]+Gi$"}}})
+
+    def errors(doc: dict[str, Any]) -> list[str]:
+        return [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+
+    assert errors({"closed": {"a": "x"}, "kept": {"a": "x", "b": 1}, "quantity": 8}) == []
+    assert errors({"quantity": "16Gi"}) == []
+    assert errors({"closed": {"b": 1}}) == ["Additional properties are not allowed ('b' was unexpected)"]
+    assert errors({"other": 1}) == ["Additional properties are not allowed ('other' was unexpected)"]
+    assert len(errors({"quantity": 1.5})) == len(errors({"quantity": "lots"})) == 1
+
+def test_the_crds_are_the_upstream_files_at_their_release_tags_as_the_readme_says() -> None:
+    """The vendored CRDs are byte for byte the upstream files at the pinned tags: nobody trims or edits them by
+    hand, and the README beside them names the same tag, commit, path and hash."""
+    import hashlib
+
+    readme = (CRDS / "README.md").read_text()
+    for pinned in PINNED:
+        assert hashlib.sha256((CRDS / pinned.file).read_bytes()).hexdigest() == pinned.sha256, pinned.file
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{pinned.file}`")), "")
+        for value in (pinned.repository, pinned.tag, pinned.commit, pinned.path, pinned.sha256):
+            assert value in row, (pinned.file, value)
 
 def test_the_pods_have_what_nccl_needs_and_the_run_dir_on_the_volume() -> None:
     doc = generated("pytorchjob", VARIANTS["gpu-ib-wandb"])
