@@ -19,7 +19,7 @@ import yaml
 from ddptrain.app import k8s
 from ddptrain.app.k8s_manifest import KINDS, manifest
 from tests.helpers.cli import run_cli, test_env
-from tests.helpers.crds import CRDS, PINNED, schema_errors, strict
+from tests.helpers.crds import CRDS, PINNED, duplicates, schema_errors, strict
 from tests.helpers.pods import Pod, pods
 
 BIN = Path(sys.executable).parent
@@ -81,6 +81,16 @@ def test_each_crd_refuses_a_typo_deep_in_the_pod_and_a_missing_required_field(ki
     assert "'volumeMount' was unexpected" in errors, errors
     assert "'readonly' was unexpected" in errors and "'claimName' is a required property" in errors, errors
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_variable_given_with_env_replaces_the_manifests_own_of_that_name(kind: str) -> None:
+    """A container's env is a list map keyed by name: the API server refuses a name given twice."""
+    doc = generated(kind, [*VARIANTS["gpu-ib-wandb"], "--env", "NCCL_DEBUG=WARN", "--env", "X=1", "--env", "X=2"])
+    assert schema_errors(doc) == []
+    for holder in _holders(doc, "env"):
+        values = [(e["name"], e.get("value")) for e in holder["env"]]
+        assert ("NCCL_DEBUG", "WARN") in values and ("X", "2") in values, values
+
+
 def test_the_strict_schema_closes_named_objects_keeps_preserved_ones_open_and_takes_int_or_string() -> None:
     """The derivation on a schema of each form, including those the vendored CRDs do not use."""
     import jsonschema
@@ -98,6 +108,19 @@ def test_the_strict_schema_closes_named_objects_keeps_preserved_ones_open_and_ta
     assert errors({"closed": {"b": 1}}) == ["Additional properties are not allowed ('b' was unexpected)"]
     assert errors({"other": 1}) == ["Additional properties are not allowed ('other' was unexpected)"]
     assert len(errors({"quantity": 1.5})) == len(errors({"quantity": "lots"})) == 1
+
+def test_list_maps_and_sets_refuse_an_item_twice_a_left_out_key_counting_with_its_default() -> None:
+    item = {"type": "object", "properties": {"port": {"type": "integer"}, "protocol": {"type": "string",
+                                                                                       "default": "TCP"}}}
+    schema = {"type": "object", "properties": {
+        "ports": {"type": "array", "items": item, "x-kubernetes-list-type": "map",
+                  "x-kubernetes-list-map-keys": ["port", "protocol"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "set"},
+        "args": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "atomic"}}}
+    assert duplicates({"ports": [{"port": 1}, {"port": 1, "protocol": "UDP"}], "tags": ["a", "b"],
+                       "args": ["x", "x"]}, schema) == []
+    assert duplicates({"ports": [{"port": 1}, {"port": 1, "protocol": "TCP"}], "tags": ["a", "a"]}, schema) == [
+        "/ports/1: Duplicate value: [1, 'TCP']", "/tags/1: Duplicate value: 'a'"]
 
 def test_the_crds_are_the_upstream_files_at_their_release_tags_as_the_readme_says() -> None:
     """The vendored CRDs are byte for byte the upstream files at the pinned tags: nobody trims or edits them by
@@ -153,6 +176,8 @@ REFUSED = [
     (["launch.backend=ray"], "launch.backend=ray: the pods start their workers with torchrun"),
     (["optim.lrr=1"], "Key 'lrr' not in 'OptimConfig'"),
     (["--shm-size", "lots"], "--shm-size lots: expected a Kubernetes quantity"),
+    (["--env", "DDPTRAIN_RUN_DIR=/x"], "--env DDPTRAIN_RUN_DIR=/x: set by ddptrain-k8s (the run dir"),
+    (["--env", "PET_NODE_RANK=1"], "--env PET_NODE_RANK=1: set by ddptrain-k8s (the run dir: hydra.run.dir) or the"),
 ]
 
 

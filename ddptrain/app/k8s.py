@@ -19,6 +19,7 @@ from ddptrain.errors import ConfigError, say
 # must stay within 63 characters
 NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 40
+OWNED_ENV = ("DDPTRAIN_RUN_DIR",)  # with the PET_* ones: what --env may not set (the run dir, the pod's place)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 
 EPILOG = """\
@@ -59,7 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ib-hca", help="NCCL_IB_HCA, the adapters NCCL may use (with --ib)")
     parser.add_argument("--wandb-secret", metavar="SECRET[:KEY]",
                         help="the Secret (and key, default api-key) holding WANDB_API_KEY")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="another variable")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="another variable, or a new value for one the manifest sets (NCCL_DEBUG=WARN)")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts after a failure (JobSet failurePolicy, PyTorchJob backoffLimit; a TrainJob's "
                              "come from its runtime)")
@@ -73,12 +75,15 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
     procs = args.gpus_per_node or typed.launch.nproc_per_node
     check_batch(typed, args.nodes * procs)
     run_dir = run_dir_on_volume(args.overrides, args.mount, args.name)
-    env = []
+    env: dict[str, str] = {}  # a name given twice: the later value, as in a shell
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--env {item}: expected KEY=VALUE")
-        env.append((key, value))
+        if key in OWNED_ENV or key.startswith("PET_"):
+            raise ConfigError(f"--env {item}: set by ddptrain-k8s (the run dir: hydra.run.dir) or the operator "
+                              "(torchrun's PET_* variables); expected another variable")
+        env[key] = value
     secret = None
     if args.wandb_secret:
         name, _, key = args.wandb_secret.partition(":")
@@ -86,8 +91,8 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
     return JobSpec(name=args.name, image=args.image, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    procs_per_node=procs, args=list(args.overrides), run_dir=run_dir, claim=args.claim,
                    mount=args.mount, cache_dir=posixpath.join(args.mount, "cache"), shm_size=args.shm_size,
-                   namespace=args.namespace, ib_resource=args.ib, ib_hca=args.ib_hca, wandb_secret=secret, env=env,
-                   max_restarts=args.max_restarts)
+                   namespace=args.namespace, ib_resource=args.ib, ib_hca=args.ib_hca, wandb_secret=secret,
+                   env=list(env.items()), max_restarts=args.max_restarts)
 
 
 def check_flags(args: argparse.Namespace) -> None:

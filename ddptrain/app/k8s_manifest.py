@@ -51,7 +51,7 @@ class JobSpec:
     ib_resource: str | None = None  # the RDMA/InfiniBand device plugin's resource, e.g. rdma/ib
     ib_hca: str | None = None  # NCCL_IB_HCA
     wandb_secret: tuple[str, str] | None = None  # (secret, key) holding W&B's API key
-    env: list[tuple[str, str]] = field(default_factory=list)  # more variables, KEY=VALUE
+    env: list[tuple[str, str]] = field(default_factory=list)  # --env KEY=VALUE, each name once
     max_restarts: int = 3
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -83,8 +83,10 @@ def environment(spec: JobSpec) -> list[Doc]:
     if spec.wandb_secret:
         secret, key = spec.wandb_secret
         env.append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
-    env += [{"name": k, "value": v} for k, v in spec.env]
-    return env
+    # a name given with --env replaces the manifest's own variable in place: env is a list map keyed by name in
+    # every operator's CRD, and the API server refuses a name twice
+    by_name = {e["name"]: e for e in env} | {k: {"name": k, "value": v} for k, v in spec.env}
+    return list(by_name.values())
 
 
 def resources(spec: JobSpec) -> Doc:

@@ -77,8 +77,37 @@ def crd_validator(kind: str) -> tuple[str, jsonschema.Draft7Validator]:
     return f"{doc['spec']['group']}/{version['name']}", jsonschema.Draft7Validator(schema)
 
 
+def duplicates(doc: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """The API server's check of list types JSON schema cannot say: in an ``x-kubernetes-list-type: map`` no two
+    items share their ``x-kubernetes-list-map-keys`` (a key the item leaves out counts with its default), in a
+    ``set`` no two items are equal ("Duplicate value")."""
+    found = []
+    if isinstance(doc, dict):
+        named, other = schema.get("properties", {}), schema.get("additionalProperties")
+        for key, value in doc.items():
+            sub = named.get(key, other if isinstance(other, dict) else None)
+            if sub is not None:
+                found += duplicates(value, sub, f"{path}/{key}")
+    elif isinstance(doc, list) and "items" in schema:
+        items, list_type = schema["items"], schema.get("x-kubernetes-list-type")
+        seen: set[str] = set()
+        for i, item in enumerate(doc):
+            if list_type == "map":
+                fields = items.get("properties", {})
+                identity = repr([item.get(k, fields.get(k, {}).get("default")) for k in
+                                 schema["x-kubernetes-list-map-keys"]])
+            else:
+                identity = repr(item)
+            if list_type in ("map", "set") and identity in seen:
+                found.append(f"{path}/{i}: Duplicate value: {identity}")
+            seen.add(identity)
+            found += duplicates(item, items, f"{path}/{i}")
+    return found
+
+
 def schema_errors(manifest: dict[str, Any]) -> list[str]:
     """Every way ``manifest`` breaks its kind's CRD schema (empty when it is valid)."""
     api_version, validator = crd_validator(manifest["kind"])
     errors = [] if manifest["apiVersion"] == api_version else [f"apiVersion {manifest['apiVersion']} != {api_version}"]
-    return errors + [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]
+    errors += [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]
+    return errors + duplicates(manifest, validator.schema)
