@@ -21,9 +21,12 @@ RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.nu
 RAY = ["launch.backend=ray", "launch.ray_workers=2"]
 # Ray Train's controller polls its workers every 2 s by default: a worker's death and the run's end are seen 0.2 s
 # after they happen instead; the preemption watcher (a process polling for node drains) and the state actor's
-# reconciliation have nothing to watch on one machine; no usage report
+# reconciliation have nothing to watch on one machine; no usage report; the raylet does not prestart a worker per
+# CPU (Train's actors carry a runtime environment of their own, so the prestarted ones were started for nothing:
+# 14 Ray worker processes per kill test before, 12 without)
 RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-           "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 SAME = ("world_size", "global_batch_size", "micro_batch_size", "grad_accum", "steps", "first_loss", "final_loss",
         "tokens_seen", "parameters", "wrapper", "skipped_steps")
 
