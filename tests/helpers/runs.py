@@ -51,15 +51,15 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
 
 
 def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
-                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = True,
+                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = False,
                    ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
     ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
     when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl.
 
     Each run compiles afresh: dynamo's caches of an earlier run in this process would otherwise decide how a later
-    run compiles. ``trace_peak=False`` leaves out the summary's traced memory plan (about 2 s per run on a loaded
-    machine), for tests that train many runs and check something else. ``ranks_per_node``: lay the ranks out as
+    run compiles. The summary's traced memory plan is left out unless ``trace_peak=True``, as in ``train_each``.
+    ``ranks_per_node``: lay the ranks out as
     nodes of that many (HSDP's mesh), node by node; default one node of all."""
     import os
 
