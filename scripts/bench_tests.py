@@ -3,6 +3,7 @@ and the suite's time per file and per tier from one run's figures.
 
     python scripts/bench_tests.py --base /path/to/other/checkout --repeats 2 -- tests/test_cli.py -k bad_input
     pytest -q -n 2 --dist loadgroup --timing-json=times.json && python scripts/bench_tests.py --report times.json
+    python scripts/bench_tests.py --seconds times.json     # the table the longest-first schedule reads
 
 Runs the same pytest selection in the other checkout and in this one, alternating, ``--repeats`` times each, and
 prints a markdown table of each test's median time (setup + call + teardown) in both, with the ratio. Tests that
@@ -12,7 +13,9 @@ average before and after: on a shared machine compare ratios taken in one run, n
 
 ``--report`` reads the figures ``tests/helpers/timing.py`` wrote (``--timing-json``: each test's wall and CPU
 seconds, its tier, the processes and CLI runs it started) and prints them per file and per tier as markdown. CPU
-seconds (user + system of each test's process tree) move little with the machine's load; wall seconds do.
+seconds (user + system of each test's process tree) move little with the machine's load; wall seconds do. Then
+each xdist worker's timeline: its tests' seconds and when its last test ended, from the run's first test on: the
+worker that ends last sets the suite's time, and the tests it ended on are the tail.
 """
 
 from __future__ import annotations
@@ -79,17 +82,59 @@ def report(path: Path) -> None:
         if mine:
             n, wall, cpu, procs, cli = (sum(r[i] for r in mine) for i in range(5))
             print(f"| **all** | {tier} | {n:.0f} | {wall:.1f} | {cpu:.1f} | {procs:.0f} | {cli:.0f} |")
+    workers(tests)
+
+
+def workers(tests: dict[str, dict]) -> None:
+    """Each pytest-xdist worker's timeline (markdown): its tests, the seconds they took, and when it finished its last
+    one, counted from the first test's start; and the tests each worker ended on, the run's tail."""
+    timed = [t for t in tests.values() if "start" in t]
+    if not timed:
+        return
+    zero = min(t["start"] for t in timed)
+    by_worker: dict[str, list[dict]] = defaultdict(list)
+    for t in timed:
+        by_worker[t["worker"]].append(t)
+    print("\n| worker | tests | wall s of its tests | CPU s | last test ended at s | its last tests |\n"
+          "|---|---:|---:|---:|---:|---|")
+    for worker, mine in sorted(by_worker.items()):
+        mine.sort(key=lambda t: t["end"])
+        last = ", ".join(f"{t['test'].split('/')[-1]} ({t['wall_s']:.0f} s)" for t in mine[-3:])
+        print(f"| {worker} | {len(mine)} | {sum(t['wall_s'] for t in mine):.1f} | "
+              f"{sum(t['cpu_s'] for t in mine):.1f} | {mine[-1]['end'] - zero:.1f} | {last} |")
+
+
+LONG_TEST_S = 2.0  # tests at least this long are listed by id in the scheduling table; the rest by file mean
+
+
+def seconds_table(path: Path) -> dict[str, dict[str, float]]:
+    """The table ``tests/helpers/schedule.py`` orders work by, from a ``--timing-json`` file: each test of at least
+    ``LONG_TEST_S`` wall seconds by id, and each file's mean wall seconds per test in each tier."""
+    tests: dict[str, dict] = json.loads(path.read_text())
+    per_file: dict[str, list[float]] = defaultdict(list)
+    for name, t in tests.items():
+        per_file[f"{name.split('::')[0]}::{t['tier']}"].append(t["wall_s"])
+    return {"tests": {name: round(t["wall_s"], 1) for name, t in sorted(tests.items())
+                      if t["wall_s"] >= LONG_TEST_S},
+            "files": {key: round(statistics.mean(walls), 2) for key, walls in sorted(per_file.items())}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", type=Path, help="a --timing-json file: print it per file and tier, run nothing")
+    parser.add_argument("--seconds", type=Path, help="a --timing-json file of the whole suite: write the table the "
+                        "scheduler orders work by (tests/data/test_seconds.json), run nothing")
     parser.add_argument("--base", type=Path, help="the other checkout (e.g. main's)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("selection", nargs="*", help="pytest arguments: files, -k, -m")
     args = parser.parse_args()
     if args.report:
         report(args.report)
+        return
+    if args.seconds:
+        table = HERE / "tests" / "data" / "test_seconds.json"
+        table.write_text(json.dumps(seconds_table(args.seconds), indent=1) + "\n")
+        print(f"wrote {table}")
         return
     if args.base is None or not args.selection:
         parser.error("--base and a selection are needed to compare two checkouts")

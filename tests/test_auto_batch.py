@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -32,14 +33,22 @@ from ddptrain.plan.memory.auto_batch import (
     usable_bytes,
 )
 from ddptrain.plan.memory.overheads import RunOverheads, ranks_per_node
-from ddptrain.plan.memory.planner import GiB, Tracer, target_device, trace_peak
+from ddptrain.plan.memory.planner import GiB, Tracer, target_device
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import TINY_MODEL, TINY_RUN_ARGS, without
+from tests.helpers.trace_cache import share_traces
 
 VOCAB = 256
 CPU = target_device("cpu", None, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_traces() -> Iterator[dict]:
+    """The tests here search and check the same tiny steps (another global batch or device memory changes no
+    trace): each distinct step is traced once for the module."""
+    yield from share_traces()
 
 
 def tiny_auto(global_batch: int = 12, **train: object) -> Config:
@@ -55,8 +64,8 @@ def full_trace(cfg: Config, micro_batch: int, per_rank: int,
     """The whole step traced, every block and every chunk (accumulating below the per-rank batch)."""
     accum = 2 if micro_batch < per_rank else 1
     with mock.patch.object(memory_trace, "representative_chunk_starts", memory_trace.ALL_CHUNK_STARTS):
-        return trace_peak(cfg, VOCAB, micro_batch, checkpointing, cfg.model.num_layers, accum, CPU,
-                          chunked_loss=chunked_loss).peak.peak
+        return memory_planner.trace_peak(cfg, VOCAB, micro_batch, checkpointing, cfg.model.num_layers, accum, CPU,
+                                         chunked_loss=chunked_loss).peak.peak
 
 
 def device_between(low: float, high: float) -> object:

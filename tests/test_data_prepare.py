@@ -29,6 +29,7 @@ from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
+from tests.helpers import procs
 from tests.helpers.cli import DDPTRAIN, test_env
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each, without_token_count
@@ -268,9 +269,9 @@ def test_two_training_jobs_started_together_on_a_new_corpus_both_train_from_one_
     jobs = []
     for name in ("first", "second"):
         (tmp_path / name).mkdir()
-        jobs.append(subprocess.Popen([*DDPTRAIN, *args], cwd=tmp_path / name, env=test_env(cache),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     stdin=subprocess.DEVNULL))
+        jobs.append(procs.start([*DDPTRAIN, *args], cwd=tmp_path / name, env=test_env(cache),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL))
     outs = [job.communicate(timeout=600)[0] for job in jobs]
     for job, out in zip(jobs, outs, strict=True):
         assert job.returncode == 0, out[-3000:]

@@ -18,8 +18,9 @@ from ddptrain.runtime.process_group import main_only
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import make_config
 
-COLLECTIVE_TIMEOUT_S = 2.0
-SLOW_SAVE_S = 5.0  # rank 0's save: longer than two collective timeouts
+COLLECTIVE_TIMEOUT_S = 1.5
+SLOW_SAVE_S = 4.0  # rank 0's save: longer than two collective timeouts (with the margin the test allows)
+LATE_S = 1.5  # rank 0's late export, against a wait of 0.5 s: a second's margin for rank 1 reaching its wait late
 
 
 class SlowToSave(torch.nn.Linear):
@@ -65,7 +66,7 @@ def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str)
         raise OSError("No space left on device")
 
     failed = _outcome(lambda: main_only(fail, 60, "checkpoint.export_timeout_s", "exporting the model"))
-    late = _outcome(lambda: main_only(lambda: time.sleep(2.0), 0.5, "checkpoint.export_timeout_s",
+    late = _outcome(lambda: main_only(lambda: time.sleep(LATE_S), 0.5, "checkpoint.export_timeout_s",
                                       "exporting the model"))
     _meet(store, "finished", world_size)
     return {"exported": exported, "waited": waited, "saved": saved, "works": works, "failed": failed, "late": late}

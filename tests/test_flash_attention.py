@@ -19,6 +19,7 @@ from ddptrain.data.packing import COUNTS, VARLEN_KEYS, PackCollate, to_device
 from ddptrain.errors import ConfigError
 from ddptrain.models.attention import block_causal_mask, ready_attention_masks, use_varlen_attention
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
+from tests.helpers import procs
 from tests.helpers.dist import run_distributed
 from tests.helpers.flash_attn_twin import Calls, install
 from tests.helpers.runs import Overrides, train_each
@@ -607,9 +608,8 @@ def test_a_packed_fine_tuning_run_from_the_command_line_goes_through_flash_atten
     # PYTHONSAFEPATH: the script's folder stays off the workers' path (tests/helpers/flash_attn_cli.py)
     env = test_env(tmp_path / "cache", {"DDPTRAIN_TWIN_REPORT": str(report), "PYTHONSAFEPATH": "1"})
     script = Path(__file__).parent / "helpers" / "flash_attn_cli.py"
-    proc = subprocess.run([*TORCHRUN, "--nproc-per-node=2", str(script), *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
+    proc = procs.run([*TORCHRUN, "--nproc-per-node=2", str(script), *args],
+                     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data.packing: FlashAttention-2 varlen kernels for the packed rows" in proc.stderr + proc.stdout
     for rank in (0, 1):

@@ -19,7 +19,7 @@ from ddptrain.checkpoint import offline
 from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import Overrides, make_config, train_each
+from tests.helpers.runs import Overrides, make_config, train_each, without_the_planned_peak
 from tests.helpers.tiny import TINY_MODEL
 
 BASE: Overrides = {
@@ -41,6 +41,7 @@ def _train_as_two_nodes(rank: int, world_size: int, tmp: str) -> dict[str, dict]
     all ranks (a 1-D mesh instead of 2 x 2) and DDP."""
     from ddptrain.train import train
 
+    without_the_planned_peak()  # nothing here reads it
     env = DistEnv(rank=rank, local_rank=rank % 2, world_size=world_size, local_world_size=2, node_rank=rank // 2)
     resume = {"train": {"resume": str(_checkpoint(Path(tmp) / "node", SAVED_AT))}}
     runs: dict[str, Overrides] = {

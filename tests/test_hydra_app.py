@@ -19,6 +19,7 @@ from ddptrain.app.cli import run_cli
 from ddptrain.app.help import config_groups, schema_keys
 from ddptrain.config.compose import config_dir
 from ddptrain.config.schema import Config
+from tests.helpers import procs
 from tests.helpers.cli import test_env
 from tests.helpers.install import throwaway_install
 from tests.helpers.tiny import TINY_RUN_ARGS as TINY
@@ -77,8 +78,8 @@ def test_a_plain_install_trains_and_sweeps_on_a_grid_and_with_optuna(tmp_path: P
     cwd.mkdir()
 
     def ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([bin_dir / "ddptrain", *args], env=env, capture_output=True, text=True, cwd=cwd,
-                              timeout=300, stdin=subprocess.DEVNULL)
+        return procs.run([bin_dir / "ddptrain", *args], env=env, capture_output=True, text=True, cwd=cwd,
+                         timeout=300, stdin=subprocess.DEVNULL)
 
     where = subprocess.run([bin_dir / "python", "-c", "import ddptrain.config.compose as c; print(c.config_dir())"],
                            env=env, capture_output=True, text=True, cwd=cwd, check=True)

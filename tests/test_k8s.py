@@ -18,6 +18,7 @@ import yaml
 
 from ddptrain.app import k8s
 from ddptrain.app.k8s_manifest import KINDS, manifest
+from tests.helpers import procs
 from tests.helpers.cli import run_cli, test_env
 from tests.helpers.crds import CRDS, PINNED, duplicates, schema_errors, strict
 from tests.helpers.pods import Pod, pods
@@ -255,14 +256,14 @@ def one_machine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_pods(made: list[Pod], cwd: Path, fault: str | None = None) -> list[subprocess.CompletedProcess[str]]:
     """Start every pod's command with that pod's environment (and the test's fault), wait for all."""
-    procs = []
+    started = []
     for pod in made:
         env = {**test_env(cwd / "unused-cache"), **pod.env, **({"DDPTRAIN_FAULT": fault} if fault else {})}
         argv = [str(BIN / pod.argv[0]), *pod.argv[1:]]  # the image's ddptrain: this environment's
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL, text=True))
+        started.append(procs.start(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   stdin=subprocess.DEVNULL, text=True))
     results = []
-    for proc in procs:
+    for proc in started:
         out, err = proc.communicate(timeout=300)
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results

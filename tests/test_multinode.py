@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import procs
 from tests.helpers.cli import cli_command, run_cli, test_env
 
 pytestmark = pytest.mark.slow
@@ -38,16 +39,16 @@ def two_agents(args: list[str], nproc: int, cwd: Path, caches: tuple[Path, Path]
                timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
     """Start two torchrun agents (nodes 0 and 1, ``nproc`` workers each) and wait for both."""
     port = _free_port()
-    procs = []
+    started = []
     for node, cache in enumerate(caches):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}",
                    f"--node-rank={node}", "-m", "ddptrain", *args]
         env = test_env(cache, {"DDPTRAIN_FAULT": fault} if fault else None)
-        procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL, text=True))
+        started.append(procs.start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   stdin=subprocess.DEVNULL, text=True))
     results = []
-    for proc in procs:
+    for proc in started:
         out, err = proc.communicate(timeout=timeout)
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results
@@ -126,8 +127,8 @@ def elastic_agent(args: list[str], port: int, cwd: Path, cache: Path, fault: str
                "-m", "ddptrain", *args]
     # gloo workers were not restarted by the agent without TORCH_DISABLE_SHARE_RDZV_TCP_STORE (torch 2.13)
     env = test_env(cache, {"DDPTRAIN_FAULT": fault, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+    return procs.start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       stdin=subprocess.DEVNULL, text=True)
 
 
 def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_same_losses(tmp_path: Path) -> None:
@@ -138,9 +139,9 @@ def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_sam
     # loses a node and re-forms, mostly waiting on heartbeats and delays; its losses are compared at the end
     single_log = tmp_path / "reference.err"
     with single_log.open("w") as log:
-        single = subprocess.Popen(cli_command([*args, "launch.nproc_per_node=2", f"hydra.run.dir={reference}"]),
-                                  cwd=tmp_path, env=test_env(tmp_path / "reference_cache"), stdout=subprocess.DEVNULL,
-                                  stderr=log, stdin=subprocess.DEVNULL)
+        single = procs.start(cli_command([*args, "launch.nproc_per_node=2", f"hydra.run.dir={reference}"]),
+                             cwd=tmp_path, env=test_env(tmp_path / "reference_cache"), stdout=subprocess.DEVNULL,
+                             stderr=log, stdin=subprocess.DEVNULL)
 
     run, port = tmp_path / "run", _free_port()
     # the first attempt's rank 1 takes 1 s more per step (its data phase): time to lose a node after step 3

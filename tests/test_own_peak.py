@@ -32,7 +32,7 @@ TINY: Overrides = {
 
 def _written_peaks(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides]) -> list[dict]:
     """For ``run_distributed``: train each variant; rank 0 returns the memory peaks each run wrote to summary.json."""
-    runs = train_each(rank, world_size, tmp, base, variants)
+    runs = train_each(rank, world_size, tmp, base, variants, trace_peak=True)
     if rank != 0:
         return []
     return [json.loads((Path(run["dir"]) / "summary.json").read_text())["memory_peak"] for run in runs]
@@ -135,7 +135,7 @@ def _train_as_on_a_gpu_without_bf16(rank: int, world_size: int, tmp: str) -> lis
                     "global_batch_size": 4, "micro_batch_size": 4},
            "train": {"steps": 2, "log_every": 1, "eval_every": 0, "precision": "auto"},
            "checkpoint": {"every_n_steps": 0}}
-    return train_each(rank, world_size, tmp, run, [{}])
+    return train_each(rank, world_size, tmp, run, [{}], trace_peak=True)
 
 
 def test_the_run_and_its_own_plan_both_follow_the_devices_resolution_of_auto(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import procs
+
 REPO = Path(__file__).parents[1]
 
 # One in-process run: its group works (a collective, the store that main_first/main_only wait on) and it never
@@ -38,8 +40,8 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.slow  # two fresh interpreters, each importing torch: a check of processes, not of a loop
 def test_one_rank_runs_started_together_need_no_port_and_both_train() -> None:
-    runs = [subprocess.Popen([sys.executable, "-c", ONE_RANK_RUN], env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [procs.start([sys.executable, "-c", ONE_RANK_RUN], env=_env(), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for run in runs:
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err[-2000:]

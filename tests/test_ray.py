@@ -19,6 +19,14 @@ RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.nu
        "train.eval_every=0", "logger.progress=false", "checkpoint.every_n_steps=1", "checkpoint.export=false",
        "dist.timeout_s=60", "logger=wandb"]
 RAY = ["launch.backend=ray", "launch.ray_workers=2"]
+# Ray Train's controller polls its workers every 2 s by default: a worker's death and the run's end are seen 0.2 s
+# after they happen instead; the preemption watcher (a process polling for node drains) and the state actor's
+# reconciliation have nothing to watch on one machine; no usage report; the raylet does not prestart a worker per
+# CPU (Train's actors carry a runtime environment of their own, so the prestarted ones were started for nothing:
+# 14 Ray worker processes per kill test before, 12 without)
+RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+           "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 SAME = ("world_size", "global_batch_size", "micro_batch_size", "grad_accum", "steps", "first_loss", "final_loss",
         "tokens_seen", "parameters", "wrapper", "skipped_steps")
 
@@ -76,7 +84,7 @@ def test_ray_workers_train_as_torchruns_with_the_same_summary_and_wandb_metrics(
     tmp_path: Path, torchrun_reference: Path
 ) -> None:
     done = run_cli([*RUN, *RAY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, cache=tmp_path / "cache",
-                   timeout=400)
+                   timeout=400, extra_env=RAY_ENV)
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "run"
     assert _losses(run) == pytest.approx(_losses(torchrun_reference), rel=1e-6)
@@ -99,7 +107,7 @@ def test_a_ray_worker_killed_after_a_checkpoint_is_restarted_and_the_run_ends_wi
     tmp_path: Path, torchrun_reference: Path
 ) -> None:
     done = run_cli([*RUN, *RAY, "launch.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                   cache=tmp_path / "cache", timeout=500, extra_env={"DDPTRAIN_FAULT": "kill@step:3:1"})
+                   cache=tmp_path / "cache", timeout=500, extra_env={**RAY_ENV, "DDPTRAIN_FAULT": "kill@step:3:1"})
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "run"
     assert "restarted by the elastic agent (or Ray Train)" in done.stderr, done.stderr[-4000:]

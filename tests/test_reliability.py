@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.helpers import procs
 from tests.helpers.cli import DDPTRAIN, run_cli, test_env
 from tests.helpers.run_cache import RunCache
 
@@ -124,8 +125,8 @@ def test_sigkilled_worker_is_restarted_and_the_run_completes(
 
 def test_sigterm_of_the_launcher_leaves_a_loadable_checkpoint(tmp_path: Path, cache: Path) -> None:
     args = [*RUN, "train.steps=100000", "checkpoint.every_n_steps=0", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen([*DDPTRAIN, *args], cwd=tmp_path, env=test_env(cache), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = procs.start([*DDPTRAIN, *args], cwd=tmp_path, env=test_env(cache), stdin=subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:

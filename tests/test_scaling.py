@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import procs
+
 REPO = Path(__file__).parents[1]
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
@@ -26,8 +28,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sweep(args: list[str], tmp_path: Path, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DDPTRAIN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "scaling.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return procs.run([sys.executable, str(REPO / "scripts" / "scaling.py"), *args], cwd=tmp_path, env=env,
+                     capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
 def test_weak_sweep_writes_table_csv_plot_and_wandb_run(tmp_path: Path, cache: Path) -> None:

@@ -7,8 +7,10 @@ import json
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import package_marks, run_cache, timing, xdist_groups
@@ -204,3 +206,68 @@ def test_ci_runs_exactly_the_readmes_test_command_on_both_cores() -> None:
     command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "[test]" in line)
     assert command.endswith(".venv/bin/pytest -q -n 2 --dist loadgroup")
     assert command in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+# a command that starts a child in a session of its own (as torchrun starts its workers), then hangs
+HANGS_WITH_A_CHILD = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", sys.argv[1]], start_new_session=True)
+time.sleep(60)
+"""
+
+
+def _named(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if marker in (proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found
+
+
+def test_a_cli_run_that_times_out_leaves_no_process_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung run killed at its timeout takes its whole tree with it: the workers torchrun starts in sessions of
+    their own were left running, adopted by init, when only the launcher was killed."""
+    from tests.helpers import cli
+
+    marker = f"orphan-probe-{uuid.uuid4().hex}"
+    monkeypatch.setattr(cli, "cli_command", lambda args, torchrun_nproc=None: [sys.executable, "-c",
+                                                                             HANGS_WITH_A_CHILD, marker])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            cli.run_cli([], cwd=tmp_path, cache=tmp_path / "cache", timeout=3)
+        left = _named(marker)
+        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
+    finally:
+        for proc in _named(marker):
+            proc.kill()
+
+
+STARTS_A_RUN_AND_FAILS = """
+import sys
+import time
+
+import psutil
+
+from tests.helpers import procs
+
+
+def test_fails_while_its_run_is_live():
+    procs.start([sys.executable, "-c", {script!r}, {marker!r}])
+    while len([p for p in psutil.process_iter(["cmdline"]) if {marker!r} in (p.info["cmdline"] or [])]) < 2:
+        time.sleep(0.05)  # the command, and the child it started in a session of its own
+    assert False, "the run was live"
+"""
+
+
+def test_a_test_that_fails_while_its_run_is_live_leaves_no_process_behind(pytester: pytest.Pytester) -> None:
+    marker = f"orphan-probe-{uuid.uuid4().hex}"
+    pytester.makeconftest('pytest_plugins = ["tests.helpers.procs"]\n')
+    pytester.makepyfile(test_live=STARTS_A_RUN_AND_FAILS.format(script=HANGS_WITH_A_CHILD, marker=marker))
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(failed=1)
+        left = _named(marker)
+        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
+    finally:
+        for proc in _named(marker):
+            proc.kill()

@@ -78,8 +78,9 @@ def launch_ray(run: Run, source: Source) -> int:
     os.environ[LAUNCH_START_ENV] = start
     env = worker_environment(typed)
     address = typed.launch.ray_address or os.environ.get("RAY_ADDRESS")
+    # a local instance for this run: no dashboard (ray[train] lacks its modules; it would only cost a process)
     local = {} if address else {"num_cpus": max(workers, os.cpu_count() or 1),
-                                "object_store_memory": LOCAL_OBJECT_STORE_BYTES}
+                                "object_store_memory": LOCAL_OBJECT_STORE_BYTES, "include_dashboard": False}
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # the workers' lines in the driver's log, without colour codes
     # Ray's own processes (the controller, its placement-group cleaner) report only errors: without Ray's dashboard
     # (not part of ray[train]) the cleaner warns every second that the state API is unavailable

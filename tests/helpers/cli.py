@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import procs
+
 REPO = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent  # the console scripts of the environment the tests run in
 # torchrun's own module, run by this interpreter (an environment made for a test, scripts/mutate.py's, holds
@@ -58,6 +60,7 @@ def outside_checkout(cwd: Path) -> Path:
 
 def run_cli(args: list[str], cwd: Path, cache: Path, timeout: float = 300, extra_env: dict | None = None,
             torchrun_nproc: int | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cli_command(args, torchrun_nproc), cwd=outside_checkout(cwd),
-                          env=test_env(cache, extra_env), capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    """The run, to its end; on a timeout (or a failure while it runs) its whole tree is killed, workers included
+    (``tests/helpers/procs.py``)."""
+    return procs.run(cli_command(args, torchrun_nproc), cwd=outside_checkout(cwd), env=test_env(cache, extra_env),
+                     capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -21,11 +21,24 @@ def make_config(tmp: str, *layers: Overrides) -> Config:
     return build_config(quiet, *layers)
 
 
-def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides]) -> list[dict]:
-    """For ``run_distributed``: train ``base`` + each variant on this rank; rank 0 also returns metrics.jsonl."""
+def without_the_planned_peak() -> None:
+    """In this process, runs end without their summary's traced memory plan (``memory_peak``: a fake step traced by
+    rank 0 at the end of every run, about 0.25 CPU s for the tiny models here, which the other ranks wait out):
+    for the tests that check something else. ``tests/test_own_peak.py`` checks the plan, and every CLI run makes it."""
+    from ddptrain.train import loop
+
+    loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
+
+
+def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides],
+               trace_peak: bool = False) -> list[dict]:
+    """For ``run_distributed``: train ``base`` + each variant on this rank; rank 0 also returns metrics.jsonl.
+    ``trace_peak=True`` keeps the summary's traced memory plan (``without_the_planned_peak``)."""
     from ddptrain.runtime.process_group import DistEnv
     from ddptrain.train import train
 
+    if not trace_peak:
+        without_the_planned_peak()
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     results = []
     for i, variant in enumerate(variants):
@@ -38,24 +51,24 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
 
 
 def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
-                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = True,
+                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = False,
                    ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
     ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
     when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl.
 
     Each run compiles afresh: dynamo's caches of an earlier run in this process would otherwise decide how a later
-    run compiles. ``trace_peak=False`` leaves out the summary's traced memory plan (about 2 s per run on a loaded
-    machine), for tests that train many runs and check something else. ``ranks_per_node``: lay the ranks out as
+    run compiles. The summary's traced memory plan is left out unless ``trace_peak=True``, as in ``train_each``.
+    ``ranks_per_node``: lay the ranks out as
     nodes of that many (HSDP's mesh), node by node; default one node of all."""
     import os
 
     from ddptrain.errors import RunEnded
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import loop, train
+    from ddptrain.train import train
 
     if not trace_peak:
-        loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
+        without_the_planned_peak()
 
     per_node = ranks_per_node or world_size
     env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world_size, local_world_size=per_node,

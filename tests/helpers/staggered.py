@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers import procs
 from tests.helpers.cli import cli_command, test_env
 
 
@@ -56,7 +57,7 @@ def survivors(marker: str) -> list[str]:
 def run_staggered(jobs: dict[str, Job], ready: str, timeout: float, lanes: int = 1) -> dict[str, Future[Finished]]:
     """Start ``jobs`` in ``lanes`` sequences (job i in lane i mod ``lanes``), in each one job once the one before
     it printed ``ready`` on stderr or ended; return at once, with a future per job. A job that runs longer than
-    ``timeout`` s is killed and its future fails."""
+    ``timeout`` s is killed (its whole tree: ``tests/helpers/procs.py``) and its future fails."""
     futures: dict[str, Future[Finished]] = {name: Future() for name in jobs}
     names = list(jobs)
 
@@ -96,8 +97,8 @@ class _Ready:
 def _start(job: Job) -> tuple[subprocess.Popen[bytes], Path, Path]:
     out, err = job.cwd.with_name(f"{job.cwd.name}.stdout"), job.cwd.with_name(f"{job.cwd.name}.stderr")
     with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(cli_command(job.args), cwd=job.cwd, env=test_env(job.cache, job.extra_env),
-                                stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+        proc = procs.start(cli_command(job.args), cwd=job.cwd, env=test_env(job.cache, job.extra_env),
+                           stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
     return proc, out, err
 
 
@@ -106,8 +107,7 @@ def _finish(proc: subprocess.Popen[bytes], job: Job, stdout: Path, stderr: Path,
     try:
         returncode = proc.wait(timeout=max(0.0, started + timeout - time.monotonic()))
     except subprocess.TimeoutExpired as exc:
-        proc.kill()
-        proc.wait()
+        procs.kill_tree(proc)  # its workers too, not the launcher alone
         future.set_exception(exc)
         return
     elapsed = time.monotonic() - started

@@ -19,7 +19,8 @@ setup and call together (a module fixture's work is charged to the test that fir
 
 Each test's record also counts the processes its pytest process started (``subprocess`` calls, seen through
 Python's audit hook) and, among them, the runs of the command (``ddptrain``, directly or under torchrun): the
-start-ups a CLI-level check pays for.
+start-ups a CLI-level check pays for. It also names the pytest-xdist worker that ran the test and the clock times
+(seconds since the epoch) it started and ended: the workers' timelines, where a run's tail shows.
 
 A test over budget fails with both figures. ``--test-budget-s=0`` turns the check off. ``--timing-report`` prints
 the per-file and per-tier table at the end; ``--timing-json=PATH`` writes every test's figures (what
@@ -41,7 +42,7 @@ import psutil
 import pytest
 
 DEFAULT_BUDGET_S = 20.0
-_START = pytest.StashKey[tuple[float, float, int]]()
+_START = pytest.StashKey[tuple[float, float, int, float]]()
 _STARTED: list[list[str]] = []  # every command line this process has started, in order
 
 
@@ -99,11 +100,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    item.stash[_START] = (time.perf_counter(), tree_cpu_s(), len(_STARTED))
+    item.stash[_START] = (time.perf_counter(), tree_cpu_s(), len(_STARTED), time.time())
 
 
 def _since_start(item: pytest.Item) -> tuple[float, float]:
-    wall0, cpu0, _ = item.stash[_START]
+    wall0, cpu0, _, _ = item.stash[_START]
     return time.perf_counter() - wall0, tree_cpu_s() - cpu0
 
 
@@ -130,7 +131,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         wall, cpu = _since_start(item)
         started = _started_since(item)
         record = {"test": plain_nodeid(item), "tier": tier(item), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                  "processes": len(started), "cli_runs": sum(map(is_cli_run, started))}
+                  "processes": len(started), "cli_runs": sum(map(is_cli_run, started)),
+                  # where and when it ran: the workers' timelines (which one ended last, and on what)
+                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "master"),
+                  "start": round(item.stash[_START][3], 3), "end": round(time.time(), 3)}
         report.user_properties.append(("timing", record))
     return report
 
