@@ -351,7 +351,8 @@ def test_no_function_in_the_most_read_packages_takes_more_than_seven_parameters(
 
 
 def test_the_parameter_check_counts_arguments_not_self() -> None:
-    source = "class A:\n    def m(self, a, b, c, d, e, f, g):\n        pass\n\ndef f(a, b, c, d, e, f, *g, h=1):\n    pass\n"
+    source = ("class A:\n    def m(self, a, b, c, d, e, f, g):\n        pass\n\n"
+              "def f(a, b, c, d, e, f, *g, h=1):\n    pass\n")
     assert parameter_counts({"x.py": ast.parse(source)}) == {"x.py:5 f": 8}
 
 
@@ -379,7 +380,8 @@ def test_plan_and_train_read_the_run_summarys_fields_not_string_keys() -> None:
 
 
 def test_the_summary_key_check_finds_a_keyed_read() -> None:
-    source = "def f(summary, run):\n    summary['predicted'].update({})\n    run.summary.get('x')\n    summary.world_size\n"
+    source = ("def f(summary, run):\n    summary['predicted'].update({})\n    run.summary.get('x')\n"
+              "    summary.world_size\n")
     assert summary_key_reads({"x.py": ast.parse(source)}) == ["x.py:2", "x.py:3"]
 
 
