@@ -44,8 +44,8 @@ def _accumulated_grads(rank: int, world_size: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = build_model(TINY, VOCAB, eos_id=0)
         wrapped = wrap_model(model, ParallelConfig(wrap_single=wrap_single), torch.device("cpu"))
-        accumulate_gradients(wrapped.module, iter(_batch().chunk(2)), 2, wrapped.maybe_sync, nullcontext())
-        out[str(wrap_single)] = {"module": type(wrapped.module).__name__, "bare": wrapped.module is model,
+        accumulate_gradients(wrapped.outer, iter(_batch().chunk(2)), 2, wrapped.maybe_sync, nullcontext())
+        out[str(wrap_single)] = {"module": type(wrapped.outer).__name__, "bare": wrapped.outer is model,
                                  "strategy": wrapped.strategy,
                                  "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     return out

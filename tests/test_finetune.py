@@ -100,7 +100,7 @@ def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dic
         model = _lora_model(base, **kwargs)
         calls = count_checkpoint_calls(model)
         wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
-        accumulate_gradients(wrapped.module, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
+        accumulate_gradients(wrapped.outer, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
                              TOKEN_MEAN_LOSS)
         out[variant] = _adapter_grads(model)
         ran[variant] = {"checkpoint_calls": calls[0], "training": all(m.training for m in model.modules())}
@@ -109,7 +109,7 @@ def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dic
     wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
     for i, micro in enumerate(_micro_batches(rank)):  # the classic bug: each micro batch's own token mean
         with wrapped.maybe_sync(i == ACCUM - 1):
-            (wrapped.module(**micro).loss / ACCUM).backward()
+            (wrapped.outer(**micro).loss / ACCUM).backward()
     out["mean_of_means"] = _adapter_grads(model)
     return out
 

@@ -48,7 +48,7 @@ def _one_sampled_step(parallel: ParallelConfig, world_size: int) -> dict:
     meter = StepMetrics(plan, torch.device("cpu"), 1.0, None, None, 1, TokenCount())
     meter.start_step(1)
     with meter.timer.phase("backward"):
-        wrapped.module(torch.randn(4, 16)).sum().backward()
+        wrapped.outer(torch.randn(4, 16)).sum().backward()
     meter.end_step(*wrapped.take_sync_sample(world_size, meter.timer.active))
     return meter.window(1, 0.0, 0.0, 0.0)
 
@@ -416,7 +416,7 @@ def test_nccl_sync_is_timed_by_events_and_takes_device_time(parallel: ParallelCo
     assert wrapped.comm_clock() is not None and wrapped.comm_clock().kind == "cuda"
     for _ in range(3):
         start = time.perf_counter()
-        wrapped.module(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        wrapped.outer(torch.randn(64, 1024, device="cuda")).square().mean().backward()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         sample, _ = wrapped.take_sync_sample(1, True)

@@ -180,7 +180,7 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
                         cfg.metrics.sample_every, batches.tokens, counted, attention)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
-    if wrapped.module is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
+    if wrapped.outer is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)
         model.register_forward_pre_hook(lambda *_: metrics.timer.inner_forward_started())
     return Trainer(
         cfg=cfg, env=env, device=device, run_dir=run_dir, shape=shape, model=model, wrapped=wrapped,

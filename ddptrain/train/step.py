@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ddptrain.data.packing import to_device
 from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.models.lora import reentrant_failure
-from ddptrain.optim import is_fused
+from ddptrain.optim import is_fused, local_optimizer
 from ddptrain.train.control import NonFiniteError, agree, guard_loss
 from ddptrain.train.tokens import MicroBatch, loss_tokens
 from ddptrain.train.weighting import MEAN_LOSS, Phase, Weighting
@@ -87,7 +87,7 @@ def forward_backward(t: Trainer, watch: StepObserver, step: int) -> torch.Tensor
     """Step ``step``'s micro batches through forward and backward, weighted as the run chose, with what fault
     injection asks of this step's loss; returns the step's loss."""
     try:
-        return accumulate_gradients(t.wrapped.module, t.batches, t.shape.grad_accum, t.wrapped.maybe_sync,
+        return accumulate_gradients(t.wrapped.outer, t.batches, t.shape.grad_accum, t.wrapped.maybe_sync,
                                     t.autocast, t.weighting, watch.phase, watch.loss_guard(step),
                                     watch.scale_loss(step, t.scale_loss))
     except RuntimeError as exc:
@@ -158,7 +158,7 @@ def apply_update(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> N
     host reads the verdict. Gradients are cleared either way.
     """
     if is_fused(optimizer):
-        getattr(optimizer, "optim", optimizer).found_inf = nonfinite.float()  # ZeRO-1: the local AdamW
+        local_optimizer(optimizer).found_inf = nonfinite.float()  # ZeRO-1: the local AdamW
         optimizer.step()
     elif not bool(nonfinite):  # sync point (foreach / for_loop only): the host needs the verdict to branch
         optimizer.step()

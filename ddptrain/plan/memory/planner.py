@@ -481,13 +481,13 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     tracer = tracer or Tracer(cfg, vocab, device)
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
-    layers, ckpt, stage = cfg.model.num_layers, checkpointing(cfg), cfg.parallel.zero_stage
+    layers, mode, stage = cfg.model.num_layers, checkpointing(cfg), cfg.parallel.zero_stage
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
     accumulating = batch.grad_accum > 1
 
-    traced = tracer.exact(batch.micro_batch_size, ckpt, False, accumulating)
-    stage_traced = tracer.exact(batch.micro_batch_size, ckpt, True, accumulating) if low and stage >= 2 else traced
+    traced = tracer.exact(batch.micro_batch_size, mode, False, accumulating)
+    stage_traced = tracer.exact(batch.micro_batch_size, mode, True, accumulating) if low and stage >= 2 else traced
     configured = shard(stage_traced.by_category, stage, n, plan, accumulating)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
@@ -498,7 +498,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     def fit(checkpointing: ActivationCheckpointing, stage: int) -> PeakFit:
         return tracer.fit(checkpointing, low and stage >= 2)
 
-    fitted = fit(ckpt, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
+    fitted = fit(mode, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
     options = []
     per_rank = batch.global_batch_size // n
     modes = sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
@@ -522,10 +522,10 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     by_mode = {c: shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
                for c in modes}
     chosen = next((o for o in options[:1] if o.checkpointing == ActivationCheckpointing.selective), None)
-    note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (ckpt, batch.micro_batch_size)
+    note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (mode, batch.micro_batch_size)
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
-        micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=stage, traced=traced,
+        micro_batch=batch.micro_batch_size, checkpointing=mode, stage=stage, traced=traced,
         by_category=configured, allowances=allowances(configured, stage),
         fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),

@@ -32,7 +32,7 @@ from ddptrain.models.attention import ready_attention_masks
 from ddptrain.models.build import hf_config
 from ddptrain.models.chunked_loss import use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
-from ddptrain.optim import impl_kwargs, param_groups
+from ddptrain.optim import impl_kwargs, local_optimizer, param_groups
 
 # Without a mask, SDPA runs a flash kernel on fake tensors too: the CPU's, whose forward saves what CUDA's flash
 # kernel saves (the bf16 output and its fp32 log-sum-exp, not the attention matrix).
@@ -151,8 +151,7 @@ class StepSetup:
 def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list, list]:
     """(parameters, buffers and 4-bit quantization state, optimizer state) of a model and its optimizer."""
     params = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
-    inner = getattr(optimizer, "optim", optimizer)
-    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    state = [v for s in local_optimizer(optimizer).state.values() for v in s.values() if torch.is_tensor(v)]
     return params, state
 
 
