@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from ddptrain.app.ckpt import run as ckpt_tool
+from ddptrain.checkpoint.cli import run as ckpt_tool
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.format import manifest
 from ddptrain.data import BatchShape, MicroBatches

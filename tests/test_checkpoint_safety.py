@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddptrain.app.ckpt import run as ckpt_tool
+from ddptrain.checkpoint.cli import run as ckpt_tool
 from ddptrain.checkpoint import offline
 from ddptrain.checkpoint.format import manifest
 from tests.helpers.dist import run_distributed
