@@ -37,6 +37,7 @@ from ddptrain.plan.memory.planner import (
     Allowances,
     GiB,
     MemoryPlan,
+    TracedStep,
     Tracer,
     compute_dtype,
     plan_memory,
@@ -196,7 +197,7 @@ def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None
     fit = Tracer(cfg, VOCAB, device).fit(ActivationCheckpointing.none)
     for accum in (1, 2):
         for micro_batch in (1, 6):
-            full = trace_peak(cfg, VOCAB, micro_batch, ActivationCheckpointing.none, 4, accum, device).peak
+            full = trace_peak(cfg, VOCAB, TracedStep(micro_batch, ActivationCheckpointing.none, 4, accum), device).peak
             assert sum(fit.at(micro_batch, 4, accum > 1).values()) == pytest.approx(full.peak, rel=0.02)
 
 
@@ -418,7 +419,8 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
     device = target_device("cpu", None, None)
     plan = build_plan(cfg, 2, None)
     working_copy = precision == "bf16"  # FSDP2 gathers bf16 parameters and computes on them
-    traced = trace_peak(cfg, VOCAB, BATCH, ActivationCheckpointing.none, 4, grad_accum, device, working_copy).peak
+    traced = trace_peak(cfg, VOCAB, TracedStep(BATCH, ActivationCheckpointing.none, 4, grad_accum), device,
+                        working_copy).peak
     predicted = sum(shard(traced.by_category, stage, 2, plan, grad_accum > 1).values())
     assert shard(traced.by_category, stage, 2, plan)["parameters"] == plan.memory[stage].params
     for rank in run_distributed(_fsdp_rank_peak, 2, copy.deepcopy(cfg), grad_accum):

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from ddptrain.checkpoint import Checkpointer, CheckpointManager
 from ddptrain.config.choices import DataFormat, Precision
 from ddptrain.config.schema import Config
-from ddptrain.data import BatchShape, MicroBatches, build_token_data, eval_batches
+from ddptrain.data import BatchShape, MicroBatches, SampleOrder, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import ready_attention_masks, use_causal_attention, use_varlen_attention
@@ -39,9 +39,8 @@ from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
 from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
-from ddptrain.telemetry.baseline import load_baseline
 from ddptrain.telemetry.memory import ModelStateProbe
-from ddptrain.telemetry.metrics import StepMetrics
+from ddptrain.telemetry.metrics import StepMetrics, TokenFlops
 from ddptrain.telemetry.stragglers import StragglerMonitor
 from ddptrain.testing.faults import step_hooks
 from ddptrain.train.control import NonFiniteSteps, StopRequest
@@ -147,8 +146,8 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
     if cfg.data.streaming:
         batches = StreamedBatches(cfg.data, data.tokenizer, shape, env.rank, device)
     else:
-        batches = MicroBatches(data.train, shape, env.rank, cfg.train.seed, cfg.data.shuffle, cfg.data.num_workers,
-                               device, data.collate)
+        batches = MicroBatches(data.train, shape, env.rank, SampleOrder(cfg.train.seed, cfg.data.shuffle),
+                               cfg.data.num_workers, device, data.collate)
     checkpointer = Checkpointer(cfg, run_dir, wrapped.strategy, data.tokenizer, hooks)
     checkpointer.check_room(model)
     scaler = LossScaler(device, sharded=cfg.parallel.zero_stage >= 2) if precision == Precision.fp16 else None
@@ -176,8 +175,7 @@ def build_trainer(cfg: Config, env: DistEnv, device: torch.device, run_dir: Path
         log.info("the checkpoint records no token count (an earlier version's): tokens_seen continues from "
                  "%d steps x %d tokens", start, shape.tokens_per_step)
     counted = batches.tokens_seen
-    metrics = StepMetrics(shape, device, fpt, cfg.metrics.peak_tflops, load_baseline(cfg.metrics.baseline),
-                        cfg.metrics.sample_every, batches.tokens, counted, attention)
+    metrics = StepMetrics(shape, device, TokenFlops(fpt, attention), cfg.metrics, batches.tokens, counted)
     sinks = Sinks.build(cfg.logger, env.is_main, run_dir, cfg.train.steps, resolved)
     probe = ModelStateProbe(model)
     if wrapped.outer is not model:  # a wrapper that may sync before the model's own forward (DDP, our engines)

@@ -84,25 +84,25 @@ def log_window(t: Trainer, watch: StepObserver, step: int, done: Stepped, skippe
 
 def write_summary(t: Trainer, watch: StepObserver, history: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's summary, with its own predicted step and memory peak and (rank 0) the run's goodput, the last
-    figure taken; rank 0 writes ``summary.json``, reports goodput to the sinks and logs it last."""
+    figure taken; rank 0 writes ``summary.json``, reports goodput to the sinks and logs it last. Returns the
+    summary's JSON record."""
     cfg, env, first = t.cfg, t.env, watch.first
-    summary = summarise(history, t.shape, t.n_params, t.flops_per_token, t.metrics.peak, cfg, first.model_state,
-                        t.wrapped.strategy, t.trainable, t.metrics.buckets)
-    summary["predicted"].update(predict_own_step(summary, cfg.plan, t.device.type, env.num_nodes))
-    if first.compile_s is not None:
-        summary["compile_s"] = first.compile_s
+    summary = summarise(history, t, first.model_state)
+    summary.predicted.update(predict_own_step(summary, cfg.plan, t.device.type, env.num_nodes))
+    summary.compile_s = first.compile_s
     if t.scaler is not None:
-        summary.update(t.scaler.window())  # this rank's final scale and back-offs (the same on every rank)
+        summary.loss_scale = t.scaler.window()  # this rank's final scale and back-offs (the same on every rank)
     if env.is_main:  # a trace of seconds for a small model; every rank plans the same, so rank 0 alone does
         vocab = t.model.get_input_embeddings().weight.shape[0]
         planned = planned_peak(cfg, env.world_size, t.device, vocab, t.n_params)
-        summary["memory_peak"] = memory_peak(planned, watch.peak, cfg.train.steps)
-        report = watch.goodput.report()  # the wall-clock ends here
-        summary.update(report)
-        (t.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        t.sinks.summary(report)
-        log.info("%s", goodput_line(report))
-    return summary
+        summary.memory_peak = memory_peak(planned, watch.peak, cfg.train.steps)
+        summary.goodput = watch.goodput.report()  # the wall-clock ends here
+        record = summary.to_json()
+        (t.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        t.sinks.summary(summary.goodput)
+        log.info("%s", goodput_line(summary.goodput))
+        return record
+    return summary.to_json()
 
 
 def _every(step: int, period: int) -> bool:

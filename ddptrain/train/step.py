@@ -87,28 +87,38 @@ def forward_backward(t: Trainer, watch: StepObserver, step: int) -> torch.Tensor
     """Step ``step``'s micro batches through forward and backward, weighted as the run chose, with what fault
     injection asks of this step's loss; returns the step's loss."""
     try:
+        around = MicroStep(watch.phase, watch.loss_guard(step), watch.scale_loss(step, t.scale_loss))
         return accumulate_gradients(t.wrapped.outer, t.batches, t.shape.grad_accum, t.wrapped.maybe_sync,
-                                    t.autocast, t.weighting, watch.phase, watch.loss_guard(step),
-                                    watch.scale_loss(step, t.scale_loss))
+                                    t.autocast, t.weighting, around)
     except RuntimeError as exc:
         if t.cfg.model.checkpoint_reentrant:
             raise reentrant_failure(exc) from exc
         raise
 
 
+@dataclass(frozen=True)
+class MicroStep:
+    """What each micro batch's forward and backward pass through: ``phase`` times them (the step timer's phases),
+    ``guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank, and ``scale``
+    is fp16's loss scaling before each backward (the returned loss is unscaled)."""
+
+    phase: Phase = lambda _: nullcontext()
+    guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss
+    scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+
+
+PLAIN = MicroStep()
+
+
 def accumulate_gradients(
     module: torch.nn.Module, micro_batches: Iterator[Any], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
-    weighting: Weighting = MEAN_LOSS, phase: Phase = lambda _: nullcontext(),
-    loss_guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss,
-    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    weighting: Weighting = MEAN_LOSS, around: MicroStep = PLAIN,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one; returns the sum
-    of the micro batches' weighted losses (``weighting``: packed blocks' mean by default).
-
-    ``loss_guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank.
-    ``scale_loss``: fp16's loss scaling before each backward (the returned loss is unscaled).
-    """
+    of the micro batches' weighted losses (``weighting``: packed blocks' mean by default). ``around``: the
+    timing, loss guard and loss scaling each micro batch passes through."""
+    phase, loss_guard, scale_loss = around.phase, around.guard, around.scale
     loss_sum: torch.Tensor | None = None
     for micro, micro_loss in enumerate(weighting.micro_losses(micro_batches, grad_accum, phase)):
         with maybe_sync(micro == grad_accum - 1):  # the last micro batch's backward launches the gradient sync

@@ -83,8 +83,10 @@ def _gemm_4bit_dequantizing(keep_scales: bool) -> Callable[..., torch.Tensor]:
     scales alive beside their offset-added copy until it returns (``keep_scales``)."""
 
     def gemm_4bit(A: torch.Tensor, B: torch.Tensor, shapeB: Any, absmax: torch.Tensor, blocksize: int,
-                  quant_type: str, bias: torch.Tensor | None = None, absmax_8bit: torch.Tensor | None = None,
-                  absmax_code: torch.Tensor | None = None, absmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+                  quant_type: str, *optional: torch.Tensor | None) -> torch.Tensor:
+        # the op's optional arguments, in its schema's order: bias, then double quantization's 8-bit scales,
+        # their code table and offset
+        bias, absmax_8bit, absmax_code, absmax_offset = (*optional, None, None, None, None)[:4]
         scales = None
         if absmax_8bit is not None:
             scales = torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,

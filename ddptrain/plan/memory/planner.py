@@ -101,12 +101,24 @@ def checkpointing(cfg: Config) -> ActivationCheckpointing:
     return cfg.model.activation_checkpointing
 
 
-def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: ActivationCheckpointing, num_layers: int,
-               grad_accum: int, device: Device, working_copy: bool = False, chunked_loss: bool | None = None
-               ) -> PeakTracker:
-    """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
-    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). ``chunked_loss``:
-    ``train.chunked_loss`` (None: as configured); its loss runs on representative chunks (same peak)."""
+@dataclass(frozen=True)
+class TracedStep:
+    """Which step to trace: ``micro_batch`` rows, ``num_layers`` blocks recomputed as ``checkpointing`` says,
+    ``grad_accum`` micro batches, ``chunked_loss`` as ``train.chunked_loss`` (None: as configured)."""
+
+    micro_batch: int
+    checkpointing: ActivationCheckpointing
+    num_layers: int
+    grad_accum: int = 1
+    chunked_loss: bool | None = None
+
+
+def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, working_copy: bool = False) -> PeakTracker:
+    """One traced step of ``cfg``'s model with ``step``'s changes (the rest as configured). ``working_copy``: on
+    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). A chunked loss runs on
+    representative chunks (same peak)."""
+    micro_batch, checkpointing, num_layers = step.micro_batch, step.checkpointing, step.num_layers
+    grad_accum, chunked_loss = step.grad_accum, step.chunked_loss
     traced = copy.deepcopy(cfg)
     traced.model.activation_checkpointing = checkpointing
     traced.model.num_layers = num_layers
@@ -197,8 +209,8 @@ class Tracer:
         chunked = self.cfg.train.chunked_loss if chunked_loss is None else chunked_loss
         key = (micro_batch, checkpointing, num_layers, working_copy, chunked)
         if key not in self._traced:
-            tracker = trace_peak(self.cfg, self.vocab, micro_batch, checkpointing, num_layers, 2, self.device,
-                                 working_copy, chunked_loss=chunked)
+            traced = TracedStep(micro_batch, checkpointing, num_layers, 2, chunked)
+            tracker = trace_peak(self.cfg, self.vocab, traced, self.device, working_copy)
             self._traced[key] = {phase: peak.by_category for phase, peak in tracker.phase_peaks.items()}
         return self._traced[key]
 
@@ -462,8 +474,8 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
     def trace_configured(working_copy: bool) -> PeakMemory:
-        return trace_peak(cfg, vocab, batch.micro_batch_size, checkpointing(cfg),
-                          cfg.model.num_layers, min(batch.grad_accum, 2), device, working_copy).peak
+        step = TracedStep(batch.micro_batch_size, checkpointing(cfg), cfg.model.num_layers, min(batch.grad_accum, 2))
+        return trace_peak(cfg, vocab, step, device, working_copy).peak
 
     traced = trace_configured(False)
     stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
