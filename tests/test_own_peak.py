@@ -127,9 +127,9 @@ def _no_bf16(precision: str, device: torch.device) -> Precision:
 
 
 def _train_as_on_a_gpu_without_bf16(rank: int, world_size: int, tmp: str) -> list[dict]:
-    from ddptrain.train import components
+    from ddptrain.train import trainer
 
-    components.device_precision = own_peak.device_precision = _no_bf16  # this forked rank only
+    trainer.device_precision = own_peak.device_precision = _no_bf16  # this forked rank only
     run = {"model": {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "max_position_embeddings": 64},
            "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 32,
                     "global_batch_size": 4, "micro_batch_size": 4},

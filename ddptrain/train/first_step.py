@@ -16,8 +16,8 @@ from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan.costs import FP32, MIXED_BF16
 from ddptrain.telemetry.comm import SyncSample
 from ddptrain.telemetry.timers import device_clock
-from ddptrain.train.components import Trainer
 from ddptrain.train.summary import report_model_state
+from ddptrain.train.view import TrainerView
 
 log = logging.getLogger("ddptrain")
 
@@ -25,7 +25,7 @@ log = logging.getLogger("ddptrain")
 class FirstStep:
     """The first step's one-off measurements; ``compile_s`` and ``model_state`` go into the summary."""
 
-    def __init__(self, t: Trainer) -> None:
+    def __init__(self, t: TrainerView) -> None:
         self.t = t
         self.step = t.start + 1
         self.compile_s: float | None = None  # train.compile: the first step's seconds, compilation included

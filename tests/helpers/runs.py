@@ -52,10 +52,10 @@ def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
 
     from ddptrain.errors import RunEnded
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import loop, train
+    from ddptrain.train import train, trainer
 
     if not trace_peak:
-        loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
+        trainer.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
 
     per_node = ranks_per_node or world_size
     env = DistEnv(rank=rank, local_rank=rank % per_node, world_size=world_size, local_world_size=per_node,
