@@ -31,7 +31,6 @@ from ddptrain.plan.memory.trace import (
     PeakTracker,
     StepSetup,
     fake_training_state,
-    representative_chunks,
     trace_step,
 )
 
@@ -127,9 +126,9 @@ def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, workin
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     dtype = compute_dtype(cfg.train.precision, device)
     model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
-                                                  dtype if working_copy else None)
+                                                  dtype if working_copy else None, representative_chunks=True)
     setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum)
-    with mode, representative_chunks():
+    with mode:
         tracker, _ = trace_step(model, optimizer, batch, setup)
     return tracker
 

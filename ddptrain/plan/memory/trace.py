@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
-from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -23,14 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode  # torch documents dispatch modes at this path
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
-from transformers import AutoModelForCausalLM, PreTrainedModel, masking_utils
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ddptrain.config.choices import DataFormat, Quantize
 from ddptrain.config.schema import Config, DataConfig, ModelConfig
 from ddptrain.models import chunked_loss
-from ddptrain.models.attention import ready_attention_masks
+from ddptrain.models.attention import ready_attention_masks, use_causal_attention
 from ddptrain.models.build import hf_config
-from ddptrain.models.chunked_loss import use_chunked_loss
+from ddptrain.models.chunked_loss import causal_lm_of, use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, local_optimizer, param_groups
 
@@ -200,11 +199,7 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> AbstractContextManager:
     return nullcontext()
 
 
-def _no_packing(position_ids: torch.Tensor) -> None:
-    return None
-
-
-ALL_CHUNK_STARTS = chunked_loss.chunk_starts  # the run's, kept while the fake step's replaces it
+ALL_CHUNK_STARTS = chunked_loss.chunk_starts  # the run's: every chunk
 
 
 def representative_chunk_starts(tokens: int, chunk: int) -> list[int]:
@@ -213,11 +208,6 @@ def representative_chunk_starts(tokens: int, chunk: int) -> list[int]:
     same, and a fake step of many thousand tokens runs three chunks' ops instead of hundreds."""
     starts = ALL_CHUNK_STARTS(tokens, chunk)
     return sorted({*starts[:2], starts[-1]})
-
-
-def representative_chunks() -> AbstractContextManager:
-    """Run the chunked loss on its representative chunks only (fake tensors: no values to get wrong)."""
-    return mock.patch.object(chunked_loss, "chunk_starts", representative_chunk_starts)
 
 
 def trace_step(
@@ -237,9 +227,7 @@ def trace_step(
     autocast = (torch.autocast("cpu", dtype=setup.compute_dtype) if setup.compute_dtype is not None
                 else nullcontext())
     try:
-        # Positions never restart within a row of a training batch, so transformers finds no packed sequences
-        # there; on fake tensors it cannot look (it treats them as tracing) and builds a full attention mask.
-        with tracker, mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packing):
+        with tracker:
             tracker.mark(params, "parameters")
             tracker.mark(state, "optimizer")
             tracker.mark(batch.values(), "activations")
@@ -286,7 +274,7 @@ def pretrained_shape(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
 
 def fake_training_state(
     cfg: Config, vocab_size: int, micro_batch: int, device_type: str, mode: FakeTensorMode,
-    param_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None, representative_chunks: bool = False,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
     """Model, AdamW with its state, and one micro batch, all fake: built on ``meta``, then given fake storage.
 
@@ -294,6 +282,9 @@ def fake_training_state(
     parameter-sized temporary). ``param_dtype``: compute on parameters of that dtype, as FSDP2's gathered
     working copy under a mixed-precision policy. An NF4 base (``model.quantize=nf4``) is built as the 4-bit load
     builds it, quantized on fake tensors, then prepared (k-bit preparation, LoRA) as a run prepares it.
+    Packed blocks (``data.format=packed``) run their attention as the run does (``use_causal_attention``: SDPA,
+    causal, no mask). ``representative_chunks``: the chunked loss runs its first two chunks and its last
+    (``representative_chunk_starts``: the same peak, fewer ops).
     """
     nf4 = cfg.model.quantize == Quantize.nf4
     if nf4:
@@ -307,8 +298,11 @@ def fake_training_state(
             model = training_model(cfg.model, vocab_size)
         if param_dtype is not None:
             model.to(param_dtype)
+        if cfg.data.format == DataFormat.packed:  # one causal sequence per row, as the run's build says
+            use_causal_attention(causal_lm_of(model))
         if cfg.train.chunked_loss:
-            use_chunked_loss(model, cfg.train.loss_chunk_tokens, device_type)
+            starts = representative_chunk_starts if representative_chunks else ALL_CHUNK_STARTS
+            use_chunked_loss(model, cfg.train.loss_chunk_tokens, device_type, starts)
     with mode:
         model.to_empty(device="cpu")
         model.tie_weights()
