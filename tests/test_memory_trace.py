@@ -48,15 +48,13 @@ from ddptrain.plan.memory.planner import (
     trace_peak,
 )
 from ddptrain.plan.memory.trace import (
-    CATEGORIES,
-    PeakTracker,
     StepSetup,
     create_optimizer_state,
     fake_training_state,
-    model_state_tensors,
     trace_step,
     training_model,
 )
+from ddptrain.telemetry.storage_peak import CATEGORIES, PeakTracker, model_state_tensors
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
 
@@ -663,7 +661,7 @@ def test_a_traced_qlora_step_peaks_like_the_real_4bit_cpu_step_in_every_category
 def test_the_traced_4bit_matmul_holds_the_dequantized_weight_as_bitsandbytes_kernel_does(device_type: str) -> None:
     import bitsandbytes as bnb
 
-    from ddptrain.plan.memory.nf4 import kernel_compositions
+    from ddptrain.telemetry.nf4_kernels import kernel_compositions
 
     out_features, in_features, rows = 256, 128, 32
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)

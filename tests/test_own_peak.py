@@ -11,10 +11,10 @@ import torch
 from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.plan.memory import own_peak
-from ddptrain.plan.memory.own_peak import MeasuredPeak
 from ddptrain.plan.memory.planner import compute_dtype
 from ddptrain.plan.memory.present import this_device
 from ddptrain.runtime.process_group import device_precision
+from ddptrain.telemetry.measured_peak import MeasuredPeak
 from tests.helpers.dist import run_distributed
 from tests.helpers.fake_cuda import A100, H100, L4, T4, V100, FakeGPU, fake_cuda
 from tests.helpers.pretrained import TINY_LLAMA

@@ -45,13 +45,14 @@ from ddptrain.parallel import Wrapped, wrap_model
 from ddptrain.parallel.compile import compile_blocks
 from ddptrain.plan.analytic.planner import step_comm
 from ddptrain.plan.costs import FP32
-from ddptrain.plan.memory.own_peak import memory_peak, planned_peak
+from ddptrain.plan.memory.own_peak import planned_peak
 from ddptrain.plan.whatif.own_run import predict_own_step
 from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
 from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.goodput import attempt_start, goodput_line
+from ddptrain.telemetry.measured_peak import memory_peak
 from ddptrain.telemetry.memory import ModelStateProbe
 from ddptrain.telemetry.metrics import StepMetrics, TokenFlops, steady_medians
 from ddptrain.telemetry.stragglers import StragglerMonitor

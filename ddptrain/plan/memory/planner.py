@@ -25,14 +25,8 @@ from ddptrain.plan.analytic.planner import Plan, backward_seconds
 from ddptrain.plan.costs import Comm
 from ddptrain.plan.memory.host_cost import selective_host_bound
 from ddptrain.plan.memory.overheads import RunOverheads
-from ddptrain.plan.memory.trace import (
-    CATEGORIES,
-    PeakMemory,
-    PeakTracker,
-    StepSetup,
-    fake_training_state,
-    trace_step,
-)
+from ddptrain.plan.memory.trace import StepSetup, fake_training_state, trace_step
+from ddptrain.telemetry.storage_peak import CATEGORIES, PeakMemory, PeakTracker
 
 GiB = 1024**3
 
