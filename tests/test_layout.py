@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -283,6 +284,8 @@ def backward_calls(files: dict[str, ast.Module]) -> list[str]:
                   and node.func.attr == "backward")
 
 
+@pytest.mark.xfail(strict=True, reason="issue 42, not yet: the memory trace (plan/memory/trace.py) still runs a step "
+                   "of its own; running the trainer's needs plan above train or the step below plan (see the report)")
 def test_autograds_backward_is_called_only_under_train() -> None:
     """One definition of a training step: the trainer's, which the memory planner runs too."""
     outside = {p: t for p, t in _package_files().items() if not p.startswith("ddptrain/train/")}
@@ -424,3 +427,24 @@ def class_definitions(files: dict[str, ast.Module]) -> dict[str, list[str]]:
 
 def test_no_public_class_name_is_defined_twice() -> None:
     assert class_definitions(_package_files()) == {}
+
+
+def named_in_guide(text: str) -> list[str]:
+    """The files (``ddptrain/...py``, ``tests/...py``, ``scripts/...py``) and tests (``tests/x.py::test_y``, or a
+    constant there) a guide names that do not exist."""
+    files = re.findall(r"\b((?:ddptrain|tests|scripts)/[\w/.-]+\.py)\b", text)
+    missing = [p for p in files if not (REPO / p).is_file()]
+    for path, name in re.findall(r"\b(tests/[\w/]+\.py)::(\w+)", text):
+        defined = rf"^(def {name}\(|class {name}\b|{name}\s*[:=])"  # a test, a class or a constant
+        if (REPO / path).is_file() and not re.search(defined, (REPO / path).read_text(), re.MULTILINE):
+            missing.append(f"{path}::{name}")
+    return missing
+
+
+def test_the_extension_guide_names_files_and_tests_that_exist() -> None:
+    assert named_in_guide((REPO / "docs" / "extending.md").read_text()) == []
+
+
+def test_the_guide_check_finds_a_moved_file_and_a_renamed_test() -> None:
+    text = "see `ddptrain/train/loop.py` and `tests/test_layout.py::test_no_such_test`"
+    assert named_in_guide(text) == ["ddptrain/train/loop.py", "tests/test_layout.py::test_no_such_test"]
