@@ -53,7 +53,7 @@ def main() -> None:
     wrapped = wrap_model(model, cfgs["sync"].parallel, device)
     optimizer = build_optimizer(model, cfgs["sync"].optim)
     ids = torch.randint(0, 8192, (2, 64), device=device)
-    wrapped.module(input_ids=ids, labels=ids).loss.backward()
+    wrapped.outer(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()  # AdamW's moments exist: a save holds 3x the weights
     checkpointers = {m: Checkpointer(cfgs[m], root / m, wrapped.strategy) for m in modes}
     blocked: dict[str, list[float]] = {m: [] for m in modes}

@@ -33,7 +33,7 @@ from ddptrain.plan.memory.auto_batch import (
     usable_bytes,
 )
 from ddptrain.plan.memory.overheads import RunOverheads, ranks_per_node
-from ddptrain.plan.memory.planner import GiB, Tracer, target_device
+from ddptrain.plan.memory.planner import GiB, TracedStep, Tracer, target_device
 from ddptrain.runtime.process_group import DistEnv
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
@@ -64,8 +64,8 @@ def full_trace(cfg: Config, micro_batch: int, per_rank: int,
     """The whole step traced, every block and every chunk (accumulating below the per-rank batch)."""
     accum = 2 if micro_batch < per_rank else 1
     with mock.patch.object(memory_trace, "representative_chunk_starts", memory_trace.ALL_CHUNK_STARTS):
-        return memory_planner.trace_peak(cfg, VOCAB, micro_batch, checkpointing, cfg.model.num_layers, accum, CPU,
-                                         chunked_loss=chunked_loss).peak.peak
+        step = TracedStep(micro_batch, checkpointing, cfg.model.num_layers, accum, chunked_loss)
+        return memory_planner.trace_peak(cfg, VOCAB, step, CPU).peak.peak
 
 
 def device_between(low: float, high: float) -> object:

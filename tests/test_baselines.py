@@ -44,8 +44,8 @@ def _accumulated_grads(rank: int, world_size: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = build_model(TINY, VOCAB, eos_id=0)
         wrapped = wrap_model(model, ParallelConfig(wrap_single=wrap_single), torch.device("cpu"))
-        accumulate_gradients(wrapped.module, iter(_batch().chunk(2)), 2, wrapped.maybe_sync, nullcontext())
-        out[str(wrap_single)] = {"module": type(wrapped.module).__name__, "bare": wrapped.module is model,
+        accumulate_gradients(wrapped.outer, iter(_batch().chunk(2)), 2, wrapped.maybe_sync, nullcontext())
+        out[str(wrap_single)] = {"module": type(wrapped.outer).__name__, "bare": wrapped.outer is model,
                                  "strategy": wrapped.strategy,
                                  "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     return out
@@ -109,25 +109,29 @@ def test_world_size_one_logs_no_communication_unless_wrapped_and_the_sweep_row_s
 def _first_steps(rank: int, world_size: int, tmp: str) -> dict[float, dict[str, Any]]:
     """Per dropout rate: one real training step in which both ranks are fed the same batch; the initial weights
     (before DDP's broadcast) and this rank's loss."""
-    from ddptrain.train import components, step
+    from ddptrain.train import trainer
+    from tests.helpers.trainers import train_each_with
 
     seen: dict[str, Any] = {}
-    real_wrap, real_accumulate = components.wrap_model, step.accumulate_gradients
+    real_wrap = trainer.wrap_model
 
     def wrap(model: torch.nn.Module, *args: Any) -> Any:
         seen["init"] = {k: v.clone() for k, v in model.state_dict().items()}
         return real_wrap(model, *args)
 
-    def accumulate(module: torch.nn.Module, _batches: Any, grad_accum: int, *args: Any) -> torch.Tensor:
-        loss = real_accumulate(module, iter(_batch().chunk(grad_accum)), grad_accum, *args)
-        seen["loss"] = loss.item()
-        return loss
+    class SameBatch(trainer.Trainer):
+        """Every rank's step on the same batch (``_batch``), its loss kept."""
 
-    components.wrap_model, step.accumulate_gradients = wrap, accumulate
+        def forward_backward_step(self, step: int, micro_batches: Any) -> torch.Tensor:
+            loss = super().forward_backward_step(step, iter(_batch().chunk(self.shape.grad_accum)))
+            seen["loss"] = loss.item()
+            return loss
+
+    trainer.wrap_model = wrap  # type: ignore[assignment]  # this forked rank only
     out = {}
     for dropout in (0.0, 0.1):
         variant = {"model": {"dropout": dropout}, "train": {"steps": 1, "log_every": 1}}
-        train_each(rank, world_size, str(Path(tmp) / str(dropout)), BASE, [variant])
+        train_each_with(SameBatch, rank, world_size, str(Path(tmp) / str(dropout)), BASE, [variant])
         out[dropout] = dict(seen)
     return out
 

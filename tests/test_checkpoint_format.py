@@ -17,10 +17,10 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
+from ddptrain.checkpoint.cli import run as ckpt_tool
 from ddptrain.checkpoint.format import manifest
-from ddptrain.data import BatchShape, MicroBatches
+from ddptrain.data import BatchShape, MicroBatches, SampleOrder
 from tests.helpers.cli import DDPTRAIN_CKPT, test_env
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each
@@ -164,7 +164,8 @@ def test_an_asynchronous_save_is_committed_by_the_background_writer_while_the_ne
 
 def _stream(dataset: Dataset, dp: int, rank: int) -> MicroBatches:
     plan = BatchShape.derive(8, 2, None, dp, 4)
-    return MicroBatches(dataset, plan, rank, seed=5, shuffle=True, num_workers=0, device=torch.device("cpu"))
+    return MicroBatches(dataset, plan, rank, SampleOrder(seed=5, shuffle=True), num_workers=0,
+                        device=torch.device("cpu"))
 
 
 def _consume(dataset: Dataset, dp: int, steps: int, state: dict[str, int] | None) -> tuple[list[int], dict]:

@@ -201,7 +201,7 @@ def test_a_delay_fault_sleeps_inside_its_phase_from_its_step_on() -> None:
 
 
 def test_only_the_runs_build_names_fault_injection() -> None:
-    """The loop and the checkpointer call step hooks; ``train/components.py`` alone builds them from faults."""
+    """The loop and the checkpointer call step hooks; ``train/trainer.py`` alone builds them from faults."""
     users = set()
     for path in (REPO / "ddptrain").rglob("*.py"):
         if path.is_relative_to(REPO / "ddptrain" / "testing"):
@@ -211,4 +211,4 @@ def test_only_the_runs_build_names_fault_injection() -> None:
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             if any(n.startswith("ddptrain.testing") for n in named):
                 users.add(path.relative_to(REPO).as_posix())
-    assert users == {"ddptrain/train/components.py"}
+    assert users == {"ddptrain/train/trainer.py"}

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddptrain.app.ckpt import run as ckpt_tool
 from ddptrain.checkpoint import offline
+from ddptrain.checkpoint.cli import run as ckpt_tool
 from ddptrain.checkpoint.format import manifest
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides, make_config, train_each, without_the_planned_peak

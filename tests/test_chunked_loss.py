@@ -341,7 +341,7 @@ def _grads_on_ranks(rank: int, world_size: int) -> dict[int, dict[str, torch.Ten
         mine = slice(rank * 4, rank * 4 + 4)
         micro = [{"input_ids": i, "labels": lab}
                  for i, lab in zip(ids[mine].chunk(2), labels[mine].chunk(2), strict=True)]
-        accumulate_gradients(wrapped.module, iter(micro), 2, wrapped.maybe_sync, nullcontext(), TOKEN_MEAN_LOSS)
+        accumulate_gradients(wrapped.outer, iter(micro), 2, wrapped.maybe_sync, nullcontext(), TOKEN_MEAN_LOSS)
         out[stage] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                       for n, p in model.named_parameters()}
     return out

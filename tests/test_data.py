@@ -13,7 +13,7 @@ from datasets import Dataset
 
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import DataConfig
-from ddptrain.data import BatchShape, MicroBatches, build_token_data, validate_source
+from ddptrain.data import BatchShape, MicroBatches, SampleOrder, build_token_data, validate_source
 from ddptrain.data.types import split_documents
 from ddptrain.errors import ConfigError
 
@@ -39,7 +39,8 @@ def test_validation_documents_are_held_out_whole() -> None:
 
 def _stream(dataset: Dataset, rank: int, dp: int = 2) -> MicroBatches:
     plan = BatchShape.derive(4 * dp, 2, None, dp, 4)
-    return MicroBatches(dataset, plan, rank, seed=3, shuffle=True, num_workers=0, device=torch.device("cpu"))
+    return MicroBatches(dataset, plan, rank, SampleOrder(seed=3, shuffle=True), num_workers=0,
+                        device=torch.device("cpu"))
 
 
 def test_micro_batches_resume_mid_epoch_exactly_and_reshuffle_each_epoch() -> None:

@@ -22,8 +22,8 @@ from ddptrain.data import dataset as dataset_module
 from ddptrain.data.corpus import Corpus
 from ddptrain.data.encode import encode_documents
 from ddptrain.data.instruct import encode, generated_instructions
-from ddptrain.data.loader import MicroBatches
-from ddptrain.data.prepare import DONE, is_validation, prepared_shards
+from ddptrain.data.loader import MicroBatches, SampleOrder
+from ddptrain.data.prepare import DONE, ShardRecipe, is_validation, prepared_shards
 from ddptrain.data.shards import HEADER_BYTES, check_shard, finished_shards, open_tokens
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.data.tokenizer import train_bpe
@@ -96,7 +96,7 @@ def test_an_interrupted_preparation_resumes_after_its_last_finished_shard(
 ) -> None:
     monkeypatch.setattr("ddptrain.data.prepare.BATCH_DOCS", 8)  # small batches: shards finish before the stop
     tok = train_bpe(DOCS, 300)
-    args = (tok.backend_tokenizer.to_str(), len(tok), tok.eos_token_id, 0.1, 500, 1, 60.0)
+    args = (ShardRecipe(tok.backend_tokenizer.to_str(), len(tok), tok.eos_token_id, 0.1, 500, 1), 60.0)
     full = Corpus(lambda: iter(DOCS), "fp", 0)
     reference = prepared_shards(tmp_path / "reference", full, *args)
 
@@ -202,7 +202,8 @@ def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_b
     with pytest.raises(ConfigError, match=bytes_named):
         check_shard(shard)
     # read by a DataLoader worker process, the error is still one line (not torch's wrapped traceback)
-    batches = MicroBatches(damaged.train, BatchShape.derive(2, 2, None, 1, 16), 0, 0, False, 1, torch.device("cpu"))
+    batches = MicroBatches(damaged.train, BatchShape.derive(2, 2, None, 1, 16), 0, SampleOrder(0, False), 1,
+                           torch.device("cpu"))
     with pytest.raises(ConfigError, match=bytes_named) as exc:
         for _ in range(len(damaged.train)):
             next(batches)

@@ -49,7 +49,7 @@ def _ddp_grads(rank: int, world_size: int, grad_accum: int) -> dict:
             return _RecordAfter(wrapped.maybe_sync(False), model, seen_after_first)
         return wrapped.maybe_sync(sync)
 
-    accumulate_gradients(wrapped.module, micro, grad_accum, maybe_sync, nullcontext())
+    accumulate_gradients(wrapped.outer, micro, grad_accum, maybe_sync, nullcontext())
     return {
         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
         "local_after_first_micro": {n: g.clone() for n, g in seen_after_first.items()},

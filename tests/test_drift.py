@@ -59,17 +59,17 @@ def _runs(rank: int, world_size: int, tmp: str, variants: list[tuple[str, Overri
           ranks_per_node: int) -> list[dict[str, Any]]:
     """``train_outcomes`` of each variant, with the parameters this rank holds at the end (an FSDP2 shard's local
     part) and the warnings the run logged."""
-    import ddptrain.train.components as components
+    import ddptrain.train.trainer as trainer
     from tests.helpers.runs import train_outcomes
 
     models: list[torch.nn.Module] = []
-    build = components.build_model
+    build = trainer.build_model
 
     def keep(*args: Any, **kwargs: Any) -> torch.nn.Module:
         models.append(build(*args, **kwargs))
         return models[-1]
 
-    components.build_model = keep
+    trainer.build_model = keep
     warnings: list[str] = []
 
     class Warnings(logging.Handler):

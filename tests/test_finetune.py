@@ -28,7 +28,7 @@ from ddptrain.train.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import count_checkpoint_calls, train_each_watched
-from tests.helpers.runs import make_config, train_each
+from tests.helpers.runs import make_config
 
 LORA = LoraSettings(enabled=True, r=4, alpha=8.0)
 # Completion lengths per sequence: rank 0's micro batches hold 1-2 loss tokens, rank 1's 20+ (mbs 2, accum 2).
@@ -100,7 +100,7 @@ def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dic
         model = _lora_model(base, **kwargs)
         calls = count_checkpoint_calls(model)
         wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
-        accumulate_gradients(wrapped.module, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
+        accumulate_gradients(wrapped.outer, iter(_micro_batches(rank)), ACCUM, wrapped.maybe_sync, nullcontext(),
                              TOKEN_MEAN_LOSS)
         out[variant] = _adapter_grads(model)
         ran[variant] = {"checkpoint_calls": calls[0], "training": all(m.training for m in model.modules())}
@@ -109,7 +109,7 @@ def _grads_on_two_ranks(rank: int, world_size: int, base: Path) -> dict[str, dic
     wrapped = wrap_model(model, ParallelConfig(), torch.device("cpu"))
     for i, micro in enumerate(_micro_batches(rank)):  # the classic bug: each micro batch's own token mean
         with wrapped.maybe_sync(i == ACCUM - 1):
-            (wrapped.module(**micro).loss / ACCUM).backward()
+            (wrapped.outer(**micro).loss / ACCUM).backward()
     out["mean_of_means"] = _adapter_grads(model)
     return out
 
@@ -139,18 +139,20 @@ def test_lora_token_weighted_gradients_equal_one_process_on_the_whole_batch(base
 
 def _train_with_failing_backward(rank: int, world_size: int, tmp: str, base: dict) -> dict[bool, str]:
     """Train with a backward that fails as torch DDP does when a gradient is marked ready twice."""
-    import ddptrain.train.step as step
+    from ddptrain.train.trainer import Trainer
+    from tests.helpers.trainers import train_each_with
 
-    def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("Expected to mark a variable ready only once. This error is caused by one of the "
-                           "following reasons: 1) Use of a module parameter outside the `forward` function.")
+    class FailingBackward(Trainer):
+        def accumulate(self, step: int, micro_batches: object) -> torch.Tensor:
+            raise RuntimeError("Expected to mark a variable ready only once. This error is caused by one of the "
+                               "following reasons: 1) Use of a module parameter outside the `forward` function.")
 
-    step.accumulate_gradients = fail  # type: ignore[assignment]  # this spawned process only
     out = {}
     for reentrant in (True, False):
         model = {"activation_checkpointing": "full", "checkpoint_reentrant": reentrant}
         try:
-            train_each(rank, world_size, tmp, base, [{"model": model, "checkpoint": {"export": False}}])
+            train_each_with(FailingBackward, rank, world_size, tmp, base,
+                            [{"model": model, "checkpoint": {"export": False}}])
             out[reentrant] = "no error"
         except (ConfigError, RuntimeError) as exc:
             out[reentrant] = f"{type(exc).__name__}: {exc}"

@@ -93,11 +93,12 @@ def _examples(lengths: list[int]) -> list[dict[str, list[int]]]:
 def test_a_packed_micro_batch_counts_attention_per_example_not_per_row() -> None:
     """Examples of 5, 3, 7 and 2 tokens packed into rows of 10 (7+3 and 5+2): attention relates
     5² + 3² + 7² + 2² = 87 token pairs, where seq_len² per row would say 2 x 100 and seq_len per token 170."""
+    from ddptrain.config.schema import MetricsConfig
     from ddptrain.data.batch import BatchShape
     from ddptrain.data.instruct import PadCollate
     from ddptrain.data.loader import TokenCount
     from ddptrain.data.packing import VARLEN_KEYS, PackCollate
-    from ddptrain.telemetry.metrics import StepMetrics
+    from ddptrain.telemetry.metrics import StepMetrics, TokenFlops
 
     rows = _examples([5, 3, 7, 2])
     for collate, computed in ((PackCollate(0, 10), 2 * 10), (PadCollate(0), 4 * 7)):
@@ -112,8 +113,8 @@ def test_a_packed_micro_batch_counts_attention_per_example_not_per_row() -> None
 
     dense, attention = 1000.0, 10.0  # FLOPs per token outside attention; 12·L·H·Q
     count = TokenCount()
-    meter = StepMetrics(BatchShape.derive(4, 4, 1, 1, 10), torch.device("cpu"), dense + attention * 10, None, None,
-                        None, count, attention_flops=attention)
+    meter = StepMetrics(BatchShape.derive(4, 4, 1, 1, 10), torch.device("cpu"),
+                        TokenFlops(dense + attention * 10, attention), MetricsConfig(), count)
     meter.start_step(1)
     count.count(PackCollate(0, 10)(rows))
     meter.end_step(None, None)

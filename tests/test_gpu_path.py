@@ -18,12 +18,12 @@ from torch import nn
 
 import ddptrain.models.attention as attention
 from ddptrain.config.choices import Precision
-from ddptrain.config.schema import ModelConfig, ParallelConfig
+from ddptrain.config.schema import MetricsConfig, ModelConfig, ParallelConfig
 from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
-from ddptrain.telemetry.metrics import StepMetrics
+from ddptrain.telemetry.metrics import StepMetrics, TokenFlops
 from tests.helpers.fake_cuda import A100, H100, RTX_4090, T4, V100, FakeGPU, fake_cuda
 from tests.helpers.tiny import TINY_MODEL
 
@@ -45,10 +45,10 @@ def _one_sampled_step(parallel: ParallelConfig, world_size: int) -> dict:
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
     wrapped = wrap_model(model, parallel, torch.device("cpu"))
     plan = BatchShape.derive(2 * world_size, 2, None, world_size, 4)
-    meter = StepMetrics(plan, torch.device("cpu"), 1.0, None, None, 1, TokenCount())
+    meter = StepMetrics(plan, torch.device("cpu"), TokenFlops(1.0), MetricsConfig(sample_every=1), TokenCount())
     meter.start_step(1)
     with meter.timer.phase("backward"):
-        wrapped.module(torch.randn(4, 16)).sum().backward()
+        wrapped.outer(torch.randn(4, 16)).sum().backward()
     meter.end_step(*wrapped.take_sync_sample(world_size, meter.timer.active))
     return meter.window(1, 0.0, 0.0, 0.0)
 
@@ -416,7 +416,7 @@ def test_nccl_sync_is_timed_by_events_and_takes_device_time(parallel: ParallelCo
     assert wrapped.comm_clock() is not None and wrapped.comm_clock().kind == "cuda"
     for _ in range(3):
         start = time.perf_counter()
-        wrapped.module(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        wrapped.outer(torch.randn(64, 1024, device="cuda")).square().mean().backward()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         sample, _ = wrapped.take_sync_sample(1, True)

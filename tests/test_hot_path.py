@@ -36,8 +36,8 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
 
 def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, variant: Overrides) -> dict[str, Any]:
     """Train once, logging every collective and host read against the step it happened in."""
-    import ddptrain.train.loop as loop
     from ddptrain.telemetry.metrics import StepMetrics
+    from ddptrain.train.trainer import Trainer
 
     events: list[tuple[Any, ...]] = []
     step = [0]
@@ -59,13 +59,13 @@ def _instrumented_run(rank: int, world_size: int, tmp: str, base: Overrides, var
         if hasattr(dist, name):
             wrap(dist, name, "collective", numel)
     reads = HostReads(torch.device("cpu"), lambda name, why: events.append((step[0], "host_read", name, why)))
-    build_trainer = loop.build_trainer
+    build = Trainer.__init__
 
-    def on_the_runs_device(cfg: Any, env: Any, device: torch.device, *args: Any) -> Any:
+    def on_the_runs_device(self: Trainer, cfg: Any, env: Any, device: torch.device, *args: Any) -> None:
         reads.run_device = device  # the object the loop places tensors with
-        return build_trainer(cfg, env, device, *args)
+        build(self, cfg, env, device, *args)
 
-    loop.build_trainer = on_the_runs_device
+    Trainer.__init__ = on_the_runs_device  # type: ignore[method-assign]  # this forked rank only
     start_step = StepMetrics.start_step
 
     def mark(self: StepMetrics, n: int) -> None:
@@ -147,15 +147,15 @@ def test_check_and_logging_steps_add_only_their_documented_reductions(
 
 def _capture_models(models: list[torch.nn.Module]) -> None:
     """Keep every model the loop builds, to compare the ranks' parameters after training."""
-    import ddptrain.train.components as components
+    import ddptrain.train.trainer as trainer
 
-    build = components.build_model
+    build = trainer.build_model
 
     def keep(*args: Any, **kwargs: Any) -> torch.nn.Module:
         models.append(build(*args, **kwargs))
         return models[-1]
 
-    components.build_model = keep
+    trainer.build_model = keep
 
 
 def _nonfinite_run(rank: int, world_size: int, tmp: str, policy: str, impl: str) -> dict[str, Any]:
@@ -181,8 +181,7 @@ def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Rank 0 gets SIGTERM after step 4; checks fall every 3 steps, so every rank stops after step 6."""
     import signal
 
-    import ddptrain.train.components as components
-    import ddptrain.train.loop as loop
+    import ddptrain.train.trainer as trainer
     from ddptrain.runtime.hooks import StepHooks
 
     class TerminateAfterStep4(StepHooks):
@@ -190,18 +189,18 @@ def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             if step == 4:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    step_hooks = components.step_hooks
-    components.step_hooks = lambda r: TerminateAfterStep4() if r == 0 else step_hooks(r)  # type: ignore[assignment]
+    step_hooks = trainer.step_hooks
+    trainer.step_hooks = lambda r: TerminateAfterStep4() if r == 0 else step_hooks(r)  # type: ignore[assignment]
     run_dir = os.path.join(tmp, "sigterm")
     # A long grace: the SIGTERM watchdog must not end this worker, which goes on to other runs.
     variant: Overrides = {"train": {"steps": 20, "log_every": 20, "check_every": 3}, "launch": {"stop_grace_s": 900}}
     try:
         train_each(rank, world_size, run_dir, TINY, [variant])
-    except loop.Stopped as exc:
+    except trainer.Stopped as exc:
         return {"exit_code": exc.exit_code, "message": str(exc),
                 "checkpoints": sorted(p.name for p in Path(run_dir).glob("*/checkpoints/step_*"))}
     finally:
-        components.step_hooks = step_hooks  # type: ignore[assignment]
+        trainer.step_hooks = step_hooks  # type: ignore[assignment]
     return {"exit_code": 0}
 
 

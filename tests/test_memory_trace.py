@@ -37,6 +37,7 @@ from ddptrain.plan.memory.planner import (
     Allowances,
     GiB,
     MemoryPlan,
+    TracedStep,
     Tracer,
     compute_dtype,
     plan_memory,
@@ -47,15 +48,13 @@ from ddptrain.plan.memory.planner import (
     trace_peak,
 )
 from ddptrain.plan.memory.trace import (
-    CATEGORIES,
-    PeakTracker,
     StepSetup,
     create_optimizer_state,
     fake_training_state,
-    model_state_tensors,
     trace_step,
     training_model,
 )
+from ddptrain.telemetry.storage_peak import CATEGORIES, PeakTracker, model_state_tensors
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
 
@@ -196,7 +195,7 @@ def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None
     fit = Tracer(cfg, VOCAB, device).fit(ActivationCheckpointing.none)
     for accum in (1, 2):
         for micro_batch in (1, 6):
-            full = trace_peak(cfg, VOCAB, micro_batch, ActivationCheckpointing.none, 4, accum, device).peak
+            full = trace_peak(cfg, VOCAB, TracedStep(micro_batch, ActivationCheckpointing.none, 4, accum), device).peak
             assert sum(fit.at(micro_batch, 4, accum > 1).values()) == pytest.approx(full.peak, rel=0.02)
 
 
@@ -418,7 +417,8 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
     device = target_device("cpu", None, None)
     plan = build_plan(cfg, 2, None)
     working_copy = precision == "bf16"  # FSDP2 gathers bf16 parameters and computes on them
-    traced = trace_peak(cfg, VOCAB, BATCH, ActivationCheckpointing.none, 4, grad_accum, device, working_copy).peak
+    traced = trace_peak(cfg, VOCAB, TracedStep(BATCH, ActivationCheckpointing.none, 4, grad_accum), device,
+                        working_copy).peak
     predicted = sum(shard(traced.by_category, stage, 2, plan, grad_accum > 1).values())
     assert shard(traced.by_category, stage, 2, plan)["parameters"] == plan.memory[stage].params
     for rank in run_distributed(_fsdp_rank_peak, 2, copy.deepcopy(cfg), grad_accum):
@@ -661,7 +661,7 @@ def test_a_traced_qlora_step_peaks_like_the_real_4bit_cpu_step_in_every_category
 def test_the_traced_4bit_matmul_holds_the_dequantized_weight_as_bitsandbytes_kernel_does(device_type: str) -> None:
     import bitsandbytes as bnb
 
-    from ddptrain.plan.memory.nf4 import kernel_compositions
+    from ddptrain.telemetry.nf4_kernels import kernel_compositions
 
     out_features, in_features, rows = 256, 128, 32
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)

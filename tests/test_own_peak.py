@@ -11,10 +11,10 @@ import torch
 from ddptrain.config.choices import Precision
 from ddptrain.config.schema import Config
 from ddptrain.plan.memory import own_peak
-from ddptrain.plan.memory.own_peak import MeasuredPeak
 from ddptrain.plan.memory.planner import compute_dtype
 from ddptrain.plan.memory.present import this_device
 from ddptrain.runtime.process_group import device_precision
+from ddptrain.telemetry.measured_peak import MeasuredPeak
 from tests.helpers.dist import run_distributed
 from tests.helpers.fake_cuda import A100, H100, L4, T4, V100, FakeGPU, fake_cuda
 from tests.helpers.pretrained import TINY_LLAMA
@@ -127,9 +127,9 @@ def _no_bf16(precision: str, device: torch.device) -> Precision:
 
 
 def _train_as_on_a_gpu_without_bf16(rank: int, world_size: int, tmp: str) -> list[dict]:
-    from ddptrain.train import components
+    from ddptrain.train import trainer
 
-    components.device_precision = own_peak.device_precision = _no_bf16  # this forked rank only
+    trainer.device_precision = own_peak.device_precision = _no_bf16  # this forked rank only
     run = {"model": {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "max_position_embeddings": 64},
            "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 32,
                     "global_batch_size": 4, "micro_batch_size": 4},

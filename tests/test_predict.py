@@ -21,6 +21,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.plan.costs import Link
 from ddptrain.plan.whatif import Calibration, Layout, allreduce_seconds, predict, sync_timeline
 from ddptrain.plan.whatif.own_run import GLOO_LOOPBACK, predict_own_step
+from ddptrain.telemetry.summary import RunSummary
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
 
@@ -118,11 +119,12 @@ def test_predicted_tokens_per_second_count_the_real_tokens_a_prompt_completion_r
     summary = {"world_size": 1, "global_batch_size": 8, "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
                "time_data_s": 0.0, "time_forward_s": 0.05, "time_backward_s": 0.15, "time_optimizer_s": 0.01,
                "parameters": 1000, "tokens_per_sequence": 23.5}
-    packed = Calibration.from_summary(summary)
+    packed = Calibration.from_summary(RunSummary.from_json(summary))
     assert packed.tokens_per_sequence == 23.5
     got = predict(packed, Layout(1, 1, SLOW, SLOW))  # 2 micro-steps of 0.1 s + 0.01 s: 0.21 s per step
     assert got.tokens_per_s == pytest.approx(8 * 23.5 / 0.21)  # 895 real tokens/s, not 8 x 64 / 0.21 = 2,438
-    blocks = predict(Calibration.from_summary({**summary, "tokens_per_sequence": None}), Layout(1, 1, SLOW, SLOW))
+    blocks = predict(Calibration.from_summary(RunSummary.from_json({**summary, "tokens_per_sequence": None})),
+                     Layout(1, 1, SLOW, SLOW))
     assert blocks.tokens_per_s == pytest.approx(8 * 64 / 0.21)  # a run without the figure: seq_len each
 
 
@@ -178,8 +180,9 @@ def test_the_rank_skew_the_run_measured_waits_for_the_slowest_rank_in_the_expose
     summary = {"world_size": 2, "global_batch_size": 16, "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
                "time_data_s": 0.0, "time_forward_s": 0.1, "time_backward_s": 0.1, "time_optimizer_s": 0.01,
                "parameters": 500_000}
-    assert Calibration.from_summary({**summary, "rank_wait_for_slowest_pct": 10.0}).skew == pytest.approx(0.1)
-    assert Calibration.from_summary(summary).skew == 0.0
+    waiting = RunSummary.from_json({**summary, "rank_wait_for_slowest_pct": 10.0})
+    assert Calibration.from_summary(waiting).skew == pytest.approx(0.1)
+    assert Calibration.from_summary(RunSummary.from_json(summary)).skew == 0.0
 
 
 def test_the_host_fits_wait_adds_to_the_measured_skew() -> None:
@@ -227,9 +230,10 @@ def test_the_hook_cost_of_a_one_rank_run_is_charged_per_bucket() -> None:
     summary = {"world_size": 1, "global_batch_size": 8, "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
                "time_data_s": 0.0, "time_forward_s": 0.1, "time_backward_s": 0.1, "time_optimizer_s": 0.01,
                "comm_time_s": 0.004, "buckets": [[0.05, 10**6], [0.0, 10**6]], "parameters": 500_000}
-    cal = Calibration.from_summary(summary)
+    cal = Calibration.from_summary(RunSummary.from_json(summary))
     assert cal.hook_s == pytest.approx(0.002)
-    without = predict(Calibration.from_summary({**summary, "world_size": 2}), Layout(2, 1, SLOW, SLOW))
+    without = predict(Calibration.from_summary(RunSummary.from_json({**summary, "world_size": 2})),
+                      Layout(2, 1, SLOW, SLOW))
     assert predict(cal, Layout(2, 1, SLOW, SLOW)).exposed_s == pytest.approx(without.exposed_s + 0.002)
 
 
@@ -398,17 +402,20 @@ def test_every_run_logs_its_predicted_step_next_to_the_measured_one(two_rank_run
     assert predicted["exposed_comm_error_pct"] is not None
     # the prediction never reads the measured communication: change it and the prediction stays
     tampered = {**two_rank_run, "time_exposed_comm_s": 9.0, "comm_time_s": 9.0, "time_step_s": 99.0}
-    again = predict_own_step(tampered, PlanConfig(), "cpu", 1)
+    again = predict_own_step(RunSummary.from_json(tampered), PlanConfig(), "cpu", 1)
     assert again["step_s"] == pytest.approx(predicted["step_s"]) and again["step_error_pct"] < -50
     # the rank skew is the run's own: its straggler telemetry's figure reaches the summary and the prediction;
     # two real ranks are never busy for exactly as long
     assert two_rank_run["rank_wait_for_slowest_pct"] > 0.0
-    level = predict_own_step({**two_rank_run, "rank_wait_for_slowest_pct": 0.0}, PlanConfig(), "cpu", 1)
+    level = predict_own_step(RunSummary.from_json({**two_rank_run, "rank_wait_for_slowest_pct": 0.0}), PlanConfig(),
+                             "cpu", 1)
     assert level["step_s"] <= predicted["step_s"]
-    waiting = predict_own_step({**two_rank_run, "rank_wait_for_slowest_pct": 200.0}, PlanConfig(), "cpu", 1)
-    micro = Calibration.from_summary(two_rank_run).micro_step_s
+    waiting = predict_own_step(RunSummary.from_json({**two_rank_run, "rank_wait_for_slowest_pct": 200.0}),
+                               PlanConfig(), "cpu", 1)
+    micro = Calibration.from_summary(RunSummary.from_json(two_rank_run)).micro_step_s
     assert waiting["step_s"] > predicted["step_s"] + micro  # a wait of 2 x the last micro-batch, less its own
-    measured = predict_own_step(two_rank_run, PlanConfig(bandwidth_gbps=100.0, latency_us=1.0), "cpu", 1)
+    measured = predict_own_step(RunSummary.from_json(two_rank_run), PlanConfig(bandwidth_gbps=100.0, latency_us=1.0),
+                                "cpu", 1)
     assert measured["link"]["source"].startswith("measured")
     assert measured["exposed_comm_s"] < predicted["exposed_comm_s"]
 

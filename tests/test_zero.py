@@ -34,7 +34,7 @@ def _grads_per_stage(rank: int, world_size: int) -> dict[int, dict[str, torch.Te
         model = build_model(TINY, VOCAB, eos_id=0)
         wrapped = wrap_model(model, ParallelConfig(zero_stage=stage), torch.device("cpu"))
         shard = _batch(world_size)[rank * B : (rank + 1) * B]
-        accumulate_gradients(wrapped.module, iter(shard.chunk(2)), 2, wrapped.maybe_sync, nullcontext())
+        accumulate_gradients(wrapped.outer, iter(shard.chunk(2)), 2, wrapped.maybe_sync, nullcontext())
         out[stage] = {
             n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
             for n, p in model.named_parameters()

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from ddptrain.app.preflight import validate_config
 from ddptrain.config.compose import Run
 from ddptrain.config.schema import AUTO, Config
+from ddptrain.data import BatchShape
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, one_line
@@ -164,15 +165,17 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     """Train as one rank of the job (a job of one when nothing launched us); returns the run's summary.
     ``device``: the one a launcher assigned (Ray Train), else ``cuda:LOCAL_RANK`` or the CPU."""
     typed, resolved = run.typed, run.resolved
-    validate_config(typed, int(os.environ.get("WORLD_SIZE", "1")))  # as DistEnv reads it; before torch's import
+    # the batch shape, derived once here and handed to the trainer (None until data.micro_batch_size=auto is chosen)
+    shape = validate_config(typed, int(os.environ.get("WORLD_SIZE", "1")))  # as DistEnv reads it; before torch
     setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
     from ddptrain.runtime.process_group import distributed, shared_run_dir
     from ddptrain.runtime.topology import check_shared_run_dir
     from ddptrain.train import train
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
-        if typed.data.micro_batch_size == AUTO:
+        if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built
             typed, resolved = agreed_micro_batch(run, env, device)
+            shape = BatchShape.from_config(typed, env.world_size)
         run_dir = shared_run_dir(run.cfg.hydra.run.dir)
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)
@@ -183,7 +186,7 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         try:
-            summary = train(typed, env, device, run_dir, resolved)
+            summary = train(typed, env, device, run_dir, resolved, shape)
         except RuntimeError as exc:  # torch.distributed's errors (DistError) are RuntimeErrors
             if (record := evidence.lost_peer(exc)) is None:
                 raise

@@ -11,7 +11,7 @@ A directory without ``COMMITTED`` is a save that died half way: it is ignored an
 ``CheckpointManager`` (``manager.py``) holds a run's stateful parts by key and decides when to save them;
 ``Checkpointer`` writes, commits, finds and loads the files; ``format.py`` is what every reader and writer shares
 (the marker, ``trainer.pt``, the fingerprint, the damage checks).
-``offline.py`` reads checkpoints without a run (the ``ddptrain-ckpt`` command, ``ddptrain/app/ckpt.py``).
+``offline.py`` reads checkpoints without a run (the ``ddptrain-ckpt`` command, ``cli.py``).
 """
 
 from ddptrain.checkpoint.checkpointer import Checkpointer

@@ -1,5 +1,5 @@
-"""``python -m ddptrain.checkpoint``: the ``ddptrain-ckpt`` command (``ddptrain/app/ckpt.py``), an entry point."""
+"""``python -m ddptrain.checkpoint``: the ``ddptrain-ckpt`` command (``ddptrain/checkpoint/cli.py``), an entry point."""
 
-from ddptrain.app.ckpt import main
+from ddptrain.checkpoint.cli import main
 
 main()

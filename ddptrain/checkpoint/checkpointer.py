@@ -57,8 +57,9 @@ class Checkpointer:
         and when a checkpoint is resumed under another. ``hooks.before_commit`` is called while a save's files
         are written and not yet committed."""
         self.hooks = hooks or StepHooks()
-        self.cfg = cfg.checkpoint
-        self.config = cfg  # written into every checkpoint, so ``info`` can diff it and ``export`` needs no run
+        self.settings = cfg.checkpoint  # checkpoint.*
+        # the whole config, written into every checkpoint, so ``info`` can diff it and ``export`` needs no run
+        self.run_config = cfg
         self.strategy = "the bare model" if strategy == "none" else strategy
         self.root = run_dir / cfg.checkpoint.dir
         self.tokenizer = tokenizer
@@ -84,7 +85,8 @@ class Checkpointer:
         if resume is None:
             return None
         explicit = resume != "auto"
-        candidates = [find_checkpoint(Path(resume), self.cfg.dir, "train.resume")] if explicit else self.committed()
+        candidates = ([find_checkpoint(Path(resume), self.settings.dir, "train.resume")] if explicit
+                      else self.committed())
         # Rank 0 reads every file once against the marker's record; every rank then takes its verdict.
         chosen, skipped, problem = broadcast_from_main(_newest_intact(candidates) if self.rank == 0 else None)
         for path, problems in skipped:
@@ -105,7 +107,7 @@ class Checkpointer:
         found = self.committed()
         if resume is not None or not found:
             return
-        if self.cfg.overwrite:
+        if self.settings.overwrite:
             log.warning("checkpoint.overwrite=true: this run replaces the checkpoints in %s (latest %s)", self.root,
                         found[-1].name)
             return
@@ -120,10 +122,10 @@ class Checkpointer:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.root).free
-        needed = (self.cfg.keep_last + 1) * self.expected_bytes
+        needed = (self.settings.keep_last + 1) * self.expected_bytes
         if free < needed:
             log.warning("%s has %s free; checkpoint.keep_last=%d + 1 checkpoints of about %s each need %s: saves "
-                        "may fail on a full disk", self.root, _mb(free), self.cfg.keep_last,
+                        "may fail on a full disk", self.root, _mb(free), self.settings.keep_last,
                         _mb(self.expected_bytes), _mb(needed))
 
     def remove_partial(self) -> None:
@@ -230,7 +232,7 @@ class Checkpointer:
     def _write_metadata(self, tmp: Path, state: TrainState, model: torch.nn.Module) -> None:
         """Rank 0: the trainer state, the run's config and what ``export`` needs to rebuild the model offline."""
         torch.save(vars(state), tmp / "trainer.pt")
-        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(self.config)))
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(self.run_config)))
         model.config.save_pretrained(str(tmp / "hf"))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp / "hf"))
@@ -262,7 +264,7 @@ class Checkpointer:
         (tmp / MARKER).write_text(json.dumps(meta) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in self.committed()[: -self.cfg.keep_last]:
+        for old in self.committed()[: -self.settings.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
     # ---- loading -------------------------------------------------------------------------------------------
@@ -307,8 +309,8 @@ class Checkpointer:
         (``checkpoint.export_timeout_s``), which no collective timeout ends; every rank takes part in gathering.
         """
         if is_adapted(model):
-            main_only(lambda: export_adapter_and_merged(model, self.config.model, self.tokenizer, run_dir),
-                      self.cfg.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
+            main_only(lambda: export_adapter_and_merged(model, self.run_config.model, self.tokenizer, run_dir),
+                      self.settings.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
             return
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out = run_dir / "model"
@@ -323,7 +325,7 @@ class Checkpointer:
                 self.tokenizer.save_pretrained(str(out))
             log.info("model exported with save_pretrained: %s", out)
 
-        main_only(save, self.cfg.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
+        main_only(save, self.settings.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
 
 
 def _newest_intact(candidates: list[Path]) -> tuple[str | None, list[tuple[str, str]], str | None]:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ddptrain.checkpoint.safe import SafeReader
+from ddptrain.optim import local_optimizer
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 State = dict[str, dict[str, Any]]
@@ -55,7 +56,7 @@ def _names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
 
 def _zero1_optimizer_state(model: torch.nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
     """ZeRO-1: the flattened entries of the parameters this rank's shard owns (other ranks write theirs)."""
-    names, owned, flat = _names(model), optimizer.optim.state, {}
+    names, owned, flat = _names(model), local_optimizer(optimizer).state, {}
     for group in optimizer.param_groups:  # the global groups: hyperparameters (lr, betas, ...) of every parameter
         for p in group["params"]:
             if p in owned:
@@ -67,10 +68,10 @@ def _zero1_optimizer_state(model: torch.nn.Module, optimizer: ZeroRedundancyOpti
 def _load_zero1(checkpoint: Path, model: torch.nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
     """Read the parameters' weights, the state of the parameters this rank owns now (whichever rank or strategy
     wrote it) and each global group's hyperparameters (from its first parameter's entries)."""
-    names = _names(model)
-    owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
+    names, local = _names(model), local_optimizer(optimizer)
+    owned = [p for group in local.param_groups for p in group["params"]]
     flat: dict[str, Any] = {}
-    for group in optimizer.optim.param_groups:
+    for group in local.param_groups:
         # Fused and capturable AdamW keep ``step`` on the parameter's device; the others on the CPU.
         on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
@@ -84,7 +85,7 @@ def _load_zero1(checkpoint: Path, model: torch.nn.Module, optimizer: ZeroRedunda
     set_model_state_dict(model, wanted["model"])
     for p in owned:
         prefix = f"state.{names[p]}."
-        optimizer.optim.state[p] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+        local.state[p] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
     for group in optimizer.param_groups:
         if group["params"]:
             prefix = f"param_groups.{names[group['params'][0]]}."

@@ -11,9 +11,11 @@ from typing import Any
 from ddptrain.data.batch import BatchShape
 from ddptrain.data.corpus import validate_source
 
-_LAZY = {"TokenData": "types", "build_token_data": "dataset", "MicroBatches": "loader", "eval_batches": "loader"}
+_LAZY = {"TokenData": "types", "build_token_data": "dataset", "MicroBatches": "loader", "SampleOrder": "loader",
+         "eval_batches": "loader"}
 
-__all__ = ["BatchShape", "MicroBatches", "TokenData", "build_token_data", "eval_batches", "validate_source"]
+__all__ = ["BatchShape", "MicroBatches", "SampleOrder", "TokenData", "build_token_data", "eval_batches",
+           "validate_source"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddptrain.config.schema import Config
+from ddptrain.config.schema import AUTO, Config
 from ddptrain.errors import ConfigError
 
 
@@ -20,6 +20,8 @@ class BatchShape:
     def from_config(cls, cfg: Config, dp: int) -> BatchShape:
         """The run's batch shape at data-parallel size ``dp``: the one derivation every caller uses."""
         data = cfg.data
+        if data.micro_batch_size == AUTO:  # a programming error: auto is resolved (to an int) before any shape
+            raise TypeError("data.micro_batch_size=auto is chosen before the batch shape is derived")
         return cls.derive(data.global_batch_size, data.micro_batch_size, data.grad_accum, dp, data.seq_len)
 
     @classmethod

@@ -13,7 +13,7 @@ import torch
 from ddptrain.config.choices import DataFormat
 from ddptrain.config.schema import DataConfig
 from ddptrain.data.corpus import Corpus, load_corpus
-from ddptrain.data.prepare import is_validation, prepared_shards, refuse_in_worker
+from ddptrain.data.prepare import ShardRecipe, is_validation, prepared_shards, refuse_in_worker
 from ddptrain.data.shards import TokenWindows
 from ddptrain.data.tokenizer import cached_bpe, load_tokenizer, tokenizer_fingerprint
 from ddptrain.data.types import TokenData
@@ -48,9 +48,9 @@ def build_token_data(cfg: DataConfig) -> TokenData:
     key = hashlib.sha256(
         f"{FORMAT_VERSION}:{corpus.fingerprint}:{tokenizer_fingerprint(tok)}:{cfg.val_fraction}".encode()
     ).hexdigest()[:16]
-    shards = prepared_shards(cache_root / f"tokens-{key}", corpus, tok.backend_tokenizer.to_str(), len(tok),
-                             tok.eos_token_id, cfg.val_fraction, cfg.shard_tokens, num_proc(cfg),
-                             cfg.prepare_timeout_s)
+    recipe = ShardRecipe(tok.backend_tokenizer.to_str(), len(tok), tok.eos_token_id, cfg.val_fraction,
+                         cfg.shard_tokens, num_proc(cfg))
+    shards = prepared_shards(cache_root / f"tokens-{key}", corpus, recipe, cfg.prepare_timeout_s)
     train, val = TokenWindows(shards["train"], cfg.seq_len), TokenWindows(shards["val"], cfg.seq_len)
     for name, split in (("train", train), ("val", val)):
         if len(split) == 0:

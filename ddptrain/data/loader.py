@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -80,6 +80,13 @@ class TokenCount:
         return out
 
 
+class SampleOrder(NamedTuple):
+    """The order samples are drawn in: shuffled by ``seed`` each epoch (``data.shuffle``), or as stored."""
+
+    seed: int
+    shuffle: bool
+
+
 class MicroBatches:
     """An endless stream of this rank's micro batches over epochs, resumable at a global data position.
 
@@ -88,9 +95,10 @@ class MicroBatches:
     """
 
     def __init__(
-        self, dataset: Dataset, shape: BatchShape, rank: int, seed: int, shuffle: bool, num_workers: int,
+        self, dataset: Dataset, shape: BatchShape, rank: int, order: SampleOrder, num_workers: int,
         device: torch.device, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
     ) -> None:
+        seed, shuffle = order.seed, order.shuffle
         self.epoch_len = len(dataset) // shape.global_batch_size * shape.global_batch_size
         if self.epoch_len == 0:
             raise ConfigError(

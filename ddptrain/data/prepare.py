@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,15 +55,27 @@ def first_validation_index(val_fraction: float) -> int:
     return max(2, round(1 / val_fraction)) // 2
 
 
-def prepared_shards(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int, eos: int,
-                    val_fraction: float, shard_tokens: int, num_proc: int,
-                    timeout_s: float) -> dict[str, list[ShardInfo]]:
+@dataclass(frozen=True)
+class ShardRecipe:
+    """How a corpus becomes token shards: the tokenizer (its JSON, vocabulary size and EOS id), the held-out
+    share, the tokens per shard and the tokenizing processes."""
+
+    tokenizer_json: str
+    vocab_size: int
+    eos: int
+    val_fraction: float
+    shard_tokens: int
+    num_proc: int
+
+
+def prepared_shards(target: Path, corpus: Corpus, recipe: ShardRecipe, timeout_s: float
+                    ) -> dict[str, list[ShardInfo]]:
     """The train and validation shards of ``target``, preparing (or finishing) them first unless done."""
     refuse_in_worker()
     with cache_lock(target, timeout_s):
         if not (target / DONE).is_file():
             remove_stale(target)
-            _prepare(target, corpus, tokenizer_json, vocab_size, eos, val_fraction, shard_tokens, num_proc)
+            _prepare(target, corpus, recipe)
     return load_manifest(target)
 
 
@@ -82,8 +95,9 @@ def load_manifest(target: Path) -> dict[str, list[ShardInfo]]:
     return shards
 
 
-def _prepare(target: Path, corpus: Corpus, tokenizer_json: str, vocab_size: int, eos: int, val_fraction: float,
-             shard_tokens: int, num_proc: int) -> None:
+def _prepare(target: Path, corpus: Corpus, recipe: ShardRecipe) -> None:
+    tokenizer_json, vocab_size, eos = recipe.tokenizer_json, recipe.vocab_size, recipe.eos
+    val_fraction, shard_tokens, num_proc = recipe.val_fraction, recipe.shard_tokens, recipe.num_proc
     target.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(vocab_size)
     writers = {}

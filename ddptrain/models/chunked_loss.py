@@ -30,6 +30,7 @@ the shared embedding weight, as autograd adds both uses.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -87,9 +88,13 @@ def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha:
         acc.addmm_(a.float(), b.float(), alpha=alpha)
 
 
-def chunk_starts(tokens: int, chunk: int) -> range:
-    """Where each chunk of ``tokens`` starts (the memory plan's fake step runs a representative subset)."""
+def chunk_starts(tokens: int, chunk: int) -> Sequence[int]:
+    """Where each chunk of ``tokens`` starts: every chunk (the memory plan's fake step passes its own choice,
+    a representative subset, to ``use_chunked_loss``)."""
     return range(0, tokens, chunk)
+
+
+ChunkStarts = Callable[[int, int], Sequence[int]]  # (tokens, tokens per chunk) -> the chunks' first tokens
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -102,7 +107,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                compute_dtype: torch.dtype) -> torch.Tensor:
+                compute_dtype: torch.dtype, starts: ChunkStarts = chunk_starts) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         prescale = FP16_PRESCALE if compute_dtype == torch.float16 else 1.0
         with torch.autocast(hidden.device.type, enabled=False):
@@ -114,7 +119,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty(hidden.shape, dtype=torch.float32 if prescale != 1.0 else hidden.dtype,
                                  device=hidden.device) if need_h else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            for start in chunk_starts(hidden.shape[0], chunk):
+            for start in starts(hidden.shape[0], chunk):
                 end = min(start + chunk, hidden.shape[0])
                 h = hidden[start:end].to(compute_dtype)
                 logp = torch.log_softmax(torch.mm(h, w.t()).float(), dim=1)  # [chunk, vocab], fp32
@@ -148,11 +153,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         grad_h = saved.pop(0).mul_(grad_loss).to(ctx.dtypes[0]) if ctx.has[0] else None
         grad_w = saved.pop(0).mul_(grad_loss).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         num_items_in_batch: torch.Tensor | int | None, chunk: int) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | int | None, chunk: int,
+                         starts: ChunkStarts = chunk_starts) -> torch.Tensor:
     """The causal-LM loss of ``hidden`` ``[batch, seq, hidden]`` through the head ``weight``, as transformers'
     ``ForCausalLMLoss`` computes it from the full logits: position t predicts label t+1; the summed token loss over
     ``num_items_in_batch``, or the mean over the loss tokens without it."""
@@ -162,7 +168,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         hidden, weight = hidden.detach(), weight.detach()
     targets = labels[:, 1:].reshape(-1)
     states = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    total = LinearCrossEntropy.apply(states, weight, targets, chunk, compute_dtype)
+    total = LinearCrossEntropy.apply(states, weight, targets, chunk, compute_dtype, starts)
     if num_items_in_batch is None:
         return total / (targets != IGNORE).sum()
     if torch.is_tensor(num_items_in_batch):
@@ -189,14 +195,16 @@ def chunked_loss_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int | None, device_type: str | None = None) -> int | None:
+def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int | None, device_type: str | None = None,
+                     starts: ChunkStarts = chunk_starts) -> int | None:
     """Compute ``model``'s training loss chunk by chunk from now on, if that is exact for it (see
     ``chunked_loss_refusal``); returns the tokens per chunk, or None where it stays off.
 
     ``chunk_tokens``: tokens per chunk (None: ``chunk_tokens_for`` the vocabulary and the head, trainable or
     frozen, on ``device_type``: by default the device the head is on; the memory plan, building on ``meta``,
-    names its target's). The model keeps its parameters, state dict and modules; only the causal LM's
-    ``forward`` changes, and only when labels are given.
+    names its target's). ``starts``: which chunks run (every one; the memory plan's fake step, whose peak is the
+    same with fewer, passes a representative few). The model keeps its parameters, state dict and modules; only
+    the causal LM's ``forward`` changes, and only when labels are given.
     """
     if chunked_loss_refusal(model) is not None:
         return None
@@ -213,7 +221,7 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int | None, device_ty
         kwargs.pop("logits_to_keep", None)
         outputs = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
         loss = linear_cross_entropy(outputs.last_hidden_state, self.get_output_embeddings().weight, labels,
-                                    num_items_in_batch, chunk)
+                                    num_items_in_batch, chunk, starts)
         return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                       attentions=outputs.attentions)
 

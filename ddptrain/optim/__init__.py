@@ -61,10 +61,15 @@ def impl_kwargs(impl: OptimImpl, device: torch.device) -> dict[str, bool]:
     return {"foreach": resolved == OptimImpl.foreach}
 
 
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The AdamW that does the work: the one ZeRO-1's ``ZeroRedundancyOptimizer`` wraps (over this rank's shard),
+    else ``optimizer`` itself. The one place that reaches through the wrapper."""
+    return getattr(optimizer, "optim", optimizer)
+
+
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the AdamW that does the work (the local one inside ZeRO-1's wrapper) runs the fused kernel."""
-    inner = getattr(optimizer, "optim", optimizer)
-    return bool(inner.defaults.get("fused"))
+    return bool(local_optimizer(optimizer).defaults.get("fused"))
 
 
 def lr_multiplier(cfg: OptimConfig, steps: int) -> Callable[[int], float]:

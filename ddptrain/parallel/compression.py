@@ -1,6 +1,6 @@
 """Gradient compression as DDP communication hooks (fp16, bf16, PowerSGD, top-k), each counting the bytes it sends.
 
-``register_compression`` installs the hook that ``parallel.compression`` names and returns its ``Compression``: the
+``register_compression`` installs the hook that ``parallel.compression`` names and returns its ``CompressionState``: the
 ``CommMeter`` that the training loop reads, and resets, after every optimizer step, and the hook's error-feedback
 state, which a skipped (non-finite) step must not leave behind.
 """
@@ -168,7 +168,7 @@ class ErrorFeedback(Protocol):
 
 
 @dataclass
-class Compression:
+class CompressionState:
     """What ``register_compression`` installed: the meter it charges and the state a skipped step must drop."""
 
     meter: CommMeter
@@ -270,7 +270,7 @@ def _powersgd_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> Future[tor
 
 def register_compression(
     model: DistributedDataParallel, cfg: ParallelConfig, process_group: dist.ProcessGroup | None = None
-) -> Compression:
+) -> CompressionState:
     """Install ``cfg.compression``'s hook on ``model`` (before its first backward); return the meter it charges and
     its error-feedback state.
 
@@ -282,12 +282,12 @@ def register_compression(
     match cfg.compression:
         case "none":
             model.register_comm_hook(_State(process_group, meter), _timed(_allreduce_hook))
-            return Compression(meter)
+            return CompressionState(meter)
         case "fp16" | "bf16":
             dtype = torch.float16 if cfg.compression == "fp16" else torch.bfloat16
             kernels = select_kernels(cfg.kernels, next(model.parameters()).device)
             model.register_comm_hook(_CastState(process_group, meter, dtype, kernels), _timed(_cast_hook))
-            return Compression(meter)
+            return CompressionState(meter)
         case "powersgd":
             powersgd = PowerSGDState(
                 process_group,
@@ -298,9 +298,9 @@ def register_compression(
             )
             state = _PowerSGDState(process_group, meter, powersgd)
             model.register_comm_hook(state, _timed(_powersgd_hook))
-            return Compression(meter, state)
+            return CompressionState(meter, state)
         case "topk":
             topk = _TopKState(process_group, meter, cfg.topk_ratio, cfg.error_feedback)
             model.register_comm_hook(topk, _timed(_topk_hook))
-            return Compression(meter, topk)
+            return CompressionState(meter, topk)
     raise ValueError(f"parallel.compression={cfg.compression!r}: expected none, fp16, bf16, powersgd or topk")

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.clock import CommClock
 from ddptrain.config.schema import ParallelConfig
-from ddptrain.parallel.compression import Compression, register_compression
+from ddptrain.parallel.compression import CompressionState, register_compression
 from ddptrain.parallel.zero import fsdp_sync, shard_model
 from ddptrain.telemetry.comm import SyncMeter, SyncSample, payload_from_link_bytes
 
@@ -31,12 +31,13 @@ log = logging.getLogger(__name__)
 class Wrapped:
     """What the training loop needs from a strategy."""
 
-    module: torch.nn.Module  # call this for forward: DDP, a from-scratch engine, or the FSDP2-sharded model
+    outer: torch.nn.Module  # call this for forward: DDP, a from-scratch engine, the FSDP2-sharded model, or the
+    # bare model (a wrapper's own ``.module``, as torch DDP's, is the model it wraps)
     model: torch.nn.Module  # the underlying model (parameters, evaluation, export)
     maybe_sync: Callable[[bool], AbstractContextManager]  # ctx(sync): skip gradient sync when sync is False
     meter: SyncMeter | None  # what measures gradient sync: torch DDP's hook or our engine's reducer
     strategy: str  # what wraps the model, for the log and summary.json ("none" for the bare model)
-    compression: Compression | None = None  # torch DDP's communication hook: its meter and error-feedback state
+    compression: CompressionState | None = None  # torch DDP's communication hook: its meter and error-feedback state
 
     def step_done(self, nonfinite: torch.Tensor) -> None:
         """After the update: a non-finite step's error feedback is dropped on every rank (compression hooks)."""

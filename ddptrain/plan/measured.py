@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ddptrain.telemetry.summary import RunSummary
+
 
 def measured_lengths(run_dir: str | None) -> tuple[float, float] | None:
     """A finished run's real tokens per sequence and attended tokens (Σ T² / Σ T) from its ``summary.json``; None
@@ -12,7 +14,12 @@ def measured_lengths(run_dir: str | None) -> tuple[float, float] | None:
     if not run_dir:
         return None
     try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        return float(summary["tokens_per_sequence"]), float(summary["attended_tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
+        steady = RunSummary.from_json(json.loads((Path(run_dir) / "summary.json").read_text())).steady
+    except (OSError, ValueError, TypeError):
+        return None
+    if steady.tokens_per_sequence is None or steady.attended_tokens is None:
+        return None
+    try:
+        return float(steady.tokens_per_sequence), float(steady.attended_tokens)
+    except (ValueError, TypeError):
         return None

@@ -18,6 +18,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ddptrain.optim import local_optimizer
+
 ByDtype = dict[str, int]  # "float32" -> bytes
 
 
@@ -40,8 +42,8 @@ def held_bytes(tensors: Iterable[torch.Tensor | None]) -> ByDtype:
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's own state tensors on this rank (ZeroRedundancyOptimizer: the local shard's optimizer)."""
-    inner = getattr(optimizer, "optim", optimizer)
-    return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return [v for state in local_optimizer(optimizer).state.values() for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0]
 
 
 def largest_gather(model: torch.nn.Module) -> int:

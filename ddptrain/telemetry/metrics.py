@@ -10,37 +10,52 @@ window, never ``seq_len`` per sequence. ``padding_pct`` is the share of computed
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddptrain.config.schema import MetricsConfig
 from ddptrain.data import BatchShape
 from ddptrain.data.loader import TokenCount
+from ddptrain.telemetry.baseline import load_baseline
 from ddptrain.telemetry.comm import SyncSample, sync_metrics
 from ddptrain.telemetry.memory import device_memory
 from ddptrain.telemetry.peak import mfu, peak_tflops
 from ddptrain.telemetry.timers import StepTimer, device_clock
 
 
+@dataclass(frozen=True)
+class TokenFlops:
+    """Training FLOPs per token at ``data.seq_len`` tokens per sequence (``per_token``, whose attention term is
+    12·L·H·Q·T), and attention's FLOPs per pair of tokens it relates (``attention``, 12·L·H·Q), which corrects
+    the count for sequences shorter than ``seq_len``."""
+
+    per_token: float
+    attention: float = 0.0
+
+
 class StepMetrics:
     """Collects each step's timing and sync sample; ``window()`` reduces them to one metrics record."""
 
     def __init__(
-        self, shape: BatchShape, device: torch.device, flops_per_token: float, peak: float | None,
-        baseline: float | None, sample_every: int | None, tokens: TokenCount, tokens_seen: int = 0,
-        attention_flops: float = 0.0,
+        self, shape: BatchShape, device: torch.device, flops: TokenFlops, settings: MetricsConfig, tokens: TokenCount,
+        tokens_seen: int = 0,
     ) -> None:
+        """``settings``: ``metrics.*`` (the device's peak TFLOPS for MFU, the scaling baseline, how often the step
+        breakdown is timed)."""
         self.shape, self.device = shape, device
         self.tokens = tokens  # this rank's real and computed positions, counted as the micro batches are drawn
         self.tokens_seen = tokens_seen  # real tokens trained on by all ranks, up to the last window
         self._untimed = 0  # this rank's real tokens of steps left out of the windows (compilation)
-        self.flops_per_token = flops_per_token  # at seq_len tokens per sequence: its attention term is 12·L·H·Q·T
-        self.attention_flops = attention_flops  # 12·L·H·Q: FLOPs per pair of tokens attention relates
-        self.peak = peak if peak is not None else (
+        self.flops = flops
+        # the device's peak TFLOPS (MFU's denominator); not a memory peak
+        self.peak_tflops = settings.peak_tflops if settings.peak_tflops is not None else (
             peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
-        self.baseline = baseline
+        self.baseline = load_baseline(settings.baseline)
+        sample_every = settings.sample_every
         self.timer = StepTimer(device, sample_every)
         self.samples: list[SyncSample] = []
         self.compression_ratio: float | None = None
@@ -68,7 +83,7 @@ class StepMetrics:
         real, computed, squares = self._take_tokens()
         tokens_per_s = real / elapsed
         # attention over the sequences trained (each packed example its own): Σ T², not seq_len² per row
-        flops = self.flops_per_token * real - self.attention_flops * (self.shape.seq_len * real - squares)
+        flops = self.flops.per_token * real - self.flops.attention * (self.shape.seq_len * real - squares)
         sequences = self._steps * self.shape.global_batch_size
         metrics: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -81,7 +96,7 @@ class StepMetrics:
             "tokens_per_sequence": real / sequences,  # real tokens per sequence (seq_len for fixed blocks)
             "attended_tokens": squares / real if real else 0.0,  # Σ T² / Σ T: attention's FLOPs per token grow with it
         }
-        if (utilisation := mfu(metrics["tflops_per_rank"], self.peak)) is not None:
+        if (utilisation := mfu(metrics["tflops_per_rank"], self.peak_tflops)) is not None:
             metrics["mfu_pct"] = 100.0 * utilisation
         if self.baseline:
             metrics["scaling_efficiency"] = tokens_per_s / (dp * self.baseline)

@@ -1,7 +1,7 @@
-"""The training loop (``loop.py``), what it builds once (``components.py``), one step (``step.py``) and what watches
-it (``observer.py``)."""
+"""The trainer (``trainer.py``: its parts, built once, its step and its loop), the pieces of a step (``step.py``)
+and what watches it (``observer.py``)."""
 
 from ddptrain.train.control import NonFiniteError, Stopped
-from ddptrain.train.loop import train
+from ddptrain.train.trainer import Trainer, train
 
-__all__ = ["NonFiniteError", "Stopped", "train"]
+__all__ = ["NonFiniteError", "Stopped", "Trainer", "train"]

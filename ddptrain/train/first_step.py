@@ -16,8 +16,8 @@ from ddptrain.parallel.zero import shard_group_size
 from ddptrain.plan.costs import FP32, MIXED_BF16
 from ddptrain.telemetry.comm import SyncSample
 from ddptrain.telemetry.timers import device_clock
-from ddptrain.train.components import Trainer
 from ddptrain.train.summary import report_model_state
+from ddptrain.train.view import TrainerView
 
 log = logging.getLogger("ddptrain")
 
@@ -25,7 +25,7 @@ log = logging.getLogger("ddptrain")
 class FirstStep:
     """The first step's one-off measurements; ``compile_s`` and ``model_state`` go into the summary."""
 
-    def __init__(self, t: Trainer) -> None:
+    def __init__(self, t: TrainerView) -> None:
         self.t = t
         self.step = t.start + 1
         self.compile_s: float | None = None  # train.compile: the first step's seconds, compilation included
@@ -40,17 +40,17 @@ class FirstStep:
         """After the update and its timing; ``sample``: the step's gradient-sync sample (its payload is logged)."""
         if step != self.step:
             return
-        c, cfg, env = self.t, self.t.cfg, self.t.env
+        t, cfg, env = self.t, self.t.cfg, self.t.env
         if cfg.train.compile:
-            self.compile_s = device_clock(c.device) - self._started  # sync point (CUDA): the first step only
+            self.compile_s = device_clock(t.device) - self._started  # sync point (CUDA): the first step only
             log.info("train.compile: first step %.1f s, compilation included (kept out of throughput)",
                      self.compile_s)
             if not log_step:
-                c.metrics.restart_window()
-        log.info("%s", trainable_line(c.trainable, c.n_params, sample.payload_bytes if sample else None))
-        c.probe.after_step(c.optimizer)
+                t.metrics.restart_window()
+        log.info("%s", trainable_line(t.trainable, t.n_params, sample.payload_bytes if sample else None))
+        t.probe.after_step(t.optimizer)
         # sync point: every rank's measured model state is gathered, once
         self.model_state = report_model_state(
-            c.probe, c.n_params, env.world_size, cfg.parallel.zero_stage,
+            t.probe, t.n_params, env.world_size, cfg.parallel.zero_stage,
             shard_group_size(cfg.parallel, env.world_size, env.local_world_size),
-            MIXED_BF16 if c.precision == Precision.bf16 else FP32, c.trainable)
+            MIXED_BF16 if t.precision == Precision.bf16 else FP32, t.trainable)

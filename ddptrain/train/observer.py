@@ -20,12 +20,12 @@ from types import TracebackType
 import torch
 
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
-from ddptrain.plan.memory.own_peak import MeasuredPeak
 from ddptrain.telemetry.goodput import Goodput, continuing
+from ddptrain.telemetry.measured_peak import MeasuredPeak
 from ddptrain.telemetry.profile import StepProfiler
-from ddptrain.train.components import Trainer
 from ddptrain.train.control import guard_loss, overflowing, poisoned
 from ddptrain.train.first_step import FirstStep
+from ddptrain.train.view import TrainerView
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -33,7 +33,7 @@ LossFn = Callable[[torch.Tensor], torch.Tensor]
 class StepObserver:
     """The loop's one handle on instrumentation; a context manager around the loop (the profiler's span)."""
 
-    def __init__(self, t: Trainer, started: float) -> None:
+    def __init__(self, t: TrainerView, started: float) -> None:
         """``started``: goodput's wall-clock start of this attempt (the launcher's, or this process's)."""
         cfg = t.cfg
         self.t = t

@@ -1,5 +1,6 @@
-"""One training step, top to bottom (``train_step``): forward and backward over the micro batches with the gradient
-sync on the last one, the non-finite verdict, clip, update, learning-rate schedule; and the evaluation pass.
+"""The pieces of one training step (``Trainer.train_step`` in ``train/trainer.py`` puts them in order): forward and
+backward over the micro batches with the gradient sync on the last one, the non-finite verdict, clip, update; and
+the evaluation pass.
 
 Each function says where the host waits for the device or for other ranks (a sync point): with fused AdamW a
 steady step waits nowhere but in the gradient collective itself; a check step agrees once (``train/control.py``).
@@ -11,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,15 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from ddptrain.data.packing import to_device
 from ddptrain.kernels.clip import clip_grad_norm
-from ddptrain.models.lora import reentrant_failure
-from ddptrain.optim import is_fused
-from ddptrain.train.control import NonFiniteError, agree, guard_loss
+from ddptrain.optim import is_fused, local_optimizer
+from ddptrain.train.control import NonFiniteError, guard_loss
 from ddptrain.train.tokens import MicroBatch, loss_tokens
 from ddptrain.train.weighting import MEAN_LOSS, Phase, Weighting
-
-if TYPE_CHECKING:
-    from ddptrain.train.components import Trainer
-    from ddptrain.train.observer import StepObserver
 
 log = logging.getLogger("ddptrain")
 
@@ -44,71 +40,29 @@ class Stepped:
     skipped: int  # updates skipped for a non-finite loss or gradient, learned of at this check step
 
 
-def train_step(t: Trainer, watch: StepObserver, step: int, check: bool) -> Stepped:
-    """Step ``step``: accumulate the gradients, clip them and update, skipped on the device (alike on every rank)
-    when they are non-finite; then the learning rate's step. ``check``: also agree with the other ranks on the
-    non-finite steps since the last check and on a stop request (the one sync point the caller asks for), and
-    compare the replicas' parameters (``train/drift.py``).
+@dataclass(frozen=True)
+class MicroStep:
+    """What each micro batch's forward and backward pass through: ``phase`` times them (the step timer's phases),
+    ``guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank, and ``scale``
+    is fp16's loss scaling before each backward (the returned loss is unscaled)."""
 
-    A skipped step also drops the compression hook's error feedback on every rank: what top-k or PowerSGD kept
-    from a non-finite gradient would otherwise make every later step non-finite too."""
-    cfg = t.cfg
-    loss = forward_backward(t, watch, step)  # the last micro batch's backward launches the gradient sync
-    watch.after_backward(step)
-    with watch.phase("optimizer"):
-        if t.scaler is not None:
-            t.scaler.unscale(t.optimizer)  # fp16: true gradients before the norm and clipping
-        grad_norm = clip_gradients(t.model, cfg.optim.grad_clip, cfg.parallel.kernels)
-        nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
-        apply_update(t.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
-        t.wrapped.step_done(nonfinite)  # sync point with PowerSGD's state only (see parallel/compression.py)
-        if t.scaler is not None:
-            t.scaler.update()  # fp16: an overflow halves the scale; a non-finite loss is a nan_policy event as well
-        # No host read: the verdict waits for the next check (``loss``, this rank's, tells a non-finite loss from an
-        # fp16 overflow there).
-        t.nonfinite.record(step, nonfinite, loss)
-        watch.after_update(step)
-        stop = skipped = 0
-        if check:
-            # sync point: one small all-reduce and host read per check, never on the other steps; the replicas'
-            # fingerprints ride on it (device work only until that read)
-            agreed = agree(t.stop.signum, t.nonfinite, t.drift.words(t.device))
-            t.drift.settle(agreed.fingerprints, step)  # more collectives only when replicas differ
-            stop = agreed.stop
-            if t.scaler is not None:
-                t.scaler.count_backoffs(agreed.overflows)
-            skipped = settle_nonfinite(agreed.events, step, cfg.train.nan_policy)
-    lr = t.scheduler.get_last_lr()[0]
-    t.scheduler.step()
-    return Stepped(loss, grad_norm, lr, stop, skipped)
+    phase: Phase = lambda _: nullcontext()
+    guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss
+    scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
 
 
-def forward_backward(t: Trainer, watch: StepObserver, step: int) -> torch.Tensor:
-    """Step ``step``'s micro batches through forward and backward, weighted as the run chose, with what fault
-    injection asks of this step's loss; returns the step's loss."""
-    try:
-        return accumulate_gradients(t.wrapped.module, t.batches, t.shape.grad_accum, t.wrapped.maybe_sync,
-                                    t.autocast, t.weighting, watch.phase, watch.loss_guard(step),
-                                    watch.scale_loss(step, t.scale_loss))
-    except RuntimeError as exc:
-        if t.cfg.model.checkpoint_reentrant:
-            raise reentrant_failure(exc) from exc
-        raise
+PLAIN = MicroStep()
 
 
 def accumulate_gradients(
     module: torch.nn.Module, micro_batches: Iterator[Any], grad_accum: int,
     maybe_sync: Callable[[bool], AbstractContextManager], autocast: AbstractContextManager,
-    weighting: Weighting = MEAN_LOSS, phase: Phase = lambda _: nullcontext(),
-    loss_guard: Callable[[torch.Tensor], torch.Tensor] = guard_loss,
-    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    weighting: Weighting = MEAN_LOSS, around: MicroStep = PLAIN,
 ) -> torch.Tensor:
     """Forward/backward over ``grad_accum`` micro batches, syncing gradients only on the last one; returns the sum
-    of the micro batches' weighted losses (``weighting``: packed blocks' mean by default).
-
-    ``loss_guard`` makes a non-finite loss poison the gradients, so the sync spreads it to every rank.
-    ``scale_loss``: fp16's loss scaling before each backward (the returned loss is unscaled).
-    """
+    of the micro batches' weighted losses (``weighting``: packed blocks' mean by default). ``around``: the
+    timing, loss guard and loss scaling each micro batch passes through."""
+    phase, loss_guard, scale_loss = around.phase, around.guard, around.scale
     loss_sum: torch.Tensor | None = None
     for micro, micro_loss in enumerate(weighting.micro_losses(micro_batches, grad_accum, phase)):
         with maybe_sync(micro == grad_accum - 1):  # the last micro batch's backward launches the gradient sync
@@ -158,7 +112,7 @@ def apply_update(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> N
     host reads the verdict. Gradients are cleared either way.
     """
     if is_fused(optimizer):
-        getattr(optimizer, "optim", optimizer).found_inf = nonfinite.float()  # ZeRO-1: the local AdamW
+        local_optimizer(optimizer).found_inf = nonfinite.float()  # ZeRO-1: the local AdamW
         optimizer.step()
     elif not bool(nonfinite):  # sync point (foreach / for_loop only): the host needs the verdict to branch
         optimizer.step()

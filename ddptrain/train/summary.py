@@ -1,5 +1,5 @@
-"""The run's reports: measured model state, by dtype, next to the planner's formula (first step), and
-summary.json's figures."""
+"""The first step's report: measured model state, by dtype, next to the planner's formula (summary.json's
+``model_state``; the rest of the summary is ``Trainer.summary``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddptrain.config.schema import Config
-from ddptrain.data import BatchShape
-from ddptrain.plan.analytic.planner import model_state_by_dtype, step_comm
-from ddptrain.plan.costs import FP32, StateBytes
+from ddptrain.plan.analytic.planner import model_state_by_dtype
+from ddptrain.plan.costs import StateBytes
 from ddptrain.telemetry.memory import ByDtype, ModelStateProbe
-from ddptrain.telemetry.metrics import steady_medians
 
 log = logging.getLogger("ddptrain")
 
@@ -59,47 +56,3 @@ def _mib(held: dict[str, float]) -> str:
     if len(held) < 2:
         return total
     return total + " [" + ", ".join(f"{dtype} {n / 2**20:.2f}" for dtype, n in sorted(held.items())) + "]"
-
-
-def summarise(
-    history: list[dict[str, Any]], shape: BatchShape, n_params: int, fpt: float, peak: float | None, cfg: Config,
-    model_state: dict[str, Any], wrapper: str, trainable: int | None = None,
-    buckets: tuple[tuple[float, int], ...] = (),
-) -> dict[str, Any]:
-    """End-of-run figures: steady-state medians (first window skipped), config essentials, predictions.
-
-    Gradients, hence communication, exist for the ``trainable`` parameters only (default: all of them).
-    ``buckets``: the last timed step's gradient buckets as (seconds before backward compute ended that each
-    was ready, bytes), which calibrate the what-if predictor (``plan.from_run``).
-    """
-    trainable = n_params if trainable is None else trainable
-    predicted_comm = step_comm(trainable, shape.dp, cfg.parallel.zero_stage, FP32)
-    return {
-        "world_size": shape.dp,
-        "model": cfg.model.name,
-        "parameters": n_params,
-        "trainable_parameters": trainable,
-        "engine": cfg.parallel.engine,
-        "zero_stage": cfg.parallel.zero_stage,
-        "compression": cfg.parallel.compression,
-        "wrapper": wrapper,
-        "global_batch_size": shape.global_batch_size,
-        "micro_batch_size": shape.micro_batch_size,
-        "grad_accum": shape.grad_accum,
-        "seq_len": shape.seq_len,
-        "steps": cfg.train.steps,
-        "first_loss": history[0]["loss"] if history else None,
-        "final_loss": history[-1]["loss"] if history else None,
-        "final_val_loss": next((m["val_loss"] for m in reversed(history) if "val_loss" in m), None),
-        "tokens_seen": history[-1]["tokens_seen"] if history else None,  # since step 1, a resumed run's included
-        **(steady_medians(history) if history else {}),
-        "flops_per_token": fpt,
-        "peak_tflops": peak,
-        "predicted": {
-            # All-reduce of fp32 gradients: payload S = 4Ψ; each rank sends 2(N-1)/N·S (what the plan prints).
-            "comm_payload_bytes": 4.0 * trainable if cfg.parallel.zero_stage < 2 and shape.dp > 1 else None,
-            "comm_link_bytes_per_rank": predicted_comm.nbytes,
-        },
-        "model_state": model_state,
-        "buckets": [[lead, nbytes] for lead, nbytes in buckets],
-    }

@@ -21,10 +21,10 @@ class CountedChunks:
     def __enter__(self) -> CountedChunks:
         self.original = LinearCrossEntropy.forward
 
-        def counted(ctx, hidden, weight, targets, chunk, compute_dtype):  # type: ignore[no-untyped-def]
+        def counted(ctx, hidden, weight, targets, chunk, compute_dtype, *starts):  # type: ignore[no-untyped-def]
             self.calls += 1
             self.chunks += -(-hidden.shape[0] // chunk)
-            return self.original(ctx, hidden, weight, targets, chunk, compute_dtype)
+            return self.original(ctx, hidden, weight, targets, chunk, compute_dtype, *starts)
 
         LinearCrossEntropy.forward = staticmethod(counted)  # type: ignore[method-assign]
         return self

@@ -63,12 +63,11 @@ def train_each_watched(rank: int, world_size: int, tmp: str, base: dict, variant
     ``training`` (every module in training mode at every step's forward) and ``kv_caches`` built."""
     from transformers import DynamicCache
 
-    import ddptrain.train.components as components
-    import ddptrain.train.step as step
-    from tests.helpers.runs import train_each
+    import ddptrain.train.trainer as trainer
+    from tests.helpers.trainers import train_each_with
 
     runs: list[dict[str, Any]] = []
-    prepare, accumulate = components.prepare_for_finetuning, step.accumulate_gradients
+    prepare = trainer.prepare_for_finetuning
     cache_init = DynamicCache.__init__
 
     def prepared(*args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -76,19 +75,19 @@ def train_each_watched(rank: int, world_size: int, tmp: str, base: dict, variant
         runs.append({"checkpoint_calls": count_checkpoint_calls(model), "training": [], "kv_caches": 0})
         return model
 
-    def accumulated(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        runs[-1]["training"].append(all(m.training for m in module.modules()))
-        return accumulate(module, *args, **kwargs)
+    class Watched(trainer.Trainer):
+        def forward_backward_step(self, step: int, micro_batches: Any) -> torch.Tensor:
+            runs[-1]["training"].append(all(m.training for m in self.wrapped.outer.modules()))
+            return super().forward_backward_step(step, micro_batches)
 
     def counted_cache(self: DynamicCache, *args: Any, **kwargs: Any) -> None:
         if runs:
             runs[-1]["kv_caches"] += 1
         cache_init(self, *args, **kwargs)
 
-    components.prepare_for_finetuning = prepared  # type: ignore[assignment]  # this forked rank only
-    step.accumulate_gradients = accumulated  # type: ignore[assignment]
+    trainer.prepare_for_finetuning = prepared  # type: ignore[assignment]  # this forked rank only
     DynamicCache.__init__ = counted_cache  # type: ignore[method-assign]
-    results = train_each(rank, world_size, tmp, base, variants)
+    results = train_each_with(Watched, rank, world_size, tmp, base, variants)
     for result, seen in zip(results, runs, strict=True):
         result.update(seen, checkpoint_calls=seen["checkpoint_calls"][0])
     return results

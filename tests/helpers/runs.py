@@ -25,9 +25,10 @@ def without_the_planned_peak() -> None:
     """In this process, runs end without their summary's traced memory plan (``memory_peak``: a fake step traced by
     rank 0 at the end of every run, about 0.25 CPU s for the tiny models here, which the other ranks wait out):
     for the tests that check something else. ``tests/test_own_peak.py`` checks the plan, and every CLI run makes it."""
-    from ddptrain.train import loop
+    from ddptrain.train import trainer
 
-    loop.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
+    assert hasattr(trainer, "planned_peak"), "the trainer's seam moved: point without_the_planned_peak at it"
+    trainer.planned_peak = lambda *_: (None, "not traced here (tests/helpers/runs.py: trace_peak=False)")
 
 
 def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: list[Overrides],

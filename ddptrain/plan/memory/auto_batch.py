@@ -142,10 +142,10 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     need = StepNeed(tracer, planned_run(cfg, dp, device), per_rank, overheads)
     usable = usable_bytes(device)
     refuse_unfittable_state(cfg, dp, device, need.plan)
-    ckpt, stage = checkpointing(cfg), cfg.parallel.zero_stage
+    mode, stage = checkpointing(cfg), cfg.parallel.zero_stage
 
     def fits(m: int, fitted: bool = False) -> bool:
-        return need(m, ckpt, stage, fitted=fitted) <= usable
+        return need(m, mode, stage, fitted=fitted) <= usable
 
     if not fits(1):
         raise ConfigError(nothing_fits(cfg, need, usable, device))
@@ -158,7 +158,7 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
         if largest == below and fits(per_rank):
             largest = per_rank
     micro = max(d for d in divisors(per_rank) if d <= largest)
-    return AutoBatch(micro, per_rank // micro, largest, per_rank, need(micro, ckpt, stage), usable, device)
+    return AutoBatch(micro, per_rank // micro, largest, per_rank, need(micro, mode, stage), usable, device)
 
 
 def stages_weighed(cfg: Config, dp: int) -> range:
@@ -197,17 +197,18 @@ def state_exceeds(cfg: Config, plan: Plan, usable: float, device: Device) -> str
 def nothing_fits(cfg: Config, need: StepNeed, usable: float, device: Device) -> str:
     """The one line when micro batch 1 does not fit: what alone (else together) would make it fit, from the
     options the planner weighs (checkpointing, a higher ZeRO stage, the chunked loss)."""
-    ckpt, stage, chunked = checkpointing(cfg), cfg.parallel.zero_stage, cfg.train.chunked_loss
+    configured, stage, chunked = checkpointing(cfg), cfg.parallel.zero_stage, cfg.train.chunked_loss
     remedies: list[tuple[str, dict]] = []
     remedies += [(f"model.activation_checkpointing={mode}", {"checkpointing": mode})  # selective, then full
                  for mode in sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
-                 if RECOMPUTE[mode] > RECOMPUTE[ckpt]]
+                 if RECOMPUTE[mode] > RECOMPUTE[configured]]
     remedies += [(f"parallel.zero_stage={s}", {"stage": s}) for s in stages_weighed(cfg, need.plan.batch.dp)[1:]]
     if not chunked:
         remedies.append(("train.chunked_loss=true", {"chunked_loss": True}))
-    setting = {"checkpointing": ckpt, "stage": stage, "chunked_loss": chunked}
+    setting = {"checkpointing": configured, "stage": stage, "chunked_loss": chunked}
     gib = {text: need(1, **{**setting, **change}) / GiB for text, change in remedies}
-    head = (f"data.micro_batch_size=auto: even micro batch 1 needs {need(1, ckpt, stage) / GiB:.2f} GiB per rank, "
+    needs = need(1, configured, stage) / GiB
+    head = (f"data.micro_batch_size=auto: even micro batch 1 needs {needs:.2f} GiB per rank, "
             f"over the {usable / GiB:.2f} GiB usable on {device.name} ({device.memory_text()} less a "
             f"{AUTO_MARGIN:.0%} margin)")
     alone = [f"{text} ({g:.2f} GiB)" for text, g in gib.items() if g * GiB <= usable]

@@ -10,13 +10,10 @@ attributes peft and bitsandbytes read from a ``Params4bit``. Forward and backwar
 
 One op needs more than its fake kernel: ``gemm_4bit`` (the frozen matmul in forward) allocates a dequantized
 copy of the weight inside its kernel, which a fake kernel does not show. The tracker runs it as bitsandbytes'
-kernel does (``kernel_compositions``).
+kernel does (``telemetry/nf4_kernels.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -74,31 +71,3 @@ def quantize_4bit_layers(model: torch.nn.Module, cfg: ModelConfig) -> None:
         param.quant_state, param.bnb_quantized = state, True
         layer.weight = param
         layer.quant_state = state
-
-
-def _gemm_4bit_dequantizing(keep_scales: bool) -> Callable[..., torch.Tensor]:
-    """``gemm_4bit`` as bitsandbytes runs it for a training batch: the block scales dequantized, the weight
-    dequantized into a temporary in the input's dtype, then a dense ``linear``. CPU runs this always (the
-    default kernel); CUDA runs it above 1536 rows (``_dequant_linear_fallback``), which keeps the dequantized
-    scales alive beside their offset-added copy until it returns (``keep_scales``)."""
-
-    def gemm_4bit(A: torch.Tensor, B: torch.Tensor, shapeB: Any, absmax: torch.Tensor, blocksize: int,
-                  quant_type: str, bias: torch.Tensor | None = None, absmax_8bit: torch.Tensor | None = None,
-                  absmax_code: torch.Tensor | None = None, absmax_offset: torch.Tensor | None = None) -> torch.Tensor:
-        scales = None
-        if absmax_8bit is not None:
-            scales = torch.ops.bitsandbytes.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
-                                                                        torch.float32)
-            absmax = scales + absmax_offset
-            if not keep_scales:
-                del scales
-        weight = torch.ops.bitsandbytes.dequantize_4bit.default(B, absmax, blocksize, quant_type, shapeB, A.dtype)
-        return torch.nn.functional.linear(A, weight, bias)
-
-    return gemm_4bit
-
-
-def kernel_compositions(device_type: str) -> dict[Any, Callable[..., torch.Tensor]]:
-    """Ops the tracker runs as their kernel on ``device_type`` composes them, so that it sees the kernel's
-    temporaries (a fake kernel shows only the output)."""
-    return {torch.ops.bitsandbytes.gemm_4bit.default: _gemm_4bit_dequantizing(keep_scales=device_type == "cuda")}

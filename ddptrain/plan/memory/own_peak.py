@@ -6,12 +6,12 @@ for the run's world size (``memory_plan.configured_peak``, what the dry run prin
 computes in, plus DDP's gradient buckets (the allocator holds them); the assumed allowances (CUDA context,
 fragmentation, NCCL) are not added, since ``max_memory_allocated`` does not see them either.
 
-Measured: on CUDA, ``torch.cuda.max_memory_allocated`` over the steady steps (reset after the first step);
-on CPU, which has no allocator statistics, ``PeakTracker`` around one steady step of the run (the second), on
-the run's real tensors, with the model state marked at its start (a 4-bit base's quantization state
-included; its matmuls run as the same ops bitsandbytes' CPU kernel runs, so that the tracker sees the
-dequantized weight the kernel holds). The tracker counts every storage the step's
-ops create and free; the trace tests check it equals the CPU allocator's peak from ``torch.profiler`` on the
+Measured (``telemetry/measured_peak.py``): on CUDA, ``torch.cuda.max_memory_allocated`` over the steady steps
+(reset after the first step); on CPU, which has no allocator statistics, ``PeakTracker`` around one steady
+step of the run (the second), on the run's real tensors, with the model state marked at its start (a 4-bit
+base's quantization state included; its matmuls run as the same ops bitsandbytes' CPU kernel runs, so that the
+tracker sees the dequantized weight the kernel holds). The tracker counts every storage the step's ops create
+and free; the trace tests check it equals the CPU allocator's peak from ``torch.profiler`` on the
 same step. It sees what the step allocates: DDP rebuilds its gradient buckets in the second step (in the
 order the gradients arrived), so that step holds them too, as the plan counts them. The tracker slows that one
 step down (a Python hook per op); it lies in the first logging window, which the steady medians skip unless
@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any
 
 import torch
 
@@ -32,7 +31,6 @@ from ddptrain.config.schema import Config
 from ddptrain.plan.memory.overheads import RunOverheads
 from ddptrain.plan.memory.planner import Allowances, configured_peak
 from ddptrain.plan.memory.present import this_device
-from ddptrain.plan.memory.trace import PeakTracker, model_state_tensors, step_tracker
 from ddptrain.runtime.process_group import device_precision
 
 log = logging.getLogger("ddptrain")
@@ -88,59 +86,3 @@ def _planned_peak(cfg: Config, world_size: int, device: torch.device, vocab: int
     buckets = sum(v for k, v in allowance.items.items() if k.startswith("DDP gradient buckets"))
     how += ", + DDP's gradient buckets" if buckets else ""
     return sum(by_category.values()) + buckets, how
-
-
-class MeasuredPeak:
-    """The run's measured peak per rank: ``begin``/``end`` bracket every training step (the update included)."""
-
-    def __init__(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 first_step: int, zero_stage: int) -> None:
-        self.device, self.model, self.optimizer = device, model, optimizer
-        self.first_step = first_step  # the run's first step here (after a resume: the step after the checkpoint)
-        self.tracker: PeakTracker | None = None
-        self.bytes: int | None = None
-        self.note = ("torch.cuda.max_memory_allocated over the steady steps" if device.type == "cuda" else
-                     "PeakTracker over one steady step (the run's second)")
-        self.skip = zero_stage >= 2 and device.type != "cuda"  # FSDP2's DTensor shards: not tracked on CPU
-        if self.skip:
-            self.note = "not measured on CPU at ZeRO-2/3 (sharded parameters)"
-
-    def begin(self, step: int) -> None:
-        if self.skip or step != self.first_step + 1:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        self.tracker = step_tracker(self.model, "cpu")
-        self.tracker.__enter__()
-        params, state = model_state_tensors(self.model, self.optimizer)
-        self.tracker.mark(params, "parameters")
-        self.tracker.mark(state, "optimizer")
-        self.tracker.mark((p.grad for p in self.model.parameters()), "gradients")
-
-    def slows(self, step: int) -> bool:
-        """Whether ``step`` ran under the CPU tracker (slower than a plain step: kept out of throughput)."""
-        return not self.skip and self.device.type != "cuda" and step == self.first_step + 1
-
-    def end(self, step: int) -> None:
-        if self.tracker is not None:
-            self.tracker.__exit__(None, None, None)
-            self.bytes = self.tracker.peak.peak
-            self.tracker = None
-
-    def result(self, step: int) -> int | None:
-        """The peak, once the run has finished ``step`` (None: no steady step ran)."""
-        if self.device.type == "cuda" and not self.skip and step > self.first_step:
-            return torch.cuda.max_memory_allocated(self.device)  # sync point: once, at the end
-        return self.bytes
-
-
-def memory_peak(planned: tuple[float | None, str], measured: MeasuredPeak, last_step: int) -> dict[str, Any]:
-    """summary.json's ``memory_peak``: planned vs measured bytes per rank, and how each was found."""
-    planned_bytes, how = planned
-    measured_bytes = measured.result(last_step)
-    error = None
-    if planned_bytes and measured_bytes:
-        error = 100.0 * (planned_bytes - measured_bytes) / measured_bytes
-    return {"planned_bytes": None if planned_bytes is None else round(planned_bytes),
-            "measured_bytes": measured_bytes, "error_pct": error, "planned_by": how, "measured_by": measured.note}

@@ -25,15 +25,8 @@ from ddptrain.plan.analytic.planner import Plan, backward_seconds
 from ddptrain.plan.costs import Comm
 from ddptrain.plan.memory.host_cost import selective_host_bound
 from ddptrain.plan.memory.overheads import RunOverheads
-from ddptrain.plan.memory.trace import (
-    CATEGORIES,
-    PeakMemory,
-    PeakTracker,
-    StepSetup,
-    fake_training_state,
-    representative_chunks,
-    trace_step,
-)
+from ddptrain.plan.memory.trace import StepSetup, fake_training_state, trace_step
+from ddptrain.telemetry.storage_peak import CATEGORIES, PeakMemory, PeakTracker
 
 GiB = 1024**3
 
@@ -101,12 +94,24 @@ def checkpointing(cfg: Config) -> ActivationCheckpointing:
     return cfg.model.activation_checkpointing
 
 
-def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: ActivationCheckpointing, num_layers: int,
-               grad_accum: int, device: Device, working_copy: bool = False, chunked_loss: bool | None = None
-               ) -> PeakTracker:
-    """One traced step of ``cfg``'s model with these changes (the rest as configured). ``working_copy``: on
-    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). ``chunked_loss``:
-    ``train.chunked_loss`` (None: as configured); its loss runs on representative chunks (same peak)."""
+@dataclass(frozen=True)
+class TracedStep:
+    """Which step to trace: ``micro_batch`` rows, ``num_layers`` blocks recomputed as ``checkpointing`` says,
+    ``grad_accum`` micro batches, ``chunked_loss`` as ``train.chunked_loss`` (None: as configured)."""
+
+    micro_batch: int
+    checkpointing: ActivationCheckpointing
+    num_layers: int
+    grad_accum: int = 1
+    chunked_loss: bool | None = None
+
+
+def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, working_copy: bool = False) -> PeakTracker:
+    """One traced step of ``cfg``'s model with ``step``'s changes (the rest as configured). ``working_copy``: on
+    parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). A chunked loss runs on
+    representative chunks (same peak)."""
+    micro_batch, checkpointing, num_layers = step.micro_batch, step.checkpointing, step.num_layers
+    grad_accum, chunked_loss = step.grad_accum, step.chunked_loss
     traced = copy.deepcopy(cfg)
     traced.model.activation_checkpointing = checkpointing
     traced.model.num_layers = num_layers
@@ -115,9 +120,9 @@ def trace_peak(cfg: Config, vocab: int, micro_batch: int, checkpointing: Activat
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     dtype = compute_dtype(cfg.train.precision, device)
     model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
-                                                  dtype if working_copy else None)
+                                                  dtype if working_copy else None, representative_chunks=True)
     setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum)
-    with mode, representative_chunks():
+    with mode:
         tracker, _ = trace_step(model, optimizer, batch, setup)
     return tracker
 
@@ -197,8 +202,8 @@ class Tracer:
         chunked = self.cfg.train.chunked_loss if chunked_loss is None else chunked_loss
         key = (micro_batch, checkpointing, num_layers, working_copy, chunked)
         if key not in self._traced:
-            tracker = trace_peak(self.cfg, self.vocab, micro_batch, checkpointing, num_layers, 2, self.device,
-                                 working_copy, chunked_loss=chunked)
+            traced = TracedStep(micro_batch, checkpointing, num_layers, 2, chunked)
+            tracker = trace_peak(self.cfg, self.vocab, traced, self.device, working_copy)
             self._traced[key] = {phase: peak.by_category for phase, peak in tracker.phase_peaks.items()}
         return self._traced[key]
 
@@ -462,8 +467,8 @@ def configured_peak(cfg: Config, plan: Plan, vocab: int, device: Device
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
 
     def trace_configured(working_copy: bool) -> PeakMemory:
-        return trace_peak(cfg, vocab, batch.micro_batch_size, checkpointing(cfg),
-                          cfg.model.num_layers, min(batch.grad_accum, 2), device, working_copy).peak
+        step = TracedStep(batch.micro_batch_size, checkpointing(cfg), cfg.model.num_layers, min(batch.grad_accum, 2))
+        return trace_peak(cfg, vocab, step, device, working_copy).peak
 
     traced = trace_configured(False)
     stage_traced = trace_configured(True) if low and cfg.parallel.zero_stage >= 2 else traced
@@ -481,13 +486,13 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     tracer = tracer or Tracer(cfg, vocab, device)
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
-    layers, ckpt, stage = cfg.model.num_layers, checkpointing(cfg), cfg.parallel.zero_stage
+    layers, mode, stage = cfg.model.num_layers, checkpointing(cfg), cfg.parallel.zero_stage
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
     accumulating = batch.grad_accum > 1
 
-    traced = tracer.exact(batch.micro_batch_size, ckpt, False, accumulating)
-    stage_traced = tracer.exact(batch.micro_batch_size, ckpt, True, accumulating) if low and stage >= 2 else traced
+    traced = tracer.exact(batch.micro_batch_size, mode, False, accumulating)
+    stage_traced = tracer.exact(batch.micro_batch_size, mode, True, accumulating) if low and stage >= 2 else traced
     configured = shard(stage_traced.by_category, stage, n, plan, accumulating)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
 
@@ -498,7 +503,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     def fit(checkpointing: ActivationCheckpointing, stage: int) -> PeakFit:
         return tracer.fit(checkpointing, low and stage >= 2)
 
-    fitted = fit(ckpt, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
+    fitted = fit(mode, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
     options = []
     per_rank = batch.global_batch_size // n
     modes = sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
@@ -522,10 +527,10 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     by_mode = {c: shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
                for c in modes}
     chosen = next((o for o in options[:1] if o.checkpointing == ActivationCheckpointing.selective), None)
-    note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (ckpt, batch.micro_batch_size)
+    note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (mode, batch.micro_batch_size)
     return MemoryPlan(
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
-        micro_batch=batch.micro_batch_size, checkpointing=ckpt, stage=stage, traced=traced,
+        micro_batch=batch.micro_batch_size, checkpointing=mode, stage=stage, traced=traced,
         by_category=configured, allowances=allowances(configured, stage),
         fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),

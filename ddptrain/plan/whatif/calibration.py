@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from ddptrain.errors import ConfigError
+from ddptrain.telemetry.summary import RunSummary
 
 
 @dataclass(frozen=True)
@@ -39,24 +40,40 @@ class Calibration:
         return self.tokens_per_sequence or float(self.seq_len)
 
     @classmethod
-    def from_summary(cls, s: dict[str, Any]) -> Calibration:
-        """From a summary's figures; KeyError/TypeError/ValueError when a figure is missing or malformed."""
-        micro = (s["time_data_s"] + s.get("time_forward_sync_s", 0.0) + s["time_forward_s"]
-                 + s["time_backward_s"]) / s["grad_accum"]
-        buckets = [(float(lead), int(n)) for lead, n in s.get("buckets") or []]
+    def from_summary(cls, summary: RunSummary) -> Calibration:
+        """From a run's figures; KeyError (naming the figure)/TypeError/ValueError when one is missing or
+        malformed."""
+        steady = summary.steady
+        micro = (_needed(steady.time_data_s, "time_data_s") + (steady.time_forward_sync_s or 0.0)
+                 + _needed(steady.time_forward_s, "time_forward_s")
+                 + _needed(steady.time_backward_s, "time_backward_s")) / _needed(summary.grad_accum, "grad_accum")
+        buckets = [(float(lead), int(n)) for lead, n in summary.buckets or []]
         measured = bool(buckets)
-        buckets = buckets or [(0.0, 4 * int(s["parameters"]))]
-        alone = s["world_size"] == 1 and measured and s.get("comm_time_s") is not None
-        return cls(s["world_size"], s["global_batch_size"], s["micro_batch_size"], s["grad_accum"], s["seq_len"],
-                   micro, s["time_optimizer_s"], buckets, measured,
-                   s["comm_time_s"] / len(buckets) if alone else 0.0,
-                   float(s.get("rank_wait_for_slowest_pct", 0.0)) / 100, s.get("tokens_per_sequence"))
+        buckets = buckets or [(0.0, 4 * int(_needed(summary.parameters, "parameters")))]
+        world_size = _needed(summary.world_size, "world_size")
+        comm_s = steady.comm_time_s
+        alone = world_size == 1 and measured and comm_s is not None
+        return cls(world_size, _needed(summary.global_batch_size, "global_batch_size"),
+                   _needed(summary.micro_batch_size, "micro_batch_size"), summary.grad_accum,
+                   _needed(summary.seq_len, "seq_len"), micro, _needed(steady.time_optimizer_s, "time_optimizer_s"),
+                   buckets, measured, comm_s / len(buckets) if alone and comm_s is not None else 0.0,
+                   float(steady.rank_wait_for_slowest_pct or 0.0) / 100, steady.tokens_per_sequence)
 
     @classmethod
     def from_run(cls, run_dir: str) -> Calibration:
         path = Path(run_dir) / "summary.json"
         try:
-            return cls.from_summary(json.loads(path.read_text()))
+            return cls.from_summary(RunSummary.from_json(json.loads(path.read_text())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"plan.from_run={run_dir}: expected a finished run directory with a summary.json "
                               f"holding the step breakdown ({type(exc).__name__}: {exc})") from exc
+
+
+Figure = TypeVar("Figure")
+
+
+def _needed(value: Figure | None, name: str) -> Figure:
+    """A figure the calibration cannot do without; KeyError naming it when the summary lacks it."""
+    if value is None:
+        raise KeyError(name)
+    return value

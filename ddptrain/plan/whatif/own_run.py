@@ -18,6 +18,7 @@ from ddptrain.plan.costs import Link, chosen_link, preset_link
 from ddptrain.plan.whatif.calibration import Calibration
 from ddptrain.plan.whatif.layout import Layout
 from ddptrain.plan.whatif.predictor import predict
+from ddptrain.telemetry.summary import RunSummary
 
 # gloo over loopback TCP between processes of one host, a round figure between what scripts/bench_collectives.py
 # fitted on a 2-core machine quiet (0.75-0.8 GB/s, α 0.2-0.3 ms) and loaded (0.55-1.7 GB/s, α up to 0.7 ms).
@@ -40,27 +41,26 @@ def _error_pct(predicted: float, measured: float | None) -> float | None:
     return None if not measured else 100.0 * (predicted - measured) / measured
 
 
-def predict_own_step(summary: dict[str, Any], plan: PlanConfig, device_type: str, nodes: int) -> dict[str, Any]:
+def predict_own_step(summary: RunSummary, plan: PlanConfig, device_type: str, nodes: int) -> dict[str, Any]:
     """The ``predicted`` fields of a finished run: step and exposed communication, predicted vs measured."""
-    if summary["world_size"] == 1:
+    if summary.world_size == 1:
         return {"step_note": "1 rank: no gradient sync, nothing to predict"}
-    if summary["zero_stage"] != 0 or summary["compression"] != "none":
+    if summary.zero_stage != 0 or summary.compression != "none":
         return {"step_note": "the predictor models DDP's uncompressed all-reduce (parallel.zero_stage=0)"}
     try:
         cal = Calibration.from_summary(summary)
     except (KeyError, TypeError, ValueError):
         return {"step_note": "no step breakdown was timed: nothing to predict from"}
     link, source = own_link(plan, device_type)
-    layout = Layout(summary["world_size"], nodes, link, preset_link("plan.inter_node", plan.inter_node),
+    layout = Layout(summary.world_size, nodes, link, preset_link("plan.inter_node", plan.inter_node),
                     plan.hierarchical)
     p = predict(cal, layout)
-    measured_exposed = summary.get("time_exposed_comm_s")
     return {
         "step_s": p.step_s,
         "exposed_comm_s": p.exposed_s,
         "link": {"name": link.name, "bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us,
                  "source": source},
         "layout": layout.describe(),
-        "step_error_pct": _error_pct(p.step_s, summary.get("time_step_s")),
-        "exposed_comm_error_pct": _error_pct(p.exposed_s, measured_exposed),
+        "step_error_pct": _error_pct(p.step_s, summary.steady.time_step_s),
+        "exposed_comm_error_pct": _error_pct(p.exposed_s, summary.steady.time_exposed_comm_s),
     }

@@ -1,0 +1,50 @@
+"""The run summary is a typed value (``telemetry/summary.py``); ``summary.json`` is its record, key for key and in
+order, as it was when the summary was a dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddptrain.telemetry.summary import RunSummary
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train_each
+
+BASE = {
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
+    "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 16, "global_batch_size": 4,
+             "micro_batch_size": 2},
+    "train": {"steps": 3, "log_every": 1, "eval_every": 0},
+}
+
+# summary.json's keys before the medians, in order (the dict the typed summary replaced built them so)
+LEADING = ["world_size", "model", "parameters", "trainable_parameters", "engine", "zero_stage", "compression",
+           "wrapper", "global_batch_size", "micro_batch_size", "grad_accum", "seq_len", "steps", "first_loss",
+           "final_loss", "final_val_loss", "tokens_seen"]
+TRAILING = ["flops_per_token", "peak_tflops", "predicted", "model_state", "buckets", "memory_peak", "goodput_pct",
+            "goodput"]
+
+
+def test_summary_json_is_the_typed_summarys_record_in_the_same_order(tmp_path: Path) -> None:
+    (run,) = run_distributed(train_each, 1, str(tmp_path), BASE, [{}])[0]
+    text = (Path(run["dir"]) / "summary.json").read_text()
+    record = json.loads(text)
+    keys = list(record)
+    assert keys[:len(LEADING)] == LEADING and keys[-len(TRAILING):] == TRAILING
+    assert "time_step_s" in keys[len(LEADING):-len(TRAILING)]  # the steady-state medians between them
+    assert run["summary"] == record  # what train() returns is the same record
+    again = RunSummary.from_json(record)
+    assert json.dumps(again.to_json(), indent=2) + "\n" == text
+    assert again.steady.time_step_s == record["time_step_s"] and again.world_size == 1
+
+
+def test_fp16s_final_scale_replaces_its_median_in_place_and_the_compile_time_follows_the_fixed_figures() -> None:
+    record = {**dict.fromkeys(LEADING, 1), "time_step_s": 0.5, "loss_scale": 1024.0, "scaler_backoffs": 0,
+              **dict.fromkeys(TRAILING[:5], 2), "compile_s": 3.0, "memory_peak": {"planned_bytes": 1},
+              "goodput_pct": 90.0, "goodput": {}}
+    summary = RunSummary.from_json(record)
+    assert summary.loss_scale == {"loss_scale": 1024.0, "scaler_backoffs": 0} and summary.compile_s == 3.0
+    summary.loss_scale = {"loss_scale": 512.0, "scaler_backoffs": 1}
+    out = summary.to_json()
+    assert list(out) == list(record)
+    assert out["loss_scale"] == 512.0 and out["scaler_backoffs"] == 1
