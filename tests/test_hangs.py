@@ -11,6 +11,7 @@ groups, one rank stopped in forward while its shard group's peer waits in the FS
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from ddptrain.diagnose.evidence import read_nccl_dump
 from ddptrain.diagnose.trace import current
 from tests.helpers.nccl_twin import ENV as TWIN_ENV
-from tests.helpers.staggered import Finished, Job, run_staggered
+from tests.helpers.staggered import Finished, Job, end_unfinished, run_staggered
 
 ROOT = Path(__file__).parents[1]
 SITE = {"PYTHONPATH": str(ROOT / "tests" / "helpers" / "nccl_twin_site")}  # that folder only: never the checkout
@@ -59,7 +60,8 @@ RUNS_AHEAD = ("data", "forward", "mismatch", "hsdp")  # on the twin: rank 0's ho
 
 
 @pytest.fixture(scope="module")
-def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Finished]]:
+def jobs(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Finished]]]:
     """The selected cases' runs in two lanes side by side, in each started in turn as the one before has trained to
     step 2 (its start-up done), so that one run's imports overlap the one before's timeout and stop; each case's
     test waits for its own run."""
@@ -76,7 +78,8 @@ def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         todo[f"{case}-{backend}"] = Job([*RUN, *overrides, f"launch.nproc_per_node={ranks}",
                                          f"hydra.run.dir={run_dir}"],
                                         run_dir, cache, {"DDPTRAIN_FAULT": fault, **env, **BACKENDS[backend]})
-    return run_staggered(todo, ready=READY, timeout=TIMEOUT_S + 120, lanes=2)
+    yield run_staggered(todo, ready=READY, timeout=TIMEOUT_S + 120, lanes=2)
+    end_unfinished()  # a run whose test was deselected or failed before waiting for it: nothing outlives the module
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -36,13 +36,15 @@ def _marked(env: Mapping[str, str] | None) -> tuple[dict[str, str], str]:
 
 
 def start(argv: Sequence[str | os.PathLike[str]], env: Mapping[str, str] | None = None,
-          **popen: Any) -> subprocess.Popen[Any]:
+          ends_with_test: bool = True, **popen: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(argv, env=env, ...)`` in a session of its own, its tree marked; killed at the test's end
-    if still running."""
+    if still running, unless ``ends_with_test=False``: a run a module fixture started for several tests, which
+    the fixture ends itself (``kill_tree``) at its teardown."""
     marked, mark = _marked(env)
     proc = subprocess.Popen(argv, env=marked, start_new_session=True, **popen)
     proc.tree_mark = mark  # type: ignore[attr-defined]
-    _STARTED.append(proc)
+    if ends_with_test:
+        _STARTED.append(proc)
     return proc
 
 

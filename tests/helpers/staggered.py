@@ -97,9 +97,26 @@ class _Ready:
 def _start(job: Job) -> tuple[subprocess.Popen[bytes], Path, Path]:
     out, err = job.cwd.with_name(f"{job.cwd.name}.stdout"), job.cwd.with_name(f"{job.cwd.name}.stderr")
     with out.open("wb") as stdout, err.open("wb") as stderr:
+        # the jobs outlive the test that started them (a module fixture's, each case's test waits for its own):
+        # ended by ``end_unfinished`` at the fixture's teardown, not at the end of whichever test was running
         proc = procs.start(cli_command(job.args), cwd=job.cwd, env=test_env(job.cache, job.extra_env),
-                           stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+                           ends_with_test=False, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+    _LIVE.append(proc)
     return proc, out, err
+
+
+_LIVE: list[subprocess.Popen[bytes]] = []  # every job started, for end_unfinished
+
+
+def end_unfinished() -> list[str]:
+    """Kill every job still running (with its whole tree); their command lines. For the fixture's teardown."""
+    left = []
+    while _LIVE:
+        proc = _LIVE.pop()
+        if proc.poll() is None or procs.tree_of(proc):
+            left.append(" ".join(map(str, proc.args)))  # type: ignore[arg-type]
+            procs.kill_tree(proc)
+    return left
 
 
 def _finish(proc: subprocess.Popen[bytes], job: Job, stdout: Path, stderr: Path, started: float, timeout: float,
