@@ -271,3 +271,57 @@ def test_a_test_that_fails_while_its_run_is_live_leaves_no_process_behind(pytest
     finally:
         for proc in _named(marker):
             proc.kill()
+
+
+STARTS_A_RUN_FOR_THE_MODULE = """
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.helpers import procs
+
+MARKER = {marker!r}
+
+
+def _live():
+    return [p for p in psutil.process_iter(["cmdline", "status"])
+            if MARKER in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def run():
+    proc = procs.start([sys.executable, "-c", {script!r}, MARKER], ends_with_test=False)
+    while len(_live()) < 2:
+        time.sleep(0.05)
+    yield proc
+    procs.kill_tree(proc)
+
+
+def test_first(run):
+    assert run.poll() is None
+
+
+def test_second_sees_the_run_the_first_test_started(run):
+    assert run.poll() is None and len(_live()) == 2
+"""
+
+
+def test_a_run_a_module_fixture_started_lives_until_the_fixtures_teardown_then_leaves_nothing(
+    pytester: pytest.Pytester,
+) -> None:
+    """The hang cases' runs (``tests/helpers/staggered.py``) are started by a module fixture and outlive the first
+    test: the end-of-test cleanup must not kill them (it did: 6 of 12 hang cases failed with -9), the fixture's
+    teardown must."""
+    marker = f"module-run-probe-{uuid.uuid4().hex}"
+    pytester.makeconftest('pytest_plugins = ["tests.helpers.procs"]\n')
+    pytester.makepyfile(test_module_run=STARTS_A_RUN_FOR_THE_MODULE.format(script=HANGS_WITH_A_CHILD, marker=marker))
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=2)
+        left = _named(marker)
+        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
+    finally:
+        for proc in _named(marker):
+            proc.kill()
