@@ -76,6 +76,7 @@ def accumulate_gradients(
             with phase("backward"):
                 scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        del loss  # its graph, and what backward left in it, is not held through the next micro batch's forward
     assert loss_sum is not None
     return loss_sum
 
