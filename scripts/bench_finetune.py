@@ -38,7 +38,7 @@ from ddptrain.data.tokenizer import train_bpe
 from ddptrain.models import build_model
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.runtime.process_group import DistEnv
-from ddptrain.train import train
+from ddptrain.train.trainer import train
 
 LORA = {"enabled": True, "r": 16, "alpha": 32.0}
 VARIANTS: dict[str, dict[str, Any]] = {  # variant -> model overrides

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from ddptrain.config.compose import build_config
 from ddptrain.runtime.process_group import DistEnv
 from ddptrain.telemetry.metrics import StepMetrics
-from ddptrain.train import train
+from ddptrain.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {  # model preset -> (sequence length, micro batch): one H100 80GB, no activation checkpointing

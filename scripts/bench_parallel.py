@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import Config
 from ddptrain.runtime.process_group import DistEnv
-from ddptrain.train import train
+from ddptrain.train.trainer import train
 
 SUITES: dict[str, dict[str, dict[str, dict]]] = {  # suite -> variant -> config section -> overrides
     "strategies": {

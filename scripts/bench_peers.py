@@ -34,7 +34,7 @@ from ddptrain.data import build_token_data
 from ddptrain.models import build_model
 from ddptrain.optim import impl_kwargs
 from ddptrain.runtime.process_group import DistEnv, main_first
-from ddptrain.train import train
+from ddptrain.train.trainer import train
 
 
 def config(args: argparse.Namespace, out: Path) -> Config:

@@ -409,6 +409,9 @@ MUTANTS = [
     Mutant("sweep-md-objective-3-digits", "sweep.md rounds the objective to 3 digits (2.123449 and 2.123351: 2.12)",
            (("ddptrain/app/sweep_report.py", '        return f"{value:.6g}"\n', '        return f"{value:.3g}"\n'),),
            ("tests/test_sweep.py", "-k", "digits or optuna_search_gets")),
+    Mutant("step-holds-micro-loss", "the step keeps a micro batch's loss, and its graph, through the next forward",
+           (("ddptrain/train/step.py", "        del loss  # its graph", "        pass  # its graph"),),
+           ("tests/test_step.py",)),
 ]
 
 

@@ -59,7 +59,7 @@ def _train_cases(rank: int, world_size: int, tmp: str, cases: list[tuple[str, Ov
     """Train each (run dir, overrides) on this rank; the one-line error each ended with (None: trained)."""
     from ddptrain.errors import ConfigError, ResourceError
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import train
+    from ddptrain.train.trainer import train
 
     without_the_planned_peak()  # nothing here reads it
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)

@@ -87,7 +87,7 @@ def _train_losses(rank: int, world_size: int, grad_accum: int, cache_dir: str, r
     from omegaconf import OmegaConf
 
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import train
+    from ddptrain.train.trainer import train
 
     cfg = OmegaConf.structured(Config)
     cfg.model.hidden_size, cfg.model.num_layers = 64, 2

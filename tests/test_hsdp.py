@@ -39,7 +39,7 @@ def _checkpoint(run_dir: Path, step: int) -> Path:
 def _train_as_two_nodes(rank: int, world_size: int, tmp: str) -> dict[str, dict]:
     """ZeRO-3 over all ranks; HSDP saving checkpoints; then from the latter's step-2 checkpoint: HSDP, ZeRO-3 over
     all ranks (a 1-D mesh instead of 2 x 2) and DDP."""
-    from ddptrain.train import train
+    from ddptrain.train.trainer import train
 
     without_the_planned_peak()  # nothing here reads it
     env = DistEnv(rank=rank, local_rank=rank % 2, world_size=world_size, local_world_size=2, node_rank=rank // 2)

@@ -80,7 +80,9 @@ def import_graph() -> dict[str, set[str]]:
 
 # The packages bottom to top: each may import those before it, never one after it (imports inside functions
 # included: a lazy import is still a dependency, only a later one). A package's ``__main__`` is an entry point
-# like ``app`` (nothing imports it), so it may import anything.
+# like ``app`` (nothing imports it), so it may import anything. ``train`` is two layers: the step's pieces
+# (``STEP_MODULES``, and ``ddptrain.train`` itself, which imports nothing) sit below ``plan``, whose memory trace
+# runs them on fake tensors, one definition of a training step; the trainer, which plans its own run, above it.
 LAYERS = (
     "errors",      # one-line errors every layer raises
     "diagnose",    # where each rank is, evidence of hangs: stdlib only, so every layer can report
@@ -96,10 +98,23 @@ LAYERS = (
     "parallel",    # wrap_model: DDP, ZeRO, FSDP2
     "checkpoint",  # the checkpoint format, saving and the offline library
     "testing",     # fault injection, as step hooks
+    "train.step",  # the step's pieces: micro batches' forward/backward, weighting, loss guard, clip, update
     "plan",        # planners and predictors over models, data and optimizers
-    "train",       # the loop
+    "train",       # the trainer and its loop
     "app",         # the commands: ddptrain, ddptrain-ckpt
 )
+
+
+# The modules of ``train`` in its lower layer, ``train.step``: what a training step computes, with no trainer state.
+STEP_MODULES = ("step", "control", "tokens", "weighting")
+
+
+def _unit(module: str) -> str:
+    """The entry of ``LAYERS`` a ``ddptrain.<package>...`` module belongs to: its package, or ``train.step``."""
+    parts = module.split(".")
+    if parts[1] == "train" and (len(parts) == 2 or parts[2] in STEP_MODULES):
+        return "train.step"
+    return parts[1]
 
 
 def _layer(module: str) -> int:
@@ -107,7 +122,7 @@ def _layer(module: str) -> int:
     parts = module.split(".")
     if parts[-1] == "__main__" or len(parts) == 1:
         return len(LAYERS)
-    return LAYERS.index(parts[1])
+    return LAYERS.index(_unit(module))
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -157,6 +172,18 @@ def test_the_layer_check_finds_a_lazy_upward_import(tmp_path: Path) -> None:
     graph = import_graph()
     graph["ddptrain.config.schema"] |= {d for n in _imports(lazy) for d in _with_packages(n) if d in graph}
     assert "ddptrain.config.schema -> ddptrain.models.lora" in upward_imports(graph)
+
+
+def test_the_step_layer_names_modules_of_train_that_exist() -> None:
+    assert sorted(n for n in STEP_MODULES if f"ddptrain.train.{n}" not in _modules("ddptrain")) == []
+
+
+def test_the_layer_check_finds_a_step_piece_importing_the_trainer() -> None:
+    graph = import_graph()
+    graph["ddptrain.train.weighting"].add("ddptrain.train.trainer")
+    graph["ddptrain.train"].add("ddptrain.plan.memory.trace")
+    assert {"ddptrain.train.weighting -> ddptrain.train.trainer",
+            "ddptrain.train -> ddptrain.plan.memory.trace"} <= set(upward_imports(graph))
 
 
 def test_every_plan_module_has_a_place_in_the_plan_layers() -> None:
@@ -284,8 +311,6 @@ def backward_calls(files: dict[str, ast.Module]) -> list[str]:
                   and node.func.attr == "backward")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42, not yet: the memory trace (plan/memory/trace.py) still runs a step "
-                   "of its own; running the trainer's needs plan above train or the step below plan (see the report)")
 def test_autograds_backward_is_called_only_under_train() -> None:
     """One definition of a training step: the trainer's, which the memory planner runs too."""
     outside = {p: t for p, t in _package_files().items() if not p.startswith("ddptrain/train/")}
@@ -390,10 +415,11 @@ def test_the_summary_key_check_finds_a_keyed_read() -> None:
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Package -> the packages its modules import (functions' imports included). A package's ``__main__`` is part
-    of its package; ``ddptrain`` itself and ``ddptrain.__main__`` are the top."""
+    of its package; ``ddptrain`` itself and ``ddptrain.__main__`` are the top; the step's pieces are ``train.step``,
+    a layer of their own (``LAYERS``)."""
     def package(module: str) -> str:
         parts = module.split(".")
-        return parts[1] if len(parts) > 1 and parts[1] != "__main__" else "ddptrain"
+        return _unit(module) if len(parts) > 1 and parts[1] != "__main__" else "ddptrain"
 
     packages: dict[str, set[str]] = {}
     for module, deps in graph.items():

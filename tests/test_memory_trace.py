@@ -168,7 +168,7 @@ def test_a_prompt_completion_step_is_planned_with_the_attention_mask_the_real_st
     cfg = small_config("llama", "none", lora=True)
     cfg.data.seq_len = 256
     cfg.data.format, cfg.data.packing = DataFormat.prompt_completion, packing
-    setup = StepSetup("cpu", torch.bfloat16, cfg.optim.grad_clip)
+    setup = StepSetup("cpu", torch.bfloat16, cfg.optim.grad_clip, data_format=cfg.data.format)  # the token mean
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, optimizer, batch = fake_training_state(cfg, VOCAB, BATCH, "cpu", mode)
     assert set(batch) == {"input_ids", "labels", "position_ids" if packing else "attention_mask"}

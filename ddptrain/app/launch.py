@@ -170,7 +170,7 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
     from ddptrain.runtime.process_group import distributed, shared_run_dir
     from ddptrain.runtime.topology import check_shared_run_dir
-    from ddptrain.train import train
+    from ddptrain.train.trainer import train
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built

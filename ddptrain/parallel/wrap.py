@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.comm.clock import CommClock
@@ -100,10 +101,10 @@ def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, pre
     # One rank has nothing to synchronise: a wrapper would only add its own overhead to the single-device
     # baseline that scaling efficiency divides by. CPU offload still needs FSDP2 to move the state.
     if dist.get_world_size() == 1 and not (cfg.wrap_single or cfg.cpu_offload):
-        return Wrapped(model, model, lambda _sync: nullcontext(), None, "none")
+        return Wrapped(model, model, sync_switch(model), None, "none")
     if cfg.zero_stage >= 2:
         sharded = shard_model(model, cfg, device, precision, ranks_per_node, timeout)
-        return Wrapped(sharded, model, partial(fsdp_sync, sharded), None, f"FSDP2 (ZeRO-{cfg.zero_stage})")
+        return Wrapped(sharded, model, sync_switch(sharded), None, f"FSDP2 (ZeRO-{cfg.zero_stage})")
     if cfg.engine != "torch":
         from ddptrain.engines import build_engine
 
@@ -129,7 +130,18 @@ def _wrap(model: torch.nn.Module, cfg: ParallelConfig, device: torch.device, pre
     strategy = f"torch DDP{' + ZeRO-1' if cfg.zero_stage == 1 else ''}" + (
         f" + {cfg.compression} compression" if cfg.compression != "none" else "")
     compression = register_compression(ddp, cfg)
-    return Wrapped(ddp, model, _no_sync_of(ddp), compression.meter, strategy, compression)
+    return Wrapped(ddp, model, sync_switch(ddp), compression.meter, strategy, compression)
+
+
+def sync_switch(outer: torch.nn.Module) -> Callable[[bool], AbstractContextManager]:
+    """How a step skips the gradient sync of ``outer`` on accumulation micro batches: ctx(sync), FSDP2's
+    ``set_requires_gradient_sync`` (``fsdp_sync``), torch DDP's ``no_sync``, nothing for a bare model. The run's
+    ``Wrapped.maybe_sync`` (our engines: their own ``no_sync``) and the memory plan's traced step both take it here."""
+    if isinstance(outer, FSDPModule):
+        return partial(fsdp_sync, outer)
+    if isinstance(outer, DistributedDataParallel):
+        return _no_sync_of(outer)
+    return lambda _sync: nullcontext()
 
 
 def _no_sync_of(module: torch.nn.Module) -> Callable[[bool], AbstractContextManager]:

@@ -4,6 +4,11 @@ the evaluation pass.
 
 Each function says where the host waits for the device or for other ranks (a sync point): with fused AdamW a
 steady step waits nowhere but in the gradient collective itself; a check step agrees once (``train/control.py``).
+
+The memory planner runs ``accumulate_gradients``, ``clip_gradients`` and ``apply_update`` too, on fake tensors
+(``plan/memory/trace.py``): one definition of a step. So this module and what it imports sit below the planner
+(``tests/test_layout.py``: the ``train.step`` layer) and take no trainer state, only the model, optimizer, micro
+batches and the callables that time, guard and weigh them.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def accumulate_gradients(
             with phase("backward"):
                 scale_loss(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        del loss  # its graph, and what backward left in it, is not held through the next micro batch's forward
     assert loss_sum is not None
     return loss_sum
 

@@ -16,10 +16,12 @@ def loss_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE).sum()
 
 
-def global_loss_tokens(micro_batches: list[MicroBatch]) -> torch.Tensor:
-    """Loss tokens of the whole global batch: this rank's count, summed over ranks (one all-reduce)."""
+def global_loss_tokens(micro_batches: list[MicroBatch], over_ranks: bool = True) -> torch.Tensor:
+    """Loss tokens of the whole global batch: this rank's count, summed over ranks (one all-reduce).
+    ``over_ranks=False``: this rank's micro batches are the whole batch (one rank's step, as the memory plan
+    traces it on fake tensors): no collective."""
     total = sum((loss_tokens(b["labels"]) for b in micro_batches), torch.zeros((), dtype=torch.long))
     total = total.to(micro_batches[0]["labels"].device)
-    if dist.is_initialized():
+    if over_ranks and dist.is_initialized():
         dist.all_reduce(total)  # blocking: every rank needs the total before its first backward
     return total

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -44,19 +45,24 @@ class MeanLoss:
             yield lambda module, ids=ids: module(input_ids=ids, labels=ids, use_cache=False).loss / grad_accum
 
 
+@dataclass(frozen=True)
 class TokenMeanLoss:
     """Prompt/completion batches: the step's gradient is the global batch's token mean.
 
     Each micro batch's loss is its summed token loss x world_size / total, so that the loop's mean of the step's
     loss over ranks is the global batch's token-mean loss: the same quantity whose gradient the optimizer steps on.
+    ``over_ranks=False``: this rank's micro batches are the whole global batch, counted without a collective (the
+    memory plan's step, one rank's on fake tensors, traced by one rank while the others wait or trace their own).
     """
+
+    over_ranks: bool = True
 
     def micro_losses(self, micro_batches: Iterator[MicroBatch], grad_accum: int, phase: Phase
                      ) -> Iterator[MicroLoss]:
         with phase("data"):
             batches = [next(micro_batches) for _ in range(grad_accum)]
-            total = global_loss_tokens(batches)
-        world = dist.get_world_size() if dist.is_initialized() else 1
+            total = global_loss_tokens(batches, self.over_ranks)
+        world = dist.get_world_size() if self.over_ranks and dist.is_initialized() else 1
         # The model's own loss divides its summed token loss by num_items_in_batch; DDP then averages over ranks.
         # use_cache=False: a KV cache would turn off the detection of packed examples (they would attend to each
         # other).
@@ -67,8 +73,12 @@ class TokenMeanLoss:
 
 
 MEAN_LOSS, TOKEN_MEAN_LOSS = MeanLoss(), TokenMeanLoss()  # stateless: one of each serves every run
+ONE_RANK_TOKEN_MEAN_LOSS = TokenMeanLoss(over_ranks=False)
 
 
-def weighting_for(data_format: DataFormat) -> Weighting:
-    """The run's weighting: the token mean for prompt/completion data, else the mean over micro batches."""
-    return TOKEN_MEAN_LOSS if data_format == DataFormat.prompt_completion else MEAN_LOSS
+def weighting_for(data_format: DataFormat, one_rank: bool = False) -> Weighting:
+    """The run's weighting: the token mean for prompt/completion data, else the mean over micro batches.
+    ``one_rank``: the token mean of this rank's micro batches alone, with no collective (the memory plan's step)."""
+    if data_format != DataFormat.prompt_completion:
+        return MEAN_LOSS
+    return ONE_RANK_TOKEN_MEAN_LOSS if one_rank else TOKEN_MEAN_LOSS

@@ -36,7 +36,7 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
     """For ``run_distributed``: train ``base`` + each variant on this rank; rank 0 also returns metrics.jsonl.
     ``trace_peak=True`` keeps the summary's traced memory plan (``without_the_planned_peak``)."""
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import train
+    from ddptrain.train.trainer import train
 
     if not trace_peak:
         without_the_planned_peak()
@@ -66,7 +66,7 @@ def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
 
     from ddptrain.errors import RunEnded
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train import train
+    from ddptrain.train.trainer import train
 
     if not trace_peak:
         without_the_planned_peak()

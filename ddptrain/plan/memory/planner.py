@@ -25,7 +25,7 @@ from ddptrain.plan.analytic.planner import Plan, backward_seconds
 from ddptrain.plan.costs import Comm
 from ddptrain.plan.memory.host_cost import selective_host_bound
 from ddptrain.plan.memory.overheads import RunOverheads
-from ddptrain.plan.memory.trace import StepSetup, fake_training_state, trace_step
+from ddptrain.plan.memory.trace import ACCUMULATING, StepSetup, fake_training_state, trace_step
 from ddptrain.telemetry.storage_peak import CATEGORIES, PeakMemory, PeakTracker
 
 GiB = 1024**3
@@ -121,14 +121,13 @@ def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, workin
     dtype = compute_dtype(cfg.train.precision, device)
     model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
                                                   dtype if working_copy else None, representative_chunks=True)
-    setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum)
+    setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum, cfg.data.format)
     with mode:
         tracker, _ = trace_step(model, optimizer, batch, setup)
     return tracker
 
 
 Phases = dict[str, dict[str, int]]  # phase -> category -> bytes at that phase's peak
-ACCUMULATING = " (accumulating)"  # the phases of a later micro batch, beside the earlier ones' gradients
 
 
 def highest(phases: dict[str, dict[str, float]], accumulating: bool) -> PeakMemory:

@@ -1,7 +1,8 @@
 """Peak memory of one training step, traced on fake tensors: what the step allocates, op by op, with no memory.
 
-The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMode``); one real step (forward,
-backward, clipping, the optimizer update) then runs with every op's output shapes and dtypes but no data.
+The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMode``); the trainer's own step
+(``ddptrain/train/step.py``: the micro batches' forward and backward with the run's weighting, loss guard and
+gradient sync switch, clipping, the update) then runs with every op's output shapes and dtypes but no data.
 ``PeakTracker`` follows each tensor storage from the op that creates it to the moment it is freed, sums the live
 bytes by category and keeps the category split at the global peak. An NF4 base is held as bitsandbytes holds
 it (``ddptrain/plan/memory/nf4.py``).
@@ -9,14 +10,13 @@ it (``ddptrain/plan/memory/nf4.py``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ddptrain.config.choices import DataFormat, Quantize
@@ -27,11 +27,17 @@ from ddptrain.models.build import hf_config
 from ddptrain.models.chunked_loss import causal_lm_of, use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
+from ddptrain.parallel.wrap import sync_switch
 from ddptrain.telemetry.storage_peak import (  # the tracker the run measures its own peak with, too
     PeakTracker,
     model_state_tensors,
     step_tracker,
 )
+from ddptrain.train.step import MicroStep, accumulate_gradients, apply_update, clip_gradients
+from ddptrain.train.tokens import MicroBatch
+from ddptrain.train.weighting import weighting_for
+
+ACCUMULATING = " (accumulating)"  # the phases of a later micro batch, beside the earlier ones' gradients
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,14 @@ class StepSetup:
     compute_dtype: torch.dtype | None  # autocast dtype; None: fp32
     grad_clip: float
     grad_accum: int = 1
+    data_format: DataFormat = DataFormat.packed  # how the run's micro batches come and weigh (``weighting_for``)
+
+
+def finite_verdict() -> torch.Tensor:
+    """The non-finite verdict ``apply_update`` takes, for a planned step: finite, so the update runs. Made with
+    ``torch.tensor``, which under ``FakeTensorMode`` keeps its value: the host can read it (the foreach and
+    for_loop kernels branch on it), where a verdict computed from fake gradients has no value to read."""
+    return torch.tensor(False)
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
@@ -50,18 +64,29 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[to
     params = [p for p in params if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    apply_update(optimizer, finite_verdict())
 
 
-def gradient_sync(model: torch.nn.Module, sync: bool) -> AbstractContextManager:
-    """Skip the gradient sync on accumulation micro batches, as the run does (DDP's no_sync; FSDP2 keeps the
-    unsharded gradients until the last micro batch)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
-    if isinstance(model, DistributedDataParallel) and not sync:
-        return model.no_sync()
-    return nullcontext()
+class TracedPhases:
+    """The step's phases (``Phase``: "data", "forward", "backward") as the tracker files what they allocate: a micro
+    batch's data and forward under "forward", its backward under "backward"; a later micro batch's with
+    ``ACCUMULATING`` (they run beside the earlier ones' gradients)."""
+
+    def __init__(self, tracker: PeakTracker) -> None:
+        self.tracker = tracker
+        self.backwards = 0
+
+    def __call__(self, name: str) -> AbstractContextManager:
+        later = ACCUMULATING if self.backwards else ""
+        self.tracker.phase = ("backward" if name == "backward" else "forward") + later
+        self.backwards += name == "backward"
+        return nullcontext()
+
+
+def loader_micro_batch(batch: dict[str, torch.Tensor], data_format: DataFormat) -> torch.Tensor | MicroBatch:
+    """``batch`` (the model's inputs) as the run's loader hands a micro batch to the step: packed blocks as their
+    token rows (the labels are the tokens), prompt/completion batches as they are."""
+    return batch if data_format == DataFormat.prompt_completion else batch["input_ids"]
 
 
 ALL_CHUNK_STARTS = chunked_loss.chunk_starts  # the run's: every chunk
@@ -78,37 +103,33 @@ def representative_chunk_starts(tokens: int, chunk: int) -> list[int]:
 def trace_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], setup: StepSetup
 ) -> tuple[PeakTracker, int]:
-    """One training step under ``PeakTracker``: forward (no KV cache), backward, clipping, the update.
+    """One training step under ``PeakTracker``, the trainer's own (``ddptrain/train/step.py``): ``grad_accum``
+    micro batches of ``batch`` through ``accumulate_gradients`` (the run's weighting for ``setup.data_format``,
+    counted on this rank alone; its loss guard; the gradient sync skipped but on the last), ``clip_gradients``
+    on torch's kernels, and ``apply_update`` on a finite verdict.
 
-    Works the same on fake and on real tensors (the validation runs both). Returns the tracker (the peak, and
-    each phase's) and how many attention calls ran a flash kernel.
+    Works the same on fake and on real tensors, on a bare model and on a torch DDP or FSDP2 one (the validation
+    runs them). Returns the tracker (the peak, and each phase's) and how many attention calls ran a flash kernel.
     """
-    from ddptrain.kernels.clip import clip_grad_norm
-
     tracker = step_tracker(model, setup.device_type)
     params, state = model_state_tensors(model, optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.mark([p.grad], "gradients")) for p in trainable]
     autocast = (torch.autocast("cpu", dtype=setup.compute_dtype) if setup.compute_dtype is not None
                 else nullcontext())
+    micro_batches = itertools.repeat(loader_micro_batch(batch, setup.data_format))
+    weighting = weighting_for(setup.data_format, one_rank=True)  # one rank's step: no collective on fake tensors
+    verdict = finite_verdict()
     try:
         with tracker:
             tracker.mark(params, "parameters")
             tracker.mark(state, "optimizer")
             tracker.mark(batch.values(), "activations")
-            for micro in range(setup.grad_accum):
-                later = " (accumulating)" if micro else ""  # later micro batches run beside the gradients
-                with gradient_sync(model, micro == setup.grad_accum - 1):
-                    tracker.phase = "forward" + later
-                    with autocast:
-                        loss = model(**batch, use_cache=False).loss / setup.grad_accum
-                    tracker.phase = "backward" + later
-                    loss.backward()
-                    del loss
+            accumulate_gradients(model, micro_batches, setup.grad_accum, sync_switch(model), autocast, weighting,
+                                 MicroStep(phase=TracedPhases(tracker)))
             tracker.phase = "optimizer"
-            clip_grad_norm(model.parameters(), setup.grad_clip or None, "torch")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            clip_gradients(model, setup.grad_clip, "torch")  # torch's kernels: Triton's cannot run on fake tensors
+            apply_update(optimizer, verdict)
     finally:
         for hook in hooks:
             hook.remove()
