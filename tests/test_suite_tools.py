@@ -325,3 +325,16 @@ def test_a_run_a_module_fixture_started_lives_until_the_fixtures_teardown_then_l
     finally:
         for proc in _named(marker):
             proc.kill()
+
+
+@pytest.mark.slow
+def test_the_forked_ranks_preload_holds_the_trainer_and_what_it_imports() -> None:
+    """Forked ranks start from the forkserver's preloaded modules; when ``ddptrain.train`` became a light package,
+    preloading it stopped preloading the trainer and every rank imported it again (the fast tier's CPU doubled)."""
+    from tests.helpers.dist import PRELOAD
+
+    probe = f"import sys\nfor m in {PRELOAD!r}: __import__(m)\nprint('ddptrain.train.trainer' in sys.modules, " \
+            "'ddptrain.plan.memory.trace' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parents[1])
+    assert done.stdout.split() == ["True", "True"], done.stdout

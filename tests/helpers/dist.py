@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# What the ranks of almost every test import; a module missing here is imported by each rank that needs it.
-PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train", "tests.helpers.runs"]
+# What the ranks of almost every test import; a module missing here is imported by each rank that needs it (the
+# trainer by its module: `ddptrain.train` itself is a light package and preloads nothing of it).
+PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train.trainer", "tests.helpers.runs"]
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(PRELOAD)
 
