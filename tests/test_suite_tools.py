@@ -3,11 +3,13 @@ each CLI run once per session, and the package marks that find a module's tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -216,6 +218,18 @@ time.sleep(60)
 """
 
 
+@contextlib.contextmanager
+def _nothing_left(marker: str) -> Iterator[None]:
+    """After the block, no live process has ``marker`` on its command line (any left is killed, and fails)."""
+    try:
+        yield
+        left = _named(marker)
+        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
+    finally:
+        for proc in _named(marker):
+            proc.kill()
+
+
 def _named(marker: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
@@ -232,14 +246,8 @@ def test_a_cli_run_that_times_out_leaves_no_process_behind(tmp_path: Path, monke
     marker = f"orphan-probe-{uuid.uuid4().hex}"
     monkeypatch.setattr(cli, "cli_command", lambda args, torchrun_nproc=None: [sys.executable, "-c",
                                                                              HANGS_WITH_A_CHILD, marker])
-    try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            cli.run_cli([], cwd=tmp_path, cache=tmp_path / "cache", timeout=3)
-        left = _named(marker)
-        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
-    finally:
-        for proc in _named(marker):
-            proc.kill()
+    with _nothing_left(marker), pytest.raises(subprocess.TimeoutExpired):
+        cli.run_cli([], cwd=tmp_path, cache=tmp_path / "cache", timeout=3)
 
 
 STARTS_A_RUN_AND_FAILS = """
@@ -260,17 +268,17 @@ def test_fails_while_its_run_is_live():
 
 
 def test_a_test_that_fails_while_its_run_is_live_leaves_no_process_behind(pytester: pytest.Pytester) -> None:
-    marker = f"orphan-probe-{uuid.uuid4().hex}"
+    _runs_leaving_nothing(pytester, STARTS_A_RUN_AND_FAILS, "orphan-probe", failed=1)
+
+
+def _runs_leaving_nothing(pytester: pytest.Pytester, source: str, name: str, **outcomes: int) -> None:
+    """Run ``source`` (a test file whose runs carry a marker on their command line) under the procs plugin, check
+    its outcomes and that no process of its runs is left."""
+    marker = f"{name}-{uuid.uuid4().hex}"
     pytester.makeconftest('pytest_plugins = ["tests.helpers.procs"]\n')
-    pytester.makepyfile(test_live=STARTS_A_RUN_AND_FAILS.format(script=HANGS_WITH_A_CHILD, marker=marker))
-    try:
-        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
-        result.assert_outcomes(failed=1)
-        left = _named(marker)
-        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
-    finally:
-        for proc in _named(marker):
-            proc.kill()
+    pytester.makepyfile(**{f"test_{name.replace('-', '_')}": source.format(script=HANGS_WITH_A_CHILD, marker=marker)})
+    with _nothing_left(marker):
+        pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(**outcomes)
 
 
 STARTS_A_RUN_FOR_THE_MODULE = """
@@ -314,17 +322,7 @@ def test_a_run_a_module_fixture_started_lives_until_the_fixtures_teardown_then_l
     """The hang cases' runs (``tests/helpers/staggered.py``) are started by a module fixture and outlive the first
     test: the end-of-test cleanup must not kill them (it did: 6 of 12 hang cases failed with -9), the fixture's
     teardown must."""
-    marker = f"module-run-probe-{uuid.uuid4().hex}"
-    pytester.makeconftest('pytest_plugins = ["tests.helpers.procs"]\n')
-    pytester.makepyfile(test_module_run=STARTS_A_RUN_FOR_THE_MODULE.format(script=HANGS_WITH_A_CHILD, marker=marker))
-    try:
-        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
-        result.assert_outcomes(passed=2)
-        left = _named(marker)
-        assert not left, f"left behind: {[' '.join(p.cmdline()) for p in left]}"
-    finally:
-        for proc in _named(marker):
-            proc.kill()
+    _runs_leaving_nothing(pytester, STARTS_A_RUN_FOR_THE_MODULE, "module-run-probe", passed=2)
 
 
 @pytest.mark.slow
