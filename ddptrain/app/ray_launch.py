@@ -40,13 +40,11 @@ def import_ray() -> Any:
 
 def ray_backend(cfg: Config, use_gpu: bool) -> str:
     """The process group's backend, as ddptrain chooses it for a torchrun worker (``runtime.process_group``)."""
-    if cfg.dist.backend == "auto":
-        backend = "nccl" if use_gpu else "gloo"
-    elif cfg.dist.backend == "nccl" and not use_gpu:
-        raise ConfigError("dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on CPU")
-    else:
-        backend = str(cfg.dist.backend)
-    return "cuda:nccl,cpu:gloo" if backend == "nccl" and cfg.parallel.cpu_offload else backend
+    import torch
+
+    from ddptrain.runtime.process_group import pick_backend
+
+    return pick_backend(cfg.dist, torch.device("cuda" if use_gpu else "cpu"), cfg.parallel.cpu_offload)
 
 
 def worker_environment(cfg: Config) -> dict[str, str]:
