@@ -106,15 +106,20 @@ def kill_tree(proc: subprocess.Popen[Any]) -> None:
             stream.close()
 
 
-def end_started() -> list[str]:
-    """Kill what ``start`` started during the test and is still running (with its tree); their command lines."""
+def end_all(started: list[subprocess.Popen[Any]]) -> list[str]:
+    """Empty ``started``, killing each process still running (with its tree); their command lines."""
     left = []
-    while _STARTED:
-        proc = _STARTED.pop()
+    while started:
+        proc = started.pop()
         if proc.poll() is None or tree_of(proc):
             left.append(" ".join(map(str, proc.args)))  # type: ignore[arg-type]
             kill_tree(proc)
     return left
+
+
+def end_started() -> list[str]:
+    """Kill what ``start`` started during the test and is still running (with its tree); their command lines."""
+    return end_all(_STARTED)
 
 
 @pytest.fixture(autouse=True)

@@ -110,13 +110,7 @@ _LIVE: list[subprocess.Popen[bytes]] = []  # every job started, for end_unfinish
 
 def end_unfinished() -> list[str]:
     """Kill every job still running (with its whole tree); their command lines. For the fixture's teardown."""
-    left = []
-    while _LIVE:
-        proc = _LIVE.pop()
-        if proc.poll() is None or procs.tree_of(proc):
-            left.append(" ".join(map(str, proc.args)))  # type: ignore[arg-type]
-            procs.kill_tree(proc)
-    return left
+    return procs.end_all(_LIVE)
 
 
 def _finish(proc: subprocess.Popen[bytes], job: Job, stdout: Path, stderr: Path, started: float, timeout: float,
