@@ -69,3 +69,18 @@ def test_the_table_replaces_only_the_marked_block(bench: ModuleType, tmp_path: P
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith(f"{bench.MARK_END}\nafter\n")
     assert "old" not in text and block in text
+
+
+def test_the_chunked_head_benchmark_runs_on_the_cpu_and_its_variants_compute_the_same_loss() -> None:
+    """``scripts/bench_chunked_head.py --smoke``: every chunk size against full logits, both heads, one table."""
+    spec = importlib.util.spec_from_file_location("bench_chunked_head", ROOT / "scripts" / "bench_chunked_head.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.main(["--smoke", "--chunks", "16", "64"])
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| trainable") or
+            line.startswith("| frozen")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        (head, variant) for head in ("trainable", "frozen") for variant in ("full logits", "chunk 16", "chunk 64")]
+    assert all(float(r[6]) < 1e-5 for r in rows)  # the loss: chunks sum the same terms as the full logits
+    assert all(float(r[7]) < 2e-2 for r in rows)  # the gradients, within bf16's rounding of the full logits'
