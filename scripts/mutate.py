@@ -259,6 +259,17 @@ MUTANTS = [
            (("ddptrain/app/ray_worker.py", 'os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)',
              'os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"'),),
            ("tests/test_ray.py", "-k", "killed")),
+    # what an H100/H200 run found wrong (docs/benchmarks.md, "On a GPU")
+    Mutant("plan-traces-cpu-autocast-for-a-gpu", "a GPU's step is traced under the CPU's autocast dtypes",
+           (("ddptrain/plan/memory/trace.py",
+             'policy = (cuda_autocast_policy() if setup.device_type == "cuda" and setup.compute_dtype is not None',
+             'policy = (cuda_autocast_policy() if False'),),
+           ("tests/test_cuda_autocast.py", "-k", "gelu")),
+    Mutant("window-counts-checkpoint-save", "a checkpoint's save is counted as step time in its logging window",
+           (("ddptrain/train/trainer.py",
+             "saving = self.metrics.excluded() if self.checkpoints.due(step, last) or done.stop else nullcontext()",
+             "saving = nullcontext()"),),
+           ("tests/test_telemetry.py", "-k", "checkpoint_saves")),
     # the GPU path on CPU: the image's build context, what a run reads from its GPU (faked torch.cuda)
     Mutant("gpu-image-forgets-plugin", "the Dockerfile no longer copies hydra_plugins/ (pip cannot build the package)",
            (("Dockerfile", "COPY hydra_plugins ./hydra_plugins\n", ""),),

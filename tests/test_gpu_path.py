@@ -405,7 +405,9 @@ def nccl_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(engine="bucketed", bucket_cap_mb=1)],
+# wrap_single: one rank trains the bare model unless asked to wrap it (the only GPU a test can count on)
+@pytest.mark.parametrize("parallel", [ParallelConfig(wrap_single=True),
+                                      ParallelConfig(engine="bucketed", bucket_cap_mb=1, wrap_single=True)],
                          ids=["torch-ddp", "bucketed-engine"])
 @pytest.mark.usefixtures("nccl_group")
 @pytest.mark.gpu

@@ -65,12 +65,13 @@ def check_compiled_kernels(device_type: str = "cuda") -> None:
     if device.type == "cuda":
         # Once a layout's chunk table is cached, no launch waits for the device: address tables travel from
         # pinned memory without blocking, so a synchronizing call here raises.
+        half = torch.tensor(0.5, device=device)  # a copy from the host's pageable memory: synchronizes, so before
         torch.cuda.set_sync_debug_mode("error")
         try:
             fused.copy_(views, sources)
             fused.copy_(got, views, 1 / 3)
             fused.squared_norm(sources)
-            fused.scale_(got, torch.tensor(0.5, device=device))
+            fused.scale_(got, half)
             fused.cast_(down, x, 1 / 3)
             fused.cast_(up, down, 0.5)
         finally:

@@ -84,3 +84,38 @@ def test_baseline_is_a_number_or_a_run_dir(tmp_path: Path) -> None:
     assert load_baseline(str(tmp_path)) == 99.0
     with pytest.raises(ConfigError, match=r"metrics\.baseline="):
         load_baseline(str(tmp_path / "nope"))
+
+
+SLOW_SAVE_S = 0.5
+
+
+def _train_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict, variants: list) -> list[dict]:
+    """``train_each`` with every checkpoint save taking ``SLOW_SAVE_S`` longer (as a large model's does)."""
+    import time
+
+    from ddptrain.checkpoint.manager import CheckpointManager
+
+    save = CheckpointManager.maybe_save
+
+    def slow_save(self: CheckpointManager, step: int, **kwargs: bool) -> bool:
+        saved = save(self, step, **kwargs)
+        if saved:
+            time.sleep(SLOW_SAVE_S)
+        return saved
+
+    CheckpointManager.maybe_save = slow_save  # type: ignore[method-assign]  # this forked rank only
+    return train_each(rank, world_size, tmp, base, variants)
+
+
+def test_a_windows_step_time_and_throughput_leave_out_its_checkpoint_saves(tmp_path: Path) -> None:
+    """A save at a logging step (every run's last step is one) is not training time: the window's step time and
+    tokens/s leave it out, as goodput books it apart. Before, the final save slowed the last window (an H100 run
+    of llama_1b reported 4x its tokens/s in the steady windows, 1/20 in the last) and the summary's medians."""
+    variant = {"train": {"steps": 4, "log_every": 2, "eval_every": 0}, "checkpoint": {"every_n_steps": 2}}
+    (run,) = run_distributed(_train_with_slow_saves, 1, str(tmp_path), BASE, [variant])[0]
+    windows = run["metrics"]
+    assert [m["step"] for m in windows] == [2, 4]
+    assert run["summary"]["goodput"]["checkpoint_s"] >= 2 * SLOW_SAVE_S  # both saves were slow, and booked there
+    # the last window (steps 3-4, the final save's): a save left in would add SLOW_SAVE_S / 2 to each of its steps
+    assert windows[-1]["step_time_s"] < SLOW_SAVE_S / 4, windows[-1]["step_time_s"]
+    assert windows[-1]["tokens_per_s"] * windows[-1]["step_time_s"] == pytest.approx(8 * 32)  # a step's tokens

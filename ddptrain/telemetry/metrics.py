@@ -10,6 +10,8 @@ window, never ``seq_len`` per sequence. ``padding_pct`` is the share of computed
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,7 @@ class StepMetrics:
         self.compression_ratio: float | None = None
         self.buckets: tuple[tuple[float, int], ...] = ()  # the last timed step's bucket profile (for the predictor)
         self._start, self._steps = self._clock(), 0
+        self._excluded = 0.0  # seconds of this window that were not training (a checkpoint's save)
 
     def start_step(self, step: int) -> None:
         self.timer.start_step(step)
@@ -76,9 +79,19 @@ class StepMetrics:
         self.timer.end_step()
         self._steps += 1
 
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time spent inside a window that is not training (a checkpoint's save): left out of its step time and
+        throughput, as evaluation is. Sync point: the device's queued steps finish first, inside the window."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._excluded += self._clock() - start
+
     def window(self, step: int, loss: float, lr: float, grad_norm: float) -> dict[str, Any]:
-        """The record for the steps since the last window (wall clock, evaluation excluded)."""
-        elapsed = self._clock() - self._start
+        """The record for the steps since the last window (wall clock, evaluation and checkpoints excluded)."""
+        elapsed = self._clock() - self._start - self._excluded
         dp = self.shape.dp
         real, computed, squares = self._take_tokens()
         tokens_per_s = real / elapsed
@@ -110,7 +123,7 @@ class StepMetrics:
 
     def restart_window(self) -> None:
         """Start the next window now (after logging, evaluation or compilation, which are not training time)."""
-        self._start, self._steps = self._clock(), 0
+        self._start, self._steps, self._excluded = self._clock(), 0, 0.0
         self.samples.clear()
         self.timer.window()  # drops the phase times of steps left out of the window
         self._untimed += self.tokens.take()[0]  # ... and their tokens from its throughput, not from tokens_seen

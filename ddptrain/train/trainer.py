@@ -19,7 +19,7 @@ import json
 import logging
 import signal
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, closing
+from contextlib import AbstractContextManager, closing, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -314,7 +314,10 @@ class Trainer:
                 done = self.train_step(step, check)
                 skipped += done.skipped
                 watch.after_step(step, log_step)
-                with watch.blocking("checkpoint"):  # the last save is committed before exit
+                # a save is not training time: goodput books it apart and the window leaves it out (a sync, on
+                # the steps that save only)
+                saving = self.metrics.excluded() if self.checkpoints.due(step, last) or done.stop else nullcontext()
+                with watch.blocking("checkpoint"), saving:  # the last save is committed before exit
                     saved = self.checkpoints.maybe_save(step, last=last, stop=bool(done.stop))
                 if done.stop:
                     watch.after_save(step, saved, record=True)

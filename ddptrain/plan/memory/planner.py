@@ -523,7 +523,10 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
             if options and options[-1].stage == option_stage and options[-1].micro_batch == per_rank:
                 break
     options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
-    by_mode = {c: shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
+    # the configured mode as traced (exact), the others from their fits (whose line can miss where another
+    # moment overtakes, ``PeakFit``: the gap printed with the options)
+    by_mode = {c: configured if c == mode else
+               shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
                for c in modes}
     chosen = next((o for o in options[:1] if o.checkpointing == ActivationCheckpointing.selective), None)
     note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (mode, batch.micro_batch_size)

@@ -28,6 +28,7 @@ from ddptrain.models.chunked_loss import causal_lm_of, use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.wrap import sync_switch
+from ddptrain.plan.memory.cuda_autocast import cuda_autocast_policy
 from ddptrain.telemetry.storage_peak import (  # the tracker the run measures its own peak with, too
     PeakTracker,
     model_state_tensors,
@@ -120,8 +121,11 @@ def trace_step(
     micro_batches = itertools.repeat(loader_micro_batch(batch, setup.data_format))
     weighting = weighting_for(setup.data_format, one_rank=True)  # one rank's step: no collective on fake tensors
     verdict = finite_verdict()
+    # a GPU's autocast computes some ops in fp32 that the CPU's keeps in the lower precision: trace as it would
+    policy = (cuda_autocast_policy() if setup.device_type == "cuda" and setup.compute_dtype is not None
+              else nullcontext())
     try:
-        with tracker:
+        with policy, tracker:
             tracker.mark(params, "parameters")
             tracker.mark(state, "optimizer")
             tracker.mark(batch.values(), "activations")
