@@ -21,7 +21,9 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     fusable = grads and not any(isinstance(g, DTensor) for g in grads) and len({g.device for g in grads}) == 1
-    kernels = select_kernels(mode, grads[0].device) if fusable else TORCH_KERNELS
+    # ``auto`` clips with torch's: on an H100 the fused norm and scale took 1.6-2.7x torch's foreach time at every
+    # size from 1 MB to 1 GB (docs/benchmarks.md, "On a GPU"); ``triton`` still asks for them
+    kernels = select_kernels(mode, grads[0].device) if fusable and mode != "auto" else TORCH_KERNELS
     if kernels.name == "torch":
         if max_norm is None:
             return torch.nn.utils.get_total_norm(grads)

@@ -42,7 +42,8 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     out.print("Activations by model.activation_checkpointing (this micro batch and stage): " + ", ".join(
         f"{mode}: {_gib(by['activations'])} (peak {_gib(sum(by.values()))})" for mode, by in mp.by_mode.items()))
     out.print("The allowances are assumptions, not traced. ZeRO-1/2/3 figures shard the single-rank trace by "
-              "formula (checked against 2-rank runs on CPU). Nothing here is checked on a GPU yet.")
+              "formula (checked against 2-rank runs on CPU). The traced peak was checked on one GPU (gpt2_small, "
+              "llama_1b: within 0.3% of torch.cuda.max_memory_allocated); sharding and allowances were not.")
     if not mp.options:
         out.print("Recommendation: no micro batch fits, at any ZeRO stage, in any checkpointing mode.")
         return out.export_text()
