@@ -1,6 +1,6 @@
 """The fault matrix: one non-finite step injected into every pair of features (an all-pairs design over ZeRO stage,
-compression, engine, precision, packing, LoRA, activation checkpointing, the chunked loss and compile), on 2 forked
-gloo ranks.
+compression, engine, precision, packing, LoRA, activation checkpointing, the chunked loss, the replica drift check's
+policy and compile), on 2 forked gloo ranks.
 
 Each row trains a tiny model (1 layer, width 32) for 4 steps with rank 1's loss poisoned at step 3, three times:
 ``skip`` goes on with finite steps and exactly one skipped update; ``abort`` stops at step 3 with one line on every
@@ -38,11 +38,12 @@ FACTORS: dict[str, list[Any]] = {  # the first level of each factor is the plain
     "lora": [False, True],
     "checkpointing": [False, True],
     "chunked": [True, False],  # train.chunked_loss (on by default), in chunks of CHUNK tokens: several per batch
+    "drift": ["abort", "rebroadcast", "off"],  # train.drift_policy: the replicas compared at every check, or not
 }
 # Compile is not paired with every feature: a compiled run costs half a minute of compilation on a loaded 2-core
 # CPU (each run compiles afresh, as a process of its own would), so one compiled row stands for it (below).
 COMPILED_ROW: Row = {"zero": 0, "compression": "none", "engine": "torch", "precision": "fp32", "packing": False,
-                     "lora": False, "checkpointing": False, "chunked": True, "compile": True}
+                     "lora": False, "checkpointing": False, "chunked": True, "drift": "abort", "compile": True}
 # The product's refusals, one pair each (tests/test_fault_matrix.py checks that the product refuses exactly these)
 REFUSED_WHEN = [
     ("zero", lambda v: v >= 2, "compression", lambda v: v != "none", "cannot be combined with parallel.zero_stage"),
@@ -71,7 +72,7 @@ def row_id(row: Row) -> str:
         f"zero{row['zero']}", row["compression"] if row["compression"] != "none" else "uncompressed", row["engine"],
         row["precision"], "packed" if row["packing"] else "blocks", "lora" if row["lora"] else "full",
         "ckpt" if row["checkpointing"] else "nockpt", "chunked" if row["chunked"] else "logits",
-        "compiled" if row["compile"] else "eager",
+        f"drift{row['drift']}", "compiled" if row["compile"] else "eager",
     ])
 
 
@@ -100,7 +101,8 @@ def overrides(row: Row, tokenizer: Path | None) -> Overrides:
         model["lora"] = {"enabled": True, "r": 4, "alpha": 8.0}
     out: Overrides = {"parallel": parallel, "model": model,
                       "train": {"precision": row["precision"], "compile": row["compile"],
-                                "chunked_loss": row["chunked"], "loss_chunk_tokens": CHUNK}}
+                                "chunked_loss": row["chunked"], "loss_chunk_tokens": CHUNK,
+                                "drift_policy": row["drift"]}}
     if row["packing"]:
         out["data"] = {"source": "instructions", "format": "prompt_completion", "packing": True,
                        "tokenizer": str(tokenizer), "num_samples": 64, "seq_len": 40}
@@ -173,6 +175,13 @@ def check_row(row: Row, tmp_path: Path, tokenizer: Path | None) -> None:
     for outcome in (o for rank_runs in runs.values() for o in rank_runs):
         assert (outcome["calls"] > 0 and outcome["chunks"] > outcome["calls"]) if row["chunked"] else (
             outcome["calls"] == 0), (outcome["dir"], outcome["calls"], outcome["chunks"])
+
+    # the replicas were compared at the checks (every step logs: a check each) unless the policy is off or ZeRO-2/3
+    # shards them (nothing to compare), and never differed: a skipped step is skipped alike on every rank
+    compares = row["drift"] != "off" and row["zero"] < 2
+    for outcome in (o for rank_runs in runs.values() for o in rank_runs):
+        assert (outcome["compared"] > 0) == compares and outcome["differed"] == 0, (
+            outcome["dir"], outcome["compared"], outcome["differed"])
 
     skip = runs["skip"][0]["metrics"]
     norms = {m["step"]: m["grad_norm"] for m in skip}
