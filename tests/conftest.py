@@ -28,6 +28,18 @@ pytest_plugins = ["pytester", "tests.helpers.timing", "tests.helpers.xdist_group
                   "tests.helpers.schedule", "tests.helpers.procs"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker computes on its own share of the cores, as ddptrain's launcher gives each of
+    its workers (``ddptrain/app/launch.py``): with torch's default of a thread per core, two workers on two cores
+    ran four OpenMP threads there, whose spin-waits took the in-process tests two to three times the CPU seconds
+    (forked ranks already take one thread each: ``tests/helpers/dist.py``)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The one GPU skip: a test marked ``gpu`` needs a CUDA device and is skipped without one (``pytest -m gpu``
     runs them). Tests mark themselves; none checks for CUDA on its own."""
