@@ -23,21 +23,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # pytester: tests/test_layout.py runs small suites through these hooks; timing: each test's wall and CPU seconds and
 # the fast tier's budget; xdist_groups: tests sharing a module fixture run on one pytest-xdist worker;
 # package_marks: each test marked with the packages its file uses (pytest -m data); schedule: the longest work
-# handed out first under xdist; procs: no process a test started outlives it
+# handed out first under xdist; procs: no process a test started outlives it; xdist_threads: each xdist worker's
+# torch on its share of the cores
 pytest_plugins = ["pytester", "tests.helpers.timing", "tests.helpers.xdist_groups", "tests.helpers.package_marks",
-                  "tests.helpers.schedule", "tests.helpers.procs"]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist each worker computes on its own share of the cores, as ddptrain's launcher gives each of
-    its workers (``ddptrain/app/launch.py``): with torch's default of a thread per core, two workers on two cores
-    ran four OpenMP threads there, whose spin-waits took the in-process tests two to three times the CPU seconds
-    (forked ranks already take one thread each: ``tests/helpers/dist.py``)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+                  "tests.helpers.schedule", "tests.helpers.procs", "tests.helpers.xdist_threads"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import package_marks, run_cache, timing, xdist_groups
+from tests.helpers import package_marks, run_cache, timing, xdist_groups, xdist_threads
 
 REPO = Path(__file__).parents[1]
 
@@ -159,6 +160,22 @@ def test_under_xdist_a_module_fixture_is_set_up_once(
     result.assert_outcomes(passed=13)
     setups = list(pytester.path.glob("**/setup-*"))
     assert len(setups) == 1, setups
+
+
+@pytest.mark.parametrize(("workers", "cores", "threads"), [("2", 2, [1]), ("2", 8, [4]), ("3", 2, [1]), ("1", 2, [])])
+def test_each_xdist_worker_computes_on_its_share_of_the_cores(
+    workers: str, cores: int, threads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers on two cores with torch's thread per core each ran four spinning OpenMP threads on two cores;
+    without xdist ("1") torch keeps its default."""
+    import torch
+
+    set_to: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
+    xdist_threads.pytest_configure(pytest.Config.__new__(pytest.Config))  # reads no option
+    assert set_to == threads
 
 
 def test_each_distinct_run_starts_once_for_every_worker_of_the_session(
