@@ -174,7 +174,7 @@ def test_each_xdist_worker_computes_on_its_share_of_the_cores(
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
-    xdist_threads.pytest_configure(pytest.Config.__new__(pytest.Config))  # reads no option
+    xdist_threads.take_a_share_of_the_cores()
     assert set_to == threads
 
 

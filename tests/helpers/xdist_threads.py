@@ -14,9 +14,14 @@ import os
 import pytest
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def take_a_share_of_the_cores() -> None:
+    """In a pytest-xdist worker: torch's threads are the cores over the workers (at least one)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    take_a_share_of_the_cores()
