@@ -427,6 +427,18 @@ MUTANTS = [
     Mutant("step-holds-micro-loss", "the step keeps a micro batch's loss, and its graph, through the next forward",
            (("ddptrain/train/step.py", "        del loss  # its graph", "        pass  # its graph"),),
            ("tests/test_step.py",)),
+    # issue 44, the fast tier's pace: what made tests wait or spin, each pinned by a test
+    Mutant("loader-keeps-failed-workers", "a loader whose worker hit a damaged shard keeps its workers until garbage "
+                                          "collected (torch's 5 s join, in whichever test collected it)",
+           (("ddptrain/data/loader.py", "            exc.__traceback__ = None\n            self._it = None\n", ""),),
+           ("tests/test_data_prepare.py", "-k", "damaged_in_place")),
+    Mutant("xdist-workers-every-core", "each pytest-xdist worker's torch takes a thread per core (4 on 2 cores)",
+           (("tests/helpers/xdist_threads.py", "        torch.set_num_threads(", "        int("),),
+           ("tests/test_suite_tools.py", "-k", "share_of_the_cores")),
+    Mutant("stdlib-corpus-enters-tests", "the stdlib corpus walks into its test folders (and keeps their sources)",
+           (("ddptrain/data/corpus.py", "        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS]\n",
+             ""),),
+           ("tests/test_data.py", "-k", "stdlib")),
 ]
 
 

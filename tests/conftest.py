@@ -23,9 +23,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # pytester: tests/test_layout.py runs small suites through these hooks; timing: each test's wall and CPU seconds and
 # the fast tier's budget; xdist_groups: tests sharing a module fixture run on one pytest-xdist worker;
 # package_marks: each test marked with the packages its file uses (pytest -m data); schedule: the longest work
-# handed out first under xdist; procs: no process a test started outlives it
+# handed out first under xdist; procs: no process a test started outlives it; xdist_threads: each xdist worker's
+# torch on its share of the cores
 pytest_plugins = ["pytester", "tests.helpers.timing", "tests.helpers.xdist_groups", "tests.helpers.package_marks",
-                  "tests.helpers.schedule", "tests.helpers.procs"]
+                  "tests.helpers.schedule", "tests.helpers.procs", "tests.helpers.xdist_threads"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

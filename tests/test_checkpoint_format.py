@@ -8,7 +8,7 @@ import logging
 import runpy
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,8 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(sources: dict[s
 
 def _train_recording_the_writer(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Train with asynchronous saves, recording which thread commits each checkpoint and when, and when each step
-    begins; each commit is held back 0.5 s so that a commit on the training thread could not pass unnoticed."""
+    begins; a commit before the last step is held back until the next step has begun (5 s at most), so that a
+    commit on the training thread, which holds that step back, could not pass unnoticed."""
     import threading
     import time
 
@@ -138,14 +139,17 @@ def _train_recording_the_writer(rank: int, world_size: int, tmp: str) -> dict[st
 
     events: dict[str, Any] = {"commits": [], "starts": {}}
     commit, start_step = Checkpointer._commit, StepMetrics.start_step
+    begun: defaultdict[int, threading.Event] = defaultdict(threading.Event)
 
     def slow_commit(self: Checkpointer, tmp_dir: Path, final: Path, meta: dict[str, Any]) -> None:
-        time.sleep(0.5)
+        if meta["step"] < BASE["train"]["steps"]:
+            begun[meta["step"] + 1].wait(timeout=5)
         events["commits"].append((meta["step"], threading.current_thread().name, time.perf_counter()))
         commit(self, tmp_dir, final, meta)
 
     def recorded_start(self: StepMetrics, step: int) -> None:
         events["starts"][step] = time.perf_counter()
+        begun[step].set()
         start_step(self, step)
 
     Checkpointer._commit = slow_commit  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -202,13 +203,19 @@ def test_a_shard_damaged_in_place_is_a_one_line_error_naming_the_file_when_its_b
     with pytest.raises(ConfigError, match=bytes_named):
         check_shard(shard)
     # read by a DataLoader worker process, the error is still one line (not torch's wrapped traceback)
+    before = set(psutil.Process().children())
     batches = MicroBatches(damaged.train, BatchShape.derive(2, 2, None, 1, 16), 0, SampleOrder(0, False), 1,
                            torch.device("cpu"))
+    next(batches)  # windows 0-1: whole
+    workers = set(psutil.Process().children()) - before
+    assert workers  # the loader's worker process
     with pytest.raises(ConfigError, match=bytes_named) as exc:
         for _ in range(len(damaged.train)):
             next(batches)
     assert "\n" not in str(exc.value)
-    del batches  # its worker process ends
+    # the worker ends with the error, not when the garbage collector finds the loader (that waited 5 s, torch's
+    # join timeout, in whichever later test collected it)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     # a damaged checksum table is damage too
     _flip(shard.path, HEADER_BYTES + 5 * 48 + 2)
     _flip(shard.path, HEADER_BYTES + shard.token_bytes)

@@ -18,9 +18,9 @@ from ddptrain.runtime.process_group import main_only
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import make_config
 
-COLLECTIVE_TIMEOUT_S = 1.5
-SLOW_SAVE_S = 4.0  # rank 0's save: longer than two collective timeouts (with the margin the test allows)
-LATE_S = 1.5  # rank 0's late export, against a wait of 0.5 s: a second's margin for rank 1 reaching its wait late
+COLLECTIVE_TIMEOUT_S = 0.75
+SLOW_SAVE_S = 2.1  # rank 0's save: longer than two collective timeouts (with the margin the test allows)
+EXPORT_WAIT_S = 0.2  # rank 1's wait for a late export; rank 0's export ends only once rank 1 has given up
 
 
 class SlowToSave(torch.nn.Linear):
@@ -66,8 +66,12 @@ def export_with_a_short_collective_timeout(rank: int, world_size: int, tmp: str)
         raise OSError("No space left on device")
 
     failed = _outcome(lambda: main_only(fail, 60, "checkpoint.export_timeout_s", "exporting the model"))
-    late = _outcome(lambda: main_only(lambda: time.sleep(LATE_S), 0.5, "checkpoint.export_timeout_s",
-                                      "exporting the model"))
+    gave_up = "rank 1 gave up"  # rank 0 exports until rank 1 has given up waiting: late whatever the load
+
+    late = _outcome(lambda: main_only(lambda: store.wait([gave_up], timedelta(seconds=60)), EXPORT_WAIT_S,
+                                      "checkpoint.export_timeout_s", "exporting the model"))
+    if rank == 1:
+        store.set(gave_up, "")
     _meet(store, "finished", world_size)
     return {"exported": exported, "waited": waited, "saved": saved, "works": works, "failed": failed, "late": late}
 
@@ -83,7 +87,7 @@ def test_other_ranks_wait_out_a_slow_export_on_the_store_not_in_a_collective(tmp
     assert ranks[1]["failed"] == ("RuntimeError: rank 0 failed while exporting the model: "
                                   "OSError: No space left on device")
     assert ranks[0]["late"] == "ok"
-    assert ranks[1]["late"] == ("ConfigError: checkpoint.export_timeout_s=0.5: rank 1 waited that long for rank 0, "
+    assert ranks[1]["late"] == ("ConfigError: checkpoint.export_timeout_s=0.2: rank 1 waited that long for rank 0, "
                                 "exporting the model; raise it")
 
 

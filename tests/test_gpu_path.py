@@ -330,17 +330,23 @@ def test_ring_runs_on_its_own_stream_in_a_thread_bound_to_the_ranks_gpu(
 
 
 def _slow_then_failing_main(rank: int, world_size: int) -> list[str]:
-    import time
-
     from ddptrain.errors import ConfigError
     from ddptrain.runtime.process_group import DistEnv, main_first
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    store, gave_up = dist.distributed_c10d._get_default_store(), "the others gave up"
+
+    def prepare() -> str:  # rank 0 prepares until the others have given up waiting: slower than their wait
+        if rank == 0:
+            store.wait([gave_up], timedelta(seconds=20))
+        return "prepared"
+
     seen = []
-    try:  # rank 0 takes 3 s; the others give up after 1 s with a message, not at the collective timeout
-        seen.append(str(main_first(env, lambda: time.sleep(3 if rank == 0 else 0) or "prepared", timeout_s=1)))
+    try:  # the others give up after 0.2 s with a message, not at the collective timeout
+        seen.append(str(main_first(env, prepare, timeout_s=0.2)))
     except ConfigError as exc:
         seen.append(str(exc))
+        store.set(gave_up, "")
 
     def refuse() -> str:
         raise ConfigError("data.paths: /nowhere: no such file")
@@ -357,7 +363,7 @@ def test_ranks_waiting_for_data_preparation_stop_with_a_message_not_a_collective
 ) -> None:
     main, other = (rank["prepare"] for rank in two_ranks)
     assert main == ["prepared", "data.paths: /nowhere: no such file"]
-    assert other[0].startswith("data.prepare_timeout_s=1: rank 1 waited that long for rank 0 to prepare the data")
+    assert other[0].startswith("data.prepare_timeout_s=0.2: rank 1 waited that long for rank 0 to prepare the data")
     assert other[1] == "data.paths: /nowhere: no such file"
 
 

@@ -4,6 +4,7 @@ private Hydra API, no test importing another."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -23,11 +24,17 @@ def _modules(root: str) -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def _parsed(source: str) -> ast.Module:
+    """A source's syntax tree, parsed once for every check here that reads it (the checks only read the trees)."""
+    return ast.parse(source)
+
+
 def _imports(path: Path) -> list[str]:
     """Every module named by an import anywhere in the file (functions' lazy imports too), with ``from X import y``
     as both ``X`` and ``X.y``."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parsed(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
         elif isinstance(node, ast.Import):
@@ -226,7 +233,7 @@ def test_no_test_module_imports_another() -> None:
 def _calls_cuda_is_available(path: Path) -> bool:
     return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "is_available"
                and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "cuda"
-               for node in ast.walk(ast.parse(path.read_text())))
+               for node in ast.walk(_parsed(path.read_text())))
 
 
 def test_no_test_asks_for_cuda_itself_the_gpu_mark_does() -> None:
@@ -290,7 +297,7 @@ PACKAGE = REPO / "ddptrain"
 def _package_files(*packages: str) -> dict[str, ast.Module]:
     """``ddptrain/<package>/...`` (every package when none is named) -> its parsed module."""
     roots = [PACKAGE / p for p in packages] if packages else [PACKAGE]
-    return {path.relative_to(REPO).as_posix(): ast.parse(path.read_text())
+    return {path.relative_to(REPO).as_posix(): _parsed(path.read_text())
             for root in roots for path in sorted(root.rglob("*.py"))}
 
 

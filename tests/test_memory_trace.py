@@ -57,6 +57,7 @@ from ddptrain.plan.memory.trace import (
 from ddptrain.telemetry.storage_peak import CATEGORIES, PeakTracker, model_state_tensors
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
+from tests.helpers.trace_cache import share_traces
 
 VOCAB, BATCH, SEQ = 2048, 4, 64
 REPO = Path(__file__).parents[1]
@@ -188,10 +189,19 @@ def test_a_prompt_completion_step_is_planned_with_the_attention_mask_the_real_st
     assert_close(fake.by_category, real.by_category, measured)
 
 
-def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size() -> None:
+@pytest.fixture(scope="module")
+def shared_traces() -> Iterator[dict[str, Any]]:
+    """The planner's traced steps, each traced once for the tests here that plan (a trace depends on the step,
+    not on the device's memory size, the configured mode or train.compile: ``tests/helpers/trace_cache.py``)."""
+    yield from share_traces()
+
+
+def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size(shared_traces: dict[str, Any]) -> None:
+    """On the H100 the planner tests below plan for (bf16 autocast, the fused AdamW of a GPU): the small traces
+    of the fit are theirs too."""
     cfg = small_config()
     cfg.model.num_layers = 4
-    device = target_device("cpu", None, None)
+    device = target_device("h100", None, None)
     fit = Tracer(cfg, VOCAB, device).fit(ActivationCheckpointing.none)
     for accum in (1, 2):
         for micro_batch in (1, 6):
@@ -426,37 +436,13 @@ def test_an_fsdp2_rank_peaks_as_the_sharded_single_rank_trace(stage: int, precis
             assert measured == pytest.approx(predicted, rel=0.02)
 
 
-SHARED_TRACES: dict[str, PeakTracker] = {}
-
-
-def traced_once(monkeypatch: pytest.MonkeyPatch) -> dict[str, PeakTracker]:
-    """Have the planner trace each step once for this module's planner tests: a trace depends on the step (the
-    checkpointing mode and the sizes it is given), not on the device's memory size, the configured mode or
-    train.compile (the plan traces the eager step)."""
-    import ddptrain.plan.memory.planner as memory_plan
-
-    trace = memory_plan.trace_peak
-
-    def once(cfg: Config, vocab: int, *shape: Any, **options: Any) -> PeakTracker:
-        *sizes, device, working_copy = (*shape, False) if len(shape) == 5 else shape
-        step = copy.deepcopy(cfg)
-        step.train.compile, step.model.activation_checkpointing = False, ActivationCheckpointing.none
-        key = repr((step, vocab, sizes, device.name, device.bf16, working_copy, sorted(options.items())))
-        if key not in SHARED_TRACES:
-            SHARED_TRACES[key] = trace(cfg, vocab, *shape, **options)
-        return SHARED_TRACES[key]
-
-    monkeypatch.setattr(memory_plan, "trace_peak", once)
-    return SHARED_TRACES
-
-
 def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fit_are_recommended(
-    monkeypatch: pytest.MonkeyPatch,
+    shared_traces: dict[str, Any],
 ) -> None:
     """``fits`` weighs the traced peak plus the allowances (the CUDA context, the allocator's share) against the
     device; an option is recommended only when both fit. Devices just too small for the configured step, and too
     small for any step (below the 0.75 GiB CUDA context)."""
-    traces = traced_once(monkeypatch)
+    traces = shared_traces
     cfg = small_config()
     cfg.data.global_batch_size = cfg.data.micro_batch_size = 1  # one micro batch size: fewer shapes to trace
     plan = build_plan(cfg, 1, "H100")
@@ -484,7 +470,7 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
 
 
 def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bound(
-    monkeypatch: pytest.MonkeyPatch,
+    shared_traces: dict[str, Any],
 ) -> None:
     """A tiny model on an H100 computes a block in microseconds, far less than eager selective checkpointing's
     host time per block (measured on CPU: host_cost.py): the plan says the host is the bound and names
@@ -492,7 +478,6 @@ def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bou
     from ddptrain.plan.memory.host_cost import EAGER_HOST_S_PER_BLOCK, selective_host_bound
     from ddptrain.plan.memory.render import render_memory_plan
 
-    traced_once(monkeypatch)
     cfg = small_config(checkpointing="selective")
     cfg.data.global_batch_size = cfg.data.micro_batch_size = 1
     plan = build_plan(cfg, 1, "H100")

@@ -137,6 +137,11 @@ class MicroBatches:
             self.epoch, self.position, self._it = self.epoch + 1, 0, None
             return next(self)
         except ConfigError as exc:  # a damaged shard, found by a DataLoader worker
+            # The error's traceback holds the loader's iterator in its frames, which hold the error: left to the
+            # garbage collector, the iterator's shutdown waited 5 s (torch's join timeout) for a worker whose queue
+            # the collector had closed first. Without that cycle the iterator ends here, its workers at once.
+            exc.__traceback__ = None
+            self._it = None
             raise worker_error(exc) from None
         self.position += self.per_micro_step
         batch = self.tokens.count(batch)

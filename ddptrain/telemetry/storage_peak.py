@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # torch documents dispatch modes at this path
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddptrain.optim import local_optimizer
@@ -120,7 +120,12 @@ class PeakTracker(TorchDispatchMode):
             self.flash_calls += 1
         if func is CAST and self._category_of(args[0]) == "parameters":
             self.track(out, "parameter copies")
-        tree_map_only(torch.Tensor, self.track, out)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, tracked without pytree's flatten and rebuild
+            self.track(out)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.track(leaf)
         self._observe()
         return out
 

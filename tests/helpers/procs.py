@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -91,7 +92,7 @@ def tree_of(proc: subprocess.Popen[Any]) -> list[psutil.Process]:
 
 
 def kill_tree(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL ``proc``'s whole tree (``tree_of``) and wait until it is gone, ``proc`` reaped."""
+    """SIGKILL ``proc``'s whole tree (``tree_of``) and wait until every one of them is dead, ``proc`` reaped."""
     for _ in range(3):  # a process forking while we kill: look again
         family = tree_of(proc)
         if not family:
@@ -99,11 +100,28 @@ def kill_tree(proc: subprocess.Popen[Any]) -> None:
         for p in family:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-        psutil.wait_procs(family, timeout=10)
+        _wait_dead([p for p in family if p.pid != proc.pid], timeout=10)
     proc.wait(timeout=10)  # SIGKILL needs no consent: it is gone
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
+
+
+def _wait_dead(family: list[psutil.Process], timeout: float) -> None:
+    """Until each of ``family`` is gone or a zombie. A dead descendant whose parent died too stays a zombie until
+    init reaps it, which this machine's init does about a second later (``psutil.wait_procs`` waited for that)."""
+    deadline = time.monotonic() + timeout
+    while family and time.monotonic() < deadline:
+        family = [p for p in family if _alive(p)]
+        if family:
+            time.sleep(0.005)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def end_all(started: list[subprocess.Popen[Any]]) -> list[str]:

@@ -5,10 +5,13 @@ checkpointing mode and depth it weighs, seconds of CPU each, and a ``Tracer`` ke
 that build their own configs (the same tiny model at the same micro batches, with another global batch or device
 memory) trace the same steps again; here the module's tests share them.
 
-What a trace depends on is its key: the config, except what the planner passes to the trace itself or what no
-trace reads (the batch sizes, ``plan.*``); the vocabulary; the arguments (the target device by its name, bf16
-support and kind: its memory size changes no trace); and the representative chunk selection in force (a test
-replaces it to trace every chunk). A trace is returned as traced: the planner only reads it.
+What a trace depends on is its key: the config as the trace sees it, less what no trace reads (the batch sizes,
+``plan.*``, ``train.compile``: the plan traces the eager step) and with what the traced step sets in place of
+the configured value (``model.num_layers``, ``model.activation_checkpointing`` and, where the step gives it,
+``train.chunked_loss``: a 4-block config traced at one block is the 2-block config traced at one block); the
+vocabulary; the arguments (the target device by its name, bf16 support and kind: its memory size changes no
+trace); and the representative chunk selection in force (a test replaces it to trace every chunk). A trace is
+returned as traced: the planner only reads it.
 
 ``share_traces`` is a module-scoped fixture's body: ``pytest-xdist`` then keeps the module's tests on one worker
 (``tests/helpers/xdist_groups.py``), where they share what they traced.
@@ -17,6 +20,7 @@ replaces it to trace every chunk). A trace is returned as traced: the planner on
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,19 +31,28 @@ import ddptrain.plan.memory.trace as memory_trace
 from ddptrain.config.schema import Config
 
 
-def device_key(value: Any) -> Any:
-    """A target device as a trace sees it; any other argument as it is."""
+def step_key(cfg: Config, vocab: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    seen = copy.deepcopy(cfg)
+    seen.data.global_batch_size = seen.data.micro_batch_size = seen.data.grad_accum = None  # type: ignore[assignment]
+    seen.plan, seen.train.compile = type(seen.plan)(), False
+    for traced in (*args, *kwargs.values()):
+        if isinstance(traced, memory_planner.TracedStep):  # what trace_peak sets from the step
+            seen.model.num_layers, seen.model.activation_checkpointing = traced.num_layers, traced.checkpointing
+            if traced.chunked_loss is not None:
+                seen.train.chunked_loss = traced.chunked_loss
+    args = tuple(as_traced(a, seen) for a in args)
+    kwargs = {k: as_traced(v, seen) for k, v in kwargs.items()}
+    return repr((seen, vocab, args, sorted(kwargs.items()), memory_trace.representative_chunk_starts))
+
+
+def as_traced(value: Any, seen: Config) -> Any:
+    """An argument as the trace sees it: a target device by what a trace reads of it (not its memory size), a
+    step with its chunked loss as it runs (None: the configured one); any other as it is."""
     if isinstance(value, memory_planner.Device):
         return ("device", value.name, value.bf16, value.device_type)
+    if isinstance(value, memory_planner.TracedStep):
+        return dataclasses.replace(value, chunked_loss=seen.train.chunked_loss)
     return value
-
-
-def step_key(cfg: Config, vocab: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    step = copy.deepcopy(cfg)
-    step.data.global_batch_size = step.data.micro_batch_size = step.data.grad_accum = None  # type: ignore[assignment]
-    step.plan = type(step.plan)()
-    return repr((step, vocab, tuple(map(device_key, args)), sorted((k, device_key(v)) for k, v in kwargs.items()),
-                 memory_trace.representative_chunk_starts))
 
 
 def share_traces() -> Iterator[dict[str, Any]]:
