@@ -47,7 +47,8 @@ def _calls(tmp_path: Path) -> list[str]:
 
 
 def test_scripts_are_shellcheck_clean() -> None:
-    result = subprocess.run([_shellcheck(), str(SBATCH), str(MULTINODE)], capture_output=True, text=True)
+    shell_scripts = [SBATCH, MULTINODE, SCRIPTS / "gpu_checks.sh", SCRIPTS / "bench_gpu.sh"]
+    result = subprocess.run([_shellcheck(), *map(str, shell_scripts)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
