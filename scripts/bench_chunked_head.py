@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import seconds_per_call  # scripts/, beside this file
 
 from ddptrain.models.chunked_loss import chunk_tokens_for, linear_cross_entropy
 
@@ -42,25 +42,6 @@ def chunked_loss(chunk: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tens
     def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(hidden, weight, labels, None, chunk)
     return loss
-
-
-class Clock:
-    """Seconds of device work between start and stop (CUDA events), or wall seconds on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn: Callable[[], None]) -> float:
-        if self.cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return begin.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
 
 def run_head(hidden0: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype,
@@ -93,10 +74,9 @@ def run_head(hidden0: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
             step(name)
             torch.cuda.synchronize()
             results[name]["peak"] = torch.cuda.max_memory_allocated() - before
-    clock = Clock(device)
     for _ in range(repeats):
         for name in variants:
-            results[name]["times"].append(clock.time(lambda name=name: step(name)))
+            results[name]["times"].append(seconds_per_call(lambda name=name: step(name), 1, device))
     full = results["full logits"]
     rows = []
     for name, r in results.items():

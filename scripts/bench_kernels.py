@@ -99,7 +99,7 @@ def _table_cases(fused: TorchKernels, grads: list[torch.Tensor], flat: torch.Ten
     ]
 
 
-def _time(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+def seconds_per_call(fn: Callable[[], object], iters: int, device: torch.device) -> float:
     """Seconds per call, over ``iters`` calls (device time on CUDA, by events)."""
     if device.type != "cuda":
         start = time.perf_counter()
@@ -150,8 +150,8 @@ def main() -> None:
         times: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in size_cases}
         for _ in range(args.repeats):
             for case in size_cases:
-                times[case.name][0].append(_time(case.torch_fn, iters, device))
-                times[case.name][1].append(_time(case.fused_fn, iters, device))
+                times[case.name][0].append(seconds_per_call(case.torch_fn, iters, device))
+                times[case.name][1].append(seconds_per_call(case.fused_fn, iters, device))
         for case in size_cases:
             torch_s, fused_s = times[case.name]
             speedup = statistics.median(t / f for t, f in zip(torch_s, fused_s, strict=True))

@@ -71,8 +71,11 @@ def test_the_table_replaces_only_the_marked_block(bench: ModuleType, tmp_path: P
     assert "old" not in text and block in text
 
 
-def test_the_chunked_head_benchmark_runs_on_the_cpu_and_its_variants_compute_the_same_loss() -> None:
+def test_the_chunked_head_benchmark_runs_on_the_cpu_and_its_variants_compute_the_same_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``scripts/bench_chunked_head.py --smoke``: every chunk size against full logits, both heads, one table."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # it imports its timing from bench_kernels, as a script does
     spec = importlib.util.spec_from_file_location("bench_chunked_head", ROOT / "scripts" / "bench_chunked_head.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

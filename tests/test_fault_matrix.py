@@ -24,8 +24,8 @@ from ddptrain.checkpoint.offline import read_tensors, tensor_entries
 from ddptrain.data.instruct import generated_instructions
 from ddptrain.data.tokenizer import train_bpe
 from ddptrain.errors import ConfigError
-from tests.helpers.chunks import outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
+from tests.helpers.drift_checks import outcomes_counting_checks
 from tests.helpers.pairwise import Row, all_pairs, pairs_of, refused_pairs, row_pairs
 from tests.helpers.runs import Overrides, make_config
 
@@ -169,7 +169,7 @@ def check_row(row: Row, tmp_path: Path, tokenizer: Path | None) -> None:
                 ("resume", {"train": {"resume": str(checkpoint)}, **last_only}, NAN)]
     if row["precision"] == "fp16":
         variants.append(("overflow", {"train": {"nan_policy": "abort"}, **last_only}, OVERFLOW))
-    ranks = run_distributed(outcomes_counting_chunks, 2, str(tmp_path), base, variants, timeout=300)
+    ranks = run_distributed(outcomes_counting_checks, 2, str(tmp_path), base, variants, timeout=300)
     runs = {name: [ranks[r][i] for r in (0, 1)] for i, (name, _, _) in enumerate(variants)}
     # the chunked loss ran in every run of a chunked row, in several chunks a micro batch, and in none of the others
     for outcome in (o for rank_runs in runs.values() for o in rank_runs):

@@ -131,12 +131,12 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from torch.distributed.run import run as elastic_run
 
     from ddptrain.diagnose.verdict import Failure, verdict
+    from ddptrain.runtime.topology import threads_per_worker
 
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
     elastic_records_to_run_log(Path(os.environ["DDPTRAIN_RUN_DIR"]))
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
-    threads = max(1, (os.cpu_count() or 1) // local)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # one share of the cores per worker
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(local)))  # one share of the cores per worker
     if typed.launch.max_restarts > 0:
         # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

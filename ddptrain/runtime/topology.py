@@ -9,6 +9,7 @@ them all. The data cache need not be shared: each node's first rank prepares its
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 from dataclasses import dataclass
@@ -20,6 +21,12 @@ from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv
 
 log = logging.getLogger(__name__)
+
+
+def threads_per_worker(workers: int) -> int:
+    """Each of ``workers`` processes on one machine computes on its share of the cores (at least one thread):
+    more threads than cores spin against each other."""
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 @dataclass(frozen=True)

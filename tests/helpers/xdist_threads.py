@@ -20,7 +20,9 @@ def take_a_share_of_the_cores() -> None:
     if workers > 1:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        from ddptrain.runtime.topology import threads_per_worker  # the launcher's own rule
+
+        torch.set_num_threads(threads_per_worker(workers))
 
 
 def pytest_configure(config: pytest.Config) -> None:
