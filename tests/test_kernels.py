@@ -477,3 +477,21 @@ def test_training_loop_on_triton_kernels_tracks_torch(tmp_path: Path) -> None:
             assert got["grad_norm"] > 0.5  # clipping was active
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def test_auto_clips_with_torchs_kernels_even_where_it_would_pick_tritons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H100 the fused norm + clip took 1.6-2.7x torch's time at every size (docs/benchmarks.md), so
+    ``parallel.kernels=auto`` clips with torch's; ``triton`` still asks for the fused kernels."""
+    import ddptrain.kernels.clip as clip_module
+
+    asked: list[str] = []
+    select = clip_module.select_kernels
+    monkeypatch.setattr(clip_module, "select_kernels",
+                        lambda mode, device: asked.append(mode) or select("triton", device))  # Triton's, as on CUDA
+    params = [torch.nn.Parameter(torch.zeros(5)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    torch.testing.assert_close(clip_grad_norm(params, 1.0, "auto"), torch.tensor(math.sqrt(60.0)))
+    assert asked == []  # torch's own clip_grad_norm_, never the fused pair
+    clip_grad_norm(params, 1.0, "triton")
+    assert asked == ["triton"]
