@@ -588,7 +588,8 @@ def _mesh_step(states: tuple[str, str, str, str]) -> list[tuple[str, str, int, s
     """One HSDP step on the mesh above (as ``_hsdp_step``)."""
     gathers, scatter, reduce, mean = states
     return [("1", "_allgather_base", 4096, gathers), ("1", "_allgather_base", 4096, gathers),
-            ("1", "_reduce_scatter_base", 8192, scatter), ("2", "all_reduce", 4096, reduce), ("0", "all_reduce", 4, mean)]
+            ("1", "_reduce_scatter_base", 8192, scatter), ("2", "all_reduce", 4096, reduce),
+            ("0", "all_reduce", 4, mean)]
 
 
 def test_on_nccl_a_hang_in_a_mesh_groups_first_collective_names_the_late_rank(tmp_path: Path) -> None:

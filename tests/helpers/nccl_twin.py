@@ -19,10 +19,10 @@ this twin does in its place:
   ``nccl:<op>``, ``input_sizes``/``input_dtypes``, ``state``, ``process_group`` (name, description), ``pg_id``);
   the dump has ``version``, ``pg_config`` (each group's global ranks), ``pg_status`` (per ``pg_id``: last enqueued,
   started and completed collective, -1 until there is one, from the group's first entry on) and ``entries``,
-  pickled as torch pickles it (``tests/test_verdict.py`` checks these keys against torch's own recorder); ``_dump_nccl_trace`` returns it (a
-  CPU build of torch has no such function). Timing is off, as by default: an entry stays ``scheduled`` until the
-  watchdog discovers its completion (polled every 100 ms, in order per group, as a stream completes them), then
-  it is ``completed``; ``started`` is never seen.
+  pickled as torch pickles it (``tests/test_verdict.py`` checks these keys and values against torch's own
+  recorder); ``_dump_nccl_trace`` returns it (a CPU build of torch has no such function). Timing is off, as by
+  default: an entry stays ``scheduled`` until the watchdog discovers its completion (polled every 100 ms, in order
+  per group, as a stream completes them), then it is ``completed``; ``started`` is never seen.
 - **The watchdog.** ``dist.timeout_s`` after a collective was enqueued and not completed, it logs NCCL's
   "Watchdog caught collective operation timeout" line, sets the dump signal in the job's store, asks the heartbeat
   monitor for this rank's dump, waits for it (at most ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 15 s) and then
