@@ -617,28 +617,28 @@ def test_on_nccl_a_hang_in_a_mesh_groups_first_collective_names_the_late_rank(tm
 def test_one_group_name_with_other_ranks_on_each_rank_is_read_with_each_ranks_own(tmp_path: Path) -> None:
     """torch names HSDP's replica group alike on every rank ("2": [0, 2] on ranks 0 and 2, [1, 3] on 1 and 3).
     Rank 3 stopped in backward at step 3 before its replicas' all-reduce: rank 1 waits in it for rank 3 alone;
-    ranks 0 and 2 finished theirs and wait in the loss mean. Read with rank 0's [0, 2], rank 1 would wait for
-    no one and be named too."""
+    ranks 0 and 2 finished theirs and wait in the loss mean for both. Read with rank 0's [0, 2], rank 1 would
+    wait for no one and be named as hung too."""
     folder = _folder(tmp_path)
     done = ("completed",) * 4
     for rank in range(4):
         steps = _mesh_step(done) * 2
         if rank in (0, 2):
             steps += _mesh_step(("completed", "completed", "completed", "scheduled"))
-        if rank == 1:
-            steps += _mesh_step(("completed", "completed", "scheduled", "scheduled"))
+        if rank == 1:  # its host went no further than the all-reduce
+            steps += _mesh_step(("completed", "completed", "scheduled", "scheduled"))[:4]
         if rank == 3:
             steps += _mesh_step(done)[:3]
         _mesh_dump(folder, rank, steps)
-    for rank in (0, 1, 2):
+    for rank, phase in ((0, "check"), (1, "backward"), (2, "check")):
         _aborted_by_the_watchdog(folder, rank)
-        _at(folder, rank, "check", 3)
+        _at(folder, rank, phase, 3)
     _record(folder, 3, "SIGTERM from the launcher", 3, "backward", [])
     failures = [Failure(r, -6, "SIGABRT") for r in (0, 1, 2)] + [Failure(3, -15, "SIGTERM")]
     assert verdict(tmp_path, failures, 4, 5, "vm") == (
         "rank 3 (host vm) hung at step 3 in backward; ranks 0, 2 waited in all_reduce #3 (the stop and non-finite "
-        "check of step 3, 4 bytes); rank 1 waited in all_reduce #3 of group mesh_replicate [ranks 1, 3] (4.0 KB, "
-        "the host ran ahead of it) for 5 s (dist.timeout_s)")
+        "check of step 3, 4 bytes); rank 1 waited in all_reduce #3 of group mesh_replicate [ranks 1, 3] (backward "
+        "of step 3, 4.0 KB) for 5 s (dist.timeout_s)")
 
 
 def test_a_peer_whose_host_ran_past_the_waiters_collective_but_is_stuck_before_it_is_behind(tmp_path: Path) -> None:
