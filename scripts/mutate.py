@@ -443,6 +443,38 @@ MUTANTS = [
            (("ddptrain/data/corpus.py", "        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS]\n",
              ""),),
            ("tests/test_data.py", "-k", "stdlib")),
+    # issues 51 and 52 (diagnose): torch's pg_status from -1, and the verdict's rules no test needed before
+    Mutant("verdict-status-minus-one-as-is", "torch's -1 (no collective completed) read as a number: an unfinished "
+                                             "collective #0 invented, a first-collective hang gets no verdict",
+           (("ddptrain/diagnose/trace.py", "max(0, int(status.get(\"last_completed_collective\") or 0)))",
+             "int(status.get(\"last_completed_collective\") or 0))"),),
+           ("tests/test_verdict.py", "-k", "minus_one or first_collective")),
+    Mutant("nccl-twin-status-from-zero", "the NCCL twin's pg_status starts at 0, not torch's -1",
+           (("tests/helpers/nccl_twin.py",
+             'INITIAL_STATUS = {"last_enqueued_collective": -1, "last_started_collective": -1, '
+             '"last_completed_collective": -1}',
+             'INITIAL_STATUS = {"last_enqueued_collective": 0, "last_started_collective": -1, '
+             '"last_completed_collective": 0}'),),
+           ("tests/test_verdict.py", "-k", "minus_one or first_collective")),
+    Mutant("verdict-one-name-one-ranks", "a group name read with one set of ranks for every rank (torch names HSDP's "
+                                         "replica group alike on every rank)",
+           (("ddptrain/diagnose/verdict.py",
+             "return sorted(self.own.get((rank, group)) or self.ranks.get(group) or [rank])",
+             "return sorted(self.ranks.get(group) or [rank])"),),
+           ("tests/test_verdict.py", "-k", "one_group_name")),
+    Mutant("verdict-run-ahead-peer-not-behind", "a peer whose host enqueued past the waiter's collective but is "
+                                                "stuck before it is not behind",
+           (("ddptrain/diagnose/verdict.py",
+             "if m != r and (progress(traces.get(m), group) < seq or stuck_before):",
+             "if m != r and progress(traces.get(m), group) < seq:"),),
+           ("tests/test_verdict.py", "-k", "ran_past")),
+    Mutant("verdict-completion-from-pg-status-only", "completion read from pg_status only, not the entries' states",
+           (("ddptrain/diagnose/trace.py", '        if e.get("state") == "completed":', "        if False:"),),
+           ("tests/test_verdict.py", "-k", "pg_status_lags")),
+    Mutant("verdict-pg-config-ranks-unread", "pg_config's ranks string not read: a group's ranks only from the ranks "
+                                             "that recorded its collectives",
+           (("ddptrain/diagnose/trace.py", '"ranks": _ranks(config.get("ranks"))}', '"ranks": None}'),),
+           ("tests/test_verdict.py", "-k", "from_pg_config")),
 ]
 
 

@@ -495,3 +495,203 @@ def test_a_ranks_record_holds_every_training_groups_collectives_with_the_groups_
         assert groups[shard["group"]]["ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert groups[replicate["group"]]["ranks"] == [rank % 2, rank % 2 + 2]
         assert all(g["desc"] != "ddptrain_checkpoint" for g in groups.values()), groups
+
+
+# ---- a group's first collective, one group name with other ranks on each rank, a peer stuck behind its own
+# run-ahead, a pg_status behind the entries, pg_config's ranks (issues 51 and 52) -----------------------------------
+
+FIRST_STATUS = {"last_enqueued_collective": 1, "last_started_collective": -1, "last_completed_collective": -1}
+
+
+def _recorders_through_a_first_collective(rank: int, world_size: int) -> dict[str, Any] | None:
+    """torch's own recorder (on gloo) and the twin's, through the same steps: before any collective, then with
+    rank 0's first collective of a fresh group enqueued and rank 1 not yet in it (held back on a third group)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import nccl_twin
+
+    nccl_twin.install()
+    real = lambda: pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # noqa: E731
+    twin = lambda: pickle.loads(nccl_twin.RECORDER.dump())  # noqa: E731
+    hold, gloo, twins = (dist.new_group(backend=b) for b in ("gloo", "gloo", nccl_twin.BACKEND))
+    out = {"fresh": (real(), twin())}
+    if rank == 0:
+        works = [dist.all_reduce(torch.ones(2), group=gloo, async_op=True)]
+        out["real"] = real()  # before the twin's inner gloo group records its own entry
+        works.append(dist.all_reduce(torch.ones(2), group=twins, async_op=True))
+        out["twin"] = twin()
+        dist.barrier(group=hold)
+        for work in works:
+            work.wait()
+    else:
+        dist.barrier(group=hold)
+        dist.all_reduce(torch.ones(2), group=gloo)
+        dist.all_reduce(torch.ones(2), group=twins)
+    return out if rank == 0 else None
+
+
+def test_torchs_recorder_starts_a_groups_status_at_minus_one_and_the_twin_dumps_as_it_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.13 (c10d/logger.hpp) starts a group's ProcessGroupStatus at -1 and dumps it from the group's first
+    entry on; collectives are numbered from 1. Pinned on torch's own recorder over gloo: nothing before any
+    collective, then -1 completed with #1 enqueued; the reader takes that as none completed (no collective #0),
+    and the twin's dump has torch's keys and these values at each step."""
+    from ddptrain.diagnose.trace import read_trace
+    from tests.helpers.dist import run_distributed
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    got = run_distributed(_recorders_through_a_first_collective, 2)[0]
+    (real_fresh, twin_fresh), real, twin = got["fresh"], got["real"], got["twin"]
+    assert real_fresh["pg_status"] == twin_fresh["pg_status"] == {} and real_fresh["entries"] == []
+    assert set(real) == set(twin) and set(real_fresh) == set(twin_fresh), (sorted(real), sorted(twin))
+    for dump in (real, twin):
+        (entry,) = dump["entries"]
+        assert dump["pg_status"] == {str(entry["pg_id"]): FIRST_STATUS}, dump["pg_status"]
+        assert (entry["collective_seq_id"], entry["state"], entry["time_discovered_completed_ns"]) == (1, "scheduled",
+                                                                                                      None)
+        assert {k for c in dump["pg_config"].values() for k in c} == {"name", "desc", "ranks"}
+    assert set(real["entries"][0]) == set(twin["entries"][0])
+    read = read_trace(real, nccl=True)["collectives"]
+    assert [(c["seq"], c["op"], c["completed"]) for c in read] == [(1, "all_reduce", False)], read
+
+
+def test_on_nccl_a_hang_in_the_first_collective_names_the_rank_that_never_joined_it(tmp_path: Path) -> None:
+    """Rank 1 hung in data loading before the job's first collective; rank 0's dump: #1 enqueued, the group's
+    last completed -1 (torch's start: none)."""
+    import pickle
+
+    folder = _folder(tmp_path)
+    _nccl_dump(folder, 0, [(1, "all_reduce", 8, "scheduled")])
+    assert pickle.loads((folder / "nccl_trace_rank_0").read_bytes())["pg_status"]["0"] == FIRST_STATUS
+    _aborted_by_the_watchdog(folder, 0)
+    _at(folder, 0, "loss mean", 1)
+    _record(folder, 1, "SIGTERM from the launcher", 1, "data", [], "ddptrain/train/observer.py:60")
+    assert verdict(tmp_path, [Failure(0, -6, "SIGABRT"), Failure(1, -15, "SIGTERM")], 2, 15, "vm") == (
+        "rank 1 (host vm) hung at step 1 in data loading (ddptrain/train/observer.py:60); rank 0 waited in "
+        "all_reduce #1 (the loss mean of a logging step of step 1, 8 bytes) for 15 s (dist.timeout_s)")
+
+
+def _mesh_dump(folder: Path, rank: int, collectives: list[tuple[str, str, int, str]]) -> None:
+    """Rank ``rank``'s dump on a 2x2 mesh named as torch names it: one name per mesh dimension on every rank
+    ("1": the shard group, "2": the replicas'), each rank's own global ranks under it."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    groups = {"0": ("default_pg", [0, 1, 2, 3]), "1": ("mesh_shard", [rank - rank % 2, rank - rank % 2 + 1]),
+              "2": ("mesh_replicate", [rank % 2, rank % 2 + 2])}
+    (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(_renumber(collectives), groups=groups))
+
+
+def _mesh_step(states: tuple[str, str, str, str]) -> list[tuple[str, str, int, str]]:
+    """One HSDP step on the mesh above (as ``_hsdp_step``)."""
+    gathers, scatter, reduce, mean = states
+    return [("1", "_allgather_base", 4096, gathers), ("1", "_allgather_base", 4096, gathers),
+            ("1", "_reduce_scatter_base", 8192, scatter), ("2", "all_reduce", 4096, reduce),
+            ("0", "all_reduce", 4, mean)]
+
+
+def test_on_nccl_a_hang_in_a_mesh_groups_first_collective_names_the_late_rank(tmp_path: Path) -> None:
+    """HSDP's first cross-node all-reduce: rank 2 hung in data loading at step 1. Ranks 0 and 1 got through their
+    shard group's step and wait in their replica groups' first all-reduce (status -1 there); rank 3 waits in its
+    shard group's first all-gather (status -1 there)."""
+    folder = _folder(tmp_path)
+    start = [("0", "broadcast", 64, "completed")]
+    for rank in (0, 1):
+        _mesh_dump(folder, rank, start + _mesh_step(("completed", "completed", "scheduled", "scheduled")))
+        _at(folder, rank, "check", 1)
+    _mesh_dump(folder, 3, start + [("1", "_allgather_base", 4096, "scheduled")] * 2)
+    _at(folder, 3, "forward", 1)
+    _mesh_dump(folder, 2, start)
+    _record(folder, 2, "SIGTERM from the launcher", 1, "data", [], "ddptrain/train/observer.py:60")
+    failures = [Failure(r, -6, "SIGABRT") for r in (0, 1, 3)] + [Failure(2, -15, "SIGTERM")]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "rank 2 (host vm) hung at step 1 in data loading (ddptrain/train/observer.py:60); rank 0 waited in "
+        "all_reduce #1 of group mesh_replicate [ranks 0, 2] (4.0 KB, the host ran ahead of it); rank 1 waited in "
+        "all_reduce #1 of group mesh_replicate [ranks 1, 3] (4.0 KB, the host ran ahead of it); rank 3 waited in "
+        "all_gather_into_tensor #1 of group mesh_shard [ranks 2, 3] (4.0 KB, the host ran ahead of it) for 5 s "
+        "(dist.timeout_s)")
+
+
+def test_one_group_name_with_other_ranks_on_each_rank_is_read_with_each_ranks_own(tmp_path: Path) -> None:
+    """torch names HSDP's replica group alike on every rank ("2": [0, 2] on ranks 0 and 2, [1, 3] on 1 and 3).
+    Rank 3 stopped in backward at step 3 before its replicas' all-reduce: rank 1 waits in it for rank 3 alone;
+    ranks 0 and 2 finished theirs and wait in the loss mean for both. Read with rank 0's [0, 2], rank 1 would
+    wait for no one and be named as hung too."""
+    folder = _folder(tmp_path)
+    done = ("completed",) * 4
+    for rank in range(4):
+        steps = _mesh_step(done) * 2
+        if rank in (0, 2):
+            steps += _mesh_step(("completed", "completed", "completed", "scheduled"))
+        if rank == 1:  # its host went no further than the all-reduce
+            steps += _mesh_step(("completed", "completed", "scheduled", "scheduled"))[:4]
+        if rank == 3:
+            steps += _mesh_step(done)[:3]
+        _mesh_dump(folder, rank, steps)
+    for rank, phase in ((0, "check"), (1, "backward"), (2, "check")):
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, phase, 3)
+    _record(folder, 3, "SIGTERM from the launcher", 3, "backward", [])
+    failures = [Failure(r, -6, "SIGABRT") for r in (0, 1, 2)] + [Failure(3, -15, "SIGTERM")]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "rank 3 (host vm) hung at step 3 in backward; ranks 0, 2 waited in all_reduce #3 (the stop and non-finite "
+        "check of step 3, 4 bytes); rank 1 waited in all_reduce #3 of group mesh_replicate [ranks 1, 3] (backward "
+        "of step 3, 4.0 KB) for 5 s (dist.timeout_s)")
+
+
+def test_a_peer_whose_host_ran_past_the_waiters_collective_but_is_stuck_before_it_is_behind(tmp_path: Path) -> None:
+    """Rank 1's stream is stuck before its #8 (a small broadcast from rank 0, which completes on the root without
+    the receiver, as does #9); its host enqueued on to #12. Rank 0 waits in #10: rank 1 enqueued #10 but is
+    behind it, so it is the late one."""
+    folder = _folder(tmp_path)
+    ops = {8: "broadcast", 9: "broadcast"}
+    for rank, completed, enqueued in ((0, 9, 11), (1, 7, 12)):
+        _nccl_dump(folder, rank, [(s, ops.get(s, "all_reduce"), 64, "completed" if s <= completed else "scheduled")
+                                  for s in range(1, enqueued + 1)])
+        _aborted_by_the_watchdog(folder, rank)
+    _at(folder, 0, "check", 2)
+    _at(folder, 1, "forward", 3)
+    failures = [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT")]
+    assert verdict(tmp_path, failures, 2, 15, "vm") == (
+        "rank 1 (host vm) hung at step 3 in forward; rank 0 waited in all_reduce #10 (64 bytes, the host ran ahead "
+        "of it) for 15 s (dist.timeout_s)")
+
+
+def test_completion_is_read_from_the_entries_where_pg_status_lags_behind_them(tmp_path: Path) -> None:
+    """Rank 0's pg_status says #2390 completed while its entries say up to #2400 (the two are written apart): it
+    waits in #2401, which rank 1, hung in data loading after #2400, never enqueued."""
+    import pickle
+
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    dump = pickle.loads(nccl_dump(_run_ahead(2450, 2400), ring=100))
+    dump["pg_status"]["0"]["last_completed_collective"] = 2390
+    (folder / "nccl_trace_rank_0").write_bytes(pickle.dumps(dump, protocol=2))
+    _aborted_by_the_watchdog(folder, 0)
+    _at(folder, 0, "backward", 5)
+    _record(folder, 1, "SIGTERM from the launcher", 5, "data", [(2400, "all_reduce", BUCKET)])
+    line = verdict(tmp_path, [Failure(0, -6, "SIGABRT"), Failure(1, -15, "SIGTERM")], 2, 300, "vm")
+    assert line == ("rank 1 (host vm) hung at step 5 in data loading; rank 0 waited in all_reduce #2401 (1.0 MB, the "
+                    "host ran ahead of it) for 300 s (dist.timeout_s)")
+
+
+def test_a_groups_ranks_are_read_from_pg_config_so_a_rank_without_its_collectives_is_named(tmp_path: Path) -> None:
+    """Rank 1 waits in its replica group's #5; rank 3, the group's other rank, left no collective of it (its own
+    read of the recorder found nothing, no dump): only pg_config's "[1, 3]" says rank 3 is in that group."""
+    import pickle
+
+    from ddptrain.diagnose.trace import read_trace
+
+    folder = _folder(tmp_path)
+    _mesh_dump(folder, 1, [("2", "all_reduce", 4096, "completed")] * 4 + [("2", "all_reduce", 4096, "scheduled")])
+    assert read_trace(pickle.loads((folder / "nccl_trace_rank_1").read_bytes()), nccl=True)["groups"]["2"][
+        "ranks"] == [1, 3]
+    _aborted_by_the_watchdog(folder, 1)
+    _at(folder, 1, "backward", 5)
+    _record(folder, 3, "SIGTERM from the launcher", 5, "backward", [])
+    assert verdict(tmp_path, [Failure(1, -6, "SIGABRT"), Failure(3, -15, "SIGTERM")], 4, 15, "vm") == (
+        "rank 3 (host vm) hung at step 5 in backward; rank 1 waited in all_reduce #5 of group mesh_replicate "
+        "[ranks 1, 3] (backward of step 5, 4.0 KB) for 15 s (dist.timeout_s)")

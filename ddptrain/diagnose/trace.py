@@ -5,8 +5,9 @@ The dump (torch 2.13: ``_dump_nccl_trace``, ``_dump_fr_trace`` and NCCL's dump f
 ``entries`` (one per collective, oldest first: ``process_group`` (name, description), ``pg_id``,
 ``collective_seq_id`` counted per group, ``profiling_name`` ``nccl:<op>`` or ``gloo:<op>``, ``input_sizes``,
 ``input_dtypes``, ``state``), ``pg_config`` (per group name: ``ranks``, the group's global ranks as a string;
-filled on NCCL, empty on gloo) and ``pg_status`` (per ``pg_id``: the last enqueued and last completed sequence
-number).
+filled on NCCL, empty on gloo) and ``pg_status`` (per ``pg_id``: the last enqueued, started and completed sequence
+number). torch starts a group's status at -1, "none" (``c10d/logger.hpp``), and adds it to the dump with the
+group's first entry; collectives are numbered from 1, so a group whose first collective hangs shows -1 completed.
 
 Why the whole dump: NCCL returns at enqueue, so a waiting rank's host goes on enqueuing after the collective it
 waits in (the rest of its backward's buckets, FSDP2's all-gathers, the next steps' collectives until a host
@@ -101,8 +102,9 @@ def _status(trace: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, t
     out: dict[str, tuple[int, int]] = {}
     for pg_id, status in (trace.get("pg_status") or {}).items():
         if (name := name_of.get(str(pg_id))) is not None:
-            out[name] = (int(status.get("last_enqueued_collective") or 0),
-                         int(status.get("last_completed_collective") or 0))
+            # torch's -1 (nothing enqueued or completed yet) is 0 here: collective #0 does not exist
+            out[name] = (max(0, int(status.get("last_enqueued_collective") or 0)),
+                         max(0, int(status.get("last_completed_collective") or 0)))
     return out
 
 

@@ -17,11 +17,12 @@ this twin does in its place:
 - **The flight recorder.** One ring for the process (``TORCH_FR_BUFFER_SIZE``, default 2000; 0: off), every
   group's collectives in it, with NCCL's keys (``collective_seq_id`` per group, ``profiling_name``
   ``nccl:<op>``, ``input_sizes``/``input_dtypes``, ``state``, ``process_group`` (name, description), ``pg_id``);
-  the dump has ``version``, ``pg_config`` (each group's global ranks), ``pg_status`` (per ``pg_id``: last enqueued
-  and last completed collective) and ``entries``, pickled as torch pickles it; ``_dump_nccl_trace`` returns it (a
-  CPU build of torch has no such function). Timing is off, as by default: an entry stays ``scheduled`` until the
-  watchdog discovers its completion (polled every 100 ms, in order per group, as a stream completes them), then
-  it is ``completed``; ``started`` is never seen.
+  the dump has ``version``, ``pg_config`` (each group's global ranks), ``pg_status`` (per ``pg_id``: last enqueued,
+  started and completed collective, -1 until there is one, from the group's first entry on) and ``entries``,
+  pickled as torch pickles it (``tests/test_verdict.py`` checks these keys and values against torch's own
+  recorder); ``_dump_nccl_trace`` returns it (a CPU build of torch has no such function). Timing is off, as by
+  default: an entry stays ``scheduled`` until the watchdog discovers its completion (polled every 100 ms, in order
+  per group, as a stream completes them), then it is ``completed``; ``started`` is never seen.
 - **The watchdog.** ``dist.timeout_s`` after a collective was enqueued and not completed, it logs NCCL's
   "Watchdog caught collective operation timeout" line, sets the dump signal in the job's store, asks the heartbeat
   monitor for this rank's dump, waits for it (at most ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 15 s) and then
@@ -97,6 +98,10 @@ _OPS: dict[str, tuple[str, str, Callable[[tuple], list[torch.Tensor]]]] = {
 _P2P = {"send": "send", "recv": "recv"}
 _OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
                        "send_object_list", "recv_object_list")
+# torch 2.13's ProcessGroupStatus before any collective (c10d/logger.hpp: lastEnqueuedSeq{-1}, lastStartedSeq{-1},
+# lastCompletedSeq{-1}, "-1 to indicate no collective has been completed"), as getPgStatus() dumps it; NCCL numbers
+# a group's collectives from 1, so a group whose first collective hangs shows -1 as its last completed one.
+INITIAL_STATUS = {"last_enqueued_collective": -1, "last_started_collective": -1, "last_completed_collective": -1}
 _HOST_READS = threading.local()  # depth of *_object* calls on this thread: their collectives never release the host
 
 
@@ -124,10 +129,13 @@ class _Recorder:
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_id: int = 0
 
-    def record(self, entry: dict[str, Any]) -> None:
+    def record(self, entry: dict[str, Any], status: dict[str, int]) -> None:
+        """Add ``entry`` to the ring; its group's ``status`` joins the dump with the group's first entry, as torch
+        registers a group's ``ProcessGroupStatus`` at its first record (a group with none has no ``pg_status``)."""
         if self.size <= 0:
             return
         with self.lock:
+            self.status.setdefault(str(entry["pg_id"]), status)
             entry["record_id"] = self.next_id
             self.next_id += 1
             self.entries.append(entry)
@@ -171,8 +179,7 @@ class TwinGroup(dist.ProcessGroup):
         self._discovered = 0  # the last collective the watchdog found completed (in order, as a stream's)
         self.pending: list[_Entry] = []
         self.stalled = False  # a collective of this group let the host go unfinished: nothing after it runs
-        RECORDER.status[str(self.pg_id)] = {"last_enqueued_collective": 0, "last_started_collective": -1,
-                                            "last_completed_collective": 0}
+        self.fr_status = dict(INITIAL_STATUS)  # torch's ProcessGroupStatus: the dump shows it from the first entry on
         RECORDER.groups.append(self)
         WATCHDOG.watch(self)
 
@@ -224,7 +231,7 @@ class TwinGroup(dist.ProcessGroup):
                   "retired": False, "timeout_ms": int(self.timeout.total_seconds() * 1000), "is_p2p": p2p,
                   "frames": [{"name": f.name, "filename": f.filename, "line": f.lineno}
                              for f in reversed(traceback.extract_stack()[:-2])]}
-        RECORDER.record(record)
+        RECORDER.record(record, self.fr_status)
         host = torch.futures.Future()  # what the host's wait (and DDP's reducer) waits on
         lock = threading.Lock()
 
@@ -240,7 +247,7 @@ class TwinGroup(dist.ProcessGroup):
                        None if holds_host else now + after)
         if not p2p:
             with RECORDER.lock:
-                RECORDER.status[str(self.pg_id)]["last_enqueued_collective"] = self._seq
+                self.fr_status["last_enqueued_collective"] = self._seq
             WATCHDOG.pending(entry)
         if not self.stalled:  # behind a stuck collective, NCCL's stream never runs it: gloo is not asked
             work = getattr(self._inner, inner)(*args, **kwargs)
@@ -259,7 +266,7 @@ class TwinGroup(dist.ProcessGroup):
                 entry = self.pending.pop(0)
                 entry.record.update(state="completed", retired=True, time_discovered_completed_ns=time.time_ns())
                 self._discovered = int(entry.record["collective_seq_id"])
-                RECORDER.status[str(self.pg_id)]["last_completed_collective"] = self._discovered
+                self.fr_status["last_completed_collective"] = self._discovered
 
 
 def _results(name: str, args: tuple) -> Any:
@@ -419,17 +426,17 @@ def nccl_dump(collectives: list[tuple[Any, ...]], ring: int = 2000,
     enqueue order; ``ring`` keeps the last ones, as torch's ring does; ``groups`` gives each group's description
     and global ranks (the default group: ``default_pg``, ranks [0, 1] unless given). ``pg_status`` holds each
     group's last enqueued and last completed collective (those before the first one given count as completed),
-    whether or not the ring still holds them."""
+    whether or not the ring still holds them, from torch's initial -1 (none), and only for groups with a
+    collective (torch adds a group's status at its first entry)."""
     groups = {"0": ("default_pg", [0, 1]), **(groups or {})}
     pg_ids = {name: i for i, name in enumerate(groups)}
-    status = {str(i): {"last_enqueued_collective": 0, "last_started_collective": -1, "last_completed_collective": 0}
-              for i in pg_ids.values()}
+    status: dict[str, dict[str, int]] = {}
     entries = []
     for item in collectives:
         group, (seq, op, nbytes, state) = ("0", item) if len(item) == 4 else (item[0], item[1:])
+        if str(pg_ids[group]) not in status:  # the collectives before the first one given completed
+            status[str(pg_ids[group])] = {**INITIAL_STATUS, "last_completed_collective": seq - 1 if seq > 1 else -1}
         st = status[str(pg_ids[group])]
-        if st["last_enqueued_collective"] == 0:  # the collectives before the first one given completed
-            st["last_completed_collective"] = seq - 1
         st["last_enqueued_collective"] = seq
         if state == "completed":
             st["last_completed_collective"] = max(st["last_completed_collective"], seq)
