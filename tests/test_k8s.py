@@ -298,6 +298,8 @@ def test_the_claim_is_printed_before_the_job_when_asked_for() -> None:
 def test_a_pytorchjob_is_printed_without_anchors_and_its_master_and_workers_are_edited_apart() -> None:
     args = k8s.parse_args(["--image", IMAGE, "--kind", "pytorchjob", "--nodes", "3", "--gpus-per-node", "8",
                            "data.global_batch_size=192"])
+    built = manifest("pytorchjob", k8s.job_spec(args))["spec"]["pytorchReplicaSpecs"]
+    assert built["Master"]["template"] is not built["Worker"]["template"]  # what the printer would tie together
     text = k8s.render("pytorchjob", k8s.job_spec(args))
     assert not re.search(r"[&*]id\d+", text), text
     doc = yaml.safe_load(text)
