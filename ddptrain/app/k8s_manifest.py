@@ -139,12 +139,11 @@ def volumes(spec: JobSpec) -> list[Doc]:
             {"name": RUNS_VOLUME, "persistentVolumeClaim": {"claimName": spec.claim}}]
 
 
-def pod_security(spec: JobSpec) -> Doc:
+def pod_security() -> Doc:
     """The pod's securityContext: volumes that support ownership management (block devices, most CSI drivers) are
     made group-owned by the image's group, so uid 10001 can create its run dir on a fresh volume (whose root is
     root:root 0755). OnRootMismatch: the kubelet walks the volume only when its root is not already right (a walk
     of every checkpoint at each pod start is minutes on a big volume)."""
-    del spec  # the same for every job
     return {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}
 
 
@@ -170,7 +169,7 @@ def container(spec: JobSpec, name: str, extra_env: list[Doc] | None = None) -> D
 
 
 def pod_spec(spec: JobSpec, name: str, restart_policy: str, extra_env: list[Doc] | None = None) -> Doc:
-    return {"restartPolicy": restart_policy, "securityContext": pod_security(spec),
+    return {"restartPolicy": restart_policy, "securityContext": pod_security(),
             "containers": [container(spec, name, extra_env)], "volumes": volumes(spec)}
 
 
@@ -187,7 +186,7 @@ def train_job(spec: JobSpec) -> Doc:
     if security := container_security(spec):
         node["securityContext"] = security
     patch = {"template": {"spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": {
-        "securityContext": pod_security(spec), "volumes": volumes(spec), "containers": [node],
+        "securityContext": pod_security(), "volumes": volumes(spec), "containers": [node],
     }}}}}]}}}
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": metadata(spec),
             "spec": {"runtimeRef": {"name": "torch-distributed", "kind": "ClusterTrainingRuntime",
