@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tests.helpers import procs
 from tests.helpers.cli import run_cli, test_env
 from tests.helpers.crds import CRDS, PINNED, duplicates, schema_errors, strict
 from tests.helpers.pods import Pod, pods
+from tests.helpers.webhooks import CONTAINER_TRAINER_PORT, admission_errors
 
 BIN = Path(sys.executable).parent
 IMAGE = "ghcr.io/example/ddptrain:1"
@@ -42,9 +44,11 @@ def generated(kind: str, flags: list[str]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_kind_of_manifest_is_valid_against_its_operators_crd(kind: str, variant: str) -> None:
+def test_every_kind_of_manifest_passes_its_operators_crd_and_admission_webhook(kind: str, variant: str) -> None:
+    """What ``kubectl apply`` checks: the CRD's schema, then the operator's validating webhook (ported rules)."""
     doc = generated(kind, VARIANTS[variant])
     assert schema_errors(doc) == []
+    assert admission_errors(doc) == []
     assert doc["kind"] == {"trainjob": "TrainJob", "pytorchjob": "PyTorchJob", "jobset": "JobSet"}[kind]
 
 
@@ -143,12 +147,12 @@ def test_the_pods_have_what_nccl_needs_and_the_run_dir_on_the_volume() -> None:
     assert container["command"] == ["ddptrain"] and container["args"][:2] == ["train.resume=auto",
                                                                             "data.global_batch_size=256"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "rdma/ib": 1}
-    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert "securityContext" not in container  # a capability would not survive execve for uid 10001
     assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]} == {"/dev/shm": "dshm",
                                                                              "/mnt/ddptrain": "runs"}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "ddptrain-runs"}
-    assert env["DDPTRAIN_RUN_DIR"]["value"] == "/mnt/ddptrain/runs/ddptrain"
+    assert env["DDPTRAIN_RUN_DIR"]["value"] == f"/mnt/ddptrain/runs/{doc['metadata']['name']}"
     assert (env["NCCL_IB_HCA"]["value"], env["NCCL_DEBUG"]["value"]) == ("mlx5", "INFO")
     assert env["WANDB_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
     assert doc["spec"]["nprocPerNode"] == "8" and doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
@@ -157,14 +161,154 @@ def test_the_pods_have_what_nccl_needs_and_the_run_dir_on_the_volume() -> None:
 def test_a_trainjob_leaves_torchruns_variables_to_the_operator_and_has_a_name_it_accepts() -> None:
     """Trainer's Torch plugin refuses PET_* in trainer.env (a webhook, not the schema); the CRD's CEL rule wants
     an RFC 1035 name."""
-    import re
-
     doc = generated("trainjob", VARIANTS["cpu"])
     assert not [e["name"] for e in doc["spec"]["trainer"]["env"] if e["name"].startswith("PET_")]
     assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
     assert (doc["spec"]["trainer"]["numNodes"], doc["spec"]["trainer"]["numProcPerNode"]) == (3, 2)
     assert "resourcesPerNode" not in doc["spec"]["trainer"]  # CPU pods ask for no GPU
 
+
+
+def test_trainers_webhook_refuses_a_patch_manager_without_a_domain_which_its_crd_accepts() -> None:
+    """Trainer v2.3 checks every runtimePatches[].manager with IsDomainPrefixedPath (a webhook rule the CRD, which
+    bounds only its length, does not hold): the manager ddptrain-k8s printed before was refused at apply."""
+    doc = generated("trainjob", VARIANTS["cpu"])
+    (patch,) = doc["spec"]["runtimePatches"]
+    assert admission_errors(doc) == [] and "/" in patch["manager"]
+    patch["manager"] = "ddptrain-k8s"
+    assert schema_errors(doc) == []
+    assert admission_errors(doc) == ['spec.runtimePatches.manager: Invalid value: "ddptrain-k8s": must be a '
+                                     'domain-prefixed path (such as "acme.io/foo")']
+    patch["manager"] = "DDPtrain.dev/k8s"  # the domain must be a lower-case RFC 1123 subdomain
+    assert admission_errors(doc)[0].startswith('spec.runtimePatches.manager: Invalid value: "DDPtrain.dev": a '
+                                               "lowercase RFC 1123 subdomain")
+
+
+def test_the_ported_webhook_rules_refuse_what_each_operator_refuses() -> None:
+    """Each ported rule that touches a field ddptrain-k8s writes, seen refusing (so the passing checks above mean
+    something): Trainer's patch and env rules, the PyTorchJob's replica rules, the JobSet's name lengths."""
+    trainjob = generated("trainjob", VARIANTS["gpu-ib-wandb"])
+    job = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    container = job["template"]["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [{"name": "X", "value": "1"}]
+    trainjob["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "2"})
+    errors = admission_errors(trainjob)
+    assert "spec.runtimePatches: Invalid value: must not have envs for the dataset-initializer, model-initializer, "\
+           "node containers" in errors
+    assert "spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: [PET_NNODES]" \
+           in errors
+    container["name"], job["name"] = "trainer", "node"
+    assert "spec.runtimePatches: Invalid value: must not have container that doesn't exist in the runtime job " \
+           "node" in admission_errors(trainjob)
+    job["name"] = "worker"
+    assert "spec.runtimePatches: Invalid value: must not have replicated job that doesn't exist in the runtime " \
+           "job template" in admission_errors(trainjob)
+
+    pytorchjob = generated("pytorchjob", ["--nodes", "3", "--gpus-per-node", "8", "data.global_batch_size=192"])
+    replicas = pytorchjob["spec"]["pytorchReplicaSpecs"]
+    replicas["Master"]["replicas"] = 2
+    replicas["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    assert admission_errors(pytorchjob) == [
+        "spec.pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1",
+        "spec.pytorchReplicaSpecs[Worker].template.spec.containers: Required value: must have at least one container "
+        "with name pytorch"]
+
+    jobset = generated("jobset", ["--nodes", "2", "--gpus-per-node", "8", "data.global_batch_size=128"])
+    jobset["metadata"]["name"] = "a" * 50  # longer than ddptrain-k8s allows: the pods' names pass 63 characters
+    assert [e.rsplit(": ", 1)[-1] for e in admission_errors(jobset)] == [
+        "JobSet name is too long, pod names generated for this JobSet will exceed 63 characters"]
+
+
+def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod specs of a manifest (a TrainJob's: its runtime patch's)."""
+    if doc["kind"] == "TrainJob":
+        jobs = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        return [j["template"]["spec"]["template"]["spec"] for j in jobs]
+    if doc["kind"] == "PyTorchJob":
+        return [r["template"]["spec"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+    return [j["template"]["spec"]["template"]["spec"] for j in doc["spec"]["replicatedJobs"]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_pod_has_the_images_group_on_the_checkpoint_volume_and_no_capability_it_cannot_use(kind: str) -> None:
+    """The image runs as uid/gid 10001: fsGroup 10001 makes a fresh volume (root:root 0755) writable for it. A
+    capability added to a non-root container is dropped at execve: only --ib-root pods (root) carry IPC_LOCK."""
+    doc = generated(kind, VARIANTS["gpu-ib-wandb"])
+    specs = _pod_specs(doc)
+    assert len(specs) == (2 if kind == "pytorchjob" else 1)
+    for pod in specs:
+        assert pod["securityContext"] == {"fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch"}
+    assert _holders(doc, "capabilities") == [] and _holders(doc, "runAsUser") == []
+
+    root = generated(kind, [*VARIANTS["gpu-ib-wandb"], "--ib-root"])
+    assert schema_errors(root) == [] and admission_errors(root) == []
+    for pod in _pod_specs(root):
+        (container,) = pod["containers"]
+        assert container["securityContext"] == {"runAsUser": 0, "runAsGroup": 0,
+                                                "capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def test_trainer_v2s_master_port_is_the_one_the_docs_and_the_module_state() -> None:
+    """Trainer v2.3 sets PET_MASTER_PORT to its ContainerTrainerPort, 29500 (pkg/constants/constants.go)."""
+    from ddptrain.app import k8s_manifest
+
+    docs = (Path(__file__).parents[1] / "docs" / "multinode.md").read_text()
+    for text in (docs, k8s_manifest.__doc__ or ""):
+        stated = re.findall(r"PET_MASTER_PORT``?\s*\((\d+)", text)
+        assert stated and {int(p) for p in stated} == {CONTAINER_TRAINER_PORT}, stated
+    jobset = generated("jobset", ["--nodes", "2", "--gpus-per-node", "8", "data.global_batch_size=128"])
+    env = {e["name"]: e.get("value") for e in _pod_specs(jobset)[0]["containers"][0]["env"]}
+    assert env["PET_MASTER_PORT"] == str(CONTAINER_TRAINER_PORT)  # a JobSet's pods use the same port
+
+
+def test_each_job_without_a_name_gets_its_own_run_dir_and_a_name_given_again_continues_its_run() -> None:
+    """Every pod runs train.resume=auto in <mount>/runs/<name>: two jobs of one default name would share a run
+    dir, and the second would continue the first's run."""
+    first, second = (generated("jobset", []) for _ in range(2))
+    names = [d["metadata"]["name"] for d in (first, second)]
+    assert names[0] != names[1], names
+    for doc, name in zip((first, second), names, strict=True):
+        assert re.fullmatch(r"ddptrain-[bcdfghjklmnpqrstvwxz2456789]{5}", name), name
+        env = {e["name"]: e.get("value") for e in _pod_specs(doc)[0]["containers"][0]["env"]}
+        assert env["DDPTRAIN_RUN_DIR"] == f"/mnt/ddptrain/runs/{name}"
+    again = [generated("jobset", ["--name", names[0]]) for _ in range(2)]
+    assert {d["metadata"]["name"] for d in again} == {names[0]}
+    header = k8s.render("jobset", k8s.job_spec(k8s.parse_args(["--image", IMAGE, "--kind", "jobset"]))).split("\n")[0]
+    assert re.search(r"--name ddptrain-\w{5} continues this run", header), header
+    assert "(the claim must exist)" in header
+
+
+def test_the_claim_is_printed_before_the_job_when_asked_for() -> None:
+    def printed(*flags: str) -> list[dict[str, Any]]:
+        args = k8s.parse_args(["--image", IMAGE, "--kind", "trainjob", "--claim", "runs-7", *flags])
+        return list(yaml.safe_load_all(k8s.render("trainjob", k8s.job_spec(args))))
+
+    assert [d["kind"] for d in printed()] == ["TrainJob"]
+    claim, job = printed("--claim-size", "500Gi", "--storage-class", "nfs-client", "--nodes", "2",
+                         "--gpus-per-node", "8", "data.global_batch_size=128", "--namespace", "ml")
+    assert (claim["apiVersion"], claim["kind"], claim["metadata"]["name"]) == ("v1", "PersistentVolumeClaim", "runs-7")
+    assert claim["metadata"]["namespace"] == job["metadata"]["namespace"] == "ml"
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "500Gi"}},
+                             "storageClassName": "nfs-client"}
+    assert _holders(job, "claimName")[0]["claimName"] == "runs-7"
+    (one,) = [d for d in printed("--claim-size", "50Gi") if d["kind"] == "PersistentVolumeClaim"]
+    assert one["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}}}
+
+
+def test_a_pytorchjob_is_printed_without_anchors_and_its_master_and_workers_are_edited_apart() -> None:
+    args = k8s.parse_args(["--image", IMAGE, "--kind", "pytorchjob", "--nodes", "3", "--gpus-per-node", "8",
+                           "data.global_batch_size=192"])
+    built = manifest("pytorchjob", k8s.job_spec(args))["spec"]["pytorchReplicaSpecs"]
+    assert built["Master"]["template"] is not built["Worker"]["template"]  # what the printer would tie together
+    text = k8s.render("pytorchjob", k8s.job_spec(args))
+    assert not re.search(r"[&*]id\d+", text), text
+    doc = yaml.safe_load(text)
+    replicas = doc["spec"]["pytorchReplicaSpecs"]
+    replicas["Master"]["template"]["spec"]["containers"][0]["image"] = "edited"
+    replicas["Master"]["template"]["metadata"]["labels"]["role"] = "master"
+    assert replicas["Worker"]["template"]["spec"]["containers"][0]["image"] == IMAGE
+    assert "role" not in replicas["Worker"]["template"]["metadata"]["labels"]
+    assert admission_errors(doc) == [] and schema_errors(doc) == []
 
 REFUSED = [
     (["--nodes", "0"], "--nodes 0: expected at least 1 node"),
@@ -179,6 +323,13 @@ REFUSED = [
     (["--shm-size", "lots"], "--shm-size lots: expected a Kubernetes quantity"),
     (["--env", "DDPTRAIN_RUN_DIR=/x"], "--env DDPTRAIN_RUN_DIR=/x: set by ddptrain-k8s (the run dir"),
     (["--env", "PET_NODE_RANK=1"], "--env PET_NODE_RANK=1: set by ddptrain-k8s (the run dir: hydra.run.dir) or the"),
+    # a sibling directory whose name begins like the mount's is not on the volume
+    (["hydra.run.dir=/mnt/ddptrain-old/run"], "hydra.run.dir=/mnt/ddptrain-old/run: not on the checkpoint volume"),
+    (["checkpoint.dir=/mnt/ddptrain2/ckpt"], "checkpoint.dir=/mnt/ddptrain2/ckpt: not on the checkpoint volume"),
+    (["hydra.run.dir=/mnt/ddptrain/"], "hydra.run.dir=/mnt/ddptrain/: not on the checkpoint volume"),
+    (["--ib-root"], "--ib-root needs --ib RESOURCE"),
+    (["--claim-size", "lots"], "--claim-size lots: expected a Kubernetes quantity"),
+    (["--storage-class", "fast"], "--storage-class fast: expected a storage class name"),
 ]
 
 
@@ -223,9 +374,55 @@ def test_each_pod_of_a_manifest_starts_torchrun_where_the_operator_says(kind: st
         args = get_args_parser().parse_args([*options, "-m", "ddptrain"])
         assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("3", rank, "4")
         assert (args.master_addr, args.master_port, world_size, local) == ("127.0.0.1", 4321, 12, 4)
-        assert pod.env["DDPTRAIN_RUN_DIR"] == "/tmp/volume/runs/ddptrain"
+        assert pod.env["DDPTRAIN_RUN_DIR"] == f"/tmp/volume/runs/{doc['metadata']['name']}"
         assert pod.argv[:2] == ["ddptrain", "train.resume=auto"]
 
+
+
+def _operator_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """This process as a pod of a training operator: ``env`` and nothing else of torchrun's."""
+    for key in [k for k in os.environ if k.startswith("PET_") or k in (
+            "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_an_elastic_jobs_world_size_is_checked_at_its_largest_node_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PET_NNODES=MIN:MAX (an elastic PyTorchJob): the batch must divide over MAX nodes x the local processes."""
+    from ddptrain.app.launch import torchrun_options
+
+    for nnodes, world in (("1:2", 4), ("2:3", 6), ("3", 6)):
+        _operator_env(monkeypatch, {"PET_NNODES": nnodes, "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"})
+        _, world_size, local = torchrun_options(nproc_per_node=1, max_restarts=0)
+        assert (world_size, local) == (world, 2), nnodes
+
+
+def test_an_operators_pod_of_one_process_per_node_still_starts_its_node_through_torchrun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's command, ``ddptrain train.resume=auto OVERRIDES`` with launch.nproc_per_node=1: one process per
+    node must still be torchrun's agent of this node (it meets the others at node 0), not a lone rank."""
+    import torch.distributed.run
+
+    from ddptrain.app import launch
+    from ddptrain.app.cli import run_cli as ddptrain_main
+    from ddptrain.telemetry.goodput import LAUNCH_START_ENV
+
+    _operator_env(monkeypatch, {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+                                "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"})
+    for key in ("DDPTRAIN_RUN_DIR", LAUNCH_START_ENV, "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.delenv(key, raising=False)  # launch_workers sets them; restored after the test
+    started: list[Any] = []
+    monkeypatch.setattr(torch.distributed.run, "run", started.append)
+    monkeypatch.setattr(launch, "elastic_records_to_run_log", lambda run_dir: None)
+    monkeypatch.setattr(launch, "run_worker", lambda *a, **k: pytest.fail("the pod trained alone, without torchrun"))
+    monkeypatch.chdir(tmp_path)
+    overrides = ["train.resume=auto", *RUN, "launch.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert ddptrain_main(overrides) == 0
+    (args,) = started
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "1")
+    assert (args.master_addr, args.master_port) == ("job-node-0-0.job", 29500)
+    assert (args.module, args.training_script, args.training_script_args) == (True, "ddptrain", overrides)
 
 # ---- the pods as processes (slow) -----------------------------------------------------------------------------
 
@@ -270,7 +467,8 @@ def run_pods(made: list[Pod], cwd: Path, fault: str | None = None) -> list[subpr
 
 
 def _manifest(kind: str, tmp: Path) -> dict[str, Any]:
-    args = k8s.parse_args(["--image", IMAGE, "--kind", kind, "--nodes", "2", "--gpus-per-node", "0", *RUN])
+    args = k8s.parse_args(["--image", IMAGE, "--kind", kind, "--nodes", "2", "--gpus-per-node", "0",
+                           "--name", "ddptrain", *RUN])
     return yaml.safe_load(k8s.render(kind, k8s.job_spec(args)))  # the printed manifest, read back
 
 

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -115,3 +117,62 @@ def test_a_ray_worker_killed_after_a_checkpoint_is_restarted_and_the_run_ends_wi
     assert _losses(run) == pytest.approx(_losses(torchrun_reference), rel=1e-6)
     goodput = json.loads((run / "summary.json").read_text())["goodput"]
     assert (goodput["attempts"], goodput["restarts"]) == (2, 1), goodput
+
+
+def test_the_workers_get_the_drivers_allocator_settings_and_not_every_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker on another host of the cluster does not inherit the driver's environment: torch's caching allocator
+    reads PYTORCH_ALLOC_CONF (and PYTORCH_CUDA_ALLOC_CONF) there, so they travel with the run."""
+    from ddptrain.app.ray_launch import worker_environment
+    from ddptrain.config.compose import compose_config, typed_config
+
+    for key in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(key, raising=False)  # worker_environment sets them; restored after the test
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("UNRELATED_SETTING", "1")
+    env = worker_environment(typed_config(compose_config(["data=synthetic"])).typed)
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and "UNRELATED_SETTING" not in env
+
+
+class _Remote:
+    """``ray.remote(...)(cls)``'s result, as far as ``fit`` uses it."""
+
+    def remote(self) -> str:
+        return "attempts-actor"
+
+
+class _StubRay:
+    def remote(self, **_: Any) -> Any:
+        return lambda cls: _Remote()
+
+
+@pytest.mark.parametrize("code", [4, 3])
+def test_a_ray_run_that_ended_on_purpose_exits_with_the_workers_code(
+        code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run the workers ended on purpose (a drift abort: 4) reports its line and code to the driver, which exits
+    with that code, not the 1 of a failure."""
+    ray_torch = pytest.importorskip("ray.train.torch", reason="the extra ddptrain[ray] (Ray Train) is not installed")
+    from ddptrain.app.ray_launch import fit
+    from ddptrain.app.ray_worker import ENDED, EXIT_CODE
+    from ddptrain.config.compose import compose_config, typed_config
+
+    made: list[dict[str, Any]] = []
+
+    class StubTrainer:
+        def __init__(self, train_fn: Any, **kwargs: Any) -> None:
+            made.append(kwargs)
+
+        def fit(self) -> Any:
+            return SimpleNamespace(metrics={ENDED: f"stopped on purpose ({code})", EXIT_CODE: code})
+
+    monkeypatch.setattr(ray_torch, "TorchTrainer", StubTrainer)
+    cfg = typed_config(compose_config(["data=synthetic", "launch.max_restarts=2"])).typed
+    assert fit(_StubRay(), cfg, 2, False, tmp_path / "run", {}) == code
+    assert capsys.readouterr().err.strip() == f"ddptrain: stopped on purpose ({code})"
+    (kwargs,) = made
+    assert kwargs["train_loop_config"]["attempts"] == "attempts-actor"
+    assert kwargs["run_config"].failure_config.max_failures == 2

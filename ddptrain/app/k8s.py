@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import posixpath
 import re
+import secrets
 import sys
+from pathlib import PurePosixPath
 
-from ddptrain.app.k8s_manifest import KINDS, JobSpec, manifest
+from ddptrain.app.k8s_manifest import KINDS, JobSpec, documents
 from ddptrain.errors import ConfigError, say
 
 # Trainer v2 checks the TrainJob's name with this rule (RFC 1035 label); a pod's host name, <name>-node-<i>-<j>,
@@ -21,6 +23,10 @@ NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 40
 OWNED_ENV = ("DDPTRAIN_RUN_DIR",)  # with the PET_* ones: what --env may not set (the run dir, the pod's place)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # a storage class's name
+# the characters of the random suffix Kubernetes gives a generateName (apimachinery's util/rand: no vowels, no
+# digits that read as letters), so a default job name looks like the ones kubectl users know
+SUFFIX = "bcdfghjklmnpqrstvwxz2456789"
 
 EPILOG = """\
 examples:
@@ -30,7 +36,10 @@ examples:
 
 Every kind runs `ddptrain train.resume=auto OVERRIDES` in one pod per node; torchrun's agent in each pod reads
 the PET_* variables the operator (or, for a JobSet, the manifest) sets. Checkpoints go to the volume of --claim,
-mounted at --mount, so a restarted pod continues the run.
+mounted at --mount, in <mount>/runs/<name>: a restarted pod continues the run, a job printed with another name
+starts a new one. Without --name each manifest gets a new name (ddptrain-xxxxx, in its first line); give that
+name again to continue its run in a new job. The claim must exist (ReadWriteMany for several nodes), or add
+--claim-size SIZE to print it before the job.
 """
 
 
@@ -47,17 +56,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gpus-per-node", type=int, default=1,
                         help="nvidia.com/gpu per pod and processes per pod (0: CPU pods with "
                              "launch.nproc_per_node processes)")
-    parser.add_argument("--name", default="ddptrain", help="the job's name; the run dir is named after it")
+    parser.add_argument("--name", help="the job's name; the run dir, <mount>/runs/<name>, is named after it, so the "
+                                       "same name continues that run (default: a new name, ddptrain-xxxxx)")
     parser.add_argument("--namespace", help="the job's namespace (default: kubectl's)")
     parser.add_argument("--claim", default="ddptrain-runs",
                         help="the PersistentVolumeClaim holding run dirs and checkpoints (ReadWriteMany for "
-                             "several nodes)")
+                             "several nodes); it must exist, unless --claim-size prints it")
+    parser.add_argument("--claim-size", metavar="SIZE",
+                        help="print the claim too, asking for SIZE (e.g. 500Gi), before the job")
+    parser.add_argument("--storage-class", help="the printed claim's storage class (default: the cluster's default)")
     parser.add_argument("--mount", default="/mnt/ddptrain", help="where the claim is mounted in the pods")
     parser.add_argument("--shm-size", default="16Gi", help="the memory-backed /dev/shm's size limit")
     parser.add_argument("--ib", metavar="RESOURCE",
                         help="the RDMA/InfiniBand device resource to request (e.g. rdma/ib); adds NCCL_IB_* and "
                              "NCCL_DEBUG=INFO")
     parser.add_argument("--ib-hca", help="NCCL_IB_HCA, the adapters NCCL may use (with --ib)")
+    parser.add_argument("--ib-root", action="store_true",
+                        help="run the pods as root with IPC_LOCK (with --ib), for nodes whose container runtime "
+                             "does not give containers an unlimited locked-memory limit (docs/multinode.md)")
     parser.add_argument("--wandb-secret", metavar="SECRET[:KEY]",
                         help="the Secret (and key, default api-key) holding WANDB_API_KEY")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -70,6 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def job_spec(args: argparse.Namespace) -> JobSpec:
     """The job's spec from the flags and the composed run; raises ConfigError for what cannot work."""
+    if args.name is None:
+        args.name = default_name()
     check_flags(args)
     typed = composed(args.overrides)
     procs = args.gpus_per_node or typed.launch.nproc_per_node
@@ -92,7 +110,15 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
                    procs_per_node=procs, args=list(args.overrides), run_dir=run_dir, claim=args.claim,
                    mount=args.mount, cache_dir=posixpath.join(args.mount, "cache"), shm_size=args.shm_size,
                    namespace=args.namespace, ib_resource=args.ib, ib_hca=args.ib_hca, wandb_secret=secret,
-                   env=list(env.items()), max_restarts=args.max_restarts)
+                   env=list(env.items()), max_restarts=args.max_restarts, ib_root=args.ib_root,
+                   claim_size=args.claim_size, storage_class=args.storage_class)
+
+
+def default_name() -> str:
+    """A new job name, ``ddptrain-`` and five random characters: each job its own run dir, unless --name names
+    the run to continue (every job of one name would share a run dir, and train.resume=auto would continue the
+    previous job's run)."""
+    return "ddptrain-" + "".join(secrets.choice(SUFFIX) for _ in range(5))
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -113,6 +139,13 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-restarts {args.max_restarts}: expected 0 or more")
     if args.ib_hca and not args.ib:
         raise ConfigError("--ib-hca needs --ib RESOURCE (the RDMA device the pods request)")
+    if args.ib_root and not args.ib:
+        raise ConfigError("--ib-root needs --ib RESOURCE (the RDMA device the pods request)")
+    if args.claim_size is not None and not QUANTITY.match(args.claim_size):
+        raise ConfigError(f"--claim-size {args.claim_size}: expected a Kubernetes quantity such as 500Gi")
+    if args.storage_class is not None and (args.claim_size is None or not SUBDOMAIN.match(args.storage_class)):
+        raise ConfigError(f"--storage-class {args.storage_class}: expected a storage class name (lower-case letters, "
+                          "digits, '-' and '.'), with --claim-size")
 
 
 def composed(overrides: list[str]):  # -> Config (the schema's dataclass)
@@ -153,7 +186,8 @@ def run_dir_on_volume(overrides: list[str], mount: str, name: str) -> str:
         if key == "checkpoint.dir" and not absolute:
             continue  # under the run dir
         path = posixpath.normpath(value)
-        if not absolute or not (path + "/").startswith(mount + "/") or path == mount:
+        # by path components: /mnt/ddptrain-old/run is not under /mnt/ddptrain
+        if not absolute or not under(path, mount):
             raise ConfigError(f"{key}={value}: not on the checkpoint volume mounted at {mount} (--mount); a restarted "
                               "pod would not find the run's checkpoints")
         if key == "hydra.run.dir":
@@ -161,12 +195,25 @@ def run_dir_on_volume(overrides: list[str], mount: str, name: str) -> str:
     return posixpath.join(mount, "runs", name)
 
 
+def under(path: str, mount: str) -> bool:
+    """True when normalized ``path`` lies strictly below ``mount``, component by component."""
+    inner, outer = PurePosixPath(path), PurePosixPath(mount)
+    return inner != outer and inner.is_relative_to(outer)
+
+
 def render(kind: str, spec: JobSpec) -> str:
+    """The manifest as YAML, each document apart (``---``), without anchors and aliases: every mapping is
+    written out where it stands, as a reader (and an editor) of a manifest expects."""
     import yaml
 
+    class Plain(yaml.SafeDumper):
+        def ignore_aliases(self, data: object) -> bool:
+            return True
+
     header = (f"# ddptrain-k8s: {kind} {spec.name}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), "
-              f"run dir {spec.run_dir} on claim {spec.claim}\n")
-    return header + yaml.safe_dump(manifest(kind, spec), sort_keys=False, default_flow_style=False)
+              f"run dir {spec.run_dir} on claim {spec.claim}"
+              f"{'' if spec.claim_size else ' (the claim must exist)'}; --name {spec.name} continues this run\n")
+    return header + yaml.dump_all(documents(kind, spec), Dumper=Plain, sort_keys=False, default_flow_style=False)
 
 
 def run(argv: list[str]) -> int:

@@ -25,8 +25,11 @@ from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
 
 EXTRA = "launch.backend=ray needs Ray Train, which is not installed: pip install 'ddptrain[ray]'"
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20  # ddptrain passes nothing large through Ray's object store
-# the driver's variables a worker needs (on another host of the cluster it would not inherit them)
-FORWARDED = ("DDPTRAIN_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "PYTHONPATH", "TOKENIZERS_PARALLELISM")
+# the driver's variables a worker needs (on another host of the cluster it would not inherit them): PYTORCH_ holds
+# the caching allocator's settings (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF: ddptrain's expandable segments or
+# the user's own), read by torch when the worker first allocates on its device
+FORWARDED = ("DDPTRAIN_", "WANDB_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_", "NCCL_", "PYTHONPATH",
+             "TOKENIZERS_PARALLELISM")
 
 
 def import_ray() -> Any:

@@ -5,7 +5,8 @@ What each operator adds to the container it runs (read in their sources, see ``d
 
 - Trainer v2's Torch plugin: ``PET_NNODES`` = ``trainer.numNodes``, ``PET_NPROC_PER_NODE`` = ``numProcPerNode``,
   ``PET_NODE_RANK`` = the pod's Job completion index, ``PET_MASTER_ADDR`` = ``<name>-node-0-0.<name>``,
-  ``PET_MASTER_PORT`` = 29400, after ``trainer.env``; the runtime patch mounts the volumes;
+  ``PET_MASTER_PORT`` = 29500 (its ``ContainerTrainerPort``), after ``trainer.env``; the runtime patch mounts the
+  volumes;
 - Training Operator v1: ``PYTHONUNBUFFERED``, ``MASTER_ADDR`` = ``<name>-master-0``, ``MASTER_PORT`` = 23456,
   ``WORLD_SIZE`` = pods x ``nprocPerNode``, ``RANK`` = the pod's rank (master 0, worker i: i + 1),
   ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` = that rank, ``PET_NNODES`` = pods;
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from tests.helpers.webhooks import CONTAINER_TRAINER_PORT
 
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -42,7 +45,8 @@ def pods(manifest: dict[str, Any], volume: str, port: int) -> list[Pod]:
         for index in range(nodes):
             env = resolve(trainer["env"], index) | {
                 "PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
-                "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": "29400"}
+                "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+                "PET_MASTER_PORT": str(CONTAINER_TRAINER_PORT)}
             made.append(local(Pod([*trainer["command"], *trainer["args"]], env), pod_spec["containers"][0], volume,
                               port, name))
         return made
