@@ -286,9 +286,10 @@ def distributed(cfg: DistConfig, cpu_collectives: bool = False,
     device = device or pick_device(env)
     if not joined:
         memory_before_groups.note(device)  # before NCCL's communicator exists: auto counts it by its allowance
-        init_process_group(cfg, env, device, cpu_collectives)
     clean = False
     try:
+        if not joined:
+            init_process_group(cfg, env, device, cpu_collectives)
         yield env, device
         clean = True
     finally:
