@@ -488,8 +488,8 @@ MUTANTS = [
     Mutant("mask-rows-not-padded-to-8", "the ready mask's rows not padded to 8: CUDA's kernel copies it every call",
            (("ddptrain/models/attention.py", "    width = -(-keys // 8) * 8", "    width = keys"),),
            ("tests/test_flash_attention.py", "-k", "strided_by_a_multiple_of_8")),
-    Mutant("auto-whole-batch-unchecked", "auto takes the whole per-rank batch when one less fits accumulating, "
-                                         "without checking the whole batch fits",
+    Mutant("auto-raises-to-an-unfitted-whole-batch", "auto takes the whole per-rank batch when one less fits "
+                                                     "accumulating, without checking the whole batch fits",
            (("ddptrain/plan/memory/auto_batch.py", "        if largest == below and fits(per_rank):",
              "        if largest == below:"),),
            ("tests/test_auto_batch.py", "-k", "one_less_accumulating")),
