@@ -315,16 +315,14 @@ def test_a_present_gpu_of_compute_capability_8_is_planned_in_bf16(gpu: FakeGPU,
     assert compute_dtype("auto", present_device(1)) == torch.float16  # a T4 (7.5): fp16
 
 
-def test_plan_device_plans_its_preset_beside_a_present_gpu(monkeypatch: pytest.MonkeyPatch,
-                                                            tracer_of: Callable) -> None:
-    """``plan.device=h100`` on a machine with an RTX 4090: the H100 preset is planned, not the 4090 here."""
+def test_plan_device_plans_its_preset_beside_a_present_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan.device=h100`` on a machine with an RTX 4090: the dry run's target is the H100 preset (its 79.1 GiB,
+    all free, NVLS), not the 4090 here; its memory and peak overrides apply to the preset."""
     fake_cuda(monkeypatch, RTX_4090.using(2.0))
     assert device_for_plan("h100", None, None) == DEVICES["h100"]
-    assert device_for_plan(None, None, None).name == RTX_4090.name  # without plan.device: the GPU here
-    cfg = tiny_auto()
-    cfg.plan.device = "h100"
-    _, _, record = plan_for_target(cfg, 1)
-    assert record["device"] == "h100" and record["device_memory_bytes"] == pytest.approx(79.1 * GiB)
+    assert device_for_plan("h100", 40.0, 500.0) == replace(DEVICES["h100"], memory_gib=40.0, peak_tflops=500.0)
+    here = device_for_plan(None, None, None)  # without plan.device: the GPU here, as it is
+    assert here.name == RTX_4090.name and here.in_use_gib == pytest.approx(2.0) and not here.nvls
 
 
 def test_nccl_nvls_enable_1_plans_the_nvls_buffers_as_unset() -> None:
