@@ -129,6 +129,19 @@ def test_a_whole_batch_that_fits_without_accumulating_is_not_halved() -> None:
     assert (chosen.micro_batch, chosen.grad_accum) == (12, 1) and chosen.need == whole <= chosen.usable
 
 
+def test_a_device_between_one_less_accumulating_and_the_whole_batch_does_not_get_the_whole_batch() -> None:
+    """Here the whole per-rank batch (12, no accumulation) needs more than 11 accumulating: on a device between
+    the two, 11 fits and 12 does not, so the search's answer (11, the largest below 12) must not be raised to 12
+    (that takes ``fits(per_rank)``): micro batch 6 (the largest divisor of 12 up to 11), grad_accum 2."""
+    cfg = tiny_auto(global_batch=12)
+    need = step_need(Tracer(cfg, VOCAB, CPU), 1, 12)
+    below, whole = need(11, ActivationCheckpointing.none, 0), need(12, ActivationCheckpointing.none, 0)
+    assert below < whole
+    chosen = choose_micro_batch(cfg, 1, device_between(below, whole), VOCAB)
+    assert chosen.largest == 11 and chosen.micro_batch < 12 and (chosen.micro_batch, chosen.grad_accum) == (6, 2)
+    assert chosen.need <= chosen.usable < whole
+
+
 def test_the_search_finds_the_boundary_from_any_guess() -> None:
     for boundary in (0, 1, 6, 17, 40):
         for guess in (1, 5, 16, 40):

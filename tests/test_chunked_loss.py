@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -282,6 +283,24 @@ def test_the_default_chunk_is_sized_by_the_vocabulary() -> None:
     assert chunk_tokens_for(151_936) == 110 and chunk_tokens_for(32_000) == 524
     assert chunk_tokens_for(151_936, "cuda") == 1024 and chunk_tokens_for(8_192, "cuda") == 2048
     assert chunk_tokens_for(151_936, "cuda", trainable_head=False) == 256
+
+
+@pytest.mark.parametrize(("device", "trainable", "tokens"),
+                         [("cuda", True, 1024), ("cuda", False, 256), ("cpu", True, 110), ("cpu", False, 110)])
+def test_the_default_chunk_follows_the_device_the_head_is_on_and_whether_it_trains(device: str, trainable: bool,
+                                                                                    tokens: int) -> None:
+    """``use_chunked_loss`` without a chunk or a device reads the head's own: a Qwen3-sized head (151,936
+    entries) on a (fake) CUDA tensor gets 1,024 tokens per chunk when it trains, 256 when frozen (LoRA); on the
+    CPU 110 either way (the 64 MiB block). The model is built on ``meta`` and its head made a ``FakeTensor``:
+    nothing is allocated."""
+    vocab = 151_936
+    with torch.device("meta"):
+        model = build_model(TINY, vocab, eos_id=0)
+    with FakeTensorMode():
+        weight = torch.empty(vocab, TINY.hidden_size, device=device)
+    assert weight.device.type == device
+    model.get_output_embeddings().weight = torch.nn.Parameter(weight, requires_grad=trainable)
+    assert use_chunked_loss(model, None) == tokens
 
 
 def test_a_deep_copy_runs_its_own_weights_through_its_own_chunked_forward() -> None:

@@ -325,6 +325,28 @@ def test_a_streamed_run_resumes_exactly_on_the_same_world_size_and_refuses_anoth
         _streamed(tmp_path, rank=0, dp=2).load_state_dict(state)
 
 
+def test_a_streamed_checkpoint_without_a_token_count_resumes_at_steps_times_tokens_per_step(tmp_path: Path) -> None:
+    """A streamed checkpoint of an earlier version has no ``tokens_seen`` in its data state: loading it leaves the
+    count unknown (None, not 0), so the trainer's fallback runs and the count resumes at the steps done x the
+    tokens per step (fixed windows: every position a real token), as the uninterrupted stream counts."""
+    from types import SimpleNamespace
+
+    from ddptrain.train.trainer import Trainer
+
+    straight, steps = _streamed(tmp_path), 3
+    for _ in range(steps):
+        next(straight)  # one micro batch per step here (global batch 2 = micro batch 2 x 1 rank)
+    state = json.loads(json.dumps(straight.state_dict()))
+    assert state.pop("tokens_seen") == steps * straight.shape.tokens_per_step  # an earlier version's: no count
+    resumed = _streamed(tmp_path)
+    resumed.load_state_dict(state)
+    assert resumed.tokens_seen is None
+    Trainer._continue_token_count(SimpleNamespace(batches=resumed, start=steps, shape=resumed.shape))  # type: ignore[arg-type]
+    assert resumed.tokens_seen == steps * resumed.shape.tokens_per_step == straight.tokens_seen
+    next(resumed), next(straight)
+    assert resumed.tokens_seen == straight.tokens_seen == (steps + 1) * straight.shape.tokens_per_step
+
+
 def test_the_streaming_position_on_two_ranks_advances_by_the_micro_batch_times_the_ranks(tmp_path: Path) -> None:
     """``position`` counts the global windows all ranks consumed (as ``MicroBatches`` does): each rank's micro batch
     of 2 windows moves it by 2 x 2 on 2 ranks, while each rank reads its own half of the stream."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from omegaconf import OmegaConf
 from ddptrain.app import cli
 from ddptrain.app.launch import agreed_micro_batch
 from ddptrain.app.preflight import validate_config
+from ddptrain.config.choices import Precision
 from ddptrain.config.compose import Run, build_config
-from ddptrain.config.schema import Config
+from ddptrain.config.schema import Config, DistConfig
 from ddptrain.plan import dry_run
 from ddptrain.plan.dry_run import plan_for_target
 from ddptrain.plan.memory import auto_batch
@@ -27,11 +29,27 @@ from ddptrain.plan.memory.overheads import (
     NVLS_PER_GROUP,
     RunOverheads,
 )
-from ddptrain.plan.memory.planner import DEVICES, Allowances, Device, GiB, Tracer, target_device
-from ddptrain.plan.memory.present import present_device, this_device
-from ddptrain.runtime.allocator import CONF_VARS, EXPANDABLE, use_expandable_segments
-from ddptrain.runtime.process_group import DistEnv
-from tests.helpers.fake_cuda import GH200, H100, H100_MIG_1G, RTX_4090, T4, FakeGPU, fake_cuda
+from ddptrain.plan.memory.planner import (
+    DEVICES,
+    Allowances,
+    Device,
+    GiB,
+    Tracer,
+    compute_dtype,
+    context_allowance,
+    target_device,
+)
+from ddptrain.plan.memory.present import device_for_plan, present_device, this_device, with_memory
+from ddptrain.runtime import process_group
+from ddptrain.runtime.allocator import (
+    CONF_VARS,
+    EXPANDABLE,
+    expandable_segments,
+    startup_line,
+    use_expandable_segments,
+)
+from ddptrain.runtime.process_group import DistEnv, device_precision
+from tests.helpers.fake_cuda import A100, GH200, H100, H100_MIG_1G, L4, RTX_4090, T4, FakeGPU, fake_cuda
 from tests.helpers.tiny import TINY_MODEL
 
 VOCAB = 256
@@ -182,9 +200,9 @@ def test_fragmentation_is_counted_by_whether_shapes_vary_and_expandable_segments
     assert share(packed, {}) == share(examples, {}) == 0.10  # expandable segments, as ddptrain sets them
     assert share(examples, {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == 0.10
     assert share(examples, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == 0.20
-    # torch reads PYTORCH_CUDA_ALLOC_CONF first: its settings win over PYTORCH_ALLOC_CONF's
-    assert share(examples, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8",
-                            "PYTORCH_ALLOC_CONF": "expandable_segments:True"}) == 0.20
+    # torch 2.13 reads expandable_segments from PYTORCH_ALLOC_CONF when set: the CUDA variable's are not read
+    assert share(examples, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                            "PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8"}) == 0.20
     assert share(packed, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == 0.10  # one shape throughout
     allowances = Allowances.for_run(target_device("h100", None, None), {"activations": 10.0 * GiB}, 0, 1, 0.0,
                                     False, RunOverheads.of(examples, 1, {"PYTORCH_CUDA_ALLOC_CONF": "x:1"}))
@@ -208,3 +226,111 @@ def test_the_command_turns_on_expandable_segments_unless_the_user_set_the_alloca
     assert seen.get("PYTORCH_ALLOC_CONF") == EXPANDABLE
     own = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     assert not use_expandable_segments(own) and own == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+
+
+BOTH_SET = [({"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+             True),
+            ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+             False)]
+
+
+@pytest.mark.parametrize(("environ", "on"), BOTH_SET, ids=["alloc-on-cuda-off", "alloc-off-cuda-on"])
+def test_with_both_allocator_variables_set_the_plan_follows_pytorch_alloc_conf(environ: dict, on: bool) -> None:
+    """torch 2.13: ``expandable_segments`` is a device-generic key, read from PYTORCH_ALLOC_CONF when it is set;
+    PYTORCH_CUDA_ALLOC_CONF only "with lower priority" (c10/core/AllocatorConfig.h), i.e. when the other is
+    unset. The fragmentation allowance and the start-up line follow the variable torch reads."""
+    examples = tiny_auto(data={"format": "prompt_completion"})
+    overheads = RunOverheads.of(examples, 1, environ)
+    assert overheads.expandable_segments is on
+    assert overheads.fragmentation()[0] == (0.10 if on else 0.20)
+    allowances = Allowances.for_run(target_device("h100", None, None), {"activations": 10.0 * GiB}, 0, 1, 0.0,
+                                    False, overheads)
+    [fragmentation] = [v for k, v in allowances.items.items() if k.startswith("allocator fragmentation")]
+    assert fragmentation == (1.0 if on else 2.0) * GiB
+    line = startup_line(environ)
+    assert line is not None and line.startswith(
+        f"CUDA caching allocator: PYTORCH_ALLOC_CONF={environ['PYTORCH_ALLOC_CONF']} "
+        f"(expandable segments {'on' if on else 'off'})")
+    assert f"PYTORCH_CUDA_ALLOC_CONF={environ['PYTORCH_CUDA_ALLOC_CONF']} is read for CUDA-only keys" in line
+    # the CUDA variable alone is read, and named alone
+    cuda_only = {"PYTORCH_CUDA_ALLOC_CONF": environ["PYTORCH_CUDA_ALLOC_CONF"]}
+    assert expandable_segments(cuda_only) is not on
+    assert startup_line(cuda_only) == (f"CUDA caching allocator: PYTORCH_CUDA_ALLOC_CONF="
+                                       f"{cuda_only['PYTORCH_CUDA_ALLOC_CONF']} (expandable segments "
+                                       f"{'off' if on else 'on'})")
+    assert startup_line({}) is None
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_the_last_expandable_segments_option_of_a_variable_wins(var: str) -> None:
+    """As torch's parser sets the key at each occurrence: both orders of True and False in one variable."""
+    examples = tiny_auto(data={"format": "prompt_completion"})
+    on_then_off = {var: "expandable_segments:True,max_split_size_mb:128,expandable_segments:False"}
+    off_then_on = {var: "expandable_segments:False, max_split_size_mb:128, expandable_segments:True"}
+    assert not expandable_segments(on_then_off) and expandable_segments(off_then_on)
+    assert RunOverheads.of(examples, 1, on_then_off).fragmentation()[0] == 0.20
+    assert RunOverheads.of(examples, 1, off_then_on).fragmentation()[0] == 0.10
+
+
+def test_auto_counts_this_processs_cuda_context_and_nccls_init_memory_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto plans inside the process group, after this process's CUDA context and NCCL's eager init exist. The
+    memory in use is read before the group is made (NCCL's init is its allowance's), and the context allowance
+    leaves out the context the reading holds: another process's 2 GiB + this context's 0.5 GiB + 0.25 GiB of
+    workspaces are counted, not NCCL's 1 GiB of init again nor a second context."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "restored at teardown")
+    cuda = fake_cuda(monkeypatch, H100.using(2.0), context_gib=0.5)
+
+    def init_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_collectives: bool = False) -> None:
+        cuda.use(device.index, cuda.gpus[device.index].used / GiB + 1.0)  # NCCL's communicator, made eagerly
+
+    monkeypatch.setattr(process_group, "init_process_group", init_group)
+    with process_group.distributed(DistConfig()) as (_, device):
+        assert device == torch.device("cuda", 0) and cuda.gpus[0].used == round(3.0 * GiB)  # NCCL's 1 GiB is in
+        gpu = this_device(device)
+        assert gpu.in_use_gib == pytest.approx(2.5)  # the other process and this context, read before the group
+        [(label, context)] = context_allowance(gpu).items()
+        assert context == pytest.approx(0.25 * GiB) and "less 0.50 of this process's context" in label
+        assert gpu.in_use_gib * GiB + context == pytest.approx((2.0 + 0.5 + 0.25) * GiB)
+        allowances = Allowances.for_run(gpu, {"activations": 1.0 * GiB}, 0, 1, 0.0, False,
+                                        RunOverheads.of(tiny_auto(), 1, {}))
+        assert label in allowances.items
+    assert this_device(device).in_use_gib == pytest.approx(3.5)  # the group gone, the reading is forgotten
+    # where the memory is not read here the whole allowance stands: a preset, or plan.device_memory_gib
+    assert list(context_allowance(DEVICES["h100"]).values()) == [0.75 * GiB]
+    assert list(context_allowance(with_memory(gpu, 20.0)).values()) == [0.75 * GiB]
+    # a reading below the assumed context: only what was read is in there
+    assert list(context_allowance(replace(gpu, in_use_gib=0.2)).values()) == [pytest.approx(0.55 * GiB)]
+
+
+@pytest.mark.parametrize("gpu", [A100, L4, RTX_4090], ids=lambda gpu: gpu.name)
+def test_a_present_gpu_of_compute_capability_8_is_planned_in_bf16(gpu: FakeGPU,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ampere and Ada (8.0, 8.6, 8.9) compute bf16 natively: auto resolves to bf16 there, as the run does."""
+    fake_cuda(monkeypatch, gpu, T4)
+    present = present_device(0)
+    assert present.bf16 and compute_dtype("auto", present) == torch.bfloat16
+    assert device_precision("auto", torch.device("cuda", 0)) == Precision.bf16  # the run's own rule agrees
+    assert compute_dtype("auto", present_device(1)) == torch.float16  # a T4 (7.5): fp16
+
+
+def test_plan_device_plans_its_preset_beside_a_present_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan.device=h100`` on a machine with an RTX 4090: the dry run's target is the H100 preset (its 79.1 GiB,
+    all free, NVLS), not the 4090 here; its memory and peak overrides apply to the preset."""
+    fake_cuda(monkeypatch, RTX_4090.using(2.0))
+    assert device_for_plan("h100", None, None) == DEVICES["h100"]
+    assert device_for_plan("h100", 40.0, 500.0) == replace(DEVICES["h100"], memory_gib=40.0, peak_tflops=500.0)
+    here = device_for_plan(None, None, None)  # without plan.device: the GPU here, as it is
+    assert here.name == RTX_4090.name and here.in_use_gib == pytest.approx(2.0) and not here.nvls
+
+
+def test_nccl_nvls_enable_1_plans_the_nvls_buffers_as_unset() -> None:
+    """NCCL_NVLS_ENABLE=1 turns NVLS on as unset does; only 0 turns it off."""
+    ddp, hsdp = tiny_auto(), tiny_auto(parallel={"zero_stage": 3, "shard_group": "node"})
+    for cfg, world, groups in ((ddp, 8, 1), (hsdp, 16, 2)):
+        unset = _nccl(cfg, world, 8)
+        assert [v for k, v in unset.items() if k.startswith("NVLink SHARP")] == [groups * NVLS_PER_GROUP]
+        assert _nccl(cfg, world, 8, environ={"NCCL_NVLS_ENABLE": "1"}) == unset
+        off = _nccl(cfg, world, 8, environ={"NCCL_NVLS_ENABLE": "0"})
+        assert not [k for k in off if k.startswith("NVLink SHARP")] and len(off) == 1

@@ -628,3 +628,39 @@ def test_a_packed_batch_carries_the_varlen_arguments_as_two_tensors_and_moves_th
     moved = to_device(batch, torch.device("meta"))
     assert moved["cu_seq_lens_q"].is_meta and moved["cu_seq_lens_k"].is_meta
     assert moved["max_length_q"] == 9 and moved["input_ids"].is_meta
+
+
+class _MaskSeen(Exception):
+    """Raised by the test's pre-hook with the mask the model would run with (the model itself does not run)."""
+
+
+@pytest.mark.parametrize("rows", ["packed", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ready_mask_for_cudas_kernel_has_rows_strided_by_a_multiple_of_8(rows: str, dtype: torch.dtype) -> None:
+    """The mask ``ready_attention_masks`` hands a CUDA forward (inputs on a fake ``cuda`` device: FakeTensors, so
+    nothing runs) keeps each row of its storage at a multiple of 8 elements, as CUDA's memory-efficient SDPA
+    kernel needs to take it without a copy, for keys that are not a multiple of 8 (6, 13); the visible part is
+    the mask itself. Both the packed rows' block-diagonal mask and the padded rows' causal-and-padding one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _model("llama").to(dtype)
+    assert ready_attention_masks(model)
+    seen: list[torch.Tensor] = []
+
+    def capture(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append(kwargs["attention_mask"])
+        raise _MaskSeen
+
+    model.register_forward_pre_hook(capture, with_kwargs=True)  # after the ready mask's hook
+    for keys in (6, 13):
+        with FakeTensorMode():
+            ids = torch.zeros(2, keys, dtype=torch.long, device="cuda")
+            if rows == "packed":
+                inputs = {"position_ids": torch.arange(keys, device="cuda").remainder(4).expand(2, keys)}
+            else:
+                inputs = {"attention_mask": torch.ones(2, keys, dtype=torch.long, device="cuda")}
+            with pytest.raises(_MaskSeen):
+                model(input_ids=ids, use_cache=False, **inputs)
+        mask = seen.pop()
+        assert mask.device.type == "cuda" and mask.dtype == dtype and mask.shape == (2, 1, keys, keys)
+        assert mask.stride(-1) == 1 and mask.stride(-2) % 8 == 0 and mask.stride(-2) == -(-keys // 8) * 8

@@ -19,7 +19,7 @@ from ddptrain.data import BatchShape
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, one_line
-from ddptrain.runtime.allocator import allocator_conf
+from ddptrain.runtime.allocator import startup_line as allocator_line
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
 from ddptrain.telemetry.logs import elastic_records_to_run_log
@@ -180,8 +180,8 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)
         setup_logging(env.rank, run_dir)
-        if device.type == "cuda" and (conf := allocator_conf(os.environ)) is not None:
-            log.info("CUDA caching allocator: %s=%s", *conf)  # ddptrain's expandable segments, or the user's own
+        if device.type == "cuda" and (alloc := allocator_line(os.environ)) is not None:
+            log.info("%s", alloc)  # ddptrain's expandable segments, or the user's own
         evidence = Evidence(run_dir, env.rank)
         if env.is_main:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))

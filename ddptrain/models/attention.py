@@ -26,7 +26,9 @@ given: one ``[rows, 1, T, T]`` tensor per layer (36 layers of Qwen3-4B at 8 rows
 per micro batch. Padded prompt/completion batches get the same: their 2-D padding mask becomes the one ready 4-D
 mask (causal, padding keys hidden), which also skips the host read transformers' SDPA path makes to see whether a
 batch has any padding. The mask's rows are laid out with a stride of a multiple of 8 elements: CUDA's
-memory-efficient kernel copies a mask whose strides are not, in every call.
+memory-efficient kernel copies a mask whose strides are not, in every call. The masks are built with
+``unsqueeze``, ``narrow`` and ``logical_not`` rather than Python indexing and ``~``, which a CPU-only torch
+refuses on a fake CUDA tensor: the tests build the CUDA forward's mask from FakeTensors.
 """
 
 from __future__ import annotations
@@ -92,11 +94,11 @@ def flash_attention_refuses(device: torch.device) -> str | None:
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """``[rows, 1, T, T]`` bool: a token sees the tokens before it in its own segment, a segment starting wherever
     positions do not go up by one (transformers' own rule), computed on the device without a read back."""
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    step = torch.diff(position_ids, prepend=position_ids.narrow(-1, 0, 1) - 1, dim=-1)
     segment = (step != 1).cumsum(-1)
     index = torch.arange(position_ids.shape[-1], device=position_ids.device)
-    causal = index[None, :] <= index[:, None]
-    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+    causal = index.unsqueeze(0) <= index.unsqueeze(1)
+    return ((segment.unsqueeze(2) == segment.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,16 +108,16 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     the mask as it is."""
     rows, heads, length, keys = allowed.shape
     width = -(-keys // 8) * 8
-    mask = torch.zeros((rows, heads, length, width), dtype=dtype, device=allowed.device)[..., :keys]
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros((rows, heads, length, width), dtype=dtype, device=allowed.device).narrow(-1, 0, keys)
+    return mask.masked_fill_(allowed.logical_not(), torch.finfo(dtype).min)
 
 
 def padding_causal_mask(padding: torch.Tensor) -> torch.Tensor:
     """``[rows, 1, T, T]`` bool from a 2-D padding mask (1 for a real token): a token sees the real tokens up to it
     (transformers' own causal-and-padding mask for SDPA)."""
     index = torch.arange(padding.shape[-1], device=padding.device)
-    causal = index[None, :] <= index[:, None]
-    return (causal[None] & padding.bool()[:, None, :])[:, None]
+    causal = index.unsqueeze(0) <= index.unsqueeze(1)
+    return (causal.unsqueeze(0) & padding.bool().unsqueeze(1)).unsqueeze(1)
 
 
 def _attention_dtype(module: torch.nn.Module, device: torch.device) -> torch.dtype:

@@ -21,6 +21,7 @@ from ddptrain.config.choices import Precision, resolve_precision
 from ddptrain.config.schema import DistConfig
 from ddptrain.diagnose.evidence import enable_flight_recorder
 from ddptrain.errors import ConfigError, flat
+from ddptrain.runtime import memory_before_groups
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -284,10 +285,13 @@ def distributed(cfg: DistConfig, cpu_collectives: bool = False,
     env = DistEnv.from_environ()
     device = device or pick_device(env)
     if not joined:
-        init_process_group(cfg, env, device, cpu_collectives)
+        memory_before_groups.note(device)  # before NCCL's communicator exists: auto counts it by its allowance
     clean = False
     try:
+        if not joined:
+            init_process_group(cfg, env, device, cpu_collectives)
         yield env, device
         clean = True
     finally:
+        memory_before_groups.forget()
         teardown(clean, destroy=not joined)

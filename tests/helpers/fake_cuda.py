@@ -4,14 +4,16 @@ reads about a device (its name, total and free memory, compute capability, SM co
 ``fake_cuda(monkeypatch, H100, ...)`` replaces the primitives torch's own helpers are built on —
 ``is_available``, ``device_count``, ``current_device``/``set_device``, ``get_device_properties``, ``mem_get_info``
 and the bf16 tensor probe — so ``get_device_name``, ``get_device_capability`` and ``is_bf16_supported`` run
-torch's own code on top of them. Memory in use (another process, a context) is ``FakeGPU.used``; a test changes it
-with ``FakeCuda.use``. The figures below are about what torch reports on each card (``total_memory`` is a little
-under the marketed size; a MIG slice reports its own memory and the whole card's name).
+torch's own code on top of them. Memory in use by others is ``FakeGPU.used``; a test changes it with
+``FakeCuda.use``; this process's own CUDA context (``context_gib``) joins it on a device once ``set_device`` or
+``mem_get_info`` has touched it, as a real context does. The figures below are about what torch reports on each
+card (``total_memory`` is a little under the marketed size; a MIG slice reports its own memory and the whole
+card's name).
 
 Not modelled: allocating anything (a tensor on ``cuda`` still fails: no kernels run), streams, events and
 synchronization, the caching allocator's statistics (``memory_allocated``, ``max_memory_allocated``), memory that
 changes by itself, NCCL, MIG's compute share and its lack of peer-to-peer, and lazy initialization (every call
-answers at once; nothing is initialized).
+answers at once; nothing is initialized but the context's memory).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class FakeCuda:
     gpus: list[FakeGPU]
     current: int = 0
     calls: dict[str, int] = field(default_factory=dict)
+    context: int = 0  # bytes of this process's CUDA context on a device, in use once anything has touched it
+    touched: set[int] = field(default_factory=set)  # devices whose context this process has created
 
     def index(self, device: object = None) -> int:
         if device is None:
@@ -95,16 +99,21 @@ class FakeCuda:
 
     def mem_get_info(self, device: object = None) -> tuple[int, int]:
         self._count("mem_get_info")
-        gpu = self.gpu(device)
-        return gpu.total_memory - gpu.used, gpu.total_memory
+        index = self.index(device)
+        self.touched.add(index)  # cudaMemGetInfo needs a context: it creates this process's
+        gpu = self.gpus[index]
+        used = gpu.used + self.context
+        return gpu.total_memory - used, gpu.total_memory
 
     def set_device(self, device: object) -> None:
         self.current = self.index(device)
+        self.touched.add(self.current)  # CUDA 12's cudaSetDevice creates the device's primary context
 
 
-def fake_cuda(monkeypatch: pytest.MonkeyPatch, *gpus: FakeGPU) -> FakeCuda:
-    """Make ``torch.cuda`` answer as a machine with ``gpus`` (device 0 current); undone with ``monkeypatch``."""
-    fake = FakeCuda(list(gpus))
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, *gpus: FakeGPU, context_gib: float = 0.0) -> FakeCuda:
+    """Make ``torch.cuda`` answer as a machine with ``gpus`` (device 0 current); undone with ``monkeypatch``.
+    ``context_gib``: this process's CUDA context, in use on a device from the first call that needs one."""
+    fake = FakeCuda(list(gpus), context=round(context_gib * GiB))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(fake.gpus))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(fake.gpus))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.current)

@@ -85,7 +85,7 @@ class RunOverheads:
         """The share of the peak counted for fragmentation and cache, and why."""
         if self.varying_shapes and not self.expandable_segments:
             return FRAGMENTATION_VARYING_SHAPES, ("micro batches change shape and expandable segments are off "
-                                                  "in PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF")
+                                                  "in PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF")
         if self.varying_shapes:
             return FRAGMENTATION, "expandable segments on"
         return FRAGMENTATION, "micro batches of one shape"

@@ -42,6 +42,7 @@ class Device:
     device_type: str = "cuda"
     in_use_gib: float = 0.0  # already in use when planned (another process, this one's context): a present GPU's
     nvls: bool = False  # an NVSwitch-class GPU (H100/H200 SXM and newer): NCCL may bind NVLink SHARP buffers
+    context_in_use: bool = False  # in_use_gib was read by this process, so it holds this process's CUDA context
 
     @property
     def free_gib(self) -> float:
@@ -248,6 +249,22 @@ def shard(by_category: dict[str, float], stage: int, world_size: int, plan: Plan
     return out
 
 
+# The CUDA context with cuBLAS's and cuDNN's workspaces, assumed; of it, the context itself (CUDA 12 loads
+# kernels lazily: a few hundred MiB), which a present GPU's memory in use already holds once this process read it.
+CUDA_CONTEXT_AND_WORKSPACES = 0.75 * GiB
+CUDA_CONTEXT = 0.5 * GiB
+
+
+def context_allowance(device: Device) -> dict[str, float]:
+    """The allowance line for the CUDA context and workspaces: less the context where ``device``'s memory in use
+    was read by this process (it is in there already; at most what was read)."""
+    counted = min(CUDA_CONTEXT, device.in_use_gib * GiB) if device.context_in_use else 0.0
+    label = "CUDA context, cuBLAS/cuDNN workspaces (assumed 0.75 GiB"
+    if counted:
+        label += f", less {counted / GiB:.2f} of this process's context already in the memory in use"
+    return {label + ")": CUDA_CONTEXT_AND_WORKSPACES - counted}
+
+
 @dataclass(frozen=True)
 class Allowances:
     """What a trace of the step cannot see, per rank, in bytes: stated as assumptions, not measured."""
@@ -264,7 +281,7 @@ class Allowances:
         peak = sum(by_category.values())
         items: dict[str, float] = {}
         if device.device_type == "cuda":
-            items["CUDA context, cuBLAS/cuDNN workspaces (assumed 0.75 GiB)"] = 0.75 * GiB
+            items.update(context_allowance(device))
             share, why = overheads.fragmentation()
             items[f"allocator fragmentation and cache (assumed {share:.0%} of the peak: {why})"] = share * peak
             items.update(overheads.items(stage, world_size, device.nvls))
