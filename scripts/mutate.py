@@ -486,6 +486,11 @@ MUTANTS = [
     Mutant("scaling-efficiency-per-rank-missing", "scaling efficiency against one rank's tokens/s, not N ranks'",
            (("ddptrain/telemetry/metrics.py", "tokens_per_s / (dp * self.baseline)", "tokens_per_s / self.baseline"),),
            ("tests/test_telemetry.py", "-k", "present_and_sane")),
+    Mutant("host-fit-slope-takes-lateness", "the host fit's skew slope is read from the long wait alone: a rank's "
+                                            "constant lateness leaks into the part that grows with compute",
+           (("scripts/cpu_host_fit.py", "skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short",
+             "skew = max(0.0, wait_long / long) if long > short"),),
+           ("tests/test_predict.py", "-k", "late_to_every_sync")),
 ]
 
 
