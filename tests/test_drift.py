@@ -20,7 +20,7 @@ from ddptrain.testing.faults import step_hooks
 from ddptrain.train.drift import Finding
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import Fault, Overrides
+from tests.helpers.runs import FaultSpec, Overrides
 
 # 4 steps, a check (and a logging step) every 2: a drift after step 3's update is seen at step 4's check
 RUN: Overrides = {
@@ -34,7 +34,7 @@ RUN: Overrides = {
 OFF: Overrides = {"train": {"drift_policy": "off"}}
 REBROADCAST: Overrides = {"train": {"drift_policy": "rebroadcast"}}
 CHANGED = "model.norm.weight"  # the fault changes the last parameter a rank holds a part of: the final norm here
-TWO_RANKS: list[tuple[str, Overrides, Fault]] = [
+TWO_RANKS: list[tuple[str, Overrides, FaultSpec]] = [
     ("ddp-off", OFF, None),
     ("ddp", {}, None),
     ("ddp-drift", {"checkpoint": {"every_n_steps": 2}}, "drift@step:3:1"),
@@ -51,7 +51,7 @@ TWO_RANKS: list[tuple[str, Overrides, Fault]] = [
      "drift@step:2:1"),
 ]
 HSDP3: Overrides = {"parallel": {"zero_stage": 3, "shard_group": "node"}}
-FOUR_RANKS: list[tuple[str, Overrides, Fault]] = [  # 2 nodes x 2 ranks: ranks 0 and 2, 1 and 3 hold a shard
+FOUR_RANKS: list[tuple[str, Overrides, FaultSpec]] = [  # 2 nodes x 2 ranks: ranks 0 and 2, 1 and 3 hold a shard
     ("hsdp-off", {**HSDP3, **OFF}, None),
     ("hsdp", HSDP3, None),
     ("hsdp3-drift", HSDP3, "drift@step:3:3"),
@@ -62,7 +62,7 @@ FOUR_RANKS: list[tuple[str, Overrides, Fault]] = [  # 2 nodes x 2 ranks: ranks 0
 ]
 
 
-def _runs(rank: int, world_size: int, tmp: str, variants: list[tuple[str, Overrides, Fault]],
+def _runs(rank: int, world_size: int, tmp: str, variants: list[tuple[str, Overrides, FaultSpec]],
           ranks_per_node: int) -> list[dict[str, Any]]:
     """``train_outcomes`` of each variant, with the parameters this rank holds at the end (an FSDP2 shard's local
     part) and the warnings the run logged."""

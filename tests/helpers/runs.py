@@ -51,11 +51,11 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
     return results
 
 
-Fault = str | dict[int, str] | None  # DDPTRAIN_FAULT for every rank, or each rank's own (by rank), or none
+FaultSpec = str | dict[int, str] | None  # DDPTRAIN_FAULT for every rank, or each rank's own (by rank), or none
 
 
 def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
-                   variants: list[tuple[str, Overrides, Fault]], trace_peak: bool = False,
+                   variants: list[tuple[str, Overrides, FaultSpec]], trace_peak: bool = False,
                    ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
     ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
