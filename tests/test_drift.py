@@ -1,7 +1,9 @@
 """Replicas that drift apart (``train.drift_policy``): one element of one parameter changed on one rank
 (``DDPTRAIN_FAULT=drift@step:S:R``) is caught at the next check on torch DDP, ZeRO-1 and HSDP (ZeRO-2 and ZeRO-3),
-stops every rank with one line or is re-broadcast from the majority, and changes nothing when nothing drifts;
-plain FSDP2 holds no replicas (nothing to compare). The fingerprint and the verdict's wording, unit by unit."""
+stops every rank with one line or is re-broadcast from the majority (each HSDP replica group from its own), and
+changes nothing when nothing drifts; plain FSDP2 holds no replicas (nothing to compare). Checks fall every
+train.check_every steps and on every logging and save step, with the three periods apart too. The fingerprint and
+the verdict's wording, unit by unit."""
 
 from __future__ import annotations
 
