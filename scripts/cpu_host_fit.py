@@ -200,10 +200,18 @@ def measure_host(calls: int = 8, repeats: int = 7, sizes: tuple[int, int] = (64 
     bytes_s = hops / world * sizes[0] / (bandwidth * 1e9)
     queued_alpha = max(0.0, _mean_over_ranks(queued) - bytes_s) / hops * 1e6
     short, long = statistics.median(together), statistics.median(long_units)
-    wait_short, wait_long = _mean_over_ranks(waits), _mean_over_ranks(long_waits)
-    skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short else 0.0
+    skew, skew_us = skew_terms(short, long, _mean_over_ranks(waits), _mean_over_ranks(long_waits))
     return HostFit(max(1.0, short / statistics.median(alone)), statistics.median(steal) * 1e12 if steal else 0.0,
-                   alpha, bandwidth, skew, queued_alpha, max(0.0, wait_short - skew * short) * 1e6)
+                   alpha, bandwidth, skew, queued_alpha, skew_us)
+
+
+def skew_terms(short: float, long: float, wait_short: float, wait_long: float) -> tuple[float, float]:
+    """(``skew``, ``skew_us``): the line through the mean waits (over rounds and ranks) after a unit of compute of
+    ``short`` and of ``long`` seconds: its slope per second of compute and its intercept in µs, neither negative.
+    A rank late by the same time at every sync (the others wait that long, it waits nothing) raises both waits
+    alike: the intercept takes it, the slope does not."""
+    skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short else 0.0
+    return skew, max(0.0, wait_short - skew * short) * 1e6
 
 
 def _busy_link(sizes: tuple[int, int], seconds: list[float], world_size: int) -> tuple[float, float]:

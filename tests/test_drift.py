@@ -1,7 +1,9 @@
 """Replicas that drift apart (``train.drift_policy``): one element of one parameter changed on one rank
 (``DDPTRAIN_FAULT=drift@step:S:R``) is caught at the next check on torch DDP, ZeRO-1 and HSDP (ZeRO-2 and ZeRO-3),
-stops every rank with one line or is re-broadcast from the majority, and changes nothing when nothing drifts;
-plain FSDP2 holds no replicas (nothing to compare). The fingerprint and the verdict's wording, unit by unit."""
+stops every rank with one line or is re-broadcast from the majority (each HSDP replica group from its own), and
+changes nothing when nothing drifts; plain FSDP2 holds no replicas (nothing to compare). Checks fall every
+train.check_every steps and on every logging and save step, with the three periods apart too. The fingerprint and
+the verdict's wording, unit by unit."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ddptrain.testing.faults import step_hooks
 from ddptrain.train.drift import Finding
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import Overrides
+from tests.helpers.runs import FaultSpec, Overrides
 
 # 4 steps, a check (and a logging step) every 2: a drift after step 3's update is seen at step 4's check
 RUN: Overrides = {
@@ -34,7 +36,7 @@ RUN: Overrides = {
 OFF: Overrides = {"train": {"drift_policy": "off"}}
 REBROADCAST: Overrides = {"train": {"drift_policy": "rebroadcast"}}
 CHANGED = "model.norm.weight"  # the fault changes the last parameter a rank holds a part of: the final norm here
-TWO_RANKS: list[tuple[str, Overrides, str | None]] = [
+TWO_RANKS: list[tuple[str, Overrides, FaultSpec]] = [
     ("ddp-off", OFF, None),
     ("ddp", {}, None),
     ("ddp-drift", {"checkpoint": {"every_n_steps": 2}}, "drift@step:3:1"),
@@ -44,18 +46,25 @@ TWO_RANKS: list[tuple[str, Overrides, str | None]] = [
     ("zero1-healed", {"parallel": {"zero_stage": 1}}, "drift@step:3:1"),
     # FSDP2 over every rank: ZeRO-2 here reshards after backward, so it holds parameters as ZeRO-3 does
     ("zero2-drift", {"parallel": {"zero_stage": 2}}, "drift@step:3:1"),
+    # check, logging and save periods apart: a check every step between logging steps (drift after step 2's
+    # check: seen at step 2's, which follows it); a save at step 3, a step neither logs nor checks by period
+    ("check-every-step", {"train": {"log_every": 4, "check_every": 1}}, "drift@step:2:1"),
+    ("save-off-period", {"train": {"log_every": 4, "check_every": 4}, "checkpoint": {"every_n_steps": 3}},
+     "drift@step:2:1"),
 ]
 HSDP3: Overrides = {"parallel": {"zero_stage": 3, "shard_group": "node"}}
-FOUR_RANKS: list[tuple[str, Overrides, str | None]] = [  # 2 nodes x 2 ranks: ranks 0 and 2, 1 and 3 hold a shard
+FOUR_RANKS: list[tuple[str, Overrides, FaultSpec]] = [  # 2 nodes x 2 ranks: ranks 0 and 2, 1 and 3 hold a shard
     ("hsdp-off", {**HSDP3, **OFF}, None),
     ("hsdp", HSDP3, None),
     ("hsdp3-drift", HSDP3, "drift@step:3:3"),
     ("hsdp2-drift", {"parallel": {"zero_stage": 2, "shard_group": "node"}}, "drift@step:3:2"),
     ("hsdp-rebroadcast", {**HSDP3, **REBROADCAST}, "drift@step:3:3"),
+    # both replica groups drift at one check: each is repaired from its own group's majority
+    ("hsdp-rebroadcast-both", {**HSDP3, **REBROADCAST}, {2: "drift@step:3:2", 3: "drift@step:3:3"}),
 ]
 
 
-def _runs(rank: int, world_size: int, tmp: str, variants: list[tuple[str, Overrides, str | None]],
+def _runs(rank: int, world_size: int, tmp: str, variants: list[tuple[str, Overrides, FaultSpec]],
           ranks_per_node: int) -> list[dict[str, Any]]:
     """``train_outcomes`` of each variant, with the parameters this rank holds at the end (an FSDP2 shard's local
     part) and the warnings the run logged."""
@@ -167,6 +176,37 @@ def test_rebroadcast_repairs_from_the_majority_warns_and_goes_on(two: dict, four
         for o in outcomes:
             assert (f"replicas differ at step 4 (equal at step 2): {differs}, first in {CHANGED}; re-broadcast "
                     f"1 parameter(s) from rank {source} (train.drift_policy=rebroadcast)") in o["warnings"], o
+
+
+def test_a_check_every_step_between_logging_steps_catches_a_drift_at_its_own_step(two: dict) -> None:
+    """train.check_every=1 under train.log_every=4: the drift after step 2's update is caught at step 2's check,
+    which also names step 1's as the last that agreed (checks by log_every alone would catch it at step 4)."""
+    assert [o["error"] for o in two["check-every-step"]] == [
+        "replicas differ at step 2 (equal at step 1): rank 1 differs from rank 0, first in "
+        f"{CHANGED} (train.drift_policy=abort); no checkpoint was written after step 1"] * 2
+
+
+def test_a_save_off_the_logging_and_check_periods_checks_first_and_writes_no_drifted_checkpoint(two: dict) -> None:
+    """checkpoint.every_n_steps=3 under logging and checks every 4: step 3 saves, so it checks before saving; the
+    drift after step 2 stops every rank there, before anything is written."""
+    outcomes = two["save-off-period"]
+    assert [o["error"] for o in outcomes] == [
+        "replicas differ at step 3 (the first check of this run): rank 1 differs from rank 0, first in "
+        f"{CHANGED} (train.drift_policy=abort); no checkpoint was written by this run"] * 2
+    assert [o["checkpoints"] for o in outcomes] == [[], []]
+
+
+def test_rebroadcast_repairs_two_drifted_groups_at_one_check_each_from_its_own(four: dict) -> None:
+    """Ranks 2 and 3 drift after step 3, one in each replica group ((0, 2) and (1, 3)): the check at step 4 repairs
+    rank 2 from rank 0 and rank 3 from rank 1, within each group, and both groups' shards stay their own."""
+    both = four["hsdp-rebroadcast-both"]
+    assert all(o["error"] is None for o in both) and len(both[0]["metrics"]) == 2
+    assert torch.equal(both[0]["params"], both[2]["params"]) and torch.equal(both[1]["params"], both[3]["params"])
+    assert not torch.equal(both[0]["params"], both[1]["params"])  # the two shards, each group its own
+    for o in both:
+        assert (f"replicas differ at step 4 (equal at step 2): rank 2 differs from rank 0, first in {CHANGED}; "
+                f"rank 3 differs from rank 1, first in {CHANGED}; re-broadcast 1 parameter(s) from rank 0, "
+                "1 parameter(s) from rank 1 (train.drift_policy=rebroadcast)") in o["warnings"], o
 
 
 def _reference(t: torch.Tensor) -> list[int]:

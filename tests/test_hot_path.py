@@ -178,7 +178,10 @@ def _nonfinite_run(rank: int, world_size: int, tmp: str, policy: str, impl: str)
 
 
 def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """Rank 0 gets SIGTERM after step 4; checks fall every 3 steps, so every rank stops after step 6."""
+    """Rank 0 gets SIGTERM after step 4; checks fall every 3 steps, so every rank stops after step 6. Returns what
+    the console said of the stop and the steps metrics.jsonl logged."""
+    import json
+    import logging
     import signal
 
     import ddptrain.train.trainer as trainer
@@ -189,18 +192,32 @@ def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             if step == 4:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    class Notices(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
     step_hooks = trainer.step_hooks
     trainer.step_hooks = lambda r: TerminateAfterStep4() if r == 0 else step_hooks(r)  # type: ignore[assignment]
     run_dir = os.path.join(tmp, "sigterm")
+    notices = Notices()
+    logging.getLogger("ddptrain").addHandler(notices)
     # A long grace: the SIGTERM watchdog must not end this worker, which goes on to other runs.
     variant: Overrides = {"train": {"steps": 20, "log_every": 20, "check_every": 3}, "launch": {"stop_grace_s": 900}}
     try:
         train_each(rank, world_size, run_dir, TINY, [variant])
     except trainer.Stopped as exc:
-        return {"exit_code": exc.exit_code, "message": str(exc),
+        logged = [json.loads(line)["step"] for f in Path(run_dir).glob("*/metrics.jsonl")
+                  for line in f.read_text().splitlines()]
+        return {"exit_code": exc.exit_code, "message": str(exc), "logged_steps": logged,
+                "notices": [line for line in notices.lines if "received" in line],
                 "checkpoints": sorted(p.name for p in Path(run_dir).glob("*/checkpoints/step_*"))}
     finally:
         trainer.step_hooks = step_hooks  # type: ignore[assignment]
+        logging.getLogger("ddptrain").removeHandler(notices)
     return {"exit_code": 0}
 
 
@@ -246,6 +263,19 @@ def test_sigterm_between_checks_stops_every_rank_at_the_next_check_with_a_checkp
         assert rank["exit_code"] == 128 + signal.SIGTERM, rank
         assert "after step 6" in rank["message"]
         assert rank["checkpoints"] == ["step_000006"]
+
+
+def test_a_stop_logs_the_step_it_stopped_at_and_the_notice_names_the_check_it_waits_for(
+    runs: list[dict[str, Any]],
+) -> None:
+    """The stop's step is no logging step (train.log_every=20), yet metrics.jsonl (rank 0 writes it) ends with it,
+    so a resumed run's lines continue from it; the notice on the rank that got the signal (after step 4) says the
+    run stops at the next check step, step 6 at the latest, not at the next step."""
+    stopped = [r["sigterm"] for r in runs]
+    assert stopped[0]["logged_steps"] == [6], stopped[0]
+    assert stopped[0]["notices"] == ["SIGTERM received: stopping at the next check step, step 6 at the latest "
+                                     "(train.check_every=3), after saving a checkpoint"], stopped[0]
+    assert stopped[1]["notices"] == []  # rank 1 got no signal: it stopped on the ranks' agreement
 
 
 def test_guard_keeps_a_finite_loss_exactly_and_poisons_the_gradients_of_a_non_finite_one() -> None:

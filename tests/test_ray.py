@@ -29,8 +29,8 @@ RAY = ["launch.backend=ray", "launch.ray_workers=2"]
 RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
            "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
-SAME = ("world_size", "global_batch_size", "micro_batch_size", "grad_accum", "steps", "first_loss", "final_loss",
-        "tokens_seen", "parameters", "wrapper", "skipped_steps")
+SAME = ("world_size", "global_batch_size", "micro_batch_size", "grad_accum", "steps", "first_step_loss",
+        "first_logged_step", "first_logged_loss", "final_loss", "tokens_seen", "parameters", "wrapper", "skipped_steps")
 
 
 def test_without_ray_the_run_is_refused_in_one_line_naming_the_extra(

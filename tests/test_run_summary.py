@@ -5,28 +5,47 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from ddptrain.telemetry.summary import RunSummary
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import train_each
+from tests.helpers.trainers import train_each_with
 
 BASE = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2},
     "data": {"source": "synthetic", "vocab_size": 256, "num_samples": 64, "seq_len": 16, "global_batch_size": 4,
              "micro_batch_size": 2},
-    "train": {"steps": 3, "log_every": 1, "eval_every": 0},
+    "train": {"steps": 4, "log_every": 2, "eval_every": 2},  # two windows, each with an evaluation
 }
 
 # summary.json's keys before the medians, in order (the dict the typed summary replaced built them so)
 LEADING = ["world_size", "model", "parameters", "trainable_parameters", "engine", "zero_stage", "compression",
-           "wrapper", "global_batch_size", "micro_batch_size", "grad_accum", "seq_len", "steps", "first_loss",
-           "final_loss", "final_val_loss", "tokens_seen"]
+           "wrapper", "global_batch_size", "micro_batch_size", "grad_accum", "seq_len", "steps", "first_step_loss",
+           "first_logged_step", "first_logged_loss", "final_loss", "final_val_loss", "tokens_seen"]
 TRAILING = ["flops_per_token", "peak_tflops", "predicted", "model_state", "buckets", "memory_peak", "goodput_pct",
             "goodput"]
 
 
+def _train_keeping_step_ones_loss(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """``train_each`` of BASE through a trainer that also returns step 1's loss as the step computed it."""
+    from ddptrain.train.step import Stepped
+    from ddptrain.train.trainer import Trainer
+
+    seen: list[float] = []
+
+    class KeepsStepOne(Trainer):
+        def train_step(self, step: int, check: bool) -> Stepped:
+            done = super().train_step(step, check)
+            if step == 1:
+                seen.append(float(done.loss))
+            return done
+
+    (run,) = train_each_with(KeepsStepOne, rank, world_size, tmp, BASE, [{}])
+    return {**run, "first_step_loss": seen[0]}
+
+
 def test_summary_json_is_the_typed_summarys_record_in_the_same_order(tmp_path: Path) -> None:
-    (run,) = run_distributed(train_each, 1, str(tmp_path), BASE, [{}])[0]
+    run = run_distributed(_train_keeping_step_ones_loss, 1, str(tmp_path))[0]
     text = (Path(run["dir"]) / "summary.json").read_text()
     record = json.loads(text)
     keys = list(record)
@@ -36,6 +55,23 @@ def test_summary_json_is_the_typed_summarys_record_in_the_same_order(tmp_path: P
     again = RunSummary.from_json(record)
     assert json.dumps(again.to_json(), indent=2) + "\n" == text
     assert again.steady.time_step_s == record["time_step_s"] and again.world_size == 1
+    # the losses say which step's they are: the last evaluation's, the first and last windows', step 1's
+    windows = run["metrics"]
+    assert [m["step"] for m in windows] == [2, 4] and windows[0]["val_loss"] != windows[-1]["val_loss"]
+    assert record["final_val_loss"] == windows[-1]["val_loss"]
+    assert (record["first_logged_step"], record["first_logged_loss"]) == (2, windows[0]["loss"])
+    assert record["final_loss"] == windows[-1]["loss"]
+    assert record["first_step_loss"] == run["first_step_loss"] != record["first_logged_loss"]
+
+
+def test_an_earlier_summarys_first_loss_reads_back_as_the_first_logged_loss_and_no_median() -> None:
+    """Before the losses were named for their steps, ``first_loss`` held the first logged window's loss."""
+    record = {**dict.fromkeys(LEADING, 1), "time_step_s": 0.5}
+    for name in ("first_step_loss", "first_logged_step", "first_logged_loss"):
+        del record[name]
+    summary = RunSummary.from_json({**record, "first_loss": 8.35})
+    assert summary.first_logged_loss == 8.35 and summary.first_step_loss is None
+    assert summary.steady.medians == {"time_step_s": 0.5}
 
 
 def test_fp16s_final_scale_replaces_its_median_in_place_and_the_compile_time_follows_the_fixed_figures() -> None:

@@ -322,7 +322,7 @@ class LaunchConfig:
     nproc_per_node: int = 1  # >1 without torchrun: start the workers through torch's elastic launcher
     max_restarts: int = 0
     dry_run: bool = False  # print the plan (batch, memory, communication) and exit without training
-    stop_grace_s: float = 25.0  # after SIGTERM, a rank that cannot reach a step boundary exits after this long
+    stop_grace_s: float = 25.0  # after SIGTERM, a rank that cannot reach the next check step exits after this long
     backend: Launcher = Launcher.torchrun  # ray: Ray Train's TorchTrainer (the extra ddptrain[ray])
     ray_address: str | None = None  # a Ray cluster's address; None: $RAY_ADDRESS, else a Ray instance started here
     ray_workers: int | None = None  # Ray workers, one per rank, over the cluster; None: launch.nproc_per_node

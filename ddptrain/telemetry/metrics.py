@@ -10,7 +10,7 @@ window, never ``seq_len`` per sequence. ``padding_pct`` is the share of computed
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +43,13 @@ class StepMetrics:
 
     def __init__(
         self, shape: BatchShape, device: torch.device, flops: TokenFlops, settings: MetricsConfig, tokens: TokenCount,
-        tokens_seen: int = 0,
+        tokens_seen: int = 0, clock: Callable[[], float] | None = None,
     ) -> None:
         """``settings``: ``metrics.*`` (the device's peak TFLOPS for MFU, the scaling baseline, how often the step
-        breakdown is timed)."""
+        breakdown is timed). ``clock``: the windows' wall clock in seconds (default: the host's, once the device's
+        queued work is done); a test passes its own to make a window's arithmetic exact."""
         self.shape, self.device = shape, device
+        self.clock = clock if clock is not None else (lambda: device_clock(device))
         self.tokens = tokens  # this rank's real and computed positions, counted as the micro batches are drawn
         self.tokens_seen = tokens_seen  # real tokens trained on by all ranks, up to the last window
         self._untimed = 0  # this rank's real tokens of steps left out of the windows (compilation)
@@ -140,7 +142,7 @@ class StepMetrics:
         return real, computed, squares
 
     def _clock(self) -> float:
-        return device_clock(self.device)
+        return self.clock()
 
 
 def steady_medians(history: list[dict[str, Any]]) -> dict[str, float]:

@@ -90,7 +90,9 @@ class RunSummary:
     grad_accum: int
     seq_len: int
     steps: int
-    first_loss: float | None
+    first_step_loss: float | None  # step 1's loss, the ranks' mean (None when the run resumed after step 1)
+    first_logged_step: int | None  # the first logged window's step (train.log_every, or the resumed run's first)
+    first_logged_loss: float | None  # that step's loss: the first loss metrics.jsonl and the console show
     final_loss: float | None
     final_val_loss: float | None
     tokens_seen: int | None  # since step 1, a resumed run's included
@@ -133,6 +135,8 @@ class RunSummary:
             raise TypeError(f"a run summary is a JSON object, not {type(record).__name__}")
         names = {f.name for f in fields(cls)} - {"steady", *_APPENDED}
         known = {name: record.get(name) for name in names}
+        if "first_logged_loss" not in record:  # an earlier version's name for the first logged window's loss
+            known["first_logged_loss"] = record.get(_FIRST_LOSS)
         return cls(**known, steady=SteadyFigures({k: v for k, v in record.items() if k not in names and k not in
                                                   _NOT_MEDIANS}),
                    compile_s=record.get("compile_s"),
@@ -144,4 +148,5 @@ class RunSummary:
 _APPENDED = ("compile_s", "loss_scale", "memory_peak", "goodput")
 LOSS_SCALE_KEYS = ("loss_scale", "scaler_backoffs")  # train/loss_scale.py's window()
 GOODPUT_KEYS = ("goodput_pct", "goodput")  # telemetry/goodput.py's report()
-_NOT_MEDIANS = {"compile_s", "memory_peak", *GOODPUT_KEYS}
+_FIRST_LOSS = "first_loss"  # before the losses were named for their steps: the first logged window's loss
+_NOT_MEDIANS = {"compile_s", "memory_peak", _FIRST_LOSS, *GOODPUT_KEYS}

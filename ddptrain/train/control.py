@@ -40,14 +40,20 @@ class NonFiniteError(RunEnded):
 
 
 class StopRequest:
-    """SIGTERM or SIGINT asks for a stop at the next step boundary (checkpoint, then exit).
+    """SIGTERM or SIGINT asks for a stop at the next check step, where every rank agrees on it (checkpoint, then
+    exit): at most ``check_every`` steps later, and never after ``last_step``.
 
-    Preemption gives a short grace: a rank that cannot reach a boundary (stuck in a hang) exits on its own
-    after ``grace_s`` instead of waiting for the launcher's SIGKILL.
+    Preemption gives a short grace: a rank that cannot reach a check (stuck in a hang) exits on its own after
+    ``grace_s`` instead of waiting for the launcher's SIGKILL.
     """
 
-    def __init__(self, grace_s: float) -> None:
+    def __init__(self, grace_s: float, check_every: int = 1, last_step: int | None = None, step: int = 0) -> None:
+        """``step``: the step the run continues after (a resumed checkpoint's), until the loop sets the step in
+        progress."""
         self.grace_s = grace_s
+        self.check_every = max(1, check_every)
+        self.last_step = last_step
+        self.step = step  # the step in progress (or the last one run): the notice counts from it
         self.signum = 0
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
@@ -59,10 +65,19 @@ class StopRequest:
             return
         self.signum = signum
         record_evidence(f"{signal.Signals(signum).name} from the launcher", frame)  # in case the stop never comes
-        log.warning("%s received: stopping at the next step boundary", signal.Signals(signum).name)
+        log.warning("%s received: %s", signal.Signals(signum).name, self.notice())
         watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
         watchdog.daemon = True
         watchdog.start()
+
+    def notice(self) -> str:
+        """When the run will stop, as the console says it: the next check step, and the latest it can be (a check
+        every ``check_every`` steps; logging and checkpoint steps check too, so it may come sooner)."""
+        latest = (self.step // self.check_every + 1) * self.check_every
+        if self.last_step is not None:
+            latest = min(latest, max(self.last_step, self.step))
+        return (f"stopping at the next check step, step {latest} at the latest (train.check_every="
+                f"{self.check_every}), after saving a checkpoint")
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -203,7 +203,7 @@ class Trainer:
                 model.register_forward_pre_hook(lambda *_: metrics.timer.inner_forward_started())
             self.stragglers = StragglerMonitor(topology.hosts, cfg.metrics.straggler_windows,
                                                cfg.metrics.straggler_pct)
-            self.stop = StopRequest(cfg.launch.stop_grace_s)
+            self.stop = StopRequest(cfg.launch.stop_grace_s, cfg.train.check_every, cfg.train.steps, self.start)
             self.nonfinite = NonFiniteSteps(device, cfg.train.check_every, fp16=self.scaler is not None)
             self.weighting = weighting_for(cfg.data.format)
             self.observer = StepObserver(self, self.started)
@@ -305,13 +305,17 @@ class Trainer:
         cfg, watch = self.cfg, self.observer
         history: list[dict[str, Any]] = []
         skipped = 0  # updates skipped for a non-finite loss or gradient, as the checks learned of them
+        first_loss: torch.Tensor | None = None  # step 1's loss on this rank (a fresh run only), read at the end
         with closing(self.sinks), watch:
             for step in range(self.start + 1, cfg.train.steps + 1):
                 last = step == cfg.train.steps
                 log_step = step % cfg.train.log_every == 0 or last
                 check = log_step or self.checkpoints.due(step, last) or step % cfg.train.check_every == 0
                 watch.started(step)
+                self.stop.step = step  # what a stop request's notice counts from
                 done = self.train_step(step, check)
+                if step == 1:
+                    first_loss = done.loss.detach()  # no host read: the summary reduces it
                 skipped += done.skipped
                 watch.after_step(step, log_step)
                 # a save is not training time: goodput books it apart and the window leaves it out (a sync, on
@@ -319,18 +323,18 @@ class Trainer:
                 saving = self.metrics.excluded() if self.checkpoints.due(step, last) or done.stop else nullcontext()
                 with watch.blocking("checkpoint"), saving:  # the last save is committed before exit
                     saved = self.checkpoints.maybe_save(step, last=last, stop=bool(done.stop))
+                if log_step or done.stop:  # a stop's step is logged too: metrics.jsonl ends where the run stopped
+                    history.append(self.log_window(step, done, skipped))
                 if done.stop:
                     watch.after_save(step, saved, record=True)
                     self.stop.restore()
                     raise Stopped(f"stopped by {signal.Signals(done.stop).name} after step {step}; checkpoint saved"
                                   f" in {self.checkpoints.root}; continue with train.resume=auto", done.stop)
-                if log_step:
-                    history.append(self.log_window(step, done, skipped))
                 watch.after_save(step, saved, record=log_step)
             self.stop.restore()
             if cfg.checkpoint.export:
                 self.checkpoints.export(self.run_dir)
-            return self.summary(history)  # sinks open
+            return self.summary(history, first_loss)  # sinks open
 
     def log_window(self, step: int, done: Stepped, skipped: int) -> dict[str, Any]:
         """A logging step: the window's metrics (validation loss on evaluation steps) to the sinks; returns them."""
@@ -349,10 +353,14 @@ class Trainer:
         self.metrics.restart_window()
         return record
 
-    def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+    def summary(self, history: list[dict[str, Any]], first_loss: torch.Tensor | None = None) -> dict[str, Any]:
         """The run's summary: steady-state medians (first window skipped), config essentials, its own predicted
         step and memory peak and (rank 0) the run's goodput, the last figure taken. Rank 0 writes
         ``summary.json``, reports goodput to the sinks and logs it last. Returns the summary's JSON record.
+
+        The losses: step 1's (``first_loss``, this rank's, averaged over the ranks here: every rank has one or
+        none alike, as every rank resumed alike), the first logged window's with its step, the last window's, and
+        the last evaluation's.
 
         Gradients, hence communication, exist for the trainable parameters only. ``buckets``: the last timed
         step's gradient buckets as (seconds before backward compute ended that each was ready, bytes), which
@@ -365,7 +373,9 @@ class Trainer:
             compression=cfg.parallel.compression, wrapper=self.wrapped.strategy,
             global_batch_size=shape.global_batch_size, micro_batch_size=shape.micro_batch_size,
             grad_accum=shape.grad_accum, seq_len=shape.seq_len, steps=cfg.train.steps,
-            first_loss=history[0]["loss"] if history else None,
+            first_step_loss=global_mean(first_loss) if first_loss is not None else None,  # sync: one all-reduce
+            first_logged_step=history[0]["step"] if history else None,
+            first_logged_loss=history[0]["loss"] if history else None,
             final_loss=history[-1]["loss"] if history else None,
             final_val_loss=next((m["val_loss"] for m in reversed(history) if "val_loss" in m), None),
             tokens_seen=history[-1]["tokens_seen"] if history else None,  # since step 1, a resumed run's included

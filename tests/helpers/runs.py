@@ -51,12 +51,16 @@ def train_each(rank: int, world_size: int, tmp: str, base: Overrides, variants: 
     return results
 
 
+FaultSpec = str | dict[int, str] | None  # DDPTRAIN_FAULT for every rank, or each rank's own (by rank), or none
+
+
 def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
-                   variants: list[tuple[str, Overrides, str | None]], trace_peak: bool = False,
+                   variants: list[tuple[str, Overrides, FaultSpec]], trace_peak: bool = False,
                    ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """For ``run_distributed``: train ``base`` + each ``(name, overrides, DDPTRAIN_FAULT or None)`` in turn in
     ``<tmp>/<name>``, a run that ends early (``RunEnded``: an abort, a stop) included; per variant its summary (None
-    when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl.
+    when it ended early), the message and exit code it ended with, and rank 0's metrics.jsonl. A fault given by
+    rank sets each rank's own (faults on several ranks at once: each spec names its own rank).
 
     Each run compiles afresh: dynamo's caches of an earlier run in this process would otherwise decide how a later
     run compiles. The summary's traced memory plan is left out unless ``trace_peak=True``, as in ``train_each``.
@@ -79,8 +83,9 @@ def train_outcomes(rank: int, world_size: int, tmp: str, base: Overrides,
         run_dir = Path(tmp) / name
         run_dir.mkdir(parents=True, exist_ok=True)
         os.environ.pop("DDPTRAIN_FAULT", None)
-        if fault:
-            os.environ["DDPTRAIN_FAULT"] = fault
+        spec = fault.get(rank) if isinstance(fault, dict) else fault
+        if spec:
+            os.environ["DDPTRAIN_FAULT"] = spec
         summary, error, code = None, None, 0
         torch._dynamo.reset()  # each run compiles (train.compile) afresh, as in a process of its own
         try:
