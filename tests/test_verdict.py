@@ -701,18 +701,18 @@ def test_a_groups_ranks_are_read_from_pg_config_so_a_rank_without_its_collective
 
 def test_a_group_stuck_as_a_whole_in_one_collective_is_where_the_waiting_leads(tmp_path: Path) -> None:
     """HSDP on a 2x2 mesh: ranks 2 and 3 (one node) both enqueued their shard group's all-gather #7 of step 3 and
-    are stuck in it together (neither is behind the other: an intra-node fault); ranks 0 and 1 finished their own
-    shard step and wait in the replicas' all-reduce #3 for them. Ranks 2 and 3 wait for no one and are waited for:
-    both are named. Counting a peer in the same collective as behind (``<=`` for ``<``) makes them wait for each
-    other, and the verdict is lost."""
+    are stuck in it together (neither is behind the other: an intra-node fault; rank 2's host enqueued #8 too,
+    rank 3's only #7); ranks 0 and 1 finished their own shard step and wait in the replicas' all-reduce #3 for
+    them. Ranks 2 and 3 wait for no one and are waited for: both are named. Counting a peer that enqueued just the
+    waiter's collective, or is stuck in it too, as behind it (``<=`` for ``<``) drops one or both."""
     folder = _folder(tmp_path)
     done = ("completed",) * 4
     for rank in range(4):
         steps = _mesh_step(done) * 2
         if rank in (0, 1):
             steps += _mesh_step(("completed", "completed", "scheduled", "scheduled"))
-        else:  # the host enqueued both all-gathers of step 3's forward; the first never finished
-            steps += [("1", "_allgather_base", 4096, "scheduled")] * 2
+        else:  # rank 2's host enqueued both all-gathers of step 3's forward, rank 3's the first; it never finished
+            steps += [("1", "_allgather_base", 4096, "scheduled")] * (2 if rank == 2 else 1)
         _mesh_dump(folder, rank, steps)
         _aborted_by_the_watchdog(folder, rank)
         _at(folder, rank, "check" if rank < 2 else "forward", 3)
@@ -761,3 +761,23 @@ def test_a_rank_whose_nccl_dump_shows_every_collective_finished_is_not_a_waiter(
     assert verdict(tmp_path, failures, 3, 15, "vm") == (
         "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 4 in forward; rank 0 waited in "
         "all_reduce #41 (the loss mean of a logging step of step 4, 8 bytes) for 15 s (dist.timeout_s)")
+
+
+def test_a_peer_stuck_in_another_groups_earlier_collective_is_behind_the_waiter(tmp_path: Path) -> None:
+    """HSDP on a 2x2 mesh: the cross-node link of replica pair [1, 3] fails in step 3's all-reduce #3. Ranks 1 and 3
+    enqueued it and (their hosts running on) the loss mean #3 of the default group, which their streams run only
+    after it; ranks 0 and 2 finished their replicas' all-reduce and wait in the loss mean. Ranks 1 and 3 enqueued
+    the loss mean but are stuck in a collective they enqueued before it: behind ranks 0 and 2, and where the
+    waiting leads. (Collective numbers of two groups say nothing about their order: both are #3 here.)"""
+    folder = _folder(tmp_path)
+    done = ("completed",) * 4
+    for rank in range(4):
+        stuck = ("completed", "completed", "completed" if rank in (0, 2) else "scheduled", "scheduled")
+        _mesh_dump(folder, rank, _mesh_step(done) * 2 + _mesh_step(stuck))
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, "check", 3)
+    failures = [Failure(r, -6, "SIGABRT") for r in range(4)]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "rank 1 (host vm) hung at step 3 in the stop and non-finite check; rank 3 (host vm) hung at step 3 in the "
+        "stop and non-finite check; ranks 0, 2 waited in all_reduce #3 (the stop and non-finite check of step 3, 4 "
+        "bytes) for 5 s (dist.timeout_s)")
