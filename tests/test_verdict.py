@@ -781,3 +781,24 @@ def test_a_peer_stuck_in_another_groups_earlier_collective_is_behind_the_waiter(
         "rank 1 (host vm) hung at step 3 in the stop and non-finite check; rank 3 (host vm) hung at step 3 in the "
         "stop and non-finite check; ranks 0, 2 waited in all_reduce #3 (the stop and non-finite check of step 3, 4 "
         "bytes) for 5 s (dist.timeout_s)")
+
+
+def test_a_peer_stuck_before_the_waiters_collective_is_behind_when_its_ring_no_longer_holds_that_one(
+        tmp_path: Path) -> None:
+    """As the run-ahead case above, with rank 1's ring shrunk to its last 2 entries (#11, #12): its #10, the one
+    rank 0 waits in, is gone from it, and its stuck #8 is known from pg_status only. It is still behind rank 0."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    ops = {8: "broadcast", 9: "broadcast"}
+    for rank, completed, enqueued, ring in ((0, 9, 11, 2000), (1, 7, 12, 2)):
+        collectives = [(s, ops.get(s, "all_reduce"), 64, "completed" if s <= completed else "scheduled")
+                       for s in range(1, enqueued + 1)]
+        (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(collectives, ring=ring))
+        _aborted_by_the_watchdog(folder, rank)
+    _at(folder, 0, "check", 2)
+    _at(folder, 1, "forward", 3)
+    failures = [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT")]
+    assert verdict(tmp_path, failures, 2, 15, "vm") == (
+        "rank 1 (host vm) hung at step 3 in forward; rank 0 waited in all_reduce #10 (64 bytes, the host ran ahead "
+        "of it) for 15 s (dist.timeout_s)")
