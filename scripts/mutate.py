@@ -465,7 +465,7 @@ MUTANTS = [
     Mutant("verdict-run-ahead-peer-not-behind", "a peer whose host enqueued past the waiter's collective but is "
                                                 "stuck before it is not behind",
            (("ddptrain/diagnose/verdict.py",
-             "if m != r and (progress(traces.get(m), group) < seq or stuck_before):",
+             "if m != r and (progress(traces.get(m), group) < seq or _stuck_before(traces.get(m), group, seq)):",
              "if m != r and progress(traces.get(m), group) < seq:"),),
            ("tests/test_verdict.py", "-k", "ran_past")),
     Mutant("verdict-completion-from-pg-status-only", "completion read from pg_status only, not the entries' states",
