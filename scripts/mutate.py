@@ -465,7 +465,7 @@ MUTANTS = [
     Mutant("verdict-run-ahead-peer-not-behind", "a peer whose host enqueued past the waiter's collective but is "
                                                 "stuck before it is not behind",
            (("ddptrain/diagnose/verdict.py",
-             "if m != r and (progress(traces.get(m), group) < seq or stuck_before):",
+             "if m != r and (progress(traces.get(m), group) < seq or _stuck_before(traces.get(m), group, seq)):",
              "if m != r and progress(traces.get(m), group) < seq:"),),
            ("tests/test_verdict.py", "-k", "ran_past")),
     Mutant("verdict-completion-from-pg-status-only", "completion read from pg_status only, not the entries' states",
@@ -625,6 +625,44 @@ MUTANTS = [
            (("scripts/cpu_host_fit.py", "skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short",
              "skew = max(0.0, wait_long / long) if long > short"),),
            ("tests/test_predict.py", "-k", "late_to_every_sync")),
+    # audit of issues 51/52's diagnose change: the verdict's mutants that survived the fast tier, and the rule the
+    # audit fixed (a peer stuck in an earlier collective of another group is behind)
+    Mutant("verdict-peer-at-the-collective-behind", "a peer that enqueued just the waiter's collective counts as "
+                                                    "behind it (< read as <=)",
+           (("ddptrain/diagnose/verdict.py",
+             "if m != r and (progress(traces.get(m), group) < seq or _stuck_before(",
+             "if m != r and (progress(traces.get(m), group) <= seq or _stuck_before("),),
+           ("tests/test_verdict.py", "-k", "stuck_as_a_whole")),
+    Mutant("verdict-peer-in-the-collective-behind", "a peer stuck in the waiter's own collective counts as behind "
+                                                    "it: a group stuck as a whole gets no verdict",
+           (("ddptrain/diagnose/verdict.py", "        return first < mine\n", "        return first <= mine\n"),),
+           ("tests/test_verdict.py", "-k", "stuck_as_a_whole")),
+    Mutant("verdict-mismatch-every-rank-of-the-name", "a mismatch compares the collective with every rank's of that "
+                                                      "group name, not the waiter's group's ranks",
+           (("ddptrain/diagnose/verdict.py", "same = {m: c for m in groups.members(group, r) if",
+             "same = {m: c for m in traces if"),),
+           ("tests/test_verdict.py", "-k", "replica_group_names")),
+    Mutant("verdict-finished-dump-is-a-waiter", "a rank with an NCCL dump and no record is a waiter even when all "
+                                                "its collectives finished",
+           (("ddptrain/diagnose/verdict.py", "        if r not in records and unfinished(dump[\"collectives\"]):",
+             "        if r not in records and dump[\"collectives\"]:"),),
+           ("tests/test_verdict.py", "-k", "every_collective_finished")),
+    Mutant("verdict-peer-stuck-by-number", "a peer's first unfinished collective of another group compared with the "
+                                           "waiter's by collective number, not by enqueue order",
+           (("ddptrain/diagnose/verdict.py", "        return first < mine\n",
+             "        return collectives[first][\"seq\"] < seq\n"),),
+           ("tests/test_verdict.py", "-k", "another_groups_earlier")),
+    Mutant("verdict-peer-stuck-in-its-group-only", "a peer is behind only when stuck earlier in the waiter's group: "
+                                                   "HSDP's failed replica link gets no verdict",
+           (("ddptrain/diagnose/verdict.py", "    if mine is not None:\n        return first < mine\n",
+             "    if False:\n        return first < mine\n"),),
+           ("tests/test_verdict.py", "-k", "another_groups_earlier")),
+    Mutant("verdict-peer-stuck-ring-fallback-off", "a peer whose ring lost the waiter's collective is never behind "
+                                                   "by being stuck before it",
+           (("ddptrain/diagnose/verdict.py",
+             '    return there is not None and there.get("completed") is False and there["seq"] < seq',
+             "    return False"),),
+           ("tests/test_verdict.py", "-k", "no_longer_holds")),
 ]
 
 

@@ -695,3 +695,110 @@ def test_a_groups_ranks_are_read_from_pg_config_so_a_rank_without_its_collective
     assert verdict(tmp_path, [Failure(1, -6, "SIGABRT"), Failure(3, -15, "SIGTERM")], 4, 15, "vm") == (
         "rank 3 (host vm) hung at step 5 in backward; rank 1 waited in all_reduce #5 of group mesh_replicate "
         "[ranks 1, 3] (backward of step 5, 4.0 KB) for 15 s (dist.timeout_s)")
+
+
+# ---- audit of issues 51/52's diagnose change: rules of the verdict no test pinned yet --------------------------------
+
+def test_a_group_stuck_as_a_whole_in_one_collective_is_where_the_waiting_leads(tmp_path: Path) -> None:
+    """HSDP on a 2x2 mesh: ranks 2 and 3 (one node) both enqueued their shard group's all-gather #7 of step 3 and
+    are stuck in it together (neither is behind the other: an intra-node fault; rank 2's host enqueued #8 too,
+    rank 3's only #7); ranks 0 and 1 finished their own shard step and wait in the replicas' all-reduce #3 for
+    them. Ranks 2 and 3 wait for no one and are waited for: both are named. Counting a peer that enqueued just the
+    waiter's collective, or is stuck in it too, as behind it (``<=`` for ``<``) drops one or both."""
+    folder = _folder(tmp_path)
+    done = ("completed",) * 4
+    for rank in range(4):
+        steps = _mesh_step(done) * 2
+        if rank in (0, 1):
+            steps += _mesh_step(("completed", "completed", "scheduled", "scheduled"))
+        else:  # rank 2's host enqueued both all-gathers of step 3's forward, rank 3's the first; it never finished
+            steps += [("1", "_allgather_base", 4096, "scheduled")] * (2 if rank == 2 else 1)
+        _mesh_dump(folder, rank, steps)
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, "check" if rank < 2 else "forward", 3)
+    failures = [Failure(r, -6, "SIGABRT") for r in range(4)]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "rank 2 (host vm) hung at step 3 in forward; rank 3 (host vm) hung at step 3 in forward; rank 0 waited in "
+        "all_reduce #3 of group mesh_replicate [ranks 0, 2] (4.0 KB, the host ran ahead of it); rank 1 waited in "
+        "all_reduce #3 of group mesh_replicate [ranks 1, 3] (4.0 KB, the host ran ahead of it) for 5 s "
+        "(dist.timeout_s)")
+
+
+def test_a_mismatch_in_one_replica_group_names_that_groups_ranks_only(tmp_path: Path) -> None:
+    """HSDP on a 2x2 mesh, torch naming both replica groups "2": rank 3 called its replicas' all-reduce #3 of step 3
+    with 2.0 KB where rank 1 called 4.0 KB; ranks 0 and 2 finished theirs (same name, their own group [0, 2]) and
+    wait in the loss mean. The mismatch is between ranks 1 and 3; ranks 0 and 2 called #3 of another group and are
+    no side of it."""
+    folder = _folder(tmp_path)
+    done = ("completed",) * 4
+    for rank in range(4):
+        reduce_bytes, reduce_state = (2048 if rank == 3 else 4096), ("completed" if rank in (0, 2) else "scheduled")
+        steps = _mesh_step(done) * 2 + _mesh_step(done)[:3] + [("2", "all_reduce", reduce_bytes, reduce_state),
+                                                               ("0", "all_reduce", 4, "scheduled")]
+        _mesh_dump(folder, rank, steps)
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, "check", 3)
+    failures = [Failure(r, -6, "SIGABRT") for r in range(4)]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "mismatched collectives: as collective #3 of group mesh_replicate [ranks 1, 3] the ranks called different "
+        "ones: rank 1 all_reduce of 4.0 KB (the host ran ahead of it); rank 3 all_reduce of 2.0 KB (the host ran "
+        "ahead of it)")
+
+
+def test_a_rank_whose_nccl_dump_shows_every_collective_finished_is_not_a_waiter(tmp_path: Path) -> None:
+    """Rank 1 was killed (SIGKILL) in forward; rank 0 waited in #41 for it. Rank 2's host was stuck outside any
+    collective in native code (its SIGTERM handler never ran: no record; the agent killed it); NCCL's dump, written
+    on rank 0's timeout, shows its #40 finished and nothing after. It waited in nothing: only rank 0 is named as
+    having waited."""
+    folder = _folder(tmp_path)
+    _at(folder, 1, "forward", 4)
+    _nccl_dump(folder, 0, [(40, "all_reduce", 1024, "completed"), (41, "all_reduce", 8, "scheduled")])
+    _aborted_by_the_watchdog(folder, 0)
+    _at(folder, 0, "loss mean", 4)
+    _nccl_dump(folder, 2, [(40, "all_reduce", 1024, "completed")])
+    _at(folder, 2, "data", 4)
+    failures = [Failure(1, -9, "SIGKILL"), Failure(0, -6, "SIGABRT"), Failure(2, -9, "SIGKILL")]
+    assert verdict(tmp_path, failures, 3, 15, "vm") == (
+        "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 4 in forward; rank 0 waited in "
+        "all_reduce #41 (the loss mean of a logging step of step 4, 8 bytes) for 15 s (dist.timeout_s)")
+
+
+def test_a_peer_stuck_in_another_groups_earlier_collective_is_behind_the_waiter(tmp_path: Path) -> None:
+    """HSDP on a 2x2 mesh: the cross-node link of replica pair [1, 3] fails in step 3's all-reduce #3. Ranks 1 and 3
+    enqueued it and (their hosts running on) the loss mean #3 of the default group, which their streams run only
+    after it; ranks 0 and 2 finished their replicas' all-reduce and wait in the loss mean. Ranks 1 and 3 enqueued
+    the loss mean but are stuck in a collective they enqueued before it: behind ranks 0 and 2, and where the
+    waiting leads. (Collective numbers of two groups say nothing about their order: both are #3 here.)"""
+    folder = _folder(tmp_path)
+    done = ("completed",) * 4
+    for rank in range(4):
+        stuck = ("completed", "completed", "completed" if rank in (0, 2) else "scheduled", "scheduled")
+        _mesh_dump(folder, rank, _mesh_step(done) * 2 + _mesh_step(stuck))
+        _aborted_by_the_watchdog(folder, rank)
+        _at(folder, rank, "check", 3)
+    failures = [Failure(r, -6, "SIGABRT") for r in range(4)]
+    assert verdict(tmp_path, failures, 4, 5, "vm") == (
+        "rank 1 (host vm) hung at step 3 in the stop and non-finite check; rank 3 (host vm) hung at step 3 in the "
+        "stop and non-finite check; ranks 0, 2 waited in all_reduce #3 (the stop and non-finite check of step 3, 4 "
+        "bytes) for 5 s (dist.timeout_s)")
+
+
+def test_a_peer_stuck_before_the_waiters_collective_is_behind_when_its_ring_no_longer_holds_that_one(
+        tmp_path: Path) -> None:
+    """As the run-ahead case above, with rank 1's ring shrunk to its last 2 entries (#11, #12): its #10, the one
+    rank 0 waits in, is gone from it, and its stuck #8 is known from pg_status only. It is still behind rank 0."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    ops = {8: "broadcast", 9: "broadcast"}
+    for rank, completed, enqueued, ring in ((0, 9, 11, 2000), (1, 7, 12, 2)):
+        collectives = [(s, ops.get(s, "all_reduce"), 64, "completed" if s <= completed else "scheduled")
+                       for s in range(1, enqueued + 1)]
+        (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(collectives, ring=ring))
+        _aborted_by_the_watchdog(folder, rank)
+    _at(folder, 0, "check", 2)
+    _at(folder, 1, "forward", 3)
+    failures = [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT")]
+    assert verdict(tmp_path, failures, 2, 15, "vm") == (
+        "rank 1 (host vm) hung at step 3 in forward; rank 0 waited in all_reduce #10 (64 bytes, the host ran ahead "
+        "of it) for 15 s (dist.timeout_s)")

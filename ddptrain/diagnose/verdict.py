@@ -172,10 +172,10 @@ def _mismatch(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[st
 def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, Any]]], groups: _Groups,
           world_size: int) -> set[int]:
     """The ranks the waiting is traced back to. A waiter in collective #s of a group waits for each rank of that
-    group that is behind it there: one that never enqueued #s, or whose own unfinished collective there is an
-    earlier one. Following those edges from every waiter, the late ranks are the ones reached that wait for no
-    one (a rank stuck outside any collective; or a waiter whose peers all went past it). Without any
-    collective numbers, the ranks that are not waiting."""
+    group that is behind it there: one that never enqueued #s, or whose first unfinished collective (of any
+    group) it enqueued before its #s. Following those edges from every waiter, the late ranks are the ones reached
+    that wait for no one (a rank stuck outside any collective; a waiter whose peers all went past it; ranks stuck
+    together in one collective of their group). Without any collective numbers, the ranks that are not waiting."""
     behind: dict[int, set[int]] = {}
     for r in waiters:
         stuck = current(traces.get(r))
@@ -184,9 +184,7 @@ def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, A
         group, seq = group_of(stuck), stuck["seq"]
         behind[r] = set()
         for m in groups.members(group, r):
-            there = current([c for c in traces.get(m) or [] if group_of(c) == group])
-            stuck_before = there is not None and there.get("completed") is False and there["seq"] < seq
-            if m != r and (progress(traces.get(m), group) < seq or stuck_before):
+            if m != r and (progress(traces.get(m), group) < seq or _stuck_before(traces.get(m), group, seq)):
                 behind[r].add(m)
     if not behind:
         return set(range(world_size)) - set(waiters)
@@ -199,6 +197,22 @@ def _late(waiters: dict[int, dict[str, Any]], traces: dict[int, list[dict[str, A
             todo.extend(behind.get(m, ()))
     return {m for m in reached if not behind.get(m)}
 
+
+
+def _stuck_before(collectives: list[dict[str, Any]] | None, group: str, seq: int) -> bool:
+    """Whether a rank whose host enqueued ``seq`` of ``group`` is stuck in a collective it enqueued before that one
+    (NCCL returns at enqueue). Of any group: a stream runs a collective only after what it was made to wait on (under
+    HSDP the loss mean's all-reduce waits for the replicas' gradient all-reduce), and two groups' collective numbers
+    say nothing about their order. Its ``seq`` gone from the ring: its first unfinished one of ``group``, if earlier."""
+    collectives = collectives or []
+    first = next((i for i, c in enumerate(collectives) if c.get("completed") is False), None)
+    if first is None:
+        return False
+    mine = next((i for i, c in enumerate(collectives) if group_of(c) == group and c["seq"] == seq), None)
+    if mine is not None:
+        return first < mine
+    there = current([c for c in collectives if group_of(c) == group])
+    return there is not None and there.get("completed") is False and there["seq"] < seq
 
 def _records(folder: Path) -> dict[int, dict[str, Any]]:
     out = {}
