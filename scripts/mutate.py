@@ -283,7 +283,7 @@ MUTANTS = [
            (("Dockerfile", "COPY hydra_plugins ./hydra_plugins\n", ""),),
            ("tests/test_dockerfile.py", "-k", "build_context")),
     Mutant("gpu-auto-ignores-memory-in-use", "auto and the dry run plan a GPU's whole memory, whatever is in use",
-           (("ddptrain/plan/memory/present.py", "in_use_gib=(total - free) / GiB,", "in_use_gib=0.0,"),),
+           (("ddptrain/plan/memory/present.py", "in_use_gib=in_use / GiB,", "in_use_gib=0.0,"),),
            ("tests/test_device_memory.py", "-k", "in_use or left")),
     Mutant("gpu-auto-plans-preset-memory", "a present GPU is planned with the memory of the preset its name matches",
            (("ddptrain/plan/memory/present.py", "return Device(name, properties.total_memory / GiB,",
