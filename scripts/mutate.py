@@ -663,6 +663,61 @@ MUTANTS = [
              '    return there is not None and there.get("completed") is False and there["seq"] < seq',
              "    return False"),),
            ("tests/test_verdict.py", "-k", "no_longer_holds")),
+    # an audit of the issue 51/52 cluster change: its survivors, the run-dir bug found, the ported webhook rules
+    Mutant("k8s-name-longer-than-jobset-allows", "--name takes 63 characters: the JobSet's pod names pass 63 and its "
+                                                 "webhook refuses the job at apply",
+           (("ddptrain/app/k8s.py", "MAX_NAME = 40", "MAX_NAME = 63"),),
+           ("tests/test_k8s.py", "-k", "cli_accepts")),
+    Mutant("k8s-run-dir-not-normalized", "hydra.run.dir=/mnt/ddptrain/../scratch/run passes as on the volume",
+           (("ddptrain/app/k8s.py", "        path = posixpath.normpath(value)\n", "        path = value\n"),),
+           ("tests/test_k8s.py", "-k", "refused_in_one_line")),
+    Mutant("k8s-storage-class-unchecked", "--storage-class Fast_SSD printed into the claim (the API server refuses it)",
+           (("ddptrain/app/k8s.py", "(args.claim_size is None or not SUBDOMAIN.match(args.storage_class))",
+             "args.claim_size is None"),),
+           ("tests/test_k8s.py", "-k", "refused_in_one_line")),
+    Mutant("k8s-run-dir-first-override", "a key's first override is checked, Hydra applies its last: "
+                                         "hydra.run.dir=/mnt/ddptrain/a hydra.run.dir=/tmp/b passes",
+           (("ddptrain/app/k8s.py", "            last[key] = value", "            last.setdefault(key, value)"),),
+           ("tests/test_k8s.py", "-k", "refused_in_one_line or last_hydra")),
+    Mutant("k8s-trainjob-patch-unknown-container", "the TrainJob's patch names a container the runtime lacks (Trainer "
+                                                   "admits it; the JobSet gets a container without an image)",
+           (("ddptrain/app/k8s_manifest.py", 'node: Doc = {"name": CONTAINER["trainjob"],',
+             'node: Doc = {"name": "trainer",'),),
+           ("tests/test_k8s.py", "-k", "only_the_runtimes")),
+    Mutant("ray-forward-any-py", "Ray workers get every PY* variable of the driver (PYTHONSTARTUP, PYTHONUSERBASE...)",
+           (("ddptrain/app/ray_launch.py", '"TORCH_", "PYTORCH_", "NCCL_", "PYTHONPATH",',
+             '"TORCH_", "PY", "NCCL_",'),),
+           ("tests/test_ray.py", "-k", "allocator_settings")),
+    Mutant("ray-signal-stop-exits-0", "a Ray run stopped by SIGTERM (143) makes the driver exit 0",
+           (("ddptrain/app/ray_launch.py", "        return int(metrics[EXIT_CODE])",
+             "        return int(metrics[EXIT_CODE]) if int(metrics[EXIT_CODE]) < 128 else 0"),),
+           ("tests/test_ray.py", "-k", "ended_on_purpose")),
+    Mutant("webhook-domain-path-one-slash", "the ported IsDomainPrefixedPath refuses acme.io/foo/bar (Go splits at "
+                                            "the first slash only)",
+           (("tests/helpers/webhooks.py", '    host, slash, rest = value.partition("/")\n',
+             '    parts = value.split("/")\n'
+             '    host, slash, rest = (parts[0], "/", parts[1]) if len(parts) == 2 else ("", "", "")\n'),),
+           ("tests/test_k8s.py", "-k", "domain_prefixed")),
+    Mutant("webhook-http-path-unanchored", "the ported HTTP path rule matches a prefix: acme.io/foo bar admitted",
+           (("tests/helpers/webhooks.py", "if not re.fullmatch(HTTP_PATH, rest):",
+             "if not re.match(HTTP_PATH, rest):"),),
+           ("tests/test_k8s.py", "-k", "domain_prefixed")),
+    Mutant("webhook-subdomain-unanchored", "the ported RFC 1123 subdomain rule matches a prefix: ddptrain.Dev admitted",
+           (("tests/helpers/webhooks.py", "if not re.fullmatch(DNS1123_SUBDOMAIN, value):",
+             "if not re.match(DNS1123_SUBDOMAIN, value):"),),
+           ("tests/test_k8s.py", "-k", "domain_prefixed")),
+    Mutant("webhook-patch-names-unmerged", "the ported Trainer rule checks a patch's names against the runtime before "
+                                           "the patches are merged (Go checks the merged template)",
+           (("tests/helpers/webhooks.py", "    jobs = merged_names(RUNTIMES[key], patches)",
+             "    jobs = RUNTIMES[key]"),),
+           ("tests/test_k8s.py", "-k", "refuse_what_each")),
+    Mutant("webhook-reserved-env-any-pet", "the ported Torch rule refuses every PET_* in trainer.env (Go: five names)",
+           (("tests/helpers/webhooks.py",
+             'reserved = sorted({e["name"] for e in (spec.get("trainer") or {}).get("env", [])} & '
+             'set(TORCHRUN_RESERVED_ENV))',
+             'reserved = sorted({e["name"] for e in (spec.get("trainer") or {}).get("env", []) '
+             'if e["name"].startswith("PET_")})'),),
+           ("tests/test_k8s.py", "-k", "five_variables")),
 ]
 
 

@@ -19,11 +19,12 @@ import yaml
 
 from ddptrain.app import k8s
 from ddptrain.app.k8s_manifest import KINDS, manifest
+from ddptrain.errors import ConfigError
 from tests.helpers import procs
 from tests.helpers.cli import run_cli, test_env
 from tests.helpers.crds import CRDS, PINNED, duplicates, schema_errors, strict
 from tests.helpers.pods import Pod, pods
-from tests.helpers.webhooks import CONTAINER_TRAINER_PORT, admission_errors
+from tests.helpers.webhooks import CONTAINER_TRAINER_PORT, TORCH_DISTRIBUTED, admission_errors, merged_names
 
 BIN = Path(sys.executable).parent
 IMAGE = "ghcr.io/example/ddptrain:1"
@@ -197,12 +198,13 @@ def test_the_ported_webhook_rules_refuse_what_each_operator_refuses() -> None:
            "node containers" in errors
     assert "spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: [PET_NNODES]" \
            in errors
-    container["name"], job["name"] = "trainer", "node"
-    assert "spec.runtimePatches: Invalid value: must not have container that doesn't exist in the runtime job " \
-           "node" in admission_errors(trainjob)
+    # Trainer merges the patches into the runtime's template (by name) before its plugins validate: a container or
+    # a replicated job the runtime lacks is by then in the template, and the "doesn't exist" rules admit it
+    trainjob["spec"]["trainer"]["env"].pop()
+    container["name"] = "trainer"  # the env rule holds only for the node and initializer containers
+    assert admission_errors(trainjob) == []
     job["name"] = "worker"
-    assert "spec.runtimePatches: Invalid value: must not have replicated job that doesn't exist in the runtime " \
-           "job template" in admission_errors(trainjob)
+    assert admission_errors(trainjob) == []
 
     pytorchjob = generated("pytorchjob", ["--nodes", "3", "--gpus-per-node", "8", "data.global_batch_size=192"])
     replicas = pytorchjob["spec"]["pytorchReplicaSpecs"]
@@ -217,6 +219,61 @@ def test_the_ported_webhook_rules_refuse_what_each_operator_refuses() -> None:
     jobset["metadata"]["name"] = "a" * 50  # longer than ddptrain-k8s allows: the pods' names pass 63 characters
     assert [e.rsplit(": ", 1)[-1] for e in admission_errors(jobset)] == [
         "JobSet name is too long, pod names generated for this JobSet will exceed 63 characters"]
+
+
+def test_a_trainjobs_patch_names_only_the_runtimes_job_and_container() -> None:
+    """Trainer admits a patch naming a job or container the runtime lacks (merged into its template by name, see
+    the previous test); the JobSet it creates would then hold a container without an image, refused only when its
+    Job is created. So the patch must name the torch-distributed runtime's own job and container."""
+    doc = generated("trainjob", VARIANTS["gpu-ib-wandb"])
+    assert merged_names(TORCH_DISTRIBUTED, doc["spec"]["runtimePatches"]) == TORCH_DISTRIBUTED
+
+
+# apimachinery v0.36.2 IsDomainPrefixedPath: the manager values Go admits (None) or refuses (its message's end);
+# the regexps as validation.go writes them (httpPathFmt, dns1123SubdomainFmt)
+GO_PATH_ERROR = r"Invalid path (regex used for validation is '[A-Za-z0-9/\-._~%!$&'()*+,;=:]+')"
+GO_SUBDOMAIN_FMT = r"regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+NO_DOMAIN = 'must be a domain-prefixed path (such as "acme.io/foo")'
+MANAGERS = [
+    ("ddptrain.dev/ddptrain-k8s", None),
+    ("ddptrain.dev/k8s/v1", None),  # SplitN(.., "/", 2): the rest, slashes and all, is the HTTP path
+    ("acme.io//foo", None),
+    ("a.b-c.d/x:y;z=1,2+3*(4)!$&'~%", None),  # characters of the HTTP path's class
+    ("ddptrain-k8s", NO_DOMAIN),
+    ("acme.io/", NO_DOMAIN),
+    ("/foo", NO_DOMAIN),
+    ("", "Required value"),
+    ("acme.io/foo bar", GO_PATH_ERROR),
+    ("acme.io/foo?q", GO_PATH_ERROR),
+    ("acme.io/foo\n", GO_PATH_ERROR),
+    ("ddptrain.Dev/k8s", GO_SUBDOMAIN_FMT),
+    ("ddptrain.dev-/k8s", GO_SUBDOMAIN_FMT),
+    ("a" * 254 + "/k8s", "must be no more than 253 characters"),
+]
+
+
+@pytest.mark.parametrize(("manager", "refusal"), MANAGERS, ids=[repr(m[:24]) for m, _ in MANAGERS])
+def test_the_ported_domain_prefixed_path_admits_and_refuses_what_go_does(manager: str, refusal: str | None) -> None:
+    """Go's regexps are anchored at both ends (``^...$`` without multi-line: a trailing newline is refused too)
+    and only the first slash splits the domain from the path."""
+    from tests.helpers.webhooks import is_domain_prefixed_path
+
+    errors = is_domain_prefixed_path("spec.runtimePatches.manager", manager)
+    if refusal is None:
+        assert errors == [], errors
+    else:
+        assert errors and errors[0].endswith(refusal), errors
+
+
+def test_trainers_torch_plugin_refuses_torchruns_five_variables_and_no_other() -> None:
+    """``TorchRunReservedEnvNames`` (pkg/constants/constants.go, v2.3.0) holds five names, not every PET_*:
+    a trainer env of PET_MAX_RESTARTS (torchrun's --max-restarts) is admitted."""
+    doc = generated("trainjob", VARIANTS["cpu"])
+    doc["spec"]["trainer"]["env"] += [{"name": "PET_MAX_RESTARTS", "value": "5"}, {"name": "PET_RDZV_ID", "value": "x"}]
+    assert admission_errors(doc) == []
+    doc["spec"]["trainer"]["env"].append({"name": "PET_MASTER_PORT", "value": "29400"})
+    assert admission_errors(doc) == ["spec.trainer.env: Invalid value: must not have reserved envs, invalid envs "
+                                     "configured: [PET_MASTER_PORT]"]
 
 
 def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -330,6 +387,13 @@ REFUSED = [
     (["--ib-root"], "--ib-root needs --ib RESOURCE"),
     (["--claim-size", "lots"], "--claim-size lots: expected a Kubernetes quantity"),
     (["--storage-class", "fast"], "--storage-class fast: expected a storage class name"),
+    (["--claim-size", "1Gi", "--storage-class", "Fast_SSD"], "--storage-class Fast_SSD: expected a storage class"),
+    # a path whose components climb out of the volume
+    (["hydra.run.dir=/mnt/ddptrain/../scratch/run"], "hydra.run.dir=/mnt/ddptrain/../scratch/run: not on the"),
+    # Hydra applies a key's last override: each one is checked, after an on-volume run dir too
+    (["hydra.run.dir=/mnt/ddptrain/runs/mine", "checkpoint.dir=/scratch/ckpt"],
+     "checkpoint.dir=/scratch/ckpt: not on the checkpoint volume"),
+    (["hydra.run.dir=/mnt/ddptrain/runs/a", "hydra.run.dir=/tmp/b"], "hydra.run.dir=/tmp/b: not on the checkpoint"),
 ]
 
 
@@ -340,6 +404,30 @@ def test_what_cannot_work_is_refused_in_one_line(flags: list[str], message: str,
     assert k8s.run(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("ddptrain-k8s: error: ") and message in err, err
+
+
+def test_the_run_dir_is_the_last_hydra_run_dir_as_hydra_applies_it() -> None:
+    """Hydra composes a key given twice with its last value: the pods' run dir is that one, on the volume."""
+    later = ["hydra.run.dir=/tmp/b", "checkpoint.dir=/scratch/c", "hydra.run.dir=/mnt/ddptrain/runs/a/",
+             "checkpoint.dir=/mnt/ddptrain/ckpt"]
+    assert k8s.run_dir_on_volume(later, "/mnt/ddptrain", "job") == "/mnt/ddptrain/runs/a"
+    assert k8s.run_dir_on_volume(["checkpoint.dir=ckpt"], "/mnt/ddptrain/", "job") == "/mnt/ddptrain/runs/job"
+
+
+@pytest.mark.parametrize("length", [40, 41, 50, 63])
+def test_a_name_the_cli_accepts_is_admitted_by_every_kinds_webhook(length: int) -> None:
+    """The JobSet webhook wants <name>-node-0-<last pod>-abcde within 63 characters: a name --name takes must leave
+    room for it (a longer one is refused here, in one line, not by the API server)."""
+    name = "a" * length
+    for kind in KINDS:
+        flags = ["--name", name, "--nodes", "100", "--gpus-per-node", "0", "data.global_batch_size=100",
+                 "data.micro_batch_size=1"]
+        try:
+            doc = generated(kind, flags)
+        except ConfigError as exc:
+            assert length > k8s.MAX_NAME and f"--name {name}: expected" in str(exc)
+            continue
+        assert admission_errors(doc) == [], (kind, length)
 
 
 def test_help_lists_the_flags_and_printing_a_manifest_imports_no_torch(tmp_path: Path) -> None:

@@ -132,10 +132,14 @@ def test_the_workers_get_the_drivers_allocator_settings_and_not_every_variable(
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
     monkeypatch.setenv("UNRELATED_SETTING", "1")
+    # the driver's own Python install: a worker on another host has its own (no prefix wider than PYTORCH_)
+    monkeypatch.setenv("PYTHONSTARTUP", "/home/driver/.pythonrc")
+    monkeypatch.setenv("PYTHONUSERBASE", "/home/driver/.local")
     env = worker_environment(typed_config(compose_config(["data=synthetic"])).typed)
     assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
     assert env["NCCL_SOCKET_IFNAME"] == "eth0" and "UNRELATED_SETTING" not in env
+    assert "PYTHONSTARTUP" not in env and "PYTHONUSERBASE" not in env
 
 
 class _Remote:
@@ -150,7 +154,7 @@ class _StubRay:
         return lambda cls: _Remote()
 
 
-@pytest.mark.parametrize("code", [4, 3])
+@pytest.mark.parametrize("code", [4, 3, 143])  # a drift abort, a non-finite abort, a stop on SIGTERM (128 + 15)
 def test_a_ray_run_that_ended_on_purpose_exits_with_the_workers_code(
         code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A run the workers ended on purpose (a drift abort: 4) reports its line and code to the driver, which exits

@@ -178,10 +178,12 @@ def run_dir_on_volume(overrides: list[str], mount: str, name: str) -> str:
     """The run directory: ``hydra.run.dir`` when the overrides set it (it must be on the volume, or a restarted pod
     would not find its checkpoints), else ``<mount>/runs/<name>``."""
     mount = posixpath.normpath(mount)
-    for item in overrides:
+    last: dict[str, str] = {}
+    for item in overrides:  # Hydra applies a key's last override: that one is checked, wherever the others stand
         key, _, value = item.lstrip("+~").partition("=")
-        if key not in ("hydra.run.dir", "checkpoint.dir"):
-            continue
+        if key in ("hydra.run.dir", "checkpoint.dir"):
+            last[key] = value
+    for key, value in last.items():
         absolute = posixpath.isabs(value)
         if key == "checkpoint.dir" and not absolute:
             continue  # under the run dir
@@ -190,8 +192,8 @@ def run_dir_on_volume(overrides: list[str], mount: str, name: str) -> str:
         if not absolute or not under(path, mount):
             raise ConfigError(f"{key}={value}: not on the checkpoint volume mounted at {mount} (--mount); a restarted "
                               "pod would not find the run's checkpoints")
-        if key == "hydra.run.dir":
-            return path
+    if "hydra.run.dir" in last:
+        return posixpath.normpath(last["hydra.run.dir"])
     return posixpath.join(mount, "runs", name)
 
 

@@ -9,9 +9,11 @@ Ported (each only as far as it reaches what a manifest of ``ddptrain-k8s`` can h
 - Kubeflow Trainer v2.3.0, ``pkg/webhooks/trainjob_webhook.go`` (``ValidateCreate``: the referenced runtime's
   validation plugins), with ``pkg/runtime/framework/plugins/jobset/jobset.go`` (``JobSet.Validate``: every
   ``runtimePatches[].manager`` a domain-prefixed path; a patch names only replicated jobs and containers of the
-  runtime's template; no ``env`` in a patch of the ``node``/initializer containers; initializer jobs present when
-  ``spec.initializer`` asks for them) and ``pkg/runtime/framework/plugins/torch/torch.go`` (``Torch.Validate``: no
-  torchrun variable in ``trainer.env``), for a TrainJob on the ``torch-distributed`` ClusterTrainingRuntime of
+  runtime's template, checked as Go checks it, against the template with the patches already merged in, so it
+  never refuses a new job (``merged_names``); no ``env`` in a patch of the ``node``/initializer containers;
+  initializer jobs present when ``spec.initializer`` asks for them, not their containers' names and mounts) and
+  ``pkg/runtime/framework/plugins/torch/torch.go`` (``Torch.Validate``: no torchrun variable in ``trainer.env``),
+  for a TrainJob on the ``torch-distributed`` ClusterTrainingRuntime of
   ``manifests/base/runtimes/torch_distributed.yaml`` at that tag (one replicated job ``node``, one container
   ``node``, ``mlPolicy.torch: {}``);
 - Training Operator v1.9.0, ``pkg/webhooks/pytorch/pytorchjob_webhook.go`` (``validatePyTorchJob``) with
@@ -102,6 +104,24 @@ DATASET_INITIALIZER, MODEL_INITIALIZER, NODE = "dataset-initializer", "model-ini
 CONTAINER_TRAINER_PORT = 29500  # ContainerTrainerPort: the port PET_MASTER_PORT names
 
 
+def merged_names(runtime: dict[str, set[str]], patches: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """The replicated jobs and their (init) container names of the runtime's template *after* the TrainJob's
+    patches are merged into it: ``TrainingRuntime.newRuntimeInfo`` (pkg/runtime/core/trainingruntime.go, v2.3.0)
+    runs ``mergeRuntimePatches`` (a strategic merge patch, patch by patch) before building the ``runtime.Info`` the
+    validation plugins read, and JobSet's ``replicatedJobs`` (v0.12.0, Trainer's) and a pod's ``containers`` /
+    ``initContainers`` merge by ``name``: a patch's new job or container is added to the template, so the plugin's
+    "doesn't exist in the runtime" rules see it as existing. Those rules therefore never refuse a new TrainJob (a
+    merge that fails leaves no runtime.Info; not modelled)."""
+    names = {job: set(containers) for job, containers in runtime.items()}
+    for patch in patches:
+        template = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
+        for job in (template.get("spec") or {}).get("replicatedJobs", []):
+            pod = (((job.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec") or {}
+            names.setdefault(job.get("name", ""), set()).update(
+                c["name"] for c in [*pod.get("initContainers", []), *pod.get("containers", [])])
+    return names
+
+
 def trainjob_errors(doc: dict[str, Any]) -> list[str]:
     """``TrainJobValidator.ValidateCreate`` (pkg/webhooks/trainjob_webhook.go, v2.3.0) for the runtimes above."""
     spec = doc.get("spec", {})
@@ -109,19 +129,20 @@ def trainjob_errors(doc: dict[str, Any]) -> list[str]:
     key = (ref.get("kind", "ClusterTrainingRuntime"), ref.get("name"))
     if key not in RUNTIMES:
         return [f"spec.runtimeRef: {key[0]} {key[1]} is not one of the runtimes these rules were ported for"]
-    jobs = RUNTIMES[key]
+    patches = spec.get("runtimePatches", [])
+    jobs = merged_names(RUNTIMES[key], patches)
     errs: list[str] = []
-    # pkg/runtime/framework/plugins/jobset/jobset.go (v2.3.0), JobSet.Validate
+    # pkg/runtime/framework/plugins/jobset/jobset.go (v2.3.0), JobSet.Validate, on the merged template (above)
     initializer = spec.get("initializer") or {}
     for part, job in (("dataset", DATASET_INITIALIZER), ("model", MODEL_INITIALIZER)):
         if initializer.get(part) is not None and job not in jobs:
             errs.append(f"spec.runtimeRef: Invalid value: must have {job} job when trainJob is configured with "
                          f"input {part}Config")
-    for patch in spec.get("runtimePatches", []):
+    for patch in patches:
         errs += is_domain_prefixed_path("spec.runtimePatches.manager", patch.get("manager", ""))
         template = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
         for job in (template.get("spec") or {}).get("replicatedJobs", []):
-            if job["name"] not in jobs:
+            if job.get("name", "") not in jobs:
                 errs.append("spec.runtimePatches: Invalid value: must not have replicated job that doesn't exist in "
                             "the runtime job template")
                 continue
