@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,19 +109,20 @@ def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_
     )
 
 
-def teardown(clean: bool, destroy: bool = True) -> None:
+def teardown(clean: bool, destroy: bool = True, meet: bool = True) -> None:
     """Leave the process group, meeting the other ranks first (without it gloo sometimes aborts at exit with
     "terminate called without an active exception").
 
     After a clean run every rank arrives; after an error a peer may never come, so the barrier is bounded
-    (gloo's monitored barrier) or skipped (NCCL), and the elastic agent stops whoever is left.
+    (gloo's monitored barrier) or skipped (NCCL), and the elastic agent stops whoever is left. ``meet`` False
+    (an interrupt, which every rank got): no barrier at all.
     """
     if not dist.is_initialized():
         return
     try:
-        if clean:
+        if meet and clean:
             dist.barrier()
-        elif dist.get_backend() == "gloo":
+        elif meet and dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=timedelta(seconds=10))
     except RuntimeError as exc:
         log.warning("ranks did not meet before exit: %s", flat(str(exc), 200))
@@ -219,10 +221,14 @@ def _publish(store: dist.Store, key: str, fn: Callable[[], T], doing: str) -> T:
 
 def _await_main(store: dist.Store, key: str, timeout_s: float, timed_out: str) -> None:
     """The other ranks: wait up to ``timeout_s`` for rank 0's ``key``; raise its error, or ``timed_out``."""
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as exc:  # the store's timeout
-        raise ConfigError(timed_out) from exc
+    deadline = time.monotonic() + timeout_s
+    while True:  # in slices of a second: the wait is native code, and a Ctrl-C is seen between two slices
+        try:
+            store.wait([key], timedelta(seconds=max(min(1.0, deadline - time.monotonic()), 0.001)))
+            break
+        except (RuntimeError, dist.DistError) as exc:  # the store's timeout
+            if time.monotonic() >= deadline:
+                raise ConfigError(timed_out) from exc
     status = store.get(key).decode()
     if status.startswith(_CONFIG_ERROR):
         raise ConfigError(status.removeprefix(_CONFIG_ERROR))
@@ -285,9 +291,12 @@ def distributed(cfg: DistConfig, cpu_collectives: bool = False,
     device = device or pick_device(env)
     if not joined:
         init_process_group(cfg, env, device, cpu_collectives)
-    clean = False
+    clean = interrupted = False
     try:
         yield env, device
         clean = True
+    except KeyboardInterrupt:  # Ctrl-C reached every rank: none will come to a barrier
+        interrupted = True
+        raise
     finally:
-        teardown(clean, destroy=not joined)
+        teardown(clean, destroy=not joined, meet=not interrupted)
