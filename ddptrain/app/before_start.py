@@ -15,14 +15,16 @@ from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 
 
-def check_before_start(cfg: Config, run_dir: Path) -> None:
-    """Refuse (ConfigError) a run directory that cannot be written, or whose checkpoints refuse this run."""
+def check_before_start(cfg: Config, run_dir: Path) -> Path | None:
+    """Refuse (ConfigError) a run directory that cannot be written, or whose checkpoints refuse this run, as far
+    as the files tell without torch; returns the checkpoint to resume, which ``check_resumable`` reads further."""
     run_dir = run_dir.absolute()
     check_writable(run_dir)
     if cfg.train.resume is not None or (run_dir / cfg.checkpoint.dir).is_dir():
         from ddptrain.checkpoint.before_start import check_checkpoints
 
-        check_checkpoints(cfg, run_dir)
+        return check_checkpoints(cfg, run_dir)
+    return None
 
 
 def check_writable(run_dir: Path) -> None:

@@ -87,18 +87,20 @@ def run_cli(argv: list[str]) -> int:
     except (ConfigError, ResourceError) as exc:
         say_once(f"ddptrain: error: {exc}")
         return 2 if isinstance(exc, ConfigError) else 1
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops at a check step and checkpoints)
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the training loop (which stops at a check step, checkpoints)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent passes the signal on: this line is not cut short
         from ddptrain.runtime.starting import interrupted_line
 
-        say_once(f"ddptrain: {interrupted_line()}", grace_s=0.0)
+        say_once(f"ddptrain: {interrupted_line(exc)}", grace_s=0.0)
         return 130
 
 
-def say_once(line: str, grace_s: float = ERROR_GRACE_S) -> None:
+def say_once(line: str, grace_s: float | None = None) -> None:
     """A worker's last line, printed once for the job: at once on rank 0; on another rank only after ``grace_s``,
     by when the elastic agent has stopped it if rank 0 ended the same way (every rank decides these alike), so
     a line that only that rank has is still printed. ``grace_s`` 0: only rank 0 prints (a Ctrl-C reaches every
     rank at once)."""
+    grace_s = ERROR_GRACE_S if grace_s is None else grace_s
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
         if grace_s <= 0:
             return

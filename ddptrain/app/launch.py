@@ -181,10 +181,14 @@ def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: st
     from ddptrain.app.before_start import check_before_start
 
     run_dir = Path(os.path.abspath(run.cfg.hydra.run.dir))  # resolved once: ${now:...} changes with the clock
-    check_before_start(run.typed, run_dir)
+    resume = check_before_start(run.typed, run_dir)
     batch = shape.equation() if shape is not None else "data.micro_batch_size=auto: chosen once the ranks meet"
     say(f"{time.strftime('%H:%M:%S')} run dir {run_dir} | {world_size} rank{'s' if world_size > 1 else ''} | "
         f"{batch} | {doing}")
+    if resume is not None:  # the reads that need torch (seconds to import), after the line
+        from ddptrain.checkpoint.before_start import check_resumable
+
+        check_resumable(resume)
     return run_dir
 
 
@@ -228,7 +232,7 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
             if (record := evidence.lost_peer(exc)) is None:
                 raise
             raise PeerLost(lost_peer_line(record, typed.dist.timeout_s, run_dir)) from exc
-        except (ConfigError, ResourceError, RunEnded):  # a refusal or an end on purpose: nothing hung or died
+        except (ConfigError, ResourceError, RunEnded, KeyboardInterrupt):  # refused, or ended on purpose: no hang
             evidence.discard()
             raise
         evidence.discard()  # a healthy run leaves no hang/ (it records nothing unless a rank hangs or dies)

@@ -29,6 +29,7 @@ from ddptrain.checkpoint.format import (
     newest_intact,
     other_model,
     overwrite_refusal,
+    read_marker,
     read_trainer_state,
 )
 from ddptrain.config.choices import Quantize
@@ -45,9 +46,9 @@ CERTAIN = ("arch", "hidden_size", "num_layers")
 
 
 def check_checkpoints(cfg: Config, run_dir: Path) -> Path | None:
-    """Refuse (ConfigError, one line) what the run's checkpoints already decide; returns the checkpoint the run
-    will resume (None: a fresh start). torch is imported only once a checkpoint is chosen: the refusals of an
-    owned run directory, a damaged checkpoint and another architecture come without it."""
+    """Refuse (ConfigError, one line) what the run directory's checkpoints and ``train.resume``'s files decide
+    without torch: another run's checkpoints, a missing or damaged checkpoint, another architecture. Returns the
+    checkpoint the run will resume (None: a fresh start), for ``check_resumable``."""
     root = run_dir / cfg.checkpoint.dir
     target = cfg.train.resume
     found = committed(root)
@@ -64,12 +65,25 @@ def check_checkpoints(cfg: Config, run_dir: Path) -> Path | None:
         return None
     path = Path(chosen)
     same = same_model(cfg.model, path)
+    if same is None:  # model.* changed where only the shapes can tell: build it on the meta device (torch)
+        same = same_fingerprint(cfg.model, path)
     if same is False:
         raise ConfigError(other_model(path))
-    meta, _ = read_trainer_state(path, "train.resume")
-    if same is None and (expected := planned_fingerprint(cfg.model, path)) is not None \
-            and expected != meta.get("fingerprint"):
-        raise ConfigError(other_model(path))
+    return path
+
+
+def same_fingerprint(cfg: ModelConfig, path: Path) -> bool | None:
+    """Whether a model built from ``model.*`` has the fingerprint the checkpoint's marker records (None: the
+    model is not built from ``model.*`` alone, or the marker records none)."""
+    expected = planned_fingerprint(cfg, path)
+    recorded = read_marker(path, "train.resume").get("fingerprint")
+    return None if expected is None or recorded is None else expected == recorded
+
+
+def check_resumable(path: Path) -> None:
+    """The reads that need torch, made once the run's first line is out: the trainer state is plain data and the
+    model state's index names no other code."""
+    read_trainer_state(path, "train.resume")
     from ddptrain.checkpoint.safe import SafeReader
 
     try:
@@ -78,7 +92,6 @@ def check_checkpoints(cfg: Config, run_dir: Path) -> Path | None:
         raise
     except (OSError, RuntimeError, EOFError, KeyError, ValueError) as exc:
         raise ConfigError(f"train.resume: {path} is corrupt ({flat(str(exc), 160)})") from exc
-    return path
 
 
 def same_model(cfg: ModelConfig, checkpoint: Path) -> bool | None:

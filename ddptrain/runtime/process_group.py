@@ -222,13 +222,11 @@ def _publish(store: dist.Store, key: str, fn: Callable[[], T], doing: str) -> T:
 def _await_main(store: dist.Store, key: str, timeout_s: float, timed_out: str) -> None:
     """The other ranks: wait up to ``timeout_s`` for rank 0's ``key``; raise its error, or ``timed_out``."""
     deadline = time.monotonic() + timeout_s
-    while True:  # in slices of a second: the wait is native code, and a Ctrl-C is seen between two slices
-        try:
-            store.wait([key], timedelta(seconds=max(min(1.0, deadline - time.monotonic()), 0.001)))
-            break
-        except (RuntimeError, dist.DistError) as exc:  # the store's timeout
-            if time.monotonic() >= deadline:
-                raise ConfigError(timed_out) from exc
+    # polled, not store.wait: a native wait sees no Ctrl-C until it returns, and short waits warn at each timeout
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise ConfigError(timed_out)
+        time.sleep(0.2)
     status = store.get(key).decode()
     if status.startswith(_CONFIG_ERROR):
         raise ConfigError(status.removeprefix(_CONFIG_ERROR))

@@ -20,29 +20,25 @@ class Part:
     safe: str | None  # what an interruption here leaves intact, for the interrupted line
 
 
-_CURRENT: list[Part] = []
-_INTERRUPTED: list[Part] = []  # the part a KeyboardInterrupt left, innermost first
+_PART = "ddptrain_interrupted_part"  # set on the KeyboardInterrupt by the innermost part it left
 
 
 @contextmanager
 def starting(doing: str, detail: str = "", safe: str | None = None) -> Iterator[None]:
-    """Log that start-up begins ``doing`` (rank 0's console shows it), and remember it while it runs."""
+    """Log that start-up begins ``doing`` (rank 0's console shows it); a Ctrl-C inside it is marked as having
+    interrupted it (the innermost part)."""
     log.info("%s%s", doing, f" ({detail})" if detail else "")
-    part = Part(doing, safe)
-    _CURRENT.append(part)
     try:
         yield
-    except KeyboardInterrupt:
-        if not _INTERRUPTED:
-            _INTERRUPTED.append(part)
+    except KeyboardInterrupt as exc:
+        if not hasattr(exc, _PART):
+            setattr(exc, _PART, Part(doing, safe))
         raise
-    finally:
-        _CURRENT.pop()
 
 
-def interrupted_line() -> str:
+def interrupted_line(exc: KeyboardInterrupt) -> str:
     """The command's one line after Ctrl-C outside the training loop (whose own stop checkpoints and says so)."""
-    part = _INTERRUPTED[0] if _INTERRUPTED else None
+    part = getattr(exc, _PART, None)
     if part is None:
         return "interrupted (SIGINT)"
     return f"interrupted (SIGINT) while {part.doing}" + (f"; {part.safe}" if part.safe else "")
