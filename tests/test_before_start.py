@@ -180,26 +180,3 @@ def test_a_workers_refusal_is_said_at_once_by_rank_0_and_by_another_rank_only_af
     assert run_cli(["data.global_batch_size=3"]) == 2
     assert ("ddptrain: error: data.global_batch_size=3" in capsys.readouterr().err) == printed
     assert bool(sleeps) == slept
-
-
-@pytest.mark.parametrize(("rank", "said"), [("0", True), ("1", False)])
-def test_ctrl_c_outside_the_loop_is_one_line_from_rank_0(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: str, said: bool
-) -> None:
-    from ddptrain.app import launch
-    from ddptrain.runtime.starting import INTACT_CACHE, starting
-
-    def interrupted(*_: Any, **__: Any) -> None:
-        with starting("preparing the data", safe=INTACT_CACHE):
-            raise KeyboardInterrupt
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", rank)
-    monkeypatch.setenv("LOCAL_RANK", rank)
-    monkeypatch.setattr(launch, "run_worker", interrupted)
-    monkeypatch.setattr(signal, "signal", lambda *_: None)  # keep pytest's own handlers
-    assert run_cli(["data=synthetic"]) == 130
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ([f"ddptrain: interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"] if said else []), err
-    assert "checkpoint" not in INTACT_CACHE
