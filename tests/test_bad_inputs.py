@@ -163,9 +163,12 @@ def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, t
     run, cache = tmp_path / "run", torchrun_run[1]
     shutil.copytree(torchrun_run[0], run)  # the shared run stays as it was
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
+    config = (run / "config.yaml").read_text()
     _fails_on_both_ranks([*SMALL, "model.num_layers=2", f"train.resume={run}", f"hydra.run.dir={run}"], tmp_path,
                          cache, "was saved for a different model")
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
+    # under plain torchrun the workers refuse it (no ddptrain launcher checked first): the run's own config stays
+    assert (run / "config.yaml").read_text() == config
 
 
 @pytest.mark.slow

@@ -211,7 +211,7 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
     from ddptrain.runtime.process_group import distributed, shared_run_dir
     from ddptrain.runtime.topology import check_shared_run_dir
-    from ddptrain.train.trainer import train
+    from ddptrain.train.trainer import Trainer
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built
@@ -224,10 +224,11 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         if device.type == "cuda" and (conf := allocator_conf(os.environ)) is not None:
             log.info("CUDA caching allocator: %s=%s", *conf)  # ddptrain's expandable segments, or the user's own
         evidence = Evidence(run_dir, env.rank)
-        if env.is_main:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         try:
-            summary = train(typed, env, device, run_dir, resolved, shape)
+            trainer = Trainer(typed, env, device, run_dir, resolved, shape)
+            if env.is_main:  # once the run is known to start (its checkpoint resumed): never over a refused one's
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            summary = trainer.train()
         except RuntimeError as exc:  # torch.distributed's errors (DistError) are RuntimeErrors
             if (record := evidence.lost_peer(exc)) is None:
                 raise
