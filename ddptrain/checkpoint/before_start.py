@@ -9,9 +9,12 @@ vocabulary changed, a launcher that is not ddptrain's).
 - A fresh run (no ``train.resume``) into a run directory that holds committed checkpoints: refused, unless
   ``checkpoint.overwrite``.
 - ``train.resume``: the checkpoint it names (``auto``: the newest intact one here) must be intact (every file's
-  size and checksum against its marker), of this format, with a plain trainer state, and made for this model:
-  the model's parameter names and shapes, taken from a model built on the meta device (no memory, no
-  initialisation), must match the fingerprint the marker records.
+  size and checksum against its marker) and made for this model. ``model.*`` against the checkpoint's own
+  ``config.yaml`` decides that without torch when it can (another architecture, depth or width: refused; every
+  shape key equal: accepted); otherwise a model built on the meta device (no memory, no initialisation) must
+  have the fingerprint the marker records.
+- ``check_resumable``, after the run's first line: the trainer state is plain data and the model state's index
+  names no other code (these need torch, seconds to import on a loaded machine).
 """
 
 from __future__ import annotations
