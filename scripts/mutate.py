@@ -478,9 +478,6 @@ MUTANTS = [
            (("ddptrain/app/launch.py", "        evidence.discard()  # a healthy run",
              "        pass  # a healthy run"),),
            ("tests/test_cli.py", "-k", "share_one_run_dir")),
-    Mutant("interrupt-meets-at-barrier", "an interrupted rank waits in the exit barrier for peers that are stopping",
-           (("ddptrain/runtime/process_group.py", "meet=not interrupted)", "meet=True)"),),
-           ("tests/test_cli.py", "-k", "ctrl_c_while_preparing")),
 ]
 
 

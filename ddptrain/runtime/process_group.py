@@ -109,20 +109,19 @@ def init_process_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_
     )
 
 
-def teardown(clean: bool, destroy: bool = True, meet: bool = True) -> None:
+def teardown(clean: bool, destroy: bool = True) -> None:
     """Leave the process group, meeting the other ranks first (without it gloo sometimes aborts at exit with
     "terminate called without an active exception").
 
     After a clean run every rank arrives; after an error a peer may never come, so the barrier is bounded
-    (gloo's monitored barrier) or skipped (NCCL), and the elastic agent stops whoever is left. ``meet`` False
-    (an interrupt, which every rank got): no barrier at all.
+    (gloo's monitored barrier) or skipped (NCCL), and the elastic agent stops whoever is left.
     """
     if not dist.is_initialized():
         return
     try:
-        if meet and clean:
+        if clean:
             dist.barrier()
-        elif meet and dist.get_backend() == "gloo":
+        elif dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=timedelta(seconds=10))
     except RuntimeError as exc:
         log.warning("ranks did not meet before exit: %s", flat(str(exc), 200))
@@ -289,12 +288,9 @@ def distributed(cfg: DistConfig, cpu_collectives: bool = False,
     device = device or pick_device(env)
     if not joined:
         init_process_group(cfg, env, device, cpu_collectives)
-    clean = interrupted = False
+    clean = False
     try:
         yield env, device
         clean = True
-    except KeyboardInterrupt:  # Ctrl-C reached every rank: none will come to a barrier
-        interrupted = True
-        raise
     finally:
-        teardown(clean, destroy=not joined, meet=not interrupted)
+        teardown(clean, destroy=not joined)
