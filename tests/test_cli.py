@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from ddptrain.runtime.starting import INTACT_CACHE
+from tests.helpers import procs
 from tests.helpers.bad_inputs import UNDER_TORCHRUN
 from tests.helpers.cli import DDPTRAIN, run_cli, test_env
 
@@ -47,6 +52,7 @@ def test_ranks_under_torchrun_share_one_run_dir(torchrun_run: tuple[Path, Path])
     run, _ = torchrun_run  # the fixture checks there is one run dir under outputs/
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert (run / "checkpoints" / "step_000002").is_dir() and (run / "metrics.jsonl").is_file()
+    assert not (run / "hang").exists()  # written while ranks run; kept only when one hung or died
 
 
 # what a process of the command under test can import: ddptrain (installed), not the checkout's tests
@@ -110,11 +116,46 @@ def test_the_command_ends_after_its_exit_handlers_without_the_interpreters_teard
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "message"), UNDER_TORCHRUN, ids=[b[1][:30] for b in UNDER_TORCHRUN])
-def test_bad_input_fails_fast_with_one_line_on_every_rank(tmp_path: Path, overrides: list[str], message: str) -> None:
+def test_bad_input_fails_fast_with_one_line_once(tmp_path: Path, overrides: list[str], message: str) -> None:
+    """Every rank finds it; rank 0 says it, and the launcher stops the others before they repeat it."""
     start = time.monotonic()
     result = run_cli([*overrides, *SMALL], cwd=tmp_path, cache=tmp_path / "cache", timeout=120, torchrun_nproc=2)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("ddptrain: error:")]
-    assert len(errors) == 2, result.stderr[-3000:]  # one line from each rank
-    assert all(message in line for line in errors), errors
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert message in errors[0], errors
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_preparing_the_data_is_one_line_within_seconds(tmp_path: Path) -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C, while rank 0 prepares a cold cache: every
+    process ends within seconds; rank 0's one line says what was interrupted and that the cache is intact. No
+    waiting peer's barrier error, no traceback, no word of a checkpoint (none was written)."""
+    proc = procs.start([*DDPTRAIN, "launch.nproc_per_node=2", "train.steps=5", "hydra.run.dir=run"],
+                       cwd=tmp_path, env=test_env(tmp_path / "cache"), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    seen: list[str] = []
+    preparing = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line)
+            if "preparing the data" in line:
+                preparing.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert preparing.wait(240), "".join(seen)[-3000:]
+    time.sleep(2)  # into the tokenizer's training
+    interrupted = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(60)
+    took = time.monotonic() - interrupted
+    reader.join(10)
+    after = "".join(seen).split("preparing the data", 1)[1]
+    ours = [line for line in after.splitlines() if line.startswith("ddptrain:")]
+    assert proc.returncode == 130 and took < 15, (proc.returncode, took, after[-3000:])
+    assert ours == [f"ddptrain: interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"], after[-3000:]
+    assert "Traceback" not in after and "monitoredBarrier" not in after and "train.resume" not in after, after

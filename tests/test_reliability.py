@@ -151,9 +151,9 @@ def test_non_finite_loss_is_decided_alike_on_every_rank(tmp_path: Path, cache: P
         assert "update skipped on every rank" in result.stderr
         assert '"skipped_steps": 1' in (tmp_path / "metrics.jsonl").read_text()
     else:
-        assert result.returncode != 0
+        assert result.returncode == 3, result.stderr[-3000:]  # the workers' own code
         lines = [ln for ln in result.stderr.splitlines() if "non-finite loss or gradients at step 3" in ln]
-        assert len([ln for ln in lines if ln.startswith("ddptrain:")]) == 2, result.stderr[-3000:]
+        assert len([ln for ln in lines if ln.startswith("ddptrain:")]) == 1, result.stderr[-3000:]  # rank 0's
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
 
 

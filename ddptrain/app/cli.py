@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.config.choices import Launcher
 from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
-from ddptrain.errors import ConfigError, ResourceError, RunEnded, say
+from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, say
 from ddptrain.runtime.allocator import use_expandable_segments
 
 ERROR_GRACE_S = 3.0
@@ -77,16 +78,36 @@ def run_cli(argv: list[str]) -> int:
             return launch.launch_workers(run, source.argv())
         launch.run_worker(run)
         return 0
-    except RunEnded as exc:
+    except PeerLost as exc:  # each rank says what it waited in; the launcher names who is at fault
         say(f"ddptrain: {exc}")
         return exc.exit_code
+    except RunEnded as exc:
+        say_once(f"ddptrain: {exc}")
+        return exc.exit_code
     except (ConfigError, ResourceError) as exc:
-        say(f"ddptrain: error: {exc}")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # The elastic agent stops every worker as soon as one exits: give the peers, which fail the same
-            # way, time to print their own line before this rank's exit triggers that.
-            time.sleep(ERROR_GRACE_S)
+        say_once(f"ddptrain: error: {exc}")
         return 2 if isinstance(exc, ConfigError) else 1
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the training loop (which stops at a check step, checkpoints)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent passes the signal on: this line is not cut short
+        from ddptrain.runtime.starting import interrupted_line
+
+        say_once(f"ddptrain: {interrupted_line(exc)}", grace_s=0.0)
+        return 130
+
+
+def say_once(line: str, grace_s: float | None = None) -> None:
+    """A worker's last line, printed once for the job: at once on rank 0; on another rank only after ``grace_s``,
+    by when the elastic agent has stopped it if rank 0 ended the same way (every rank decides these alike), so
+    a line that only that rank has is still printed. ``grace_s`` 0: only rank 0 prints (a Ctrl-C reaches every
+    rank at once)."""
+    grace_s = ERROR_GRACE_S if grace_s is None else grace_s
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        if grace_s <= 0:
+            return
+        # the agent's stop while waiting ends this rank quietly, leaving no hang evidence: nothing hung
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(grace_s)
+    say(line)
 
 
 def main() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +20,7 @@ from ddptrain.config.schema import AUTO, Config
 from ddptrain.data import BatchShape
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
-from ddptrain.errors import ConfigError, PeerLost, one_line
+from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, one_line, say
 from ddptrain.runtime.allocator import startup_line as allocator_line
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
@@ -124,7 +126,8 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     """
     typed = run.typed
     options, world_size, local = torchrun_options(typed.launch.nproc_per_node, typed.launch.max_restarts)
-    validate_config(typed, world_size)  # fail here once, not in every worker
+    shape = validate_config(typed, world_size)  # fail here once, not in every worker
+    run_dir = ready_run_dir(run, world_size, shape, f"starting {local} worker{'s' if local > 1 else ''}")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
@@ -133,32 +136,68 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from ddptrain.diagnose.verdict import Failure, verdict
     from ddptrain.runtime.topology import threads_per_worker
 
-    os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
-    elastic_records_to_run_log(Path(os.environ["DDPTRAIN_RUN_DIR"]))
+    os.environ["DDPTRAIN_RUN_DIR"] = str(run_dir)
+    elastic_records_to_run_log(run_dir)
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(local)))  # one share of the cores per worker
     if typed.launch.max_restarts > 0:
         # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([*options, "-m", "ddptrain", *argv])
+    saved_before = latest_commit(run_dir / typed.checkpoint.dir)
     try:
         elastic_run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in SAID_BY_WORKER:  # the worker's own line was printed once: its code is the job's
+            return failure.exitcode
         failures = [Failure(r, f.exitcode, f.signal_name() if f.exitcode < 0 else None)
                     for r, f in sorted(exc.failures.items(), key=lambda item: item[1].timestamp)]
-        found = verdict(Path(os.environ["DDPTRAIN_RUN_DIR"]), failures, world_size,
-                        typed.dist.timeout_s, socket.gethostname())
+        found = verdict(run_dir, failures, world_size, typed.dist.timeout_s, socket.gethostname())
         if found is not None:  # the job's last line: who hung or died, and where (evidence in <run dir>/hang/)
             print(f"ddptrain: error: {found}", file=sys.stderr)
         else:
             print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as exc:
-        print(f"ddptrain: stopped by {exc.sigval.name}; workers were asked to checkpoint and exit "
-              f"(run dir {os.environ['DDPTRAIN_RUN_DIR']}; continue with train.resume=auto)", file=sys.stderr)
+        if latest_commit(run_dir / typed.checkpoint.dir) != saved_before:
+            print(f"ddptrain: stopped by {exc.sigval.name}; workers were asked to checkpoint and exit "
+                  f"(run dir {run_dir}; continue with train.resume=auto)", file=sys.stderr)
+        elif exc.sigval != signal.SIGINT:  # on Ctrl-C rank 0's own line says what was interrupted
+            print(f"ddptrain: stopped by {exc.sigval.name} before this launch committed a checkpoint (run dir "
+                  f"{run_dir})", file=sys.stderr)
         return 128 + exc.sigval.value
     return 0
+
+
+# Exit codes after which a worker has printed its own one line (cli.say_once): a refused input (2), an aborted
+# non-finite step (3), replicas that drifted apart (4). The command exits with it, adding no line of its own.
+SAID_BY_WORKER = frozenset({2, 3, 4})
+
+
+def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str) -> Path:
+    """The run directory, once it is known the run can start there (``app/before_start.py``: nothing is written
+    before), and the run's first console line: where, how many ranks, the batch, and what comes next."""
+    from ddptrain.app.before_start import check_before_start
+
+    run_dir = Path(os.path.abspath(run.cfg.hydra.run.dir))  # resolved once: ${now:...} changes with the clock
+    resume = check_before_start(run.typed, run_dir)
+    batch = shape.equation() if shape is not None else "data.micro_batch_size=auto: chosen once the ranks meet"
+    say(f"{time.strftime('%H:%M:%S')} run dir {run_dir} | {world_size} rank{'s' if world_size > 1 else ''} | "
+        f"{batch} | {doing}")
+    if resume is not None:  # the reads that need torch (seconds to import), after the line
+        from ddptrain.checkpoint.before_start import check_resumable
+
+        check_resumable(resume)
+    return run_dir
+
+
+def latest_commit(root: Path) -> tuple[str, int] | None:
+    """The newest committed checkpoint under ``root`` and its marker's modification time (None: none)."""
+    from ddptrain.checkpoint.format import MARKER
+
+    markers = sorted(root.glob(f"step_*/{MARKER}")) if root.is_dir() else []
+    return (str(markers[-1]), markers[-1].stat().st_mtime_ns) if markers else None
 
 
 def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
@@ -167,10 +206,12 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     typed, resolved = run.typed, run.resolved
     # the batch shape, derived once here and handed to the trainer (None until data.micro_batch_size=auto is chosen)
     shape = validate_config(typed, int(os.environ.get("WORLD_SIZE", "1")))  # as DistEnv reads it; before torch
+    if not is_worker() and device is None:  # the whole job in this process: no launcher checked the run dir
+        ready_run_dir(run, 1, shape, "starting")
     setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
     from ddptrain.runtime.process_group import distributed, shared_run_dir
     from ddptrain.runtime.topology import check_shared_run_dir
-    from ddptrain.train.trainer import train
+    from ddptrain.train.trainer import Trainer
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built
@@ -183,14 +224,19 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         if device.type == "cuda" and (alloc := allocator_line(os.environ)) is not None:
             log.info("%s", alloc)  # ddptrain's expandable segments, or the user's own
         evidence = Evidence(run_dir, env.rank)
-        if env.is_main:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         try:
-            summary = train(typed, env, device, run_dir, resolved, shape)
+            trainer = Trainer(typed, env, device, run_dir, resolved, shape)
+            if env.is_main:  # once the run is known to start (its checkpoint resumed): never over a refused one's
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            summary = trainer.train()
         except RuntimeError as exc:  # torch.distributed's errors (DistError) are RuntimeErrors
             if (record := evidence.lost_peer(exc)) is None:
                 raise
             raise PeerLost(lost_peer_line(record, typed.dist.timeout_s, run_dir)) from exc
+        except (ConfigError, ResourceError, RunEnded, KeyboardInterrupt):  # refused, or ended on purpose: no hang
+            evidence.discard()
+            raise
+        evidence.discard()  # a healthy run leaves no hang/ (it records nothing unless a rank hangs or dies)
     return summary
 
 

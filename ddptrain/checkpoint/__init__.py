@@ -14,8 +14,24 @@ A directory without ``COMMITTED`` is a save that died half way: it is ignored an
 ``offline.py`` reads checkpoints without a run (the ``ddptrain-ckpt`` command, ``cli.py``).
 """
 
-from ddptrain.checkpoint.checkpointer import Checkpointer
-from ddptrain.checkpoint.format import MARKER, TrainState, model_fingerprint
-from ddptrain.checkpoint.manager import CheckpointManager
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddptrain.checkpoint.checkpointer import Checkpointer
+    from ddptrain.checkpoint.format import MARKER, TrainState, model_fingerprint
+    from ddptrain.checkpoint.manager import CheckpointManager
 
 __all__ = ["MARKER", "CheckpointManager", "Checkpointer", "TrainState", "model_fingerprint"]
+# Each name from its module when first asked for: the launcher reads a run's checkpoints (``format``,
+# ``before_start``) without importing torch.distributed, which the writer and the manager need
+_HOME = {"Checkpointer": "checkpointer", "CheckpointManager": "manager", "MARKER": "format", "TrainState": "format",
+         "model_fingerprint": "format"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

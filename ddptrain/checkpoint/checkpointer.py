@@ -30,11 +30,12 @@ from ddptrain.checkpoint.format import (
     MARKER,
     TrainState,
     committed,
-    describe_damage,
     find_checkpoint,
-    find_damage,
     manifest,
     model_fingerprint,
+    newest_intact,
+    other_model,
+    overwrite_refusal,
     read_trainer_state,
     total_bytes,
 )
@@ -88,7 +89,7 @@ class Checkpointer:
         candidates = ([find_checkpoint(Path(resume), self.settings.dir, "train.resume")] if explicit
                       else self.committed())
         # Rank 0 reads every file once against the marker's record; every rank then takes its verdict.
-        chosen, skipped, problem = broadcast_from_main(_newest_intact(candidates) if self.rank == 0 else None)
+        chosen, skipped, problem = broadcast_from_main(newest_intact(candidates) if self.rank == 0 else None)
         for path, problems in skipped:
             kept = Path(path).with_name(f"damaged-{Path(path).name}")
             log.warning("train.resume=auto: skipping the damaged checkpoint %s: %s; kept as %s", path, problems, kept)
@@ -111,9 +112,7 @@ class Checkpointer:
             log.warning("checkpoint.overwrite=true: this run replaces the checkpoints in %s (latest %s)", self.root,
                         found[-1].name)
             return
-        raise ConfigError(f"hydra.run.dir={self.root.parent}: holds committed checkpoints of another run (latest "
-                          f"{found[-1].name}); continue it with train.resume=auto, or start in a new hydra.run.dir "
-                          "(checkpoint.overwrite=true replaces them)")
+        raise ConfigError(overwrite_refusal(self.root, found[-1]))
 
     def check_room(self, model: torch.nn.Module) -> None:
         """Rank 0 warns when the run dir's filesystem lacks room for ``keep_last`` + 1 checkpoints of this model."""
@@ -276,8 +275,7 @@ class Checkpointer:
         """
         meta, state = read_trainer_state(path, "train.resume")
         if meta["fingerprint"] != model_fingerprint(model):
-            raise ConfigError(f"train.resume: {path} was saved for a different model (parameter names or shapes "
-                              "differ); use the same model.* settings or a new run directory")
+            raise ConfigError(other_model(path))
         world_size = dist.get_world_size()
         if (meta["strategy"], meta["world_size"]) != (self.strategy, world_size):
             log.warning("resuming a checkpoint of %s on %d ranks under %s on %d ranks: model and optimizer state "
@@ -326,24 +324,6 @@ class Checkpointer:
             log.info("model exported with save_pretrained: %s", out)
 
         main_only(save, self.settings.export_timeout_s, "checkpoint.export_timeout_s", "exporting the model")
-
-
-def _newest_intact(candidates: list[Path]) -> tuple[str | None, list[tuple[str, str]], str | None]:
-    """Of ``candidates`` (oldest first), the newest whose files match its marker's record: (its path, the damaged
-    newer ones skipped with their problem, the problem when the only candidate asked for is damaged)."""
-    skipped = []
-    for path in reversed(candidates):
-        problems = find_damage(path)
-        if not problems:
-            return str(path), skipped, None
-        skipped.append((str(path), describe_damage(problems)))
-    if len(candidates) == 1 and skipped:
-        (path, problem), = skipped
-        return None, [], f"{path} is damaged: {problem}; check it with ddptrain-ckpt verify {path}"
-    if skipped:
-        return None, [], (f"every checkpoint in {Path(skipped[0][0]).parent} is damaged (newest: {skipped[0][1]}); "
-                          "check them with ddptrain-ckpt verify")
-    return None, [], None
 
 
 def estimate_bytes(model: torch.nn.Module) -> int:

@@ -18,12 +18,15 @@ import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ddptrain.checkpoint.safe import load_plain
 from ddptrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the one function that reads a pickle (``read_trainer_state``): finding checkpoints and
+# checking their files does without it (the launcher's checks before any worker starts)
 
 BLOCK = 2**20
 MANIFEST_KEY = "files"  # in the COMMITTED marker: {relative path: {"bytes": n, "crc32": hex}}
@@ -150,6 +153,8 @@ def read_marker(path: Path, key: str) -> dict[str, Any]:
 def read_trainer_state(path: Path, key: str) -> tuple[dict[str, Any], TrainState]:
     """The marker's metadata and the trainer state; a one-line error when either cannot be read (or would run
     code: ``trainer.pt`` holds plain data only)."""
+    from ddptrain.checkpoint.safe import load_plain
+
     meta = read_marker(path, key)
     try:
         state = TrainState(**load_plain(path / "trainer.pt"))
@@ -172,3 +177,34 @@ def find_damage(path: Path, sizes_only: bool = False) -> list[str]:
 
 def describe_damage(problems: list[str]) -> str:
     return problems[0] + (f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else "")
+
+
+def newest_intact(candidates: list[Path]) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """Of ``candidates`` (oldest first), the newest whose files match its marker's record: (its path, the damaged
+    newer ones skipped with their problem, the problem when the only candidate asked for is damaged)."""
+    skipped = []
+    for path in reversed(candidates):
+        problems = find_damage(path)
+        if not problems:
+            return str(path), skipped, None
+        skipped.append((str(path), describe_damage(problems)))
+    if len(candidates) == 1 and skipped:
+        (path, problem), = skipped
+        return None, [], f"{path} is damaged: {problem}; check it with ddptrain-ckpt verify {path}"
+    if skipped:
+        return None, [], (f"every checkpoint in {Path(skipped[0][0]).parent} is damaged (newest: {skipped[0][1]}); "
+                          "check them with ddptrain-ckpt verify")
+    return None, [], None
+
+
+def overwrite_refusal(root: Path, latest: Path) -> str:
+    """The line for a fresh run (no ``train.resume``) into a run directory whose checkpoints another run made."""
+    return (f"hydra.run.dir={root.parent}: holds committed checkpoints of another run (latest {latest.name}); "
+            "continue it with train.resume=auto, or start in a new hydra.run.dir (checkpoint.overwrite=true "
+            "replaces them)")
+
+
+def other_model(path: Path) -> str:
+    """The line for a checkpoint whose model state does not fit this run's model."""
+    return (f"train.resume: {path} was saved for a different model (parameter names or shapes differ); use the "
+            "same model.* settings or a new run directory")

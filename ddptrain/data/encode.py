@@ -6,6 +6,7 @@ Kept apart so that a worker imports only ``tokenizers`` and ``numpy`` (not torch
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,9 @@ def start_worker(tokenizer_json: str, eos: int, in_pool: bool = True) -> None:
     """Build the tokenizer once per process; a pool's workers run one thread each (the pool is the parallelism)."""
     if in_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # Ctrl-C reaches the whole process group: the preparing process decides (it stops the pool and keeps
+        # what is finished); a worker interrupted mid-batch would only add its own traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tokenizers import Tokenizer
 
     _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos)

@@ -186,17 +186,27 @@ def _tokenized(batches: Iterator[tuple[list[int], list[str]]], tokenizer_json: s
     try:
         with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=start_worker, initargs=(tokenizer_json, eos)) as pool:
-            pending: deque[tuple[list[int], list[str], Future]] = deque()
-            for indices, texts in batches:
-                pending.append((indices, texts, pool.submit(encode_documents, texts, dtype.str)))
-                if len(pending) >= 2 * num_proc:
-                    done_indices, done_texts, future = pending.popleft()
-                    yield done_indices, done_texts, future.result()
-            while pending:
-                done_indices, done_texts, future = pending.popleft()
-                yield done_indices, done_texts, future.result()
+            try:
+                yield from _in_order(batches, pool, dtype, num_proc)
+            except BaseException:  # Ctrl-C, an error, or the caller stopping: the queued batches are not started
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     finally:
         os.environ.pop(WORKER_ENV, None)
+
+
+def _in_order(batches: Iterator[tuple[list[int], list[str]]], pool: ProcessPoolExecutor, dtype: np.dtype,
+              num_proc: int) -> Iterator[tuple[list[int], list[str], tuple[np.ndarray, np.ndarray]]]:
+    """The pool's results in corpus order, at most ``2 x num_proc`` batches in flight."""
+    pending: deque[tuple[list[int], list[str], Future]] = deque()
+    for indices, texts in batches:
+        pending.append((indices, texts, pool.submit(encode_documents, texts, dtype.str)))
+        if len(pending) >= 2 * num_proc:
+            done_indices, done_texts, future = pending.popleft()
+            yield done_indices, done_texts, future.result()
+    while pending:
+        done_indices, done_texts, future = pending.popleft()
+        yield done_indices, done_texts, future.result()
 
 
 def refuse_in_worker() -> None:

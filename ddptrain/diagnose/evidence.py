@@ -17,6 +17,7 @@ The launcher reads them after a failure (``diagnose.verdict``) and prints one se
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -122,6 +123,20 @@ class Evidence:
         self._stacks.flush()
         faulthandler.dump_traceback(self._stacks, all_threads=True)
         self._stacks.flush()
+
+    def discard(self) -> None:
+        """This rank ended without hanging or dying (a healthy run, a refusal, an end on purpose): its files, which
+        recorded nothing, are removed, and ``hang/`` with them once every rank's are gone. Evidence that was
+        recorded is kept."""
+        if self._recorded:
+            return
+        faulthandler.disable()
+        self._stacks.close()
+        WHEREABOUTS.close()
+        for name in (f"rank{self.rank}.stacks", f"rank{self.rank}.where"):
+            (self.dir / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another rank's files, or a user's, are still there
+            self.dir.rmdir()
 
     def lost_peer(self, error: BaseException) -> dict[str, Any] | None:
         """For a collective that timed out or lost its peer: record it and return the record; else None."""

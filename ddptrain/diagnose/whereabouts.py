@@ -29,6 +29,12 @@ class Whereabouts:
             self._map = mmap.mmap(stream.fileno(), _RECORD.size)
         self._write()
 
+    def close(self) -> None:
+        """Stop writing to the file (its owner removes it); later phases are kept in memory only."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
     def at(self, phase: str, step: int | None = None) -> None:
         """Record that this rank entered ``phase`` (of ``step``, when given)."""
         if step is not None:

@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -220,10 +221,12 @@ def _publish(store: dist.Store, key: str, fn: Callable[[], T], doing: str) -> T:
 
 def _await_main(store: dist.Store, key: str, timeout_s: float, timed_out: str) -> None:
     """The other ranks: wait up to ``timeout_s`` for rank 0's ``key``; raise its error, or ``timed_out``."""
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as exc:  # the store's timeout
-        raise ConfigError(timed_out) from exc
+    deadline = time.monotonic() + timeout_s
+    # polled, not store.wait: a native wait sees no Ctrl-C until it returns, and short waits warn at each timeout
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise ConfigError(timed_out)
+        time.sleep(0.2)
     status = store.get(key).decode()
     if status.startswith(_CONFIG_ERROR):
         raise ConfigError(status.removeprefix(_CONFIG_ERROR))

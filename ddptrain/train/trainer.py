@@ -49,6 +49,7 @@ from ddptrain.plan.memory.own_peak import planned_peak
 from ddptrain.plan.whatif.own_run import predict_own_step
 from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
+from ddptrain.runtime.starting import INTACT_CACHE, starting
 from ddptrain.runtime.topology import gather_topology
 from ddptrain.telemetry import Sinks
 from ddptrain.telemetry.goodput import attempt_start, goodput_line
@@ -132,12 +133,15 @@ class Trainer:
                  topology.describe(), self.shape.equation())
         seed_everything(cfg.train.seed)
 
-        data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
+        with starting("preparing the data", f"cache {cfg.data.cache_dir}" if cfg.data.source != "synthetic" else "",
+                      safe=INTACT_CACHE):
+            data = main_first(env, lambda: build_token_data(cfg.data), cfg.data.prepare_timeout_s)
         self.tokenizer = data.tokenizer
         # A pretrained model brings its own embeddings (model.* shape keys then feed the planner only): they are
         # checked against the data's vocabulary as it loads.
         vocab = data.vocab_size if cfg.model.pretrained else model_vocab_size(cfg.model, data.vocab_size)
-        model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
+        with starting("building the model", cfg.model.pretrained or cfg.model.name):
+            model = build_model(cfg.model, vocab, data.tokenizer.eos_token_id if data.tokenizer else None, device)
         self.vocab = model.get_input_embeddings().num_embeddings  # a pretrained model's own rows may be more
         self.precision = device_precision(cfg.train.precision, device)
         self.autocast = autocast_context(self.precision, device)

@@ -1,0 +1,182 @@
+"""What the launcher decides before any worker starts (``ddptrain/app/before_start.py``), in-process and fast.
+
+``ddptrain launch.nproc_per_node=2`` runs here with torch's elastic ``run`` replaced by a recorder: a refusal is
+one line, exit 2, with no worker started and nothing written into the run directory; a run that may start
+reaches the spawn. The checkpoints are written as the checkpointer writes them (a real model's fingerprint, its
+``hf/`` config, the run's ``config.yaml``, a DCP ``state/``, the marker with every file's checksum).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.run as torch_run
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from ddptrain.app import cli
+from ddptrain.app.cli import run_cli
+from ddptrain.checkpoint.format import FORMAT, MANIFEST_KEY, MARKER, TrainState, manifest, model_fingerprint
+from ddptrain.config.compose import PRIMARY, Source, compose_config, typed_config
+from ddptrain.models.build import build_model
+from ddptrain.telemetry.logs import ELASTIC_LOGGERS
+
+QUICK = ["+experiment=quickstart", "data=synthetic", "data.vocab_size=8192"]  # llama_tiny, 2 ranks, no corpus
+LAUNCH_ENV = ("DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
+def write_checkpoint(run_dir: Path, overrides: list[str], step: int = 2) -> Path:
+    """A committed checkpoint of the model ``overrides`` compose, as ``Checkpointer.save`` lays it out."""
+    typed = typed_config(compose_config(Source(None, PRIMARY, [*QUICK, *overrides]))).typed
+    model = build_model(typed.model, 8192)
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    (ckpt / "rng").mkdir(parents=True)
+    torch.save(vars(TrainState(step, {}, 0, 0, 2, 16, 0)), ckpt / "trainer.pt")
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed)))
+    model.config.save_pretrained(str(ckpt / "hf"))
+    dcp.save({"model.w": torch.zeros(2)}, checkpoint_id=str(ckpt / "state"), no_dist=True)
+    meta = {"format": FORMAT, "step": step, "fingerprint": model_fingerprint(model), "strategy": "torch DDP",
+            "zero_stage": 0, "world_size": 2, "parameters": 1, MANIFEST_KEY: manifest(ckpt)}
+    (ckpt / MARKER).write_text(json.dumps(meta) + "\n")
+    (run_dir / "config.yaml").write_text("the earlier run's config\n")
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory holding a committed llama_tiny checkpoint (tests copy what they change)."""
+    run_dir = tmp_path_factory.mktemp("llama") / "run"
+    write_checkpoint(run_dir, [])
+    return run_dir
+
+
+@pytest.fixture
+def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The command in ``tmp_path`` with the elastic launch recorded instead of run; returns the recorded spawns."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    for name in LAUNCH_ENV:  # the launcher sets them for its workers: put back after the test
+        monkeypatch.setenv(name, "")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PET_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    spawned: list[Any] = []
+    monkeypatch.setattr(torch_run, "run", spawned.append)
+    yield spawned
+    for name in ELASTIC_LOGGERS:  # the launcher's handler on torch elastic's loggers (the run dir's train.log)
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+            handler.close()
+
+
+def refused(capsys: pytest.CaptureFixture[str], spawned: list[Any], args: list[str], message: str) -> None:
+    """``ddptrain args`` exits 2 within seconds with ``message`` as its one line, before any worker starts."""
+    start = time.monotonic()
+    code = run_cli([*QUICK, *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (code, spawned) == (2, []), (code, err)
+    assert len(err) == 1 and err[0].startswith("ddptrain: error: ") and message in err[0], err
+    assert time.monotonic() - start < 20
+
+
+def test_an_unwritable_run_dir_is_refused_before_any_worker_starts(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "README.md").write_text("a file, not a directory")
+    refused(capsys, launcher, ["hydra.run.dir=README.md/run"],
+            f"hydra.run.dir={tmp_path}/README.md/run: cannot write there (Not a directory)")
+
+
+def test_a_run_dir_holding_another_runs_checkpoints_is_refused_and_left_as_it_was(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], llama_run: Path
+) -> None:
+    before = {p: p.stat().st_mtime_ns for p in llama_run.rglob("*")}
+    refused(capsys, launcher, [f"hydra.run.dir={llama_run}"],
+            f"hydra.run.dir={llama_run}: holds committed checkpoints of another run (latest step_000002)")
+    assert {p: p.stat().st_mtime_ns for p in llama_run.rglob("*")} == before
+    assert (llama_run / "config.yaml").read_text() == "the earlier run's config\n"
+
+
+@pytest.mark.parametrize("model", [["model=qwen3_tiny"], ["model.num_kv_heads=2"]],
+                         ids=["another architecture", "other shapes of the same width"])
+def test_resume_auto_of_another_models_checkpoint_is_refused_and_the_run_dir_kept(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], llama_run: Path, model: list[str]
+) -> None:
+    """qwen3 against llama is decided from the configs; 2 KV heads against 4 needs the model's shapes (built on
+    the meta device)."""
+    before = {p: p.stat().st_mtime_ns for p in llama_run.rglob("*")}
+    refused(capsys, launcher, [*model, f"hydra.run.dir={llama_run}", "train.resume=auto"],
+            f"train.resume: {llama_run}/checkpoints/step_000002 was saved for a different model")
+    assert {p: p.stat().st_mtime_ns for p in llama_run.rglob("*")} == before  # config.yaml too
+
+
+def test_an_explicit_damaged_checkpoint_is_refused_and_leaves_no_run_dir(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = write_checkpoint(tmp_path / "old", [])
+    damaged = next((ckpt / "state").glob("*.distcp"))
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit: same size, another checksum
+    damaged.write_bytes(bytes(data))
+    refused(capsys, launcher, [f"train.resume={ckpt}", "hydra.run.dir=new"],
+            f"train.resume={ckpt}: {ckpt} is damaged: state/{damaged.name}: checksum mismatch")
+    assert not (tmp_path / "new").exists()  # no config.yaml, train.log, hang/ or checkpoints/
+
+
+def test_a_resume_of_this_models_checkpoint_reaches_the_workers(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], llama_run: Path
+) -> None:
+    """The same model, and one whose change leaves every shape as it was (untied embeddings: the state names
+    the head either way), are started; the first line comes before the workers."""
+    for extra in ([], ["model.tie_embeddings=false"]):
+        assert run_cli([*QUICK, *extra, f"hydra.run.dir={llama_run}", "train.resume=auto"]) == 0
+    assert len(launcher) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert f"run dir {llama_run} | 2 ranks | global batch 16 = micro batch 8 x grad accum 1 x dp 2" in first, first
+
+
+def test_a_worker_that_said_its_line_gives_the_command_its_exit_code(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers that exit 4 (replicas drifted; their line printed once) make the command exit 4 with no line of
+    its own; a worker that died of a crash (exit 1) still gets the launcher's line."""
+    def failed(codes: dict[int, int]) -> Any:
+        def run(args: Any) -> None:
+            raise ChildFailedError("ddptrain", {rank: ProcessFailure(rank, 100 + rank, code, str(tmp_path / "none"))
+                                                for rank, code in codes.items()})
+        return run
+
+    monkeypatch.setattr(torch_run, "run", failed({0: 4, 1: -int(signal.SIGTERM)}))
+    assert run_cli([*QUICK, "hydra.run.dir=run"]) == 4
+    assert "ddptrain: worker rank" not in capsys.readouterr().err
+    monkeypatch.setattr(torch_run, "run", failed({1: 1}))
+    assert run_cli([*QUICK, "hydra.run.dir=run2"]) == 1
+    assert "ddptrain: worker rank 1 failed with exit code 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rank", "printed", "slept"), [("0", True, False), ("1", True, True)])
+def test_a_workers_refusal_is_said_at_once_by_rank_0_and_by_another_rank_only_after_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: str, printed: bool,
+    slept: bool,
+) -> None:
+    """Every rank finds a refused input alike: rank 0 prints it at once and ends; another rank waits out the
+    grace first, by when the elastic agent has stopped it (so the line is printed once), unless rank 0 did not
+    fail."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", rank)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # keep pytest's own handlers
+    sleeps: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", sleeps.append)
+    assert run_cli(["data.global_batch_size=3"]) == 2
+    assert ("ddptrain: error: data.global_batch_size=3" in capsys.readouterr().err) == printed
+    assert bool(sleeps) == slept

@@ -1,0 +1,59 @@
+"""Ctrl-C outside the training loop (preparing the data, building the model): one line, from rank 0, within
+seconds. The command end to end, slow tier: ``tests/test_cli.py`` (``test_ctrl_c_while_preparing_the_data_...``)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+from torch.distributed import TCPStore
+
+from ddptrain.app.cli import run_cli
+from ddptrain.runtime.process_group import _await_main
+
+
+def test_a_rank_waiting_for_rank_0s_data_sees_ctrl_c_within_a_second() -> None:
+    """The other ranks wait for rank 0's data on the store; a native wait would hold a Ctrl-C until it returned
+    (data.prepare_timeout_s, 30 minutes by default), and rank 0's exit would find them in no barrier."""
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+
+    def interrupt(*_: Any) -> NoReturn:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            _await_main(store, "never-set", 8.0, "timed out")
+        assert time.monotonic() - start < 3
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize(("rank", "said"), [("0", True), ("1", False)])
+def test_ctrl_c_outside_the_loop_is_one_line_from_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: str, said: bool
+) -> None:
+    from ddptrain.app import launch
+    from ddptrain.runtime.starting import INTACT_CACHE, starting
+
+    def interrupted(*_: Any, **__: Any) -> None:
+        with starting("preparing the data", safe=INTACT_CACHE):
+            raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", rank)
+    monkeypatch.setattr(launch, "run_worker", interrupted)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # keep pytest's own handlers
+    assert run_cli(["data=synthetic"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ([f"ddptrain: interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"] if said else []), err
+    assert "checkpoint" not in INTACT_CACHE
