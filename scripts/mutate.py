@@ -443,6 +443,13 @@ MUTANTS = [
            (("ddptrain/data/corpus.py", "        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS]\n",
              ""),),
            ("tests/test_data.py", "-k", "stdlib")),
+    # issue 50, a console only for us and numbers that count ddptrain's own work
+    Mutant("goodput-from-process-start", "goodput's start is the process's start: a shell that exec'd ddptrain "
+                                         "(sh -c 'pip install ... && exec ddptrain') counts as start-up",
+           (("ddptrain/telemetry/goodput.py", "    return repr(entry_start())", "    return repr(process_start())"),
+            ("ddptrain/telemetry/goodput.py", "        return process_start()\n    return entry_start()",
+             "        return process_start()\n    return process_start()")),
+           ("tests/test_goodput.py", "-k", "exec_d")),
 ]
 
 
