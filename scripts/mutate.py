@@ -450,6 +450,11 @@ MUTANTS = [
             ("ddptrain/telemetry/goodput.py", "        return process_start()\n    return entry_start()",
              "        return process_start()\n    return process_start()")),
            ("tests/test_goodput.py", "-k", "exec_d")),
+    Mutant("startup-line-warmup-bytes", "the start-up line gives PowerSGD's plain warm-up payload as the bytes per "
+                                        "step (7.61 MB) while the logged comm_bytes say 0.30 MB",
+           (("ddptrain/train/first_step.py", "sample.compressed_bytes if sample else None",
+             "sample.payload_bytes if sample else None"),),
+           ("tests/test_compression.py", "-k", "first_steps_line")),
 ]
 
 

@@ -173,10 +173,17 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def trainable_line(trainable: int, total: int, comm_bytes: float | None) -> str:
-    """``1.2M of 1.1B trainable; 4.8 MB all-reduced per step`` (bytes measured on the first step, if any)."""
+def trainable_line(trainable: int, total: int, comm_bytes: float | None, warmup_bytes: float | None = None) -> str:
+    """``1.2M of 1.1B trainable; 4.8 MB all-reduced per step`` (bytes measured on the first step, if any, with
+    the compression in effect). ``warmup_bytes``: what the first steps send instead, while a compression that
+    starts late (PowerSGD) is not in effect yet."""
     line = f"{_count(trainable)} of {_count(total)} trainable"
-    return line if comm_bytes is None else f"{line}; {comm_bytes / 1e6:.3g} MB all-reduced per step"
+    if comm_bytes is None:
+        return line
+    line = f"{line}; {comm_bytes / 1e6:.3g} MB all-reduced per step"
+    if warmup_bytes is None or warmup_bytes == comm_bytes:
+        return line
+    return f"{line} ({warmup_bytes / 1e6:.3g} MB on the steps before the compression starts)"
 
 
 def _count(n: float) -> str:
