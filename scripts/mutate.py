@@ -455,6 +455,11 @@ MUTANTS = [
            (("ddptrain/train/first_step.py", "sample.compressed_bytes if sample else None",
              "sample.payload_bytes if sample else None"),),
            ("tests/test_compression.py", "-k", "first_steps_line")),
+    Mutant("qlora-cpu-inference-layout", "4-bit layers take bitsandbytes' CPU inference layout at the first "
+                                         "evaluation; later training forwards drop the base's gradient (gemv_4bit)",
+           (("ddptrain/models/lora.py", "            layer.support_avx512bf16_for_cpu = False",
+             "            pass"),),
+           ("tests/test_finetune.py", "-k", "dequantized_base")),
 ]
 
 
