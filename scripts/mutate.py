@@ -460,6 +460,18 @@ MUTANTS = [
            (("ddptrain/models/lora.py", "            layer.support_avx512bf16_for_cpu = False",
              "            pass"),),
            ("tests/test_finetune.py", "-k", "dequantized_base")),
+    Mutant("ckpt-tool-dcp-warning", "ddptrain-ckpt verify/export print DCP's 'torch.distributed is disabled' warning",
+           (("ddptrain/checkpoint/offline.py",
+             '        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or '
+             'uninitialized",\n                                category=UserWarning)\n', ""),),
+           ("tests/test_checkpoint_safety.py", "-k", "own_lines")),
+    Mutant("ckpt-export-progress-bars", "ddptrain-ckpt export prints transformers' progress bars",
+           (("ddptrain/checkpoint/offline.py", "    hf_logging.disable_progress_bar()  # \"Writing",
+             "    hf_logging.enable_progress_bar()  # \"Writing"),),
+           ("tests/test_checkpoint_safety.py", "-k", "own_lines")),
+    Mutant("gpt2-loss-unnamed", "a GPT-2 model's first loss warns `loss_type=None` (the dry run's first line)",
+           (("ddptrain/models/build.py", '        model.loss_type = "ForCausalLM"', "        pass"),),
+           ("tests/test_console_noise.py", "-k", "loss_type")),
 ]
 
 

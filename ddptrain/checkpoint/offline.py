@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,11 @@ def read_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The full tensors under ``keys``, gathered from every rank's shards."""
     entries = tensor_entries(checkpoint)
     wanted = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
-    dcp.load(wanted, storage_reader=SafeReader(str(checkpoint / "state")), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it is "assuming the intent is to load in a single process" even when told so (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        dcp.load(wanted, storage_reader=SafeReader(str(checkpoint / "state")), no_dist=True)
     return wanted
 
 
@@ -90,6 +95,9 @@ def export(path: Path, out: Path, overwrite: bool = False) -> Path:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"OUT={out}: directory is not empty; choose another, or pass --overwrite to write over it")
     checkpoint, _, _ = open_checkpoint(path, checksums=True)  # a flipped bit must not become exported weights
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights": the command prints its own line
     model = build_model(checkpoint)
     names = list(model.state_dict())
     tensors = read_tensors(checkpoint, [f"model.{k}" for k in names])
