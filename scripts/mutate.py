@@ -472,6 +472,9 @@ MUTANTS = [
     Mutant("gpt2-loss-unnamed", "a GPT-2 model's first loss warns `loss_type=None` (the dry run's first line)",
            (("ddptrain/models/build.py", '        model.loss_type = "ForCausalLM"', "        pass"),),
            ("tests/test_console_noise.py", "-k", "loss_type")),
+    Mutant("optuna-colours-in-logs", "Optuna's lines carry ANSI colour escapes in a log that is not a terminal",
+           (("ddptrain/app/sweep.py", '        os.environ.setdefault("NO_COLOR", "1")', "        pass"),),
+           ("tests/test_sweep.py", "-k", "colour_escapes")),
 ]
 
 

@@ -111,6 +111,38 @@ def test_an_optuna_search_gets_each_jobs_objective_and_the_report_names_the_best
         tmp_path / "search" / "sweep.md").read_text()
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_optuna_lines_carry_colour_escapes_only_on_a_terminal(
+    terminal: bool, stub_jobs: list[list[str]], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Optuna's colorlog formatter wrote ANSI escapes into a log that is not a terminal (CI, a file, a pipe)."""
+    optuna = pytest.importorskip("optuna")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import io
+    import logging
+    import os
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    console = io.StringIO()
+    monkeypatch.setattr(console, "isatty", lambda: terminal)
+    monkeypatch.setattr(sys, "stderr", console)
+    handler = logging.StreamHandler(console)
+    handler.setFormatter(optuna.logging.create_default_formatter())  # Optuna's own handler's formatter
+    library = logging.getLogger("optuna")
+    library.addHandler(handler)
+    try:
+        assert run_cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
+                        "optim.lr=interval(1e-4,1e-2)", "hydra.sweep.dir=search"]) == 0
+    finally:
+        library.removeHandler(handler)
+    optuna_lines = [line for line in console.getvalue().splitlines() if "A new study created" in line]
+    assert optuna_lines, console.getvalue()  # Optuna spoke
+    assert any("\x1b[" in line for line in optuna_lines) == terminal, optuna_lines
+    assert ("NO_COLOR" in os.environ) != terminal
+    capfd.readouterr()
+
+
 def test_sweep_errors_are_one_line_before_any_job(stub_jobs: list[list[str]],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
