@@ -475,6 +475,10 @@ MUTANTS = [
     Mutant("optuna-colours-in-logs", "Optuna's lines carry ANSI colour escapes in a log that is not a terminal",
            (("ddptrain/app/sweep.py", '        os.environ.setdefault("NO_COLOR", "1")', "        pass"),),
            ("tests/test_sweep.py", "-k", "colour_escapes")),
+    Mutant("stop-notice-every-rank", "every rank prints the SIGINT/SIGTERM notice (rank 1 in its own format)",
+           (("ddptrain/train/control.py", "        announce = not dist.is_initialized() or dist.get_rank() == 0",
+             "        announce = True"),),
+           ("tests/test_console_noise.py", "-k", "stop_signal")),
 ]
 
 

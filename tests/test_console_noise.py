@@ -40,3 +40,37 @@ def test_a_gpt2_loss_does_not_warn_that_its_loss_type_is_unrecognized(build: obj
     assert [r.getMessage() for r in records if "loss_type" in r.getMessage()] == []
     assert model.loss_function is ForCausalLMLoss
     assert torch.isfinite(loss)
+
+
+def test_a_stop_signal_is_announced_once_by_rank_0_not_by_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C signals every process of the terminal's group: each rank's console used to print the notice, rank 1
+    in its "[rank 1] WARNING ddptrain.train.control:" format. Each rank's console as ``setup_logging`` makes it."""
+    import signal
+
+    import torch.distributed as dist
+
+    from ddptrain.telemetry import setup_logging
+    from ddptrain.train.control import StopRequest
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    consoles = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    try:
+        for rank in (0, 1):
+            monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+            setup_logging(rank)
+            stop = StopRequest(grace_s=1e6)  # its watchdog would end the process after the grace: never here
+            try:
+                signal.raise_signal(signal.SIGINT)
+            finally:
+                stop.restore()
+            assert stop.signum == signal.SIGINT  # every rank still stops
+            consoles[rank] = capsys.readouterr().err.splitlines()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert len(consoles[0]) == 1 and "SIGINT received" in consoles[0][0], consoles
+    assert consoles[1] == [], consoles
