@@ -479,6 +479,10 @@ MUTANTS = [
            (("ddptrain/train/control.py", "        announce = not dist.is_initialized() or dist.get_rank() == 0",
              "        announce = True"),),
            ("tests/test_console_noise.py", "-k", "stop_signal")),
+    Mutant("wandb-offline-unnamed", "an offline W&B run ends without naming its directory or `wandb sync`",
+           (("ddptrain/telemetry/sinks.py", "        if offline:  # nothing was uploaded",
+             "        if False:  # nothing was uploaded"),),
+           ("tests/test_console_noise.py", "-k", "wandb")),
 ]
 
 

@@ -4,6 +4,7 @@ around ddptrain's own lines (issue 50). The checkpoint tool's: tests/test_checkp
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +75,28 @@ def test_a_stop_signal_is_announced_once_by_rank_0_not_by_every_rank(
         root.setLevel(saved[1])
     assert len(consoles[0]) == 1 and "SIGINT received" in consoles[0][0], consoles
     assert consoles[1] == [], consoles
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_an_offline_wandb_run_ends_naming_its_directory_and_the_sync_command(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """WANDB_MODE=offline needs no key; nothing is uploaded, so the run's last lines say where the W&B run is and
+    how to upload it. A disabled W&B run has nothing to sync and says nothing."""
+    from ddptrain.config.schema import WandbConfig
+    from ddptrain.telemetry.sinks import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", mode)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    sink = WandbSink.open(WandbConfig(enabled=True), tmp_path, {"train": {"steps": 1}})
+    assert sink is not None
+    sink.log({"step": 1, "loss": 1.5})
+    with caplog.at_level(logging.INFO, logger="ddptrain.telemetry.sinks"):
+        sink.close()
+    said = [r.getMessage() for r in caplog.records if "wandb sync" in r.getMessage()]
+    if mode == "disabled":
+        assert said == []
+        return
+    (offline,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(offline.glob("run-*.wandb"))  # the run W&B wrote, which the line names
+    assert said == [f"W&B run kept offline in {offline}; upload it with: wandb sync {offline}"]
