@@ -483,6 +483,14 @@ MUTANTS = [
            (("ddptrain/telemetry/sinks.py", "        if offline:  # nothing was uploaded",
              "        if False:  # nothing was uploaded"),),
            ("tests/test_console_noise.py", "-k", "wandb")),
+    Mutant("unknown-key-no-suggestion", "an unknown key gets no 'did you mean' (train.max_steps: train.steps)",
+           (("ddptrain/errors.py", "        close = difflib.get_close_matches(name, known, n=1)",
+             "        close: list[str] = []"),),
+           ("tests/test_bad_inputs.py", "-k", "closest or max_steps")),
+    Mutant("bare-list-no-hint", "data.paths=/x gets no hint to write the list in brackets",
+           (("ddptrain/errors.py", '    if "is not a ListConfig, list or tuple" in message:',
+             '    if "is not a ListConfig, list or tuple!" in message:'),),
+           ("tests/test_bad_inputs.py", "-k", "data.paths: Invalid")),
 ]
 
 
