@@ -490,7 +490,7 @@ MUTANTS = [
     Mutant("bare-list-no-hint", "data.paths=/x gets no hint to write the list in brackets",
            (("ddptrain/errors.py", '    if "is not a ListConfig, list or tuple" in message:',
              '    if "is not a ListConfig, list or tuple!" in message:'),),
-           ("tests/test_bad_inputs.py", "-k", "data.paths: Invalid")),
+           ("tests/test_bad_inputs.py", "-k", "Invalid and assigned")),
 ]
 
 
