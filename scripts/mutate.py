@@ -491,6 +491,10 @@ MUTANTS = [
            (("ddptrain/errors.py", '    if "is not a ListConfig, list or tuple" in message:',
              '    if "is not a ListConfig, list or tuple!" in message:'),),
            ("tests/test_bad_inputs.py", "-k", "Invalid and assigned")),
+    Mutant("ray-preemption-watcher-local", "a local Ray instance runs Ray Train's preemption watcher (its E line)",
+           (("ddptrain/app/ray_launch.py", "    if address:\n        return env\n",
+             "    if True:\n        return env\n"),),
+           ("tests/test_ray.py", "-k", "preemption_watcher")),
 ]
 
 
