@@ -495,6 +495,9 @@ MUTANTS = [
            (("ddptrain/app/ray_launch.py", "    if address:\n        return env\n",
              "    if True:\n        return env\n"),),
            ("tests/test_ray.py", "-k", "preemption_watcher")),
+    Mutant("readme-optuna-no-extra", "README's Optuna command does not say which extra installs the sweeper",
+           (("README.md", "# Hydra's plugins (pip install 'ddptrain[optuna]')", "# Hydra's plugins"),),
+           ("tests/test_sweep.py", "-k", "names_the_extra")),
 ]
 
 

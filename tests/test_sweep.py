@@ -248,3 +248,21 @@ def test_a_sweep_through_hydras_submitit_local_launcher_trains_and_reports(tmp_p
     assert [r["status"][:6] for r in rows] == ["failed", "ok"] and float(rows[1]["tokens_per_s"]) > 0
     assert "data.global_batch_size=2 is not divisible" in rows[0]["status"]
     assert list((tmp_path / "sweep" / ".submitit").rglob("*_log.err"))  # submitit ran them
+
+
+def test_each_readme_command_with_a_plugin_from_an_extra_names_the_extra() -> None:
+    """A new user copies the README's Optuna line and meets "hydra/sweeper=optuna is not installed": the line
+    itself says which extra brings the plugin, as the Ray line does."""
+    from ddptrain.app.sweep import PLUGINS
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    checked = 0
+    for (group, choice), install in PLUGINS.items():
+        if "ddptrain[" not in install:
+            continue
+        extra = install.split(" (")[0]  # pip install 'ddptrain[optuna]'
+        for line in readme:
+            if f"{group}={choice}" in line and line.startswith("ddptrain "):
+                checked += 1
+                assert extra in line, line
+    assert checked >= 1  # the Optuna line
