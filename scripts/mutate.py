@@ -498,6 +498,15 @@ MUTANTS = [
     Mutant("readme-optuna-no-extra", "README's Optuna command does not say which extra installs the sweeper",
            (("README.md", "# Hydra's plugins (pip install 'ddptrain[optuna]')", "# Hydra's plugins"),),
            ("tests/test_sweep.py", "-k", "names_the_extra")),
+    Mutant("scaling-writes-into-cwd", "scripts/scaling.py writes scaling.* into the current directory by default",
+           (("scripts/scaling.py", "    out = (args.out or runs_dir).absolute()", "    out = args.out or Path('.')"),),
+           ("tests/test_scaling_outputs.py",)),
+    Mutant("ckpt-info-diffs-defaults", "ddptrain-ckpt info diffs the checkpoint against the defaults, not its run's "
+                                       "config.yaml",
+           (("ddptrain/checkpoint/offline.py",
+             "    return build_config(base, OmegaConf.from_dotlist(dotted))",
+             "    return build_config(OmegaConf.from_dotlist(dotted))"),),
+           ("tests/test_checkpoint_format.py", "-k", "info_diffs")),
 ]
 
 
