@@ -507,6 +507,15 @@ MUTANTS = [
              "    return build_config(base, OmegaConf.from_dotlist(dotted))",
              "    return build_config(OmegaConf.from_dotlist(dotted))"),),
            ("tests/test_checkpoint_format.py", "-k", "info_diffs")),
+    Mutant("sweep-png-labels-collide", "sweep.png's job labels sit side by side and run into each other",
+           (("ddptrain/app/sweep_report.py", '        axes.set_xticks(xs, labels, rotation=90, fontsize="small")',
+             "        axes.set_xticks(xs, labels)"),),
+           ("tests/test_sweep.py", "-k", "sweep_png")),
+    Mutant("sweep-png-legend-on-bars", "sweep.png's breakdown legend sits inside its panel, over the bars",
+           (("ddptrain/app/sweep_report.py",
+             '    parts.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)',
+             '    parts.legend(fontsize="small", loc="upper left")'),),
+           ("tests/test_sweep.py", "-k", "sweep_png")),
 ]
 
 

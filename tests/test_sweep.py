@@ -266,3 +266,33 @@ def test_each_readme_command_with_a_plugin_from_an_extra_names_the_extra() -> No
                 checked += 1
                 assert extra in line, line
     assert checked >= 1  # the Optuna line
+
+
+def test_sweep_png_labels_do_not_collide_and_the_legend_covers_no_bar(tmp_path: Path) -> None:
+    """Eight jobs over two keys: the x labels of each panel may not overlap one another, nor leave the figure,
+    and the breakdown's legend may not cover its bars."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    from ddptrain.app.sweep_job import JobResult
+    from ddptrain.app.sweep_report import BREAKDOWN, figure
+
+    results = [JobResult(i, [f"parallel.bucket_cap_mb={cap}", f"optim.lr={lr}"], tmp_path, 0,
+                         {"tokens_per_s": 1000.0 + 100 * i, **{key: 0.01 * (1 + i) for key in BREAKDOWN}})
+               for i, (cap, lr) in enumerate((c, lr) for c in (1, 5, 25, 100) for lr in (1e-4, 3e-3))]
+    fig = figure(results, ["parallel.bucket_cap_mb", "optim.lr"])
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    whole = fig.bbox
+    tput, parts = fig.axes[:2]
+    for axes in (tput, parts):
+        boxes = [label.get_window_extent(renderer) for label in axes.get_xticklabels() if label.get_text()]
+        assert len(boxes) == 8
+        for i, a in enumerate(boxes):
+            assert whole.x0 <= a.x0 and a.x1 <= whole.x1 and whole.y0 <= a.y0, (axes.get_title(), i)
+            for j, b in enumerate(boxes[i + 1:], i + 1):
+                assert not a.overlaps(b), (axes.get_title(), i, j)
+    legend = parts.get_legend().get_window_extent(renderer)
+    bars = Bbox.union([patch.get_window_extent(renderer) for patch in parts.patches])
+    assert not legend.overlaps(bars) and not legend.overlaps(parts.bbox)
+    assert whole.x0 <= legend.x0 and legend.x1 <= whole.x1

@@ -31,6 +31,8 @@ from ddptrain.checkpoint.format import (
     read_trainer_state,
 )
 from ddptrain.checkpoint.safe import SafeReader, convert_trusted, load_plain
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -116,9 +118,11 @@ def export(path: Path, out: Path, overwrite: bool = False) -> Path:
     return checkpoint
 
 
-def info(path: Path, now: Any | None) -> list[str]:
-    """Step, strategy, world size, parameter count, data position, and the config's differences from ``now``."""
+def info(path: Path, overrides: list[str] | None) -> list[str]:
+    """Step, strategy, world size, parameter count, data position, and the differences of the checkpoint's config
+    from its run's (``run_config``) with ``overrides`` on top (None: no diff)."""
     checkpoint, meta, state = open_checkpoint(path)
+    now = run_config(checkpoint, overrides) if overrides is not None else None
     lines = [
         f"checkpoint   {checkpoint}",
         f"step         {meta['step']}",
@@ -131,9 +135,26 @@ def info(path: Path, now: Any | None) -> list[str]:
         current = _flat(OmegaConf.to_container(OmegaConf.structured(now), enum_to_str=True))
         diff = [f"  {k}: {saved.get(k, '(absent)')!r} -> {current.get(k, '(absent)')!r}"
                 for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
-        lines.append("config diff  (checkpoint -> now)" if diff else "config diff  none")
+        lines.append("config diff  (checkpoint -> run config" + (" + overrides)" if overrides else ")")
+                     if diff else "config diff  none")
         lines.extend(diff)
     return lines
+
+
+def run_config(checkpoint: Path, overrides: list[str]) -> Config:
+    """The config of the checkpoint's run, typed: its run dir's ``config.yaml`` (the run's own composition, the
+    latest launch's; else the checkpoint's own ``config.yaml``), with ``key=value`` overrides on top. Not the
+    defaults: a diff against them would list every choice the run made (its experiment, model, data)."""
+    own = checkpoint.parent.parent / "config.yaml"
+    base = OmegaConf.load(own if own.is_file() else checkpoint / "config.yaml")
+    dotted = []
+    for override in overrides:
+        key = override.split("=", 1)[0].removeprefix("+")
+        if "=" not in override or "." not in key or key.startswith("~"):
+            raise ConfigError(f"{override}: expected key=value for a key of the run's config (info diffs against "
+                              "the run's own config.yaml: config groups cannot be chosen here)")
+        dotted.append(override.removeprefix("+"))
+    return build_config(base, OmegaConf.from_dotlist(dotted))
 
 
 def verify(path: Path) -> tuple[Path, list[str], int]:
