@@ -516,6 +516,10 @@ MUTANTS = [
              '    parts.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)',
              '    parts.legend(fontsize="small", loc="upper left")'),),
            ("tests/test_sweep.py", "-k", "sweep_png")),
+    Mutant("oversubscribed-workers-unnoted", "launch.nproc_per_node=8 on 2 cores starts without a note",
+           (("ddptrain/runtime/topology.py", "    if workers <= cores:\n        return None\n",
+             "    if True:\n        return None\n"),),
+           ("tests/test_console_noise.py", "-k", "more_local_workers")),
 ]
 
 

@@ -100,3 +100,18 @@ def test_an_offline_wandb_run_ends_naming_its_directory_and_the_sync_command(
     (offline,) = (tmp_path / "wandb").glob("offline-run-*")
     assert list(offline.glob("run-*.wandb"))  # the run W&B wrote, which the line names
     assert said == [f"W&B run kept offline in {offline}; upload it with: wandb sync {offline}"]
+
+
+@pytest.mark.parametrize(("workers", "noted"), [(8, True), (3, True), (2, False), (1, False)])
+def test_more_local_workers_than_cores_gets_one_note(workers: int, noted: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch.nproc_per_node=8`` on 2 cores: each worker gets one thread and they take turns on the cores; the
+    launcher prints this line before it starts them (app/launch.py)."""
+    import os
+
+    from ddptrain.runtime.topology import oversubscription_note
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    expected = (f"ddptrain: note: launch.nproc_per_node={workers} workers on 2 cores: each gets one thread and they "
+                "take turns on the cores (launch.nproc_per_node=2 trains faster here)")
+    assert oversubscription_note(workers) == (expected if noted else None)

@@ -18,7 +18,7 @@ from ddptrain.config.schema import AUTO, Config
 from ddptrain.data import BatchShape
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
-from ddptrain.errors import ConfigError, PeerLost, one_line
+from ddptrain.errors import ConfigError, PeerLost, one_line, say
 from ddptrain.runtime.allocator import allocator_conf
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
@@ -131,12 +131,14 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from torch.distributed.run import run as elastic_run
 
     from ddptrain.diagnose.verdict import Failure, verdict
-    from ddptrain.runtime.topology import threads_per_worker
+    from ddptrain.runtime.topology import oversubscription_note, threads_per_worker
 
     os.environ["DDPTRAIN_RUN_DIR"] = os.path.abspath(run.cfg.hydra.run.dir)
     elastic_records_to_run_log(Path(os.environ["DDPTRAIN_RUN_DIR"]))
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(local)))  # one share of the cores per worker
+    if (note := oversubscription_note(local)) is not None:
+        say(note)
     if typed.launch.max_restarts > 0:
         # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -29,6 +29,17 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
+def oversubscription_note(workers: int) -> str | None:
+    """One line when ``workers`` processes on this machine outnumber its cores (``launch.nproc_per_node=8`` on 2
+    cores): each gets one thread and they take turns on the cores, so the run is slower than with as many workers
+    as cores, and a user should hear it before the run starts rather than read it off the throughput."""
+    cores = os.cpu_count() or 1
+    if workers <= cores:
+        return None
+    return (f"ddptrain: note: launch.nproc_per_node={workers} workers on {cores} cores: each gets one thread and "
+            f"they take turns on the cores (launch.nproc_per_node={cores} trains faster here)")
+
+
 @dataclass(frozen=True)
 class Topology:
     """Every rank's host and node, gathered once at start-up."""
