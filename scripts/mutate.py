@@ -520,6 +520,9 @@ MUTANTS = [
            (("ddptrain/runtime/topology.py", "    if workers <= cores:\n        return None\n",
              "    if True:\n        return None\n"),),
            ("tests/test_console_noise.py", "-k", "more_local_workers")),
+    Mutant("threads-ignore-load", "a worker takes a thread per core however busy the machine is (0.15x at load 12)",
+           (("ddptrain/runtime/topology.py", "    idle = max(1.0, cores - busy)", "    idle = float(cores)"),),
+           ("tests/test_console_noise.py", "-k", "leaves_idle")),
 ]
 
 

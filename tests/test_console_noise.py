@@ -115,3 +115,19 @@ def test_more_local_workers_than_cores_gets_one_note(workers: int, noted: bool,
     expected = (f"ddptrain: note: launch.nproc_per_node={workers} workers on 2 cores: each gets one thread and they "
                 "take turns on the cores (launch.nproc_per_node=2 trains faster here)")
     assert oversubscription_note(workers) == (expected if noted else None)
+
+
+@pytest.mark.parametrize(("cores", "workers", "busy", "threads"), [
+    (2, 1, 0.0, 2), (2, 1, 0.4, 2),  # a quiet machine: torch's thread per core
+    (2, 1, 6.0, 1), (2, 1, 12.0, 1), (2, 1, 1.0, 1),  # busy cores: 2 threads ran at 0.15x of 1 (load ~12)
+    (16, 2, 0.0, 8), (16, 2, 8.0, 4), (16, 2, 40.0, 1), (2, 2, 0.0, 1), (2, 8, 0.0, 1),
+])
+def test_threads_per_worker_take_the_cores_the_machine_leaves_idle(
+    cores: int, workers: int, busy: float, threads: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from ddptrain.runtime.topology import threads_per_worker
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert threads_per_worker(workers, busy=busy) == threads
