@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 import sys
 
@@ -9,6 +11,7 @@ from hydra.errors import MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 _IN_PRIMARY = re.compile(r"^In '[^']*': ")  # Hydra names the primary config that failed to compose
+_UNKNOWN_KEY = re.compile(r"Key '[^']*' not in '")
 _INVALID_CHOICE = re.compile(r"Invalid value (?P<value>'.*'), expected one of \[(?P<allowed>.*)\]")
 
 
@@ -49,8 +52,25 @@ def one_line(exc: BaseException) -> str:
         key = getattr(cause, "full_key", None)
         if key and (choice := _INVALID_CHOICE.match(message)):  # a schema Enum: name the key and the choices
             return f"{key}={choice['value']}: expected one of {choice['allowed']}"
+        if key and (hint := _hint(cause, str(key), message)):
+            return f"{key}: {message.rstrip('.')}; {hint}"
         return f"{key}: {message}" if key else message
     return flat(str(exc))
+
+
+def _hint(cause: OmegaConfBaseException, key: str, message: str) -> str:
+    """What the user probably meant: the schema's closest key for an unknown one (``train.max_steps``: did you
+    mean ``train.steps``?), brackets for a list given as a bare value (``data.paths=/x``: ``[/x]``)."""
+    if _UNKNOWN_KEY.match(message):
+        schema = getattr(cause, "object_type", None)
+        known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+        name = key.rpartition(".")[2]
+        close = difflib.get_close_matches(name, known, n=1)
+        return f"did you mean {key[: len(key) - len(name)]}{close[0]}?" if close else ""
+    if "is not a ListConfig, list or tuple" in message:
+        value = getattr(cause, "value", None)
+        return f"a list is written in brackets: {key}=[{value if value is not None else '...'}]"
+    return ""
 
 
 def flat(text: str, limit: int = 300) -> str:

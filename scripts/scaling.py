@@ -5,6 +5,9 @@ world size and, for weak scaling, the global batch set per job; this script adds
 
     python scripts/scaling.py --sizes 1 2 --out docs/ -- +experiment=quickstart train.steps=60 train.eval_every=0
 
+The table, CSV and plot go to ``--out``, by default the runs' directory (``--runs``, else
+``outputs/scaling/<date_time>``); the last line names the three files by their full paths.
+
 Each size N is one ``python -m ddptrain launch.nproc_per_node=N ...`` (the product's own launcher) in a run
 directory of its own; its ``summary.json`` gives ``tokens_per_s`` (global tokens/s, median over the steady
 windows). ``--mode weak`` (the default) holds the work of each rank fixed: the global batch grows with N
@@ -52,7 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "CUDA devices, or of CPU cores without CUDA)")
     parser.add_argument("--mode", choices=["weak", "strong"], default="weak",
                         help="weak: fixed work per rank, global batch x N (default); strong: fixed global batch")
-    parser.add_argument("--out", type=Path, default=Path("."), help="where scaling.md, .csv and .png go")
+    parser.add_argument("--out", type=Path, help="where scaling.md, .csv and .png go (default: the runs' directory, "
+                        "--runs)")
     parser.add_argument("--runs", type=Path, help="where the runs go (default: outputs/scaling/<date_time>)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the sweep this many times, sizes interleaved; the table holds the fastest runs")
@@ -265,16 +269,17 @@ def main(argv: list[str]) -> int:
         print("scaling: every run failed; nothing written", file=sys.stderr)
         return 1
     rows = tabulate(summaries)
-    args.out.mkdir(parents=True, exist_ok=True)
-    md, png = args.out / "scaling.md", args.out / "scaling.png"
-    write_csv(rows, args.out / "scaling.csv")
+    out = (args.out or runs_dir).absolute()  # beside the runs, not into whatever directory this was started in
+    out.mkdir(parents=True, exist_ok=True)
+    md, table, png = out / "scaling.md", out / "scaling.csv", out / "scaling.png"
+    write_csv(rows, table)
     plot(rows, summaries, png, args.mode)
     command = shlex.join(["python", "scripts/scaling.py", *argv])
     write_markdown(rows, md, command, reading(rows, args.mode, args.repeats, env, load), failures)
     if args.wandb or cfg.logger.wandb.enabled:
         log_wandb(rows, png, runs_dir, cfg.logger.wandb,
                   {"mode": args.mode, "sizes": args.sizes, "repeats": args.repeats, "overrides": args.overrides})
-    print(f"wrote {md}, {args.out / 'scaling.csv'}, {png}", file=sys.stderr)
+    print(f"scaling: wrote {md}, {table} and {png}", file=sys.stderr)
     return 1 if failures else 0
 
 

@@ -43,6 +43,10 @@ AT_ONCE = [
 ]
 
 IN_PROCESS = [
+    (["optim.lrr=1"], "optim.lrr: Key 'lrr' not in 'OptimConfig'; did you mean optim.lr?"),
+    (["train.max_steps=5"], "train.max_steps: Key 'max_steps' not in 'TrainConfig'; did you mean train.steps?"),
+    (["data.paths=/x"], "data.paths: Invalid value assigned: str is not a ListConfig, list or tuple; a list is "
+                        "written in brackets: data.paths=[/x]"),
     (["data.micro_batch_size=0"], "data.micro_batch_size=0: expected a positive number of sequences"),
     (["train.steps=-1"], "train.steps=-1: expected a positive integer"),
     (["data=files", "data.paths=[EMPTY]"], "empty.txt: the file is empty"),
@@ -207,6 +211,19 @@ def test_a_malformed_prompt_completion_record_is_one_line(tmp_path: Path, pretra
     ended = result.stderr[result.stderr.index("ddptrain: error:"):].splitlines()
     assert all(line.startswith("ddptrain: ") for line in ended if line.strip()), ended
     assert "failed (exitcode: 2)" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_an_unknown_key_gets_the_schemas_closest_key_and_no_guess_when_none_is_close() -> None:
+    from ddptrain.config.compose import compose_config, typed_config
+
+    for overrides, message in (
+        (["trian.steps=5"], "trian: Key 'trian' not in 'Config'; did you mean train?"),
+        (["+train.max_steps=5"], "train.max_steps: Key 'max_steps' not in 'TrainConfig'; did you mean train.steps?"),
+        (["train.zzz=5"], "train.zzz: Key 'zzz' not in 'TrainConfig'"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            typed_config(compose_config(overrides))
+        assert str(refused.value) == message
 
 
 def test_readme_table_lists_every_case() -> None:

@@ -244,6 +244,35 @@ def test_info_and_verify_read_a_sharded_checkpoint(
     assert "shapes match the model, all values finite" in capsys.readouterr().out
 
 
+def test_info_diffs_the_checkpoint_against_its_runs_own_config_not_the_defaults(
+    tmp_path: Path, sources: dict[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``info PATH`` compared the checkpoint with the defaults, so it listed every choice the run made (its tiny
+    model, synthetic data). It compares with the run's own config.yaml (here, a later launch's larger batch), and
+    with ``key=value`` overrides on top of it."""
+    import shutil
+
+    import yaml
+
+    checkpoint = sources["ddp"]["checkpoint"]
+    assert ckpt_tool(["info", str(checkpoint)]) == 0  # no run config.yaml beside it: the checkpoint's own
+    assert capsys.readouterr().out.splitlines()[-1] == "config diff  none"
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint.parent, run / "checkpoints")
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    batch, lr = saved["data"]["global_batch_size"], saved["optim"]["lr"]
+    saved["data"]["global_batch_size"] = 2 * batch  # what a later launch of the run composed
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert ckpt_tool(["info", str(run), "optim.lr=0.5"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    at = shown.index("config diff  (checkpoint -> run config + overrides)")
+    assert shown[at + 1:] == [f"  data.global_batch_size: {batch} -> {2 * batch}", f"  optim.lr: {lr} -> 0.5"]
+    assert ckpt_tool(["info", str(run), "model=gpt2_small"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ddptrain-ckpt: error: model=gpt2_small: expected key=value for a key of the run's config (info diffs "
+        "against the run's own config.yaml: config groups cannot be chosen here)")
+
+
 def test_verify_finds_a_non_finite_tensor_and_a_missing_checkpoint_is_one_line(
     tmp_path: Path, sources: dict[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

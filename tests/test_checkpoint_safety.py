@@ -378,3 +378,27 @@ def test_one_ranks_full_disk_stops_every_rank_with_the_same_line(tmp_path: Path)
     assert ended[0] == ended[1] and ended[0][0] is not None, ended
     assert ended[0][0].startswith("checkpoint of step 4 failed: no space left in "), ended
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+
+
+def test_verify_and_export_print_only_their_own_lines(
+    tmp_path: Path, source: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """No torch DCP warning that "torch.distributed is disabled" (the tool loads without a process group on
+    purpose) and no transformers progress bars ("Writing model shards", "Loading weights") around the results."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # as in a fresh ddptrain-ckpt process (a training run in this one turned them off)
+    checkpoint = source / "checkpoints" / "step_000004"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt_tool(["verify", str(checkpoint)]) == 0
+        assert ckpt_tool(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    out, err = capfd.readouterr()
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert err == ""
+    assert out.splitlines() == [
+        f"{checkpoint}: 81 tensors read; shapes match the model, all values finite",
+        f"exported {checkpoint} to {tmp_path / 'out'}, read back and equal to the checkpoint (load it with "
+        "AutoModelForCausalLM.from_pretrained)"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -52,12 +54,13 @@ def _batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sync_bytes(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    """Per case: bytes after a no_sync backward, (sent, uncompressed) per synced step, first step's gradients."""
+    """Per case: bytes after a no_sync backward, (sent, uncompressed) per synced step, first step's gradients,
+    each step's sync sample as the loop takes it."""
     out = {}
     for name, cfg in BYTE_CASES.items():
         ddp = DistributedDataParallel(_model())
         meter = register_compression(ddp, cfg).meter
-        no_sync, steps = [], []
+        no_sync, steps, samples = [], [], []
         for step in range(3):
             x, y = _batch(100 * step + rank, 16)
             with ddp.no_sync():
@@ -67,9 +70,9 @@ def _sync_bytes(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
             steps.append((meter.comm_bytes, meter.uncompressed_bytes))
             if step == 0:
                 grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
-            meter.reset()
+            samples.append(meter.take_sample(world_size, sampled=True)[0])  # resets the meter
             ddp.zero_grad()
-        out[name] = {"no_sync": no_sync, "steps": steps, "grads": grads}
+        out[name] = {"no_sync": no_sync, "steps": steps, "grads": grads, "samples": samples}
     return out
 
 
@@ -134,6 +137,34 @@ def test_powersgd_sends_m_plus_n_times_rank_per_matrix_after_warmup(sync_bytes: 
     rank = ParallelConfig().powersgd_rank
     compressed = 4 * ((HIDDEN + IN) * rank + HIDDEN + (OUT + HIDDEN) * rank + OUT)  # biases: too small to compress
     assert sync_bytes["powersgd"]["steps"] == [(FP32_BYTES, FP32_BYTES)] * 2 + [(compressed, FP32_BYTES)]
+
+
+def test_the_first_steps_line_gives_what_powersgd_sends_not_its_plain_warm_up_steps(
+    sync_bytes: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PowerSGD all-reduces plainly until parallel.powersgd_start_iter (2 here): the first step's line, from that
+    step's sample, says what a compressed step sends (the comm_bytes logged later), and what the warm-up sends."""
+    import ddptrain.train.first_step as first_step
+
+    rank = ParallelConfig().powersgd_rank
+    compressed = 4 * ((HIDDEN + IN) * rank + HIDDEN + (OUT + HIDDEN) * rank + OUT)
+    warm_up, later = sync_bytes["powersgd"]["samples"][0], sync_bytes["powersgd"]["samples"][2]
+    assert (warm_up.payload_bytes, later.payload_bytes) == (FP32_BYTES, compressed)  # the step did send it all
+    monkeypatch.setattr(first_step, "report_model_state", lambda *args: {})
+    monkeypatch.setattr(first_step, "shard_group_size", lambda *args: 1)
+    cfg = SimpleNamespace(train=SimpleNamespace(compile=False), parallel=SimpleNamespace(zero_stage=0))
+    t = SimpleNamespace(start=0, device=torch.device("cpu"), cfg=cfg, env=SimpleNamespace(world_size=2,
+                        local_world_size=2), trainable=NUMEL, n_params=NUMEL,
+                        probe=SimpleNamespace(after_step=lambda optimizer: None), optimizer=None, precision=None)
+    lines = {}
+    for name, sample in (("powersgd", warm_up), ("none", sync_bytes["none"]["samples"][0])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ddptrain"):
+            first_step.FirstStep(t).after_step(1, sample, log_step=True)
+        lines[name] = caplog.messages[-1]
+    assert lines["powersgd"] == (f"3.15K of 3.15K trainable; {compressed / 1e6:.3g} MB all-reduced per step "
+                                 f"({FP32_BYTES / 1e6:.3g} MB on the steps before the compression starts)")
+    assert lines["none"] == f"3.15K of 3.15K trainable; {FP32_BYTES / 1e6:.3g} MB all-reduced per step"
 
 
 def test_error_feedback_keeps_compressed_runs_within_2_percent(final_losses: dict[str, float]) -> None:

@@ -156,3 +156,21 @@ def test_an_unrecorded_save_of_a_resumed_attempt_is_prorated_over_that_attempts_
     report = account([resumed, _attempt(110.0, 6.0, 8, 12, restart=1, productive=4.0)])
     _adds_up(report)
     assert (report["goodput"]["redone_steps"], report["goodput"]["redone_steps_s"]) == (2, pytest.approx(2.0))
+
+
+@pytest.mark.parametrize("entry", ["launcher", "single process"])
+def test_the_start_is_ddptrains_own_not_that_of_a_shell_which_ran_first_and_exec_d_it(entry: str) -> None:
+    """``sh -c 'pip install ... && exec ddptrain ...'`` keeps the shell's PID, so the process's start is the
+    shell's: the start-up goodput counts begins at ddptrain's first line, after the shell's work (a sleep here)."""
+    import os
+    import subprocess
+    import sys
+
+    read = ("float(g.launcher_start())" if entry == "launcher" else "g.attempt_start()")
+    program = f"import ddptrain.telemetry.goodput as g; print(repr({read}))"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TORCHELASTIC_") and k != goodput_module.LAUNCH_START_ENV}
+    out = subprocess.run(["sh", "-c", 'sleep 1.5; date +%s.%N; exec "$0" -c "$1"', sys.executable, program],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    before_exec, started = float(out[0]), float(out[1])
+    assert started >= before_exec, f"the start {before_exec - started:.2f} s before the exec counts the shell's work"

@@ -26,7 +26,8 @@ RAY = ["launch.backend=ray", "launch.ray_workers=2"]
 # reconciliation have nothing to watch on one machine; no usage report; the raylet does not prestart a worker per
 # CPU (Train's actors carry a runtime environment of their own, so the prestarted ones were started for nothing:
 # 14 Ray worker processes per kill test before, 12 without)
-RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+# (ddptrain itself turns the preemption watcher off on a local instance: test_a_local_instance_runs_no_preemption_...)
+RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
            "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 SAME = ("world_size", "global_batch_size", "micro_batch_size", "grad_accum", "steps", "first_step_loss",
@@ -81,6 +82,18 @@ def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "run"
 
 
+def test_a_local_instance_runs_no_preemption_watcher_unless_the_user_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Train's preemption watcher has no node drains to see on one machine, and creating it logged
+    "E ... core_worker.cc: Actor with class name: 'PreemptionWatcher' ... max_restarts > 0" on every run."""
+    from ddptrain.app.ray_launch import PREEMPTION_WATCHER_ENV, local_instance_environment
+
+    monkeypatch.delenv(PREEMPTION_WATCHER_ENV, raising=False)
+    assert local_instance_environment({"A": "1"}, None) == {"A": "1", PREEMPTION_WATCHER_ENV: "0"}
+    assert local_instance_environment({"A": "1"}, "ray://head:10001") == {"A": "1"}  # a cluster: Ray's default
+    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "1")
+    assert local_instance_environment({"A": "1"}, None)[PREEMPTION_WATCHER_ENV] == "1"
+
+
 @pytest.mark.slow
 def test_ray_workers_train_as_torchruns_with_the_same_summary_and_wandb_metrics(
     tmp_path: Path, torchrun_reference: Path
@@ -100,7 +113,8 @@ def test_ray_workers_train_as_torchruns_with_the_same_summary_and_wandb_metrics(
     assert [h["loss"] for h in ray_history] == pytest.approx([h["loss"] for h in torchrun_history], rel=1e-6)
     assert set(ray_history[-1]) == set(torchrun_history[-1])
     assert "checkpoint_manager_snapshot.json" in {p.name for p in run.iterdir()}  # Ray's record of the run's storage
-    for noise in ("Traceback", "LOAD_GLOBAL", "Reporting training result", "State API", "RayTrainWorker pid="):
+    for noise in ("Traceback", "LOAD_GLOBAL", "Reporting training result", "State API", "RayTrainWorker pid=",
+                  "PreemptionWatcher"):
         assert noise not in done.stderr, noise
 
 

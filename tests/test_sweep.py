@@ -111,6 +111,38 @@ def test_an_optuna_search_gets_each_jobs_objective_and_the_report_names_the_best
         tmp_path / "search" / "sweep.md").read_text()
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_optuna_lines_carry_colour_escapes_only_on_a_terminal(
+    terminal: bool, stub_jobs: list[list[str]], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Optuna's colorlog formatter wrote ANSI escapes into a log that is not a terminal (CI, a file, a pipe)."""
+    optuna = pytest.importorskip("optuna")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    import io
+    import logging
+    import os
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    console = io.StringIO()
+    monkeypatch.setattr(console, "isatty", lambda: terminal)
+    monkeypatch.setattr(sys, "stderr", console)
+    handler = logging.StreamHandler(console)
+    handler.setFormatter(optuna.logging.create_default_formatter())  # Optuna's own handler's formatter
+    library = logging.getLogger("optuna")
+    library.addHandler(handler)
+    try:
+        assert run_cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
+                        "optim.lr=interval(1e-4,1e-2)", "hydra.sweep.dir=search"]) == 0
+    finally:
+        library.removeHandler(handler)
+    optuna_lines = [line for line in console.getvalue().splitlines() if "A new study created" in line]
+    assert optuna_lines, console.getvalue()  # Optuna spoke
+    assert any("\x1b[" in line for line in optuna_lines) == terminal, optuna_lines
+    assert ("NO_COLOR" in os.environ) != terminal
+    capfd.readouterr()
+
+
 def test_sweep_errors_are_one_line_before_any_job(stub_jobs: list[list[str]],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
@@ -216,3 +248,51 @@ def test_a_sweep_through_hydras_submitit_local_launcher_trains_and_reports(tmp_p
     assert [r["status"][:6] for r in rows] == ["failed", "ok"] and float(rows[1]["tokens_per_s"]) > 0
     assert "data.global_batch_size=2 is not divisible" in rows[0]["status"]
     assert list((tmp_path / "sweep" / ".submitit").rglob("*_log.err"))  # submitit ran them
+
+
+def test_each_readme_command_with_a_plugin_from_an_extra_names_the_extra() -> None:
+    """A new user copies the README's Optuna line and meets "hydra/sweeper=optuna is not installed": the line
+    itself says which extra brings the plugin, as the Ray line does."""
+    from ddptrain.app.sweep import PLUGINS
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    checked = 0
+    for (group, choice), install in PLUGINS.items():
+        if "ddptrain[" not in install:
+            continue
+        extra = install.split(" (")[0]  # pip install 'ddptrain[optuna]'
+        for line in readme:
+            if f"{group}={choice}" in line and line.startswith("ddptrain "):
+                checked += 1
+                assert extra in line, line
+    assert checked >= 1  # the Optuna line
+
+
+def test_sweep_png_labels_do_not_collide_and_the_legend_covers_no_bar(tmp_path: Path) -> None:
+    """Eight jobs over two keys: the x labels of each panel may not overlap one another, nor leave the figure,
+    and the breakdown's legend may not cover its bars."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    from ddptrain.app.sweep_job import JobResult
+    from ddptrain.app.sweep_report import BREAKDOWN, figure
+
+    results = [JobResult(i, [f"parallel.bucket_cap_mb={cap}", f"optim.lr={lr}"], tmp_path, 0,
+                         {"tokens_per_s": 1000.0 + 100 * i, **{key: 0.01 * (1 + i) for key in BREAKDOWN}})
+               for i, (cap, lr) in enumerate((c, lr) for c in (1, 5, 25, 100) for lr in (1e-4, 3e-3))]
+    fig = figure(results, ["parallel.bucket_cap_mb", "optim.lr"])
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    whole = fig.bbox
+    tput, parts = fig.axes[:2]
+    for axes in (tput, parts):
+        boxes = [label.get_window_extent(renderer) for label in axes.get_xticklabels() if label.get_text()]
+        assert len(boxes) == 8
+        for i, a in enumerate(boxes):
+            assert whole.x0 <= a.x0 and a.x1 <= whole.x1 and whole.y0 <= a.y0, (axes.get_title(), i)
+            for j, b in enumerate(boxes[i + 1:], i + 1):
+                assert not a.overlaps(b), (axes.get_title(), i, j)
+    legend = parts.get_legend().get_window_extent(renderer)
+    bars = Bbox.union([patch.get_window_extent(renderer) for patch in parts.patches])
+    assert not legend.overlaps(bars) and not legend.overlaps(parts.bbox)
+    assert whole.x0 <= legend.x0 and legend.x1 <= whole.x1

@@ -134,12 +134,15 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     from torch.distributed.run import run as elastic_run
 
     from ddptrain.diagnose.verdict import Failure, verdict
-    from ddptrain.runtime.topology import threads_per_worker
+    from ddptrain.runtime.topology import oversubscription_note, threads_per_worker
 
     os.environ["DDPTRAIN_RUN_DIR"] = str(run_dir)
     elastic_records_to_run_log(run_dir)
     os.environ[LAUNCH_START_ENV] = launcher_start()  # goodput's wall-clock starts with this process
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(local)))  # one share of the cores per worker
+    # one share of the cores other jobs leave idle per worker: 2 threads on 2 busy cores ran 0.15x as fast as 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(local, busy=os.getloadavg()[0])))
+    if (note := oversubscription_note(local)) is not None:
+        say(note)
     if typed.launch.max_restarts > 0:
         # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -66,6 +66,20 @@ def worker_environment(cfg: Config) -> dict[str, str]:
     return env
 
 
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def local_instance_environment(env: dict[str, str], address: str | None) -> dict[str, str]:
+    """``env`` for the job's processes (Ray Train's controller among them), and on a local instance of our own
+    (no ``address``) without Ray Train's preemption watcher: one machine has no node drains for it to see, and
+    creating its actor logged an error line on every run (``E ... core_worker.cc: Actor with class name:
+    'PreemptionWatcher' ... has constructor arguments in the object store and max_restarts > 0``). A value the
+    user set is kept; on a cluster the watcher stays Ray's default."""
+    if address:
+        return env
+    return {**env, PREEMPTION_WATCHER_ENV: os.environ.get(PREEMPTION_WATCHER_ENV, "0")}
+
+
 def launch_ray(run: Run, source: Source) -> int:
     """Train through Ray Train; the exit code of the run (one line on failure, as under torchrun)."""
     ray = import_ray()
@@ -77,8 +91,8 @@ def launch_ray(run: Run, source: Source) -> int:
     os.environ["DDPTRAIN_RUN_DIR"] = str(run_dir)
     start = launcher_start()
     os.environ[LAUNCH_START_ENV] = start
-    env = worker_environment(typed)
     address = typed.launch.ray_address or os.environ.get("RAY_ADDRESS")
+    env = local_instance_environment(worker_environment(typed), address)
     # a local instance for this run: no dashboard (ray[train] lacks its modules; it would only cost a process)
     local = {} if address else {"num_cpus": max(workers, os.cpu_count() or 1),
                                 "object_store_memory": LOCAL_OBJECT_STORE_BYTES, "include_dashboard": False}

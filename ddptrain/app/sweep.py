@@ -106,6 +106,7 @@ def run_sweep(source: Source, fail_fast: bool = False) -> int:
         raise ConfigError("--multirun launches the workers of each job itself: run it without torchrun")
     check_overrides(source.overrides, fail_fast)
     check_objective(compose_config(source, multirun=True))
+    no_colour_off_a_terminal()
     primary, name, overrides = primary_of(source)
     overrides = [*overrides, "hydra.job.name=ddptrain", *(["hydra.launcher.fail_fast=true"] if fail_fast else [])]
     app = hydra.main(config_path=str(primary), config_name=name, version_base="1.3")(sweep_job)
@@ -131,6 +132,15 @@ def run_sweep(source: Source, fail_fast: bool = False) -> int:
     say(f"ddptrain: sweep of {len(results)} jobs in {sweep_dir}: {len(results) - len(failed)} succeeded"
         + (f", failed: {', '.join(map(str, failed))}" if failed else "") + "; see sweep.md, sweep.csv, sweep.png")
     return 1 if failed or stopped else 0
+
+
+def no_colour_off_a_terminal() -> None:
+    """Optuna logs through colorlog, whose formatter writes colour escapes unless told not to (Optuna gives it no
+    stream to check for a terminal): in a CI log, a file or a pipe they are noise. Off a terminal, ``NO_COLOR``
+    (no-color.org, which colorlog honours at each line) is set for this process and its jobs; a user's
+    ``FORCE_COLOR`` still wins."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("NO_COLOR", "1")
 
 
 @contextlib.contextmanager

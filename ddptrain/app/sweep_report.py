@@ -13,12 +13,15 @@ import collections
 import csv
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app.sweep_job import JobResult, results_in, source_argv
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # summary.json keys in the report, with their headers; a column appears when some job reports it
 FIGURES = {
@@ -129,26 +132,35 @@ def _cell(value: Any, exact: bool = False) -> str:
 
 
 def plot(results: list[JobResult], keys: list[str], path: Path) -> None:
-    """Left: tokens/s per job; right: the step-time breakdown per job (failed jobs are left empty)."""
+    """``figure`` saved as ``path``."""
+    figure(results, keys).savefig(path, dpi=110)
+
+
+def figure(results: list[JobResult], keys: list[str]) -> Figure:
+    """Left: tokens/s per job; right: the step-time breakdown per job (failed jobs are left empty).
+
+    Each job's label is its values of the swept keys, one per line, turned upright: side by side, several jobs'
+    labels ran into each other. The breakdown's legend stands right of its panel, not over its bars.
+    """
     from matplotlib.figure import Figure  # here, not at import: matplotlib costs every command half a second
 
     labels = ["\n".join(f"{k.split('.')[-1]}={o.partition('=')[2]}" for k in keys
                         for o in r.overrides if o.partition("=")[0].lstrip("+~") == k) or str(r.num)
               for r in results]
-    fig = Figure(figsize=(max(8, 1.6 * len(results) + 4), 4.5))
+    fig = Figure(figsize=(max(9, 1.1 * len(results) + 6), 5), layout="constrained")
     tput, parts = fig.subplots(1, 2)
-    xs = range(len(results))
+    xs = list(range(len(results)))
     tput.bar(xs, [r.summary.get("tokens_per_s", 0.0) for r in results], color="#4C72B0")
-    tput.set(title="global tokens/s", xticks=list(xs), xticklabels=labels)
     bottom = [0.0] * len(results)
     for key in BREAKDOWN:
         heights = [r.summary.get(key, 0.0) or 0.0 for r in results]
         parts.bar(xs, heights, bottom=bottom, label=key.removeprefix("time_").removesuffix("_s"))
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    parts.set(title="step time breakdown (s)", xticks=list(xs), xticklabels=labels)
-    parts.legend(fontsize="small")
+    for axes, title in ((tput, "global tokens/s"), (parts, "step time breakdown (s)")):
+        axes.set_title(title)
+        axes.set_xticks(xs, labels, rotation=90, fontsize="small")
+    parts.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     for r, x in zip(results, xs, strict=True):
         if not r.ok:
             tput.annotate("failed", (x, 0), ha="center", va="bottom", color="#C44E52")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig

@@ -20,9 +20,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ddptrain-ckpt", description="Inspect, export and verify ddptrain "
                                      "checkpoints on one CPU process.")
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="step, strategy, world size, parameters, data position, config diff")
+    info = commands.add_parser("info", help="step, strategy, world size, parameters, data position, and how the "
+                               "checkpoint's config differs from its run's (config.yaml), with overrides on top")
     info.add_argument("path", type=Path)
-    info.add_argument("overrides", nargs="*", help="Hydra overrides of the config to diff against (as for ddptrain)")
+    info.add_argument("overrides", nargs="*", help="key=value overrides of the run's config to diff against "
+                      "(e.g. data.global_batch_size=16)")
     export = commands.add_parser("export", help="save_pretrained the model (and tokenizer) into OUT")
     export.add_argument("path", type=Path)
     export.add_argument("out", type=Path)
@@ -43,7 +45,7 @@ def run(argv: list[str]) -> int:
 
     try:
         if args.command == "info":
-            print("\n".join(offline.info(args.path, _config_now(args.overrides))))
+            print("\n".join(offline.info(args.path, args.overrides)))
         elif args.command == "export":
             used = offline.export(args.path, args.out, args.overwrite)
             print(f"exported {used} to {args.out}, read back and equal to the checkpoint (load it with "
@@ -65,13 +67,6 @@ def run(argv: list[str]) -> int:
         print(f"ddptrain-ckpt: error: {args.path}: {one_line(exc)}", file=sys.stderr)
         return 2
     return 0
-
-
-def _config_now(overrides: list[str]):
-    """The config a run with these overrides would use now, typed (what ``info`` diffs the checkpoint against)."""
-    from ddptrain.config.compose import compose_config, typed_config
-
-    return typed_config(compose_config(overrides)).typed
 
 
 def main() -> None:

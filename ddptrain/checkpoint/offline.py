@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from ddptrain.checkpoint.format import (
     read_trainer_state,
 )
 from ddptrain.checkpoint.safe import SafeReader, convert_trusted, load_plain
+from ddptrain.config.compose import build_config
+from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,11 @@ def read_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The full tensors under ``keys``, gathered from every rank's shards."""
     entries = tensor_entries(checkpoint)
     wanted = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
-    dcp.load(wanted, storage_reader=SafeReader(str(checkpoint / "state")), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it is "assuming the intent is to load in a single process" even when told so (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        dcp.load(wanted, storage_reader=SafeReader(str(checkpoint / "state")), no_dist=True)
     return wanted
 
 
@@ -90,6 +97,9 @@ def export(path: Path, out: Path, overwrite: bool = False) -> Path:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"OUT={out}: directory is not empty; choose another, or pass --overwrite to write over it")
     checkpoint, _, _ = open_checkpoint(path, checksums=True)  # a flipped bit must not become exported weights
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights": the command prints its own line
     model = build_model(checkpoint)
     names = list(model.state_dict())
     tensors = read_tensors(checkpoint, [f"model.{k}" for k in names])
@@ -108,9 +118,11 @@ def export(path: Path, out: Path, overwrite: bool = False) -> Path:
     return checkpoint
 
 
-def info(path: Path, now: Any | None) -> list[str]:
-    """Step, strategy, world size, parameter count, data position, and the config's differences from ``now``."""
+def info(path: Path, overrides: list[str] | None) -> list[str]:
+    """Step, strategy, world size, parameter count, data position, and the differences of the checkpoint's config
+    from its run's (``run_config``) with ``overrides`` on top (None: no diff)."""
     checkpoint, meta, state = open_checkpoint(path)
+    now = run_config(checkpoint, overrides) if overrides is not None else None
     lines = [
         f"checkpoint   {checkpoint}",
         f"step         {meta['step']}",
@@ -123,9 +135,26 @@ def info(path: Path, now: Any | None) -> list[str]:
         current = _flat(OmegaConf.to_container(OmegaConf.structured(now), enum_to_str=True))
         diff = [f"  {k}: {saved.get(k, '(absent)')!r} -> {current.get(k, '(absent)')!r}"
                 for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
-        lines.append("config diff  (checkpoint -> now)" if diff else "config diff  none")
+        lines.append("config diff  (checkpoint -> run config" + (" + overrides)" if overrides else ")")
+                     if diff else "config diff  none")
         lines.extend(diff)
     return lines
+
+
+def run_config(checkpoint: Path, overrides: list[str]) -> Config:
+    """The config of the checkpoint's run, typed: its run dir's ``config.yaml`` (the run's own composition, the
+    latest launch's; else the checkpoint's own ``config.yaml``), with ``key=value`` overrides on top. Not the
+    defaults: a diff against them would list every choice the run made (its experiment, model, data)."""
+    own = checkpoint.parent.parent / "config.yaml"
+    base = OmegaConf.load(own if own.is_file() else checkpoint / "config.yaml")
+    dotted = []
+    for override in overrides:
+        key = override.split("=", 1)[0].removeprefix("+")
+        if "=" not in override or "." not in key or key.startswith("~"):
+            raise ConfigError(f"{override}: expected key=value for a key of the run's config (info diffs against "
+                              "the run's own config.yaml: config groups cannot be chosen here)")
+        dotted.append(override.removeprefix("+"))
+    return build_config(base, OmegaConf.from_dotlist(dotted))
 
 
 def verify(path: Path) -> tuple[Path, list[str], int]:

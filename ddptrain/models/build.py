@@ -59,8 +59,19 @@ def build_model(
 
     hf_logging.disable_progress_bar()
     if cfg.pretrained is not None:
-        return _load_pretrained(cfg, vocab_size, device)
-    return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eos_id), attn_implementation="sdpa")
+        return with_named_loss(_load_pretrained(cfg, vocab_size, device))
+    return with_named_loss(AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, eos_id),
+                                                            attn_implementation="sdpa"))
+
+
+def with_named_loss(model: PreTrainedModel) -> PreTrainedModel:
+    """The model, its loss named. transformers finds a model's loss in its class name; GPT-2's
+    (``GPT2LMHeadModel``) names none, so the first loss printed "`loss_type=None` was set in the config but it is
+    unrecognized. Using the default loss: `ForCausalLMLoss`" (at the top of every GPT-2 dry run). The loss is
+    that same default, named here."""
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def _load_pretrained(cfg: ModelConfig, data_vocab: int, device: torch.device | None) -> PreTrainedModel:

@@ -129,8 +129,27 @@ def prepare_for_finetuning(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn
     """
     with _bitsandbytes_hidden(cfg):
         prepared = _adapt(model, cfg)
+    if cfg.quantize == Quantize.nf4:
+        keep_training_layout(prepared)
     prepared.train()
     return prepared
+
+
+def keep_training_layout(model: torch.nn.Module) -> None:
+    """Keep every 4-bit layer in the layout training differentiates through.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50.2 repacks a ``Linear4bit``'s weight for inference at its first
+    forward in eval mode (an evaluation) and keeps it so: every later forward, training ones included, then runs
+    ``bitsandbytes::gemv_4bit``, which has no autograd kernel. torch warns ("an autograd kernel was not
+    registered ... silently incorrect behavior") and the gradient through the frozen base weight is dropped, so
+    after the first evaluation the adapters of every layer but the last got wrong gradients (98-184 % off a
+    dequantized reference here, tests/test_finetune.py). Without the repacking, evaluation runs the same
+    dequantizing ``gemm_4bit`` as training."""
+    import bitsandbytes as bnb
+
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward before it repacks
 
 
 def _adapt(model: PreTrainedModel, cfg: ModelConfig) -> torch.nn.Module:
@@ -173,10 +192,17 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def trainable_line(trainable: int, total: int, comm_bytes: float | None) -> str:
-    """``1.2M of 1.1B trainable; 4.8 MB all-reduced per step`` (bytes measured on the first step, if any)."""
+def trainable_line(trainable: int, total: int, comm_bytes: float | None, warmup_bytes: float | None = None) -> str:
+    """``1.2M of 1.1B trainable; 4.8 MB all-reduced per step`` (bytes measured on the first step, if any, with
+    the compression in effect). ``warmup_bytes``: what the first steps send instead, while a compression that
+    starts late (PowerSGD) is not in effect yet."""
     line = f"{_count(trainable)} of {_count(total)} trainable"
-    return line if comm_bytes is None else f"{line}; {comm_bytes / 1e6:.3g} MB all-reduced per step"
+    if comm_bytes is None:
+        return line
+    line = f"{line}; {comm_bytes / 1e6:.3g} MB all-reduced per step"
+    if warmup_bytes is None or warmup_bytes == comm_bytes:
+        return line
+    return f"{line} ({warmup_bytes / 1e6:.3g} MB on the steps before the compression starts)"
 
 
 def _count(n: float) -> str:

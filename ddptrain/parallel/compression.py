@@ -43,16 +43,21 @@ class CommMeter:
     clock: CommClock  # host clock on gloo, CUDA events on CUDA, none where works complete at enqueue
     comm_bytes: int = 0
     uncompressed_bytes: int = 0
+    # what the same buckets send with the compression in effect: comm_bytes, except while PowerSGD warms up
+    # (its first parallel.powersgd_start_iter - 1 steps are plain all-reduces)
+    steady_bytes: int = 0
     # Each bucket's (hook call, completion of its future) on ``clock``. On CUDA the completion is an event
     # recorded in the future's callback, whose stream waits for the collective, so it marks the device's end.
     spans: list[Span] = field(default_factory=list)
     # (host clock, bucket bytes) at each hook call: when each bucket became ready, for the what-if predictor
     launches: list[tuple[float, int]] = field(default_factory=list)
 
-    def record(self, sent_bytes: int, bucket: torch.Tensor) -> None:
-        """Charge one bucket's sync: what was sent, and what an uncompressed all-reduce of ``bucket`` would send."""
+    def record(self, sent_bytes: int, bucket: torch.Tensor, steady_bytes: int | None = None) -> None:
+        """Charge one bucket's sync: what was sent, what an uncompressed all-reduce of ``bucket`` would send, and
+        (``steady_bytes``, where it differs from what was sent) what it sends once the compression is in effect."""
         self.comm_bytes += sent_bytes
         self.uncompressed_bytes += bucket.numel() * bucket.element_size()
+        self.steady_bytes += sent_bytes if steady_bytes is None else steady_bytes
 
     @property
     def ratio(self) -> float:
@@ -62,6 +67,7 @@ class CommMeter:
     def reset(self) -> None:
         self.comm_bytes = 0
         self.uncompressed_bytes = 0
+        self.steady_bytes = 0
         self.spans.clear()
         self.launches.clear()
 
@@ -86,7 +92,8 @@ class CommMeter:
             comm_s, exposed_s = self.timing()
             last = max((t for t, _ in self.launches), default=None)
             buckets = tuple((last - t, n) for t, n in self.launches) if last is not None else ()
-            sample = SyncSample(self.comm_bytes, comm_s, exposed_s, buckets)
+            steady = self.steady_bytes if self.steady_bytes != self.comm_bytes else None
+            sample = SyncSample(self.comm_bytes, comm_s, exposed_s, buckets, steady_bytes=steady)
         ratio = self.ratio
         self.reset()
         return sample, ratio
@@ -263,9 +270,28 @@ def _powersgd_hook(state: _PowerSGDState, bucket: dist.GradBucket) -> Future[tor
     compressing = powersgd.iter >= powersgd.start_powerSGD_iter  # before that: a plain all-reduce
     before = powersgd.compression_stats()[2]
     fut = powerSGD_hook(powersgd, bucket)
-    elements = powersgd.compression_stats()[2] - before if compressing else buffer.numel()
-    state.meter.record(elements * buffer.element_size(), buffer)
+    if compressing:
+        elements = powersgd.compression_stats()[2] - before
+        state.meter.record(elements * buffer.element_size(), buffer)
+    else:  # the start-up line tells what a step will send, not only what the warm-up steps do
+        steady = powersgd_elements(powersgd, bucket.gradients()) * buffer.element_size()
+        state.meter.record(buffer.numel() * buffer.element_size(), buffer, steady_bytes=steady)
     return fut
+
+
+def powersgd_elements(powersgd: PowerSGDState, gradients: list[torch.Tensor]) -> int:
+    """The elements torch's PowerSGD hook sends for these gradients once it compresses, by its own rule (its
+    ``compression_stats`` tally): each gradient viewed as a matrix of ``shape[0]`` rows; one worth compressing
+    (``min_compression_rate`` times its (n+m)·r factors is still smaller) sends (n+m)·r, any other its n·m.
+    tests/test_compression.py checks the figure against the tally of a compressed step."""
+    total = 0
+    for grad in gradients:
+        n = grad.shape[0]
+        m = grad.numel() // n
+        rank = min(n, m, powersgd.matrix_approximation_rank)
+        compressed = (n + m) * rank
+        total += compressed if compressed * powersgd.min_compression_rate < n * m else n * m
+    return total
 
 
 def register_compression(

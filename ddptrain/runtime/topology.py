@@ -23,10 +23,30 @@ from ddptrain.runtime.process_group import DistEnv
 log = logging.getLogger(__name__)
 
 
-def threads_per_worker(workers: int) -> int:
-    """Each of ``workers`` processes on one machine computes on its share of the cores (at least one thread):
-    more threads than cores spin against each other."""
-    return max(1, (os.cpu_count() or 1) // workers)
+def threads_per_worker(workers: int, busy: float = 0.0) -> int:
+    """Each of ``workers`` processes on one machine computes on its share of the cores that the rest of the
+    machine leaves idle (at least one thread): more threads than idle cores spin against each other and against
+    the other jobs. ``busy``: how many cores the rest of the machine keeps busy (the launcher passes the 1-minute
+    load average; 0: a machine of our own).
+
+    Measured (scripts/bench_threads.py, docs/benchmarks.md): one worker on the shared 2-core machine at a load
+    average of 11-14 trained at 133 tok/s with 2 threads against 912 with 1 (0.15x); with 2 threads on 2 idle
+    cores it keeps torch's default of a thread per core.
+    """
+    cores = os.cpu_count() or 1
+    idle = max(1.0, cores - busy)
+    return max(1, min(cores // workers, round(idle / workers)))
+
+
+def oversubscription_note(workers: int) -> str | None:
+    """One line when ``workers`` processes on this machine outnumber its cores (``launch.nproc_per_node=8`` on 2
+    cores): each gets one thread and they take turns on the cores, so the run is slower than with as many workers
+    as cores, and a user should hear it before the run starts rather than read it off the throughput."""
+    cores = os.cpu_count() or 1
+    if workers <= cores:
+        return None
+    return (f"ddptrain: note: launch.nproc_per_node={workers} workers on {cores} cores: each gets one thread and "
+            f"they take turns on the cores (launch.nproc_per_node={cores} trains faster here)")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,14 @@ class SyncSample:
     # per bucket, in launch order: (seconds before backward compute ended that it became ready, bytes);
     # what the what-if predictor needs to model overlap (empty when the strategy does not report it)
     buckets: tuple[tuple[float, int], ...] = ()
+    # what the step would hand to the collectives with its compression in effect: differs from payload_bytes
+    # only while a compression that starts late (PowerSGD before parallel.powersgd_start_iter) still sends plain
+    steady_bytes: float | None = None
+
+    @property
+    def compressed_bytes(self) -> float:
+        """The payload of a step with the compression in effect (payload_bytes where there is no delay)."""
+        return self.payload_bytes if self.steady_bytes is None else self.steady_bytes
 
 
 class SyncMeter(Protocol):

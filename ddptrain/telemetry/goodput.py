@@ -8,9 +8,13 @@ by the loop itself and kept across restarts in ``<run dir>/goodput.json``:
   and each manual ``train.resume=auto`` launch. Rank 0 records its attempt (start, buckets so far, last step,
   productive seconds at each checkpoint) atomically at every logging step, after every save, at least every
   ``RECORD_EVERY_S`` seconds of steps, and at the end; a resumed run reads the earlier attempts back.
-- an attempt **starts** at the ddptrain launcher's process start for a launch's first attempt
-  (``DDPTRAIN_LAUNCH_START``, set by the launcher), else at this worker process's start (a restarted worker, or
-  workers started by a bare ``torchrun``, whose agent's own start-up is then not seen).
+- an attempt **starts** when the ddptrain launcher's own code began (the first line of the ``ddptrain`` package,
+  ``ddptrain.ENTERED_AT``) for a launch's first attempt (``DDPTRAIN_LAUNCH_START``, set by the launcher); for a
+  worker that torchrun's agent spawned on its own (a restarted worker, or workers of a bare ``torchrun``, whose
+  agent's start-up is then not seen) at that worker process's start; otherwise (one process with no launcher)
+  when ddptrain's code began in it. Not the launcher's *process* start: ``sh -c 'pip install ... && exec
+  ddptrain ...'`` keeps the shell's PID and its start, and its earlier work is not ddptrain's start-up. (The
+  interpreter's own start before ddptrain's first line, tens of milliseconds, is not counted.)
 - its seconds go to one bucket each: ``startup`` (from its start to its first step: interpreter, imports, process
   group, data preparation, model build, checkpoint load), ``compile`` (the first step, compilation included, with
   ``train.compile``), ``checkpoint`` (what the loop blocks in a save: all of a synchronous save, the staging of an
@@ -40,6 +44,8 @@ from typing import Any
 
 import psutil
 
+import ddptrain
+
 log = logging.getLogger(__name__)
 
 RECORD_FILE = "goodput.json"
@@ -60,12 +66,20 @@ def attempt_start() -> float:
     _process_start_taken = True
     if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and env.get(LAUNCH_START_ENV):
         return float(env[LAUNCH_START_ENV])
-    return process_start()
+    if env.get("TORCHELASTIC_RUN_ID"):  # spawned by torchrun's agent, a fresh process: its start is ours
+        return process_start()
+    return entry_start()
 
 
 def launcher_start() -> str:
-    """The value the launcher puts in ``LAUNCH_START_ENV``: its own process's start."""
-    return repr(process_start())
+    """The value the launcher puts in ``LAUNCH_START_ENV``: when ddptrain's code began in its process."""
+    return repr(entry_start())
+
+
+def entry_start() -> float:
+    """When ddptrain's first line ran in this process (its package's import), on the wall clock: later than the
+    process's start when something else ran in the process first and then exec'd ddptrain."""
+    return ddptrain.ENTERED_AT
 
 
 def process_start() -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,7 +109,10 @@ class WandbSink:
         self.run.summary.update(figures)  # the run's summary panel: goodput_pct and its breakdown
 
     def close(self) -> None:
+        offline, sync_dir = self.run.offline, self.run.sync_dir
         self.run.finish()
+        if offline:  # nothing was uploaded: say where the run is and how to upload it
+            log.info("W&B run kept offline in %s; upload it with: wandb sync %s", sync_dir, shlex.quote(sync_dir))
 
 
 class Sinks:

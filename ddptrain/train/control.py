@@ -65,7 +65,11 @@ class StopRequest:
             return
         self.signum = signum
         record_evidence(f"{signal.Signals(signum).name} from the launcher", frame)  # in case the stop never comes
-        log.warning("%s received: %s", signal.Signals(signum).name, self.notice())
+        # Ctrl-C reaches every rank (the terminal signals the whole process group): one notice, rank 0's; the
+        # others' would print it again in their own "[rank N] WARNING" format
+        announce = not dist.is_initialized() or dist.get_rank() == 0
+        log.log(logging.WARNING if announce else logging.INFO, "%s received: %s", signal.Signals(signum).name,
+                self.notice())
         watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
         watchdog.daemon = True
         watchdog.start()

@@ -47,7 +47,9 @@ class FirstStep:
                      self.compile_s)
             if not log_step:
                 t.metrics.restart_window()
-        log.info("%s", trainable_line(t.trainable, t.n_params, sample.payload_bytes if sample else None))
+        # the compressed payload, as the logged comm_bytes will show it, not a late-starting compression's warm-up
+        log.info("%s", trainable_line(t.trainable, t.n_params, sample.compressed_bytes if sample else None,
+                                      sample.payload_bytes if sample else None))
         t.probe.after_step(t.optimizer)
         # sync point: every rank's measured model state is gathered, once
         self.model_state = report_model_state(

@@ -23,7 +23,7 @@ from ddptrain.config.choices import DataFormat, Quantize
 from ddptrain.config.schema import Config, DataConfig, ModelConfig
 from ddptrain.models import chunked_loss
 from ddptrain.models.attention import ready_attention_masks, use_causal_attention
-from ddptrain.models.build import hf_config
+from ddptrain.models.build import hf_config, with_named_loss
 from ddptrain.models.chunked_loss import causal_lm_of, use_chunked_loss
 from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
@@ -156,7 +156,8 @@ def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
 
 def pretrained_shape(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
     """The model ``model.*`` describes, initialised as from scratch; a pretrained base in ``model.dtype``."""
-    model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, None), attn_implementation="sdpa")
+    model = with_named_loss(AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size, None),
+                                                             attn_implementation="sdpa"))
     if cfg.pretrained is not None:
         model.to(DTYPES[cfg.dtype])
     return model
