@@ -10,9 +10,12 @@ then runs, for each mutant, only the tests that called its function, in processe
 settings are ``[tool.mutmut]`` in pyproject.toml; they cover all of ``ddptrain`` (``mutmut run`` in the checkout
 does that, hours on 2 cores). This script narrows them to a scope without touching the checkout: it copies the
 tracked and untracked files to a work directory (``.mutation/``, ignored by git), writes the scope into that
-copy's ``[tool.mutmut]`` (the files to mutate, and the tests whose package marks name the scope's packages:
-``tests/helpers/package_marks.py``), runs ``mutmut run`` there (one child at a time unless ``--max-children``,
-at ``nice -n 19``), and prints killed, survived, no tests, timeout and other per package as a markdown table.
+copy's ``[tool.mutmut]`` (the files to mutate; the fast tier of the test files that import them, or with
+``--tests package`` every fast test whose package marks name their packages: ``tests/helpers/package_marks.py``),
+runs ``mutmut run`` there (one child at a time unless ``--max-children``, at ``nice -n 19``), and prints per
+package, as a markdown table, the mutants killed, survived, with no tests, timed out, not checked (a run stopped
+early; ``--table-only`` prints what a work directory holds) and other. The score is killed and timed out over
+checked.
 
 "no tests" are mutants of functions no selected test calls in the pytest process: code run only by a forked rank
 or a subprocess counts there (mutmut records which tests reach a function in its own process only). They count
@@ -42,7 +45,7 @@ from tests.helpers.package_marks import imported_names, packages_named  # noqa: 
 # the columns of the table
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "type check"}
-COLUMNS = ("killed", "survived", "no tests", "timeout", "other")
+COLUMNS = ("killed", "survived", "no tests", "timeout", "not checked", "other")
 
 
 def changed_files(base: str) -> list[str]:
@@ -164,8 +167,10 @@ def table(statuses: dict[str, str]) -> str:
 
 def _row(package: str, counts: Counter[str]) -> str:
     n = sum(counts.values())
-    # a timeout is a kill (the mutant changed what the tests saw: they did not finish); no tests is not
-    score = (counts["killed"] + counts["timeout"]) / n if n else 0.0
+    # a timeout is a kill (the mutant changed what the tests saw: they did not finish); no tests is not; a run
+    # stopped early leaves mutants not checked, which count for nothing either way
+    checked = n - counts["not checked"]
+    score = (counts["killed"] + counts["timeout"]) / checked if checked else 0.0
     return f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in COLUMNS) + f" | {score:.0%} |"
 
 
@@ -189,6 +194,8 @@ def main() -> int:
     parser.add_argument("--tests", choices=("files", "package"), default="files",
                         help="files (default): the test files that import a mutated module; package: every fast test "
                              "marked with its package (kills through callers too, several times the cost)")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing: the table (and --survivors) of what the work directory holds")
     parser.add_argument("--survivors", type=Path, help="write each survivor's diff to this markdown file")
     args = parser.parse_args()
     files = (changed_files(args.base) if args.base else []) + (python_files(args.paths) if args.paths else [])
@@ -199,24 +206,26 @@ def main() -> int:
     tests = test_files_of(files) if args.tests == "files" else None
     if tests == []:
         parser.error("no test file imports these modules: use --tests package")
-    args.work.mkdir(parents=True, exist_ok=True)
-    copy_tree(args.work)
-    scoped_config(args.work / "pyproject.toml", files, tests, marks)
-    chosen = " ".join(tests) if tests is not None else f"marked {' or '.join(marks)}"
-    print(f"mutating {len(files)} files; tests: the fast tier of {chosen}", flush=True)
     mutmut = [sys.executable, "-m", "mutmut"]
-    begin, cpu0 = time.monotonic(), os.times()
-    run = subprocess.run(["nice", "-n", "19", *mutmut, "run", "--max-children", str(args.max_children)],
-                         cwd=args.work)
-    cpu1 = os.times()
-    cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
+    returncode = 0
+    if not args.table_only:
+        args.work.mkdir(parents=True, exist_ok=True)
+        copy_tree(args.work)
+        scoped_config(args.work / "pyproject.toml", files, tests, marks)
+        chosen = " ".join(tests) if tests is not None else f"marked {' or '.join(marks)}"
+        print(f"mutating {len(files)} files; tests: the fast tier of {chosen}", flush=True)
+        begin, cpu0 = time.monotonic(), os.times()
+        returncode = subprocess.run(["nice", "-n", "19", *mutmut, "run", "--max-children", str(args.max_children)],
+                                    cwd=args.work).returncode
+        cpu1 = os.times()
+        cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
+        print(f"\n{time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min (mutmut exited {returncode})\n")
     statuses = {n: s for n, s in results(args.work).items() if module_of_mutant(n) in {module_of(f) for f in files}}
-    print(f"\n{time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min (mutmut exited {run.returncode})\n")
     print(table(statuses))
     if args.survivors:
         args.survivors.write_text(survivors(args.work, statuses, mutmut))
         print(f"\nsurvivors' diffs: {args.survivors}")
-    return run.returncode
+    return returncode
 
 
 def module_of_mutant(name: str) -> str:
