@@ -444,6 +444,11 @@ MUTANTS = [
            (("ddptrain/data/corpus.py", "        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS]\n",
              ""),),
            ("tests/test_data.py", "-k", "stdlib")),
+    Mutant("budget-judges-wall-time", "a fast-tier test also fails over the budget in wall seconds (load-dependent)",
+           (("tests/helpers/timing.py",
+             '        if budget and tier(item) == "fast" and report.passed and cpu > budget:',
+             '        if budget and tier(item) == "fast" and report.passed and (cpu > budget or wall > budget):'),),
+           ("tests/test_suite_tools.py", "-k", "budget")),
 ]
 
 
