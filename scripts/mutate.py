@@ -362,8 +362,9 @@ MUTANTS = [
            (("ddptrain/data/dataset.py", "    if uses_datasets(cfg):\n", "    if True:\n"),),
            ("tests/test_startup.py", "-k", "synthetic")),
     Mutant("budget-never-fails", "the fast tier's budget is measured and never enforced",
-           (("tests/helpers/timing.py", "            if cpu > budget or wall > allowed_wall:",
-             "            if False:"),),
+           (("tests/helpers/timing.py",
+             '        if budget and tier(item) == "fast" and report.passed and cpu > budget:',
+             "        if False:"),),
            ("tests/test_suite_tools.py", "-k", "budget")),
     Mutant("xdist-groups-nothing", "tests sharing a module fixture get no xdist group (each worker sets it up)",
            (("tests/helpers/xdist_groups.py", "            item.add_marker(pytest.mark.xdist_group(group))",
@@ -833,6 +834,11 @@ MUTANTS = [
     Mutant("threads-ignore-load", "a worker takes a thread per core however busy the machine is (0.15x at load 12)",
            (("ddptrain/runtime/topology.py", "    idle = max(1.0, cores - busy)", "    idle = float(cores)"),),
            ("tests/test_console_noise.py", "-k", "leaves_idle")),
+    Mutant("budget-judges-wall-time", "a fast-tier test also fails over the budget in wall seconds (load-dependent)",
+           (("tests/helpers/timing.py",
+             '        if budget and tier(item) == "fast" and report.passed and cpu > budget:',
+             '        if budget and tier(item) == "fast" and report.passed and (cpu > budget or wall > budget):'),),
+           ("tests/test_suite_tools.py", "-k", "budget")),
 ]
 
 

@@ -50,26 +50,62 @@ def _with_timing(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_budget=BUSY_AND_IDLE)
 
 
-def test_a_fast_test_over_the_budget_fails_whether_it_computes_or_waits(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+def test_a_fast_test_over_its_cpu_budget_fails_and_one_that_only_waits_is_reported_not_failed(
+    pytester: pytest.Pytester,
 ) -> None:
     _with_timing(pytester)
-    monkeypatch.setattr(timing, "oversubscription", lambda: 1.0)  # as on a quiet machine
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--test-budget-s=0.2")
-    result.assert_outcomes(passed=2, failed=2)  # the slow tier's test and the quick one pass
-    result.stdout.fnmatch_lines(["over the fast tier's budget: 0.4 CPU s (budget 0.2), * wall s (budget 0.2 at *",
-                                 "over the fast tier's budget: 0.0 CPU s (budget 0.2), * wall s (budget 0.2 at *",
-                                 "FAILED test_budget.py::test_computes*", "FAILED test_budget.py::test_waits*"])
+    result.assert_outcomes(passed=3, failed=1)  # the waiting, the slow tier's and the quick test pass
+    result.stdout.fnmatch_lines(["over the fast tier's budget: 0.4 CPU s (budget 0.2; * wall s at * per core)*",
+                                 "*fast-tier tests over the budget in wall seconds (reported, not failed)*",
+                                 "*test_budget.py::test_waits", "FAILED test_budget.py::test_computes*"])
+    listed = result.stdout.str().split("over the budget in wall seconds")[1].split("short test summary")[0]
+    assert "test_quick" not in listed and "test_slow_computes" not in listed
 
 
-def test_the_wall_budget_grows_with_the_load_and_the_cpu_budget_does_not(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _with_timing(pytester)
-    monkeypatch.setattr(timing, "oversubscription", lambda: 4.0)  # four runnable processes per core
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--test-budget-s=0.2")
-    result.assert_outcomes(passed=3, failed=1)
-    result.stdout.fnmatch_lines(["FAILED test_budget.py::test_computes*"])
+# A test that computes 0.07 CPU s while the machine is crowded: its thread is pinned to one core and lowered to nice
+# 15, beside a busy process on that core that is no descendant of the test (started through a shell that exits, so
+# init adopts it and its CPU is not the test's). It gets a few percent of the core: a second or more of wall time
+# for 0.07 CPU s, whatever the load average says (it hardly moves in a second).
+CROWDED = """
+import os, signal, subprocess, sys, threading, time
+
+BUSY = "import time\\nend = time.time() + 30\\nwhile time.time() < end:\\n    pass"
+
+def test_crowded():
+    core = min(os.sched_getaffinity(0))
+    pid = int(subprocess.check_output(
+        ["sh", "-c", f"taskset -c {core} {sys.executable} -c '{BUSY}' >/dev/null 2>&1 & echo $!"]))
+    begin = time.perf_counter()
+
+    def work():
+        os.sched_setaffinity(0, {core})
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)  # this thread only (Linux)
+        end = time.thread_time() + 0.07
+        while time.thread_time() < end:
+            pass
+
+    try:
+        time.sleep(0.1)  # the busy process is running
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    print(f"crowded wall {time.perf_counter() - begin:.2f}")
+"""
+
+
+def test_a_test_slowed_by_the_load_passes_when_its_cpu_is_within_the_budget(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest('pytest_plugins = ["tests.helpers.timing"]\n')
+    pytester.makepyfile(test_crowded=CROWDED)
+    out = pytester.path / "timing.json"
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s", "--test-budget-s=0.15",
+                                          f"--timing-json={out}")
+    figures = json.loads(out.read_text())["test_crowded.py::test_crowded"]
+    assert figures["wall_s"] > 0.5 and figures["cpu_s"] < 0.15, figures  # the crowding happened, the work was small
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*fast-tier tests over the budget in wall seconds*", "*test_crowded.py::test_crowded"])
 
 
 def test_the_budget_is_off_at_zero_and_the_report_counts_per_file_and_tier(pytester: pytest.Pytester) -> None:
@@ -82,6 +118,8 @@ def test_the_budget_is_off_at_zero_and_the_report_counts_per_file_and_tier(pytes
     tests = json.loads(out.read_text())
     assert tests["test_budget.py::test_computes"]["cpu_s"] >= 0.35
     assert tests["test_budget.py::test_waits"]["cpu_s"] < 0.2 <= tests["test_budget.py::test_waits"]["wall_s"]
+    assert tests["test_budget.py::test_waits"]["load_per_core"] >= 0
+    assert "over the budget in wall seconds" not in result.stdout.str()  # the list is off with the budget
 
 
 def test_cpu_of_the_process_tree_counts_a_child_that_computes() -> None:

@@ -9,22 +9,23 @@ do: a test whose wall time is far above its CPU time waits (timeouts, sleeps, po
 
 The budget (``--test-budget-s``, default ``DEFAULT_BUDGET_S``) holds every fast-tier test (not marked ``slow``),
 setup and call together (a module fixture's work is charged to the test that first asks for it, as pytest's
-``--durations`` does), in two ways:
-
-- its CPU seconds may not exceed the budget: work does not depend on what else runs on the machine;
-- its wall seconds may not exceed the budget times the machine's oversubscription (the 1-minute load average per
-  core, at least 1): on a quiet machine that is the budget itself, so an idle wait longer than it fails there;
-  under load the allowance grows with the queue every process waits in, so a shared machine does not fail a test
-  for the time other jobs took.
+``--durations`` does): its CPU seconds may not exceed it. Work does not depend on what else runs on the machine, so
+the verdict does not either. Wall seconds are measured and reported, never judged: how long a test waited for a
+core is the machine's doing, and the load average cannot say what share of the cores one test got (load 6 on 2
+cores gave one test 133 wall s for 6.5 CPU s, another its full share). A fast-tier test whose wall time is over the
+budget is listed at the end of the run with its CPU seconds and the load per core when it ran: one that waits
+(timeouts, sleeps, polls) shows there with little CPU on a quiet machine, and is made to wait less or moved to the
+slow tier by hand.
 
 Each test's record also counts the processes its pytest process started (``subprocess`` calls, seen through
 Python's audit hook) and, among them, the runs of the command (``ddptrain``, directly or under torchrun): the
 start-ups a CLI-level check pays for. It also names the pytest-xdist worker that ran the test and the clock times
 (seconds since the epoch) it started and ended: the workers' timelines, where a run's tail shows.
 
-A test over budget fails with both figures. ``--test-budget-s=0`` turns the check off. ``--timing-report`` prints
-the per-file and per-tier table at the end; ``--timing-json=PATH`` writes every test's figures (what
-``scripts/bench_tests.py`` reads). Both work under pytest-xdist: the figures travel with the test reports.
+A test over the CPU budget fails with both figures. ``--test-budget-s=0`` turns the check off (and the list).
+``--timing-report`` prints the per-file and per-tier table at the end; ``--timing-json=PATH`` writes every test's
+figures, wall seconds and the load per core among them (what ``scripts/bench_tests.py`` reads).
+Both work under pytest-xdist: the figures travel with the test reports.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ def tree_cpu_s() -> float:
     return total
 
 
-def oversubscription() -> float:
-    """Runnable processes per core over the last minute, at least 1: how much longer than on a quiet machine a
-    computing process takes here."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+def load_per_core() -> float:
+    """Runnable processes per core over the last minute: reported beside a test's wall seconds (how crowded the
+    machine was), never used to judge it."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
 
 
 def plain_nodeid(item: pytest.Item) -> str:
@@ -92,8 +93,8 @@ def tier(item: pytest.Item) -> str:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddptrain timing")
     group.addoption("--test-budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help=f"a fast-tier test fails over this many CPU seconds, or wall seconds times the load per "
-                         f"core (default {DEFAULT_BUDGET_S:g}; 0: off)")
+                    help=f"a fast-tier test fails over this many CPU seconds (its process tree's); its wall seconds "
+                         f"over it are reported, not failed (default {DEFAULT_BUDGET_S:g}; 0: off)")
     group.addoption("--timing-report", action="store_true", help="print wall and CPU seconds per file and per tier")
     group.addoption("--timing-json", default=None, help="write each test's wall and CPU seconds to this file")
 
@@ -120,18 +121,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "call":
         wall, cpu = _since_start(item)
         budget = item.config.getoption("test_budget_s")
-        if budget and tier(item) == "fast" and report.passed:
-            allowed_wall = budget * oversubscription()
-            if cpu > budget or wall > allowed_wall:
-                report.outcome = "failed"
-                report.longrepr = (f"over the fast tier's budget: {cpu:.1f} CPU s (budget {budget:g}), {wall:.1f} "
-                                   f"wall s (budget {allowed_wall:.3g} at this load): make it cheaper, or move it "
-                                   f"to the slow tier")
+        # CPU only: wall seconds depend on the machine's load, which no test controls (they are reported instead)
+        if budget and tier(item) == "fast" and report.passed and cpu > budget:
+            report.outcome = "failed"
+            report.longrepr = (f"over the fast tier's budget: {cpu:.1f} CPU s (budget {budget:g}; {wall:.1f} wall s "
+                               f"at {load_per_core():.1f} runnable per core): make it cheaper, or move it to the "
+                               f"slow tier")
     elif call.when == "teardown":
         wall, cpu = _since_start(item)
         started = _started_since(item)
         record = {"test": plain_nodeid(item), "tier": tier(item), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                   "processes": len(started), "cli_runs": sum(map(is_cli_run, started)),
+                  "load_per_core": round(load_per_core(), 2),
                   # where and when it ran: the workers' timelines (which one ended last, and on what)
                   "worker": os.environ.get("PYTEST_XDIST_WORKER", "master"),
                   "start": round(item.stash[_START][3], 3), "end": round(time.time(), 3)}
@@ -150,6 +151,14 @@ class Timings:
             if key == "timing":
                 self.tests[str(value["test"])] = value
 
+    def over_wall(self, budget: float) -> list[tuple[str, dict[str, float | str]]]:
+        """The fast-tier tests whose wall seconds passed the budget, longest first: waits on a quiet machine (little
+        CPU, load per core under 1), the machine's queue on a busy one."""
+        if not budget:
+            return []
+        over = [(n, t) for n, t in self.tests.items() if t["tier"] == "fast" and float(t["wall_s"]) > budget]
+        return sorted(over, key=lambda kv: -float(kv[1]["wall_s"]))
+
     def per_file(self) -> dict[tuple[str, str], list[float]]:
         """(file, tier) -> [tests, wall s, CPU s, processes started, CLI runs]."""
         rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
@@ -162,9 +171,15 @@ class Timings:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
         if path := config.getoption("timing_json"):
             Path(path).write_text(json.dumps(self.tests, indent=1, sort_keys=True))
+        write = terminalreporter.write_line
+        if waited := self.over_wall(config.getoption("test_budget_s")):
+            terminalreporter.section("fast-tier tests over the budget in wall seconds (reported, not failed)")
+            write(f"{'wall s':>8} {'CPU s':>8} {'load/core':>9}  test")
+            for nodeid, t in waited:
+                figures = (float(t["wall_s"]), float(t["cpu_s"]), float(t["load_per_core"]))
+                write(f"{figures[0]:>8.1f} {figures[1]:>8.1f} {figures[2]:>9.1f}  {nodeid}")
         if not config.getoption("timing_report"):
             return
-        write = terminalreporter.write_line
         rows = self.per_file()
         terminalreporter.section("time per file and tier (wall and CPU seconds of each test's process tree)")
         write(f"{'file':<45} {'tier':<5} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'procs':>6} {'CLI':>5}")

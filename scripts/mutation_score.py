@@ -1,0 +1,256 @@
+"""The mutation score of ddptrain's fast tier by mutmut, for the files a change touches or for whole packages.
+
+    python scripts/mutation_score.py --base main                       # the ddptrain files changed since main
+    python scripts/mutation_score.py ddptrain/runtime/allocator.py ddptrain/diagnose
+    python scripts/mutation_score.py ddptrain/diagnose --survivors survivors.md
+
+mutmut (the ``mutation`` extra: ``pip install -e .[mutation]``) writes every mutant it can make of a function into a
+copy of the tree (``mutants/``) behind a trampoline, runs the tests once to learn which tests call which function,
+then runs, for each mutant, only the tests that called its function, in processes forked from its own. Its
+settings are ``[tool.mutmut]`` in pyproject.toml; they cover all of ``ddptrain`` (``mutmut run`` in the checkout
+does that, hours on 2 cores). This script narrows them to a scope without touching the checkout: it copies the
+tracked and untracked files to a work directory (``.mutation/``, ignored by git), writes the scope into that
+copy's ``[tool.mutmut]`` (the files to mutate; the fast tier of the test files that import them, or with
+``--tests package`` every fast test whose package marks name their packages: ``tests/helpers/package_marks.py``),
+runs ``mutmut run`` there (one child at a time unless ``--max-children``, at ``nice -n 19``), and prints per
+package, as a markdown table, the mutants killed, survived, with no tests, timed out, not checked (a run stopped
+early; ``--table-only`` prints what a work directory holds) and other. The score is killed and timed out over
+checked.
+
+"no tests" are mutants of functions no selected test calls in the pytest process: code run only by a forked rank
+or a subprocess counts there (mutmut records which tests reach a function in its own process only). They count
+against the score: a rule no in-process test reaches is a rule the fast tier cannot guard. docs/mutation.md has
+what a run costs and the triage of the survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.helpers.package_marks import imported_names, packages_named  # noqa: E402 (the checkout's helpers)
+
+# mutmut's exit codes (mutmut.stats.status_by_exit_code, which is not a public API: repeated here), folded into
+# the columns of the table
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
+          24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "type check"}
+COLUMNS = ("killed", "survived", "no tests", "timeout", "not checked", "other")
+
+
+def changed_files(base: str) -> list[str]:
+    """The Python files under ddptrain/ that differ from ``base`` (committed or not), and still exist."""
+    out = subprocess.run(["git", "diff", "--name-only", base, "--", "ddptrain"], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    return sorted(f for f in out.split() if f.endswith(".py") and (REPO / f).is_file())
+
+
+def python_files(paths: list[str]) -> list[str]:
+    """Each path as the Python files it names (a directory: every file under it), relative to the checkout."""
+    files: set[str] = set()
+    for p in paths:
+        path = (REPO / p).resolve()
+        if not path.exists() or REPO / "ddptrain" not in (path, *path.parents):
+            raise SystemExit(f"mutation_score: {p}: expected a file or directory under ddptrain/")
+        found = [path] if path.is_file() else sorted(path.rglob("*.py"))
+        files |= {str(f.relative_to(REPO)) for f in found if f.suffix == ".py"}
+    return sorted(files)
+
+
+def module_of(file: str) -> str:
+    """``ddptrain/plan/memory/trace.py`` -> ``ddptrain.plan.memory.trace``."""
+    return file.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def package_of(module: str) -> str:
+    """The row a module's mutants are counted in: its package below ddptrain (plan's subpackages apart)."""
+    parts = module.split(".")
+    if len(parts) > 3 and parts[1] == "plan":
+        return ".".join(parts[1:3])
+    return parts[1] if len(parts) > 2 else module
+
+
+def marks_of(files: list[str]) -> list[str]:
+    """The package marks whose tests run against these files (``plan_memory`` for plan/memory, and so on)."""
+    marks: set[str] = set()
+    for f in files:
+        named = packages_named({module_of(f)})
+        # plan's subpackages have marks of their own: the narrower one selects the tests that use the file
+        marks |= {m for m in named if m.startswith("plan_")} or named
+    return sorted(marks)
+
+
+def test_files_of(files: list[str]) -> list[str]:
+    """The test files that import one of these modules themselves (``from M import x`` or ``import M``)."""
+    modules = {module_of(f) for f in files}
+    found = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        names = imported_names(path)
+        if any(n == m or n.startswith(m + ".") for n in names for m in modules):
+            found.append(str(path.relative_to(REPO)))
+    return found
+
+
+def copy_tree(work: Path) -> None:
+    """The checkout's tracked and untracked files (not ignored ones) into ``work``, as scripts/mutate.py does."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            target = work / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    return str(value)
+
+
+def scoped_config(pyproject: Path, files: list[str], tests: list[str] | None, marks: list[str]) -> None:
+    """Rewrite the copy's ``[tool.mutmut]``: only ``files`` mutated; the fast tier of ``tests`` (test files) run,
+    or with ``tests`` None, the fast tests whose package marks are ``marks``."""
+    text = pyproject.read_text()
+    settings = dict(tomllib.loads(text)["tool"]["mutmut"])
+    settings["only_mutate"] = files
+    if tests is not None:
+        settings["pytest_add_cli_args_test_selection"] = tests
+    else:
+        args = list(settings.get("pytest_add_cli_args", []))
+        where = args.index("-m")  # the fast tier's `-m "not slow"`, narrowed to the scope's packages
+        args[where + 1] = f"({' or '.join(marks)}) and ({args[where + 1]})"
+        settings["pytest_add_cli_args"] = args
+    start = text.index("[tool.mutmut]")
+    end = text.find("\n[", start + 1)
+    table = "[tool.mutmut]\n" + "".join(f"{key} = {toml_value(v)}\n" for key, v in settings.items()) + "\n"
+    pyproject.write_text(text[:start] + table + (text[end + 1:] if end != -1 else ""))
+
+
+def results(work: Path) -> dict[str, str]:
+    """Each mutant's status, from mutmut's per-file records (``mutants/<file>.meta``)."""
+    statuses: dict[str, str] = {}
+    for meta in (work / "mutants").rglob("*.py.meta"):
+        for name, code in json.loads(meta.read_text()).get("exit_code_by_key", {}).items():
+            statuses[name] = "not checked" if code is None else STATUS.get(code, "other")
+    return statuses
+
+
+def table(statuses: dict[str, str]) -> str:
+    per_package: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, status in statuses.items():
+        per_package[package_of(module_of_mutant(name))][status if status in COLUMNS else "other"] += 1
+    lines = ["| package | mutants | " + " | ".join(COLUMNS) + " | score |", "|---|" + "---:|" * (len(COLUMNS) + 2)]
+    totals: Counter[str] = Counter()
+    for package, counts in sorted(per_package.items()):
+        totals.update(counts)
+        lines.append(_row(package, counts))
+    if len(per_package) > 1:
+        lines.append(_row("**all**", totals))
+    return "\n".join(lines)
+
+
+def _row(package: str, counts: Counter[str]) -> str:
+    n = sum(counts.values())
+    # a timeout is a kill (the mutant changed what the tests saw: they did not finish); no tests is not; a run
+    # stopped early leaves mutants not checked, which count for nothing either way
+    checked = n - counts["not checked"]
+    score = (counts["killed"] + counts["timeout"]) / checked if checked else 0.0
+    return f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in COLUMNS) + f" | {score:.0%} |"
+
+
+def survivors(work: Path, statuses: dict[str, str]) -> str:
+    """Each surviving mutant as a diff against the original function, read from mutmut's mutated file (where
+    ``<function>__mutmut_<n>`` sits beside ``<function>__mutmut_orig``): what ``mutmut show`` prints, without a
+    process per mutant (``mutmut show`` takes 10 s each on a busy machine)."""
+    sources: dict[str, dict[str, str]] = {}
+    parts = []
+    for name in sorted(n for n, s in statuses.items() if s == "survived"):
+        module = module_of_mutant(name)
+        if module not in sources:
+            path = work / "mutants" / (module.replace(".", "/") + ".py")
+            text = path.read_text()
+            lines = text.splitlines()
+            sources[module] = {node.name: "\n".join(lines[node.lineno - 1:node.end_lineno])
+                               for node in ast.walk(ast.parse(text))
+                               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+        function = name[len(module) + 1:]
+        original = sources[module].get(function.rsplit("__mutmut_", 1)[0] + "__mutmut_orig", "")
+        mutated = sources[module].get(function, "")
+        diff = difflib.unified_diff(original.replace("__mutmut_orig", "").splitlines(),
+                                    mutated.replace(function, function.rsplit("__mutmut_", 1)[0]).splitlines(),
+                                    lineterm="", n=1)
+        body = "\n".join(line for line in list(diff)[2:])
+        parts.append(f"### {name}\n\n```diff\n{body}\n```\n")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", help="files or directories under ddptrain/ to mutate")
+    parser.add_argument("--base", help="mutate the ddptrain files changed since this commit (git diff --name-only)")
+    parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
+    parser.add_argument("--work", type=Path, default=REPO / ".mutation",
+                        help="the copy mutmut runs in (default .mutation/; kept: a rerun of the same scope only "
+                             "tests what changed)")
+    parser.add_argument("--tests", choices=("files", "package"), default="files",
+                        help="files (default): the test files that import a mutated module; package: every fast test "
+                             "marked with its package (kills through callers too, several times the cost)")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing: the table (and --survivors) of what the work directory holds")
+    parser.add_argument("--survivors", type=Path, help="write each survivor's diff to this markdown file")
+    args = parser.parse_args()
+    files = (changed_files(args.base) if args.base else []) + (python_files(args.paths) if args.paths else [])
+    if not files:
+        parser.error("nothing to mutate: name files or directories under ddptrain/, or --base with changes")
+    files = sorted(set(files))
+    marks = marks_of(files)
+    tests = test_files_of(files) if args.tests == "files" else None
+    if tests == []:
+        parser.error("no test file imports these modules: use --tests package")
+    mutmut = [sys.executable, "-m", "mutmut"]
+    returncode = 0
+    if not args.table_only:
+        args.work.mkdir(parents=True, exist_ok=True)
+        copy_tree(args.work)
+        scoped_config(args.work / "pyproject.toml", files, tests, marks)
+        chosen = " ".join(tests) if tests is not None else f"marked {' or '.join(marks)}"
+        print(f"mutating {len(files)} files; tests: the fast tier of {chosen}", flush=True)
+        begin, cpu0 = time.monotonic(), os.times()
+        returncode = subprocess.run(["nice", "-n", "19", *mutmut, "run", "--max-children", str(args.max_children)],
+                                    cwd=args.work).returncode
+        cpu1 = os.times()
+        cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
+        print(f"\n{time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min (mutmut exited {returncode})\n")
+    statuses = {n: s for n, s in results(args.work).items() if module_of_mutant(n) in {module_of(f) for f in files}}
+    print(table(statuses))
+    if args.survivors:
+        args.survivors.write_text(survivors(args.work, statuses))
+        print(f"\nsurvivors' diffs: {args.survivors}")
+    return returncode
+
+
+def module_of_mutant(name: str) -> str:
+    """``ddptrain.runtime.allocator.x_read__mutmut_3`` -> ``ddptrain.runtime.allocator`` (methods: ``.xǁClassǁ``)."""
+    return name.split(".x_")[0].split(".xǁ")[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
