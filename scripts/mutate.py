@@ -178,8 +178,9 @@ MUTANTS = [
              "self.position += self.shape.micro_batch_size"),),
            ("tests/test_data_prepare.py", "-k", "stream and not training_run")),
     Mutant("plan-recommends-unfit", "the memory plan recommends micro batches whose peak fits but not with allowances",
-           (("ddptrain/plan/memory/planner.py", "if peak + allow > device.free_gib * GiB:",
-             "if peak > device.free_gib * GiB:"),),
+           (("ddptrain/plan/memory/planner.py",
+             "        return sum(categories.values()) + allowances(categories, stage).total",
+             "        return sum(categories.values())"),),
            ("tests/test_memory_trace.py", "-k", "plan_json or recommend")),
     Mutant("plan-fits-ignores-allowances", "plan.json's fits compares the traced peak alone with the device",
            (("ddptrain/plan/memory/planner.py", "return self.total <= self.device.free_gib * GiB",
@@ -376,7 +377,7 @@ MUTANTS = [
     # tokens_seen, malformed records, sweeps), and the assertions that kill them
     Mutant("auto-whole-batch-unchecked", "auto takes the whole per-rank batch on the fit's word, no exact trace",
            (("ddptrain/plan/memory/auto_batch.py",
-             "if per_rank > 1 and fits(per_rank, fitted=True) and fits(per_rank):",
+             "if per_rank > 1 and fits(per_rank):",
              "if per_rank > 1 and fits(per_rank, fitted=True):"),),
            ("tests/test_auto_batch.py", "-k", "whole_per_rank or whole_batch or largest")),
     Mutant("auto-whole-batch-accumulates", "auto plans the whole per-rank batch as an accumulating micro batch",
@@ -443,6 +444,32 @@ MUTANTS = [
            (("ddptrain/data/corpus.py", "        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS]\n",
              ""),),
            ("tests/test_data.py", "-k", "stdlib")),
+    # issue 49, one plan, one answer: the dry run's figures are full traces of the settings they name
+    Mutant("plan-row-stops-at-its-start", "an option's search keeps its starting micro batch where a larger one fits",
+           (("ddptrain/plan/memory/planner.py", "        while i + 1 < len(ds) and fits(ds[i + 1]):",
+             "        while False:"),),
+           ("tests/test_plan_consistency.py", "-k", "default_target or any_guess")),
+    Mutant("plan-options-against-full-memory", "the options table and recommendation chosen against the whole "
+                                               "memory, auto against it less its margin",
+           (("ddptrain/plan/memory/planner.py", "    limit = usable_bytes(device)\n",
+             "    limit = device.free_gib * GiB\n"),),
+           ("tests/test_plan_consistency.py", "-k", "default_target")),
+    Mutant("plan-by-checkpointing-from-the-fit", "the by-checkpointing line from the fit of small traces",
+           (("ddptrain/plan/memory/planner.py",
+             "    by_mode = {c: configured if c == mode else planned(batch.micro_batch_size, c, stage, accumulating)",
+             "    by_mode = {c: configured if c == mode else planned(batch.micro_batch_size, c, stage, accumulating, "
+             "True)"),),
+           ("tests/test_plan_consistency.py", "-k", "default_target")),
+    Mutant("plan-recommendation-says-not-why", "the recommendation names a smaller micro batch than another option "
+                                               "that fits without saying why",
+           (("ddptrain/plan/memory/render.py", '              + ("" if note is None else f"; {note}") + ".")',
+             '              + ".")'),),
+           ("tests/test_plan_consistency.py", "-k", "default_target")),
+    Mutant("plan-fit-ignores-moment-switch", "the fit of small traces mixes corners that peak at different moments",
+           (("ddptrain/plan/memory/planner.py",
+             "        if not moments_switch(fit.traced, micro_batches[-2:], fit.depths)",
+             "        if True or not moments_switch(fit.traced, micro_batches[-2:], fit.depths)"),),
+           ("tests/test_plan_consistency.py", "-k", "follows_the_moment")),
 ]
 
 

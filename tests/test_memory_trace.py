@@ -519,7 +519,7 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(
     # a tiny model on a T4: the step and the recommendation, allowances included, fit its memory
     assert plan["fits"] is True and plan["total_bytes_per_rank"] <= plan["device_memory_bytes"]
     assert best["total_bytes_per_rank"] <= plan["device_memory_bytes"]
-    assert abs(plan["fit_gap"]) < 0.02
+    assert plan["fit_gap"] is None  # every figure a full trace: no fit of small traces stood in for one
     # the LM head and loss chunk by chunk (on by default): their share with chunking on and off
     share = plan["logits_and_loss"]
     assert plan["chunked_loss"] and share["chunk_tokens"] == 16  # a number only where the two traces differ

@@ -252,6 +252,10 @@ class Tracer:
             self._fits[key] = PeakFit.from_traces(self, checkpointing, working_copy)
         return self._fits[key]
 
+    def has_fit(self, checkpointing: ActivationCheckpointing, working_copy: bool = False) -> bool:
+        """Whether the fit for this mode has been traced (auto's search traces it; the dry run's options do not)."""
+        return (checkpointing, working_copy) in self._fits
+
     def exact(self, micro_batch: int, checkpointing: ActivationCheckpointing, working_copy: bool = False,
               accumulating: bool = True, chunked_loss: bool | None = None) -> PeakMemory:
         """The step of the configured depth at ``micro_batch``: one- and two-block traces of that micro batch,
@@ -332,7 +336,7 @@ class Option:
     step_s: float | None  # predicted step time; None without a device peak
     speedup: float | None  # over one device doing the same global batch
     accumulation: float = 0.0  # of ``peak``: what accumulating adds (earlier micro batches' gradients held)
-    fit_gap: float = 0.0  # the fit of small traces at this micro batch over the full trace, minus 1
+    fit_gap: float | None = None  # the fit of small traces here over the full trace, minus 1; None: no fit traced
 
     @property
     def total(self) -> float:
@@ -479,7 +483,7 @@ class MemoryPlan:
     traced: PeakMemory  # the configured step, one rank, no sharding
     by_category: dict[str, float]  # ... under the configured ZeRO stage
     allowances: Allowances
-    fit_gap: float  # the fit's peak at the configured size over the full trace's, minus 1
+    fit_gap: float | None  # the fit's peak at the configured size over the full trace's, minus 1; None: no fit
     options: list[Option]  # the best micro batch per stage and checkpointing mode, fastest first; fits only
     # checkpointing mode -> the fitted categories of the configured micro batch, depth and stage in that mode
     by_mode: dict[ActivationCheckpointing, dict[str, float]]
@@ -581,12 +585,13 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
 
     One model of memory: every figure here is a full trace (``Tracer.exact``: one- and two-block traces of that
     micro batch, scaled by depth) sharded for its stage, plus the allowances, as ``data.micro_batch_size=auto``
-    weighs it. The fit of small traces only guesses where each option's search starts; its miss at each
-    option's micro batch is kept (``Option.fit_gap``). Each option's micro batch is the largest divisor of the
-    per-rank batch whose full trace fits the usable memory (``usable_bytes``, auto's), and the next larger one's
-    does not (``largest_divisor_that_fits``). Modes are weighed from the least recompute to the most (none,
-    selective, full); a mode that fits the whole per-rank batch in one micro batch ends the stage's search, as
-    more recompute cannot make that faster."""
+    weighs it. Each option's micro batch is the largest divisor of the per-rank batch whose full trace fits the
+    usable memory (``usable_bytes``, auto's), and the next larger one's does not (``largest_divisor_that_fits``,
+    starting from the configured micro batch, which the by-checkpointing line traces in every mode). No fit of
+    small traces stands in for a figure; where auto's search traced one (it starts from it), its miss at each
+    option's micro batch and at the configured one is kept (``fit_gap``). Modes are weighed from the least
+    recompute to the most (none, selective, full); a mode that fits the whole per-rank batch in one micro batch
+    ends the stage's search, as more recompute cannot make that faster."""
     tracer = tracer or Tracer(cfg, vocab, device)
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
@@ -609,28 +614,33 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
                 else tracer.exact(micro_batch, c, working_copy, accumulating))
         return shard(peak.by_category, stage, n, plan, accumulating)
 
-    def need(micro_batch: int, c: ActivationCheckpointing, stage: int, accumulating: bool,
-             fitted: bool = False) -> float:
-        categories = planned(micro_batch, c, stage, accumulating, fitted)
+    def need(micro_batch: int, c: ActivationCheckpointing, stage: int, accumulating: bool) -> float:
+        categories = planned(micro_batch, c, stage, accumulating)
         return sum(categories.values()) + allowances(categories, stage).total
+
+    def fit_gap(micro_batch: int, c: ActivationCheckpointing, stage: int, accumulating: bool) -> float | None:
+        """The fit of small traces over the full trace, minus 1, where a fit was traced (auto's search starts
+        from it); None where none was: nothing then stood in for a full trace."""
+        if not tracer.has_fit(c, low and stage >= 2):
+            return None
+        fitted = sum(planned(micro_batch, c, stage, accumulating, fitted=True).values())
+        return fitted / sum(planned(micro_batch, c, stage, accumulating).values()) - 1
 
     traced = tracer.exact(batch.micro_batch_size, mode, False, accumulating)
     stage_traced = tracer.exact(batch.micro_batch_size, mode, True, accumulating) if low and stage >= 2 else traced
     configured = shard(stage_traced.by_category, stage, n, plan, accumulating)
-    fitted = sum(planned(batch.micro_batch_size, mode, stage, accumulating, fitted=True).values())
     options = []
     per_rank = batch.global_batch_size // n
     modes = sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
     for option_stage in stages:
         for c in modes:
-            guess = max((m for m in divisors(per_rank)
-                         if need(m, c, option_stage, m < per_rank, fitted=True) <= limit), default=1)
+            # from the configured micro batch, whose full trace the by-checkpointing line needs in every mode
             m = largest_divisor_that_fits(lambda m, acc, c=c, s=option_stage: need(m, c, s, acc), per_rank, limit,
-                                          guess)
+                                          batch.micro_batch_size)
             if m is None:
                 continue
-            options.append(weigh(Weighed(plan, device, option_stage, c, m, per_rank // m),
-                                 planned, allowances))
+            option = weigh(Weighed(plan, device, option_stage, c, m, per_rank // m), planned, allowances)
+            options.append(replace(option, fit_gap=fit_gap(m, c, option_stage, m < per_rank)))
             if m == per_rank:
                 break
     options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
@@ -642,7 +652,7 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=mode, stage=stage, traced=traced,
         by_category=configured, allowances=allowances(configured, stage),
-        fit_gap=fitted / sum(configured.values()) - 1, options=options, by_mode=by_mode,
+        fit_gap=fit_gap(batch.micro_batch_size, mode, stage, accumulating), options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
         host_note=selective_host_bound(note_mode, cfg.train.compile, block_seconds(plan, device, note_micro, layers),
@@ -665,20 +675,19 @@ class Weighed:
 
 def weigh(w: Weighed, planned: Callable[..., dict[str, float]],
           allowances: Callable[[dict[str, float], int], Allowances]) -> Option:
-    """``w`` as an option: its full trace's bytes (and what accumulating adds to them), its allowances, the fit's
-    miss at its micro batch and its predicted step."""
+    """``w`` as an option: its full trace's bytes (and what accumulating adds to them), its allowances and its
+    predicted step."""
     accumulating = w.grad_accum > 1
     categories = planned(w.micro_batch, w.checkpointing, w.stage, accumulating)
     peak = sum(categories.values())
     alone = sum(planned(w.micro_batch, w.checkpointing, w.stage, False).values()) if accumulating else peak
-    fitted = sum(planned(w.micro_batch, w.checkpointing, w.stage, accumulating, fitted=True).values())
     n = w.plan.batch.dp
     step = predicted_step_s(w.plan, w.device, w.stage, w.checkpointing, w.micro_batch, w.grad_accum, n)
     single = (predicted_step_s(w.plan, w.device, 0, w.checkpointing, w.micro_batch, w.grad_accum * n, 1)
               if step else None)
     return Option(w.stage, w.checkpointing, w.micro_batch, w.grad_accum, peak,
                   allowances(categories, w.stage).total, step, single / step if step and single else None,
-                  accumulation=peak - alone, fit_gap=fitted / peak - 1)
+                  accumulation=peak - alone)
 
 
 def block_seconds(plan: Plan, device: Device, micro_batch: int, num_layers: int) -> float | None:

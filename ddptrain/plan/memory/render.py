@@ -48,10 +48,11 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
         out.print("Recommendation: no micro batch fits, at any ZeRO stage, in any checkpointing mode.")
         return out.export_text()
     usable = f"{mp.usable / GiB:,.1f} GiB usable ({mp.device.free_gib:,.1f} less a {AUTO_MARGIN:.0%} margin, as auto)"
-    gaps = [o.fit_gap for o in mp.options]
+    gaps = [o.fit_gap for o in mp.options if o.fit_gap is not None]
+    fit = (f"; auto's search started from a fit of small traces, off by {min(gaps):+.1%} to {max(gaps):+.1%} "
+           "there" if gaps else "")
     rec = Table(title=f"Largest micro batch that fits {usable}, per ZeRO stage and checkpointing mode, fastest "
-                      "first: each row a full trace at its micro batch (the fit of small traces that started each "
-                      f"search was off by {min(gaps):+.1%} to {max(gaps):+.1%} there)")
+                      f"first: each row a full trace at its micro batch{fit}")
     for column in ("stage", "checkpointing", "micro batch", "grad_accum", "per rank (with allowances)",
                    "predicted step", "speedup"):
         rec.add_column(column, justify="left" if column == "stage" else "right")
