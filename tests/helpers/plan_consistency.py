@@ -170,9 +170,10 @@ def assert_printed_equals_written(run: DryRun) -> None:
     record, flat = run.record, run.flat
     usable = record["usable_bytes_per_rank"]
     for o in record["options"]:
+        held = f" (+{o['accumulation_bytes'] / GiB:,.2f} GiB)" if o["accumulation_bytes"] > 0 else ""
         cells = [STAGE_NAMES[o["zero_stage"]], o["activation_checkpointing"], str(o["micro_batch_size"]),
-                 str(o["grad_accum"]), f"{o['total_bytes_per_rank'] / GiB:,.1f} of {usable / GiB:,.1f} GiB"]
-        row = r"│\s*" + r"\s*│\s*".join(re.escape(c) for c in cells)
+                 f"{o['grad_accum']}{held}", f"{o['total_bytes_per_rank'] / GiB:,.1f} of {usable / GiB:,.1f} GiB"]
+        row = r"│\s*" + r"\s*│\s*".join(re.escape(c) for c in cells) + r"\s*│"
         assert re.search(row, run.text), f"no printed row {cells}"
     for mode, by in record["by_checkpointing"].items():
         assert (f"{mode}: {by['activations_bytes'] / GiB:,.2f} GiB (peak {by['peak_bytes_per_rank'] / GiB:,.2f} GiB)"

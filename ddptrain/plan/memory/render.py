@@ -57,11 +57,15 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
                    "predicted step", "speedup"):
         rec.add_column(column, justify="left" if column == "stage" else "right")
     for o in mp.options:
+        held = f" (+{o.accumulation / GiB:,.2f} GiB)" if o.accumulation > 0 else ""
         rec.add_row(_STAGE_NAMES[o.stage], str(o.checkpointing), str(o.micro_batch),
-                    str(o.grad_accum), _bytes(o, mp.usable),
+                    f"{o.grad_accum}{held}", f"{o.total / GiB:,.1f} of {mp.usable / GiB:,.1f} GiB",
                     "?" if o.step_s is None else f"{o.step_s * 1e3:,.1f} ms",
                     "?" if o.speedup is None else f"{o.speedup:.2f}x on {world_size}")
     out.print(rec)
+    if any(o.accumulation > 0 for o in mp.options):
+        out.print("grad_accum (+x GiB): what accumulating holds of the row's bytes per rank (the earlier micro "
+                  "batches' gradients), which a step without accumulation does not.")
     best = mp.options[0]
     note = mp.recommendation_note
     out.print(f"Recommendation: micro batch {best.micro_batch} (grad_accum {best.grad_accum}), checkpointing "
