@@ -86,8 +86,8 @@ def test_the_options_are_full_traces_even_where_the_fit_of_small_traces_misses(
     """A fit of small traces stands in for nothing printed: auto's search starts from it, and with a fit twice too
     high (or half too low) auto, the rows, the recommendation and the by-checkpointing line are the same; the
     fit's miss shows in ``fit_gap`` (plan.json's, and each row's of the mode auto searched)."""
-    overrides = ["plan.world_size=1", "data.global_batch_size=16", "data.micro_batch_size=auto", "data.seq_len=64",
-                 "train.loss_chunk_tokens=16", "plan.device=cpu", "plan.device_memory_gib=0.07"]
+    overrides = ["plan.world_size=1", "data.global_batch_size=8", "data.micro_batch_size=auto", "data.seq_len=64",
+                 "train.loss_chunk_tokens=16", "plan.device=cpu", "plan.device_memory_gib=0.05"]
     honest = dry_run(overrides).record
     fit = memory_planner.Tracer.fit
     for scale in (2.0, 0.5):
