@@ -9,6 +9,7 @@ for its stage and mode). Traces are shared by the module's tests (``tests/helper
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,9 +94,9 @@ def test_the_options_are_full_traces_even_where_the_fit_of_small_traces_misses(
     for scale in (2.0, 0.5):
         def off(self: memory_planner.Tracer, *args: Any, scale: float = scale) -> memory_planner.PeakFit:
             right = fit(self, *args)
-            return memory_planner.PeakFit({k: {phase: {c: v * scale for c, v in by.items()}
-                                               for phase, by in phases.items()}
-                                           for k, phases in right.traced.items()}, right.depths)
+            return dataclasses.replace(right, traced={k: {phase: {c: v * scale for c, v in by.items()}
+                                                          for phase, by in phases.items()}
+                                                      for k, phases in right.traced.items()})
 
         with monkeypatch.context() as patch:
             patch.setattr(memory_planner.Tracer, "fit", off)
