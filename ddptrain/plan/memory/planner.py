@@ -3,9 +3,10 @@ configuration the planner recommends.
 
 Every category of a phase's peak grows linearly with the number of transformer blocks (each block adds the
 same parameters and saves the same activations per sequence), so one- and two-block traces of a micro batch
-give its step at any depth, exactly; that is how the configured step is traced (``Tracer.exact``). The
-recommendation needs the peak at other micro batches and in each activation checkpointing mode: six traces at micro
-batches 1, 2 and 3 give a fit for any size (``PeakFit``), whose gap from the configured step is reported.
+give its step at any depth, exactly; that is how every step the dry run prints is traced (``Tracer.exact``): the
+configured one, each option's micro batch in each activation checkpointing mode, the by-checkpointing line. A fit
+through micro batches 1, 2 and 3 (``PeakFit``) only tells ``data.micro_batch_size=auto`` where to start its search;
+where it was traced, its gap from the full trace is reported.
 ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/analytic/planner.py``.
 """
 
