@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddptrain.config.schema import ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
-from ddptrain.train.step import accumulate_gradients
+from ddptrain.step.compute import accumulate_gradients
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train_each
 from tests.helpers.tiny import TINY_MODEL

@@ -31,8 +31,8 @@ from ddptrain.models.chunked_loss import (
 )
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.parallel import wrap_model
-from ddptrain.train.step import accumulate_gradients
-from ddptrain.train.weighting import TOKEN_MEAN_LOSS
+from ddptrain.step.compute import accumulate_gradients
+from ddptrain.step.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.chunks import CountedChunks, HeadTraffic, head_bytes_per_chunk, outcomes_counting_chunks
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides

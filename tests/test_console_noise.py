@@ -47,13 +47,13 @@ def test_a_stop_signal_is_announced_once_by_rank_0_not_by_every_rank(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Ctrl-C signals every process of the terminal's group: each rank's console used to print the notice, rank 1
-    in its "[rank 1] WARNING ddptrain.train.control:" format. Each rank's console as ``setup_logging`` makes it."""
+    in its "[rank 1] WARNING ddptrain.step.control:" format. Each rank's console as ``setup_logging`` makes it."""
     import signal
 
     import torch.distributed as dist
 
+    from ddptrain.step.control import StopRequest
     from ddptrain.telemetry import setup_logging
-    from ddptrain.train.control import StopRequest
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)

@@ -12,7 +12,7 @@ import torch
 from ddptrain.config.schema import Config, ModelConfig, ParallelConfig
 from ddptrain.models import build_model
 from ddptrain.parallel import wrap_model
-from ddptrain.train.step import accumulate_gradients
+from ddptrain.step.compute import accumulate_gradients
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import TINY_MODEL
 

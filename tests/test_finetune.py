@@ -23,8 +23,8 @@ from ddptrain.models.lora import parameter_counts, prepare_for_finetuning
 from ddptrain.parallel import wrap_model
 from ddptrain.plan.analytic.planner import Plan, build_plan
 from ddptrain.plan.analytic.render import render_plan
-from ddptrain.train.step import accumulate_gradients
-from ddptrain.train.weighting import TOKEN_MEAN_LOSS
+from ddptrain.step.compute import accumulate_gradients
+from ddptrain.step.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import count_checkpoint_calls, train_each_watched

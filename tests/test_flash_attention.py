@@ -96,8 +96,8 @@ def _lora_grads(path: Path, flash: bool, batches: list[dict[str, Any]]) -> torch
     from ddptrain.config.schema import LoraSettings, ModelConfig
     from ddptrain.models import build_model
     from ddptrain.models.lora import prepare_for_finetuning
-    from ddptrain.train.step import accumulate_gradients
-    from ddptrain.train.weighting import TOKEN_MEAN_LOSS
+    from ddptrain.step.compute import accumulate_gradients
+    from ddptrain.step.weighting import TOKEN_MEAN_LOSS
 
     cfg = ModelConfig(pretrained=str(path), lora=LoraSettings(enabled=True, r=4, alpha=8.0))
     torch.manual_seed(1)

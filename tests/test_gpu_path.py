@@ -196,7 +196,7 @@ class _Offloaded(nn.Module):
 def test_evaluation_reduces_on_the_runs_device_not_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     from contextlib import nullcontext
 
-    from ddptrain.train.step import evaluate
+    from ddptrain.step.compute import evaluate
 
     reduced: list[torch.device] = []
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *_, **__: reduced.append(tensor.device))
@@ -205,7 +205,7 @@ def test_evaluation_reduces_on_the_runs_device_not_the_parameters(monkeypatch: p
 
 
 def test_clipping_off_computes_the_norm_without_a_clipping_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddptrain.train.step import clip_gradients
+    from ddptrain.step.compute import clip_gradients
 
     model = nn.Linear(3, 1)
     model(torch.ones(2, 3)).sum().backward()

@@ -17,8 +17,8 @@ from ddptrain.config.choices import OptimImpl
 from ddptrain.config.compose import build_config
 from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, resolve_impl
-from ddptrain.train.control import NonFiniteSteps, guard_loss
-from ddptrain.train.step import apply_update
+from ddptrain.step.compute import apply_update
+from ddptrain.step.control import NonFiniteSteps, guard_loss
 from tests.helpers.dist import run_distributed
 from tests.helpers.host_reads import HostReads
 from tests.helpers.runs import Overrides, train_each

@@ -87,9 +87,9 @@ def import_graph() -> dict[str, set[str]]:
 
 # The packages bottom to top: each may import those before it, never one after it (imports inside functions
 # included: a lazy import is still a dependency, only a later one). A package's ``__main__`` is an entry point
-# like ``app`` (nothing imports it), so it may import anything. ``train`` is two layers: the step's pieces
-# (``STEP_MODULES``, and ``ddptrain.train`` itself, which imports nothing) sit below ``plan``, whose memory trace
-# runs them on fake tensors, one definition of a training step; the trainer, which plans its own run, above it.
+# like ``app`` (nothing imports it), so it may import anything. The step's pieces (``step``) sit below ``plan``,
+# whose memory trace runs them on fake tensors, one definition of a training step; the trainer (``train``), which
+# plans its own run, above it.
 LAYERS = (
     "errors",      # one-line errors every layer raises
     "diagnose",    # where each rank is, evidence of hangs: stdlib only, so every layer can report
@@ -105,23 +105,16 @@ LAYERS = (
     "parallel",    # wrap_model: DDP, ZeRO, FSDP2
     "checkpoint",  # the checkpoint format, saving and the offline library
     "testing",     # fault injection, as step hooks
-    "train.step",  # the step's pieces: micro batches' forward/backward, weighting, loss guard, clip, update
+    "step",        # the step's pieces: micro batches' forward/backward, weighting, loss guard, clip, update
     "plan",        # planners and predictors over models, data and optimizers
     "train",       # the trainer and its loop
     "app",         # the commands: ddptrain, ddptrain-ckpt
 )
 
 
-# The modules of ``train`` in its lower layer, ``train.step``: what a training step computes, with no trainer state.
-STEP_MODULES = ("step", "control", "tokens", "weighting")
-
-
 def _unit(module: str) -> str:
-    """The entry of ``LAYERS`` a ``ddptrain.<package>...`` module belongs to: its package, or ``train.step``."""
-    parts = module.split(".")
-    if parts[1] == "train" and (len(parts) == 2 or parts[2] in STEP_MODULES):
-        return "train.step"
-    return parts[1]
+    """The entry of ``LAYERS`` a ``ddptrain.<package>...`` module belongs to: its package."""
+    return module.split(".")[1]
 
 
 def _layer(module: str) -> int:
@@ -181,16 +174,12 @@ def test_the_layer_check_finds_a_lazy_upward_import(tmp_path: Path) -> None:
     assert "ddptrain.config.schema -> ddptrain.models.lora" in upward_imports(graph)
 
 
-def test_the_step_layer_names_modules_of_train_that_exist() -> None:
-    assert sorted(n for n in STEP_MODULES if f"ddptrain.train.{n}" not in _modules("ddptrain")) == []
-
-
-def test_the_layer_check_finds_a_step_piece_importing_the_trainer() -> None:
+def test_the_layer_check_finds_a_step_piece_importing_the_trainer_or_the_planner() -> None:
     graph = import_graph()
-    graph["ddptrain.train.weighting"].add("ddptrain.train.trainer")
-    graph["ddptrain.train"].add("ddptrain.plan.memory.trace")
-    assert {"ddptrain.train.weighting -> ddptrain.train.trainer",
-            "ddptrain.train -> ddptrain.plan.memory.trace"} <= set(upward_imports(graph))
+    graph["ddptrain.step.weighting"].add("ddptrain.train.trainer")
+    graph["ddptrain.step"].add("ddptrain.plan.memory.trace")
+    assert {"ddptrain.step.weighting -> ddptrain.train.trainer",
+            "ddptrain.step -> ddptrain.plan.memory.trace"} <= set(upward_imports(graph))
 
 
 def test_every_plan_module_has_a_place_in_the_plan_layers() -> None:
@@ -318,13 +307,14 @@ def backward_calls(files: dict[str, ast.Module]) -> list[str]:
                   and node.func.attr == "backward")
 
 
-def test_autograds_backward_is_called_only_under_train() -> None:
-    """One definition of a training step: the trainer's, which the memory planner runs too."""
-    outside = {p: t for p, t in _package_files().items() if not p.startswith("ddptrain/train/")}
+def test_autograds_backward_is_called_only_in_the_step_package() -> None:
+    """One definition of a training step: ``ddptrain/step/``, which the trainer and the memory planner both run."""
+    outside = {p: t for p, t in _package_files().items() if not p.startswith("ddptrain/step/")}
     assert backward_calls(outside) == []
+    assert backward_calls(_package_files("step")) != []  # the check looks where the step is
 
 
-def test_the_backward_check_finds_a_backward_outside_train() -> None:
+def test_the_backward_check_finds_a_backward_outside_the_step() -> None:
     found = backward_calls({"ddptrain/plan/x.py": ast.parse("def f(loss):\n    (loss * 2).backward()\n"),
                             "ddptrain/plan/y.py": ast.parse("import torch\ntorch.autograd.backward([x])\n")})
     assert found == ["ddptrain/plan/x.py:2", "ddptrain/plan/y.py:2"]
@@ -422,8 +412,7 @@ def test_the_summary_key_check_finds_a_keyed_read() -> None:
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Package -> the packages its modules import (functions' imports included). A package's ``__main__`` is part
-    of its package; ``ddptrain`` itself and ``ddptrain.__main__`` are the top; the step's pieces are ``train.step``,
-    a layer of their own (``LAYERS``)."""
+    of its package; ``ddptrain`` itself and ``ddptrain.__main__`` are the top."""
     def package(module: str) -> str:
         parts = module.split(".")
         return _unit(module) if len(parts) > 1 and parts[1] != "__main__" else "ddptrain"
@@ -440,6 +429,24 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_no_package_level_import_cycle_even_through_an_entry_point() -> None:
     assert _cycles(package_graph(import_graph())) == []
+
+
+def mutual_imports(packages: dict[str, set[str]]) -> list[str]:
+    """Every pair of packages that import each other, as ``a <-> b``."""
+    return sorted(f"{a} <-> {b}" for a, deps in packages.items() for b in deps if a < b and a in packages.get(b, ()))
+
+
+def test_no_two_packages_import_each_other() -> None:
+    """The folders are the layers: no package (``train`` included) is two layers that import each other."""
+    packages = package_graph(import_graph())
+    assert mutual_imports(packages) == []
+    assert {"step", "plan", "train"} <= set(packages)
+
+
+def test_the_mutual_import_check_finds_the_trainer_and_planner_importing_each_other() -> None:
+    graph = import_graph()
+    graph["ddptrain.plan.memory.trace"].add("ddptrain.train.trainer")  # what plan -> train.step was, by folder
+    assert "plan <-> train" in mutual_imports(package_graph(graph))
 
 
 def test_the_package_cycle_check_finds_an_entry_points_cycle() -> None:

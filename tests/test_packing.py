@@ -21,8 +21,8 @@ from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
-from ddptrain.train.step import accumulate_gradients
-from ddptrain.train.weighting import TOKEN_MEAN_LOSS
+from ddptrain.step.compute import accumulate_gradients
+from ddptrain.step.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import make_config, train_each
 

@@ -19,7 +19,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.models import build_model
 from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.lora import prepare_for_finetuning
-from ddptrain.train.step import accumulate_gradients
+from ddptrain.step.compute import accumulate_gradients
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
 from tests.helpers.tiny import TINY_MODEL
@@ -78,7 +78,7 @@ def test_a_base_saved_with_attention_dropout_trains_with_it(tmp_path: Path) -> N
 
 
 def _evaluate_twice(rank: int, world_size: int, base: str) -> list[bool]:
-    from ddptrain.train.step import evaluate
+    from ddptrain.step.compute import evaluate
 
     model = _loaded(Path(base), lora=LORA, activation_checkpointing="full")
     modes = []

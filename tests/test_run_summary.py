@@ -28,7 +28,7 @@ TRAILING = ["flops_per_token", "peak_tflops", "predicted", "model_state", "bucke
 
 def _train_keeping_step_ones_loss(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """``train_each`` of BASE through a trainer that also returns step 1's loss as the step computed it."""
-    from ddptrain.train.step import Stepped
+    from ddptrain.step.compute import Stepped
     from ddptrain.train.trainer import Trainer
 
     seen: list[float] = []

@@ -1,4 +1,4 @@
-"""The step's pieces (``ddptrain/train/step.py``) as the trainer and the memory plan both run them."""
+"""The step's pieces (``ddptrain/step/compute.py``) as the trainer and the memory plan both run them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ddptrain.train.control import guard_loss
-from ddptrain.train.step import MicroStep, accumulate_gradients
-from ddptrain.train.weighting import MEAN_LOSS
+from ddptrain.step.compute import MicroStep, accumulate_gradients
+from ddptrain.step.control import guard_loss
+from ddptrain.step.weighting import MEAN_LOSS
 
 
 def test_a_micro_batchs_loss_and_its_graph_are_released_before_the_next_forward() -> None:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from ddptrain.config.choices import DataFormat
 from ddptrain.data.types import IGNORE
-from ddptrain.train.tokens import loss_tokens
-from ddptrain.train.weighting import MEAN_LOSS, TOKEN_MEAN_LOSS, weighting_for
+from ddptrain.step.tokens import loss_tokens
+from ddptrain.step.weighting import MEAN_LOSS, TOKEN_MEAN_LOSS, weighting_for
 
 
 def test_the_first_label_of_each_row_carries_no_loss_and_ignored_ones_none() -> None:

@@ -72,11 +72,11 @@ def test_a_rank_that_aborted_inside_a_collective_is_a_mismatch(tmp_path: Path) -
     (folder / "rank1.stacks").write_text(
         "Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
         '  File "/x/torch/distributed/distributed_c10d.py", line 2900 in all_reduce\n'
-        '  File "/x/ddptrain/train/step.py", line 46 in global_mean\n'
+        '  File "/x/ddptrain/step/compute.py", line 46 in global_mean\n'
         '  File "/x/ddptrain/train/loop.py", line 120 in train\n\nThread 0x2:\n')
     line = verdict(tmp_path, [Failure(1, -6, "SIGABRT")], 2, 15, "vm")
     assert line is not None and line.startswith("rank 1 (host vm) aborted (SIGABRT) inside a collective at step 0 "
-                                                "(ddptrain/train/step.py:46): its collective does not match")
+                                                "(ddptrain/step/compute.py:46): its collective does not match")
 
 
 def test_without_evidence_of_a_hang_or_a_death_there_is_no_verdict(tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ def _aborted_by_the_watchdog(folder: Path, rank: int) -> None:
     (folder / f"rank{rank}.stacks").write_text(
         "Fatal Python error: Aborted\n\nThread 0x2 (most recent call first):\n"
         '  File "/x/torch/distributed/distributed_c10d.py", line 2900 in all_reduce\n'
-        '  File "/x/ddptrain/train/step.py", line 46 in global_mean\n'
+        '  File "/x/ddptrain/step/compute.py", line 46 in global_mean\n'
         '  File "/x/ddptrain/train/loop.py", line 120 in train\n\n')
 
 

@@ -5,7 +5,7 @@ inf check over the shards) scales the loss before backward and unscales the grad
 check agrees with the step's non-finite verdict on every rank (the gradients it reads are the synced ones), and
 the update is skipped on that verdict on the device (``apply_update``), so an overflow costs no host read. An
 overflow (non-finite gradients from a finite loss) is the scaler's normal back-off (the scale halves), counted in
-``scaler_backoffs``, not a ``train.nan_policy`` event. A non-finite loss is a policy event (``train/control.py``):
+``scaler_backoffs``, not a ``train.nan_policy`` event. A non-finite loss is a policy event (``step/control.py``):
 its update is skipped too, and the scale also halves (the scaler cannot tell the two apart on its own), but it
 counts in ``skipped_steps``, not as a back-off. The scale and its growth tracker are checkpointed and resume
 exactly.

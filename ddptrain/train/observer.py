@@ -20,10 +20,10 @@ from types import TracebackType
 import torch
 
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
+from ddptrain.step.control import guard_loss, overflowing, poisoned
 from ddptrain.telemetry.goodput import Goodput, continuing
 from ddptrain.telemetry.measured_peak import MeasuredPeak
 from ddptrain.telemetry.profile import StepProfiler
-from ddptrain.train.control import guard_loss, overflowing, poisoned
 from ddptrain.train.first_step import FirstStep
 from ddptrain.train.view import TrainerView
 

@@ -51,20 +51,7 @@ from ddptrain.runtime.hooks import StepHooks
 from ddptrain.runtime.process_group import DistEnv, device_precision, main_first, seed_everything
 from ddptrain.runtime.starting import INTACT_CACHE, starting
 from ddptrain.runtime.topology import gather_topology
-from ddptrain.telemetry import Sinks
-from ddptrain.telemetry.goodput import attempt_start, goodput_line
-from ddptrain.telemetry.measured_peak import memory_peak
-from ddptrain.telemetry.memory import ModelStateProbe
-from ddptrain.telemetry.metrics import StepMetrics, TokenFlops, steady_medians
-from ddptrain.telemetry.stragglers import StragglerMonitor
-from ddptrain.telemetry.summary import RunSummary, SteadyFigures
-from ddptrain.testing.faults import step_hooks
-from ddptrain.train.components import RunShape, autocast_context, resume_target
-from ddptrain.train.control import NonFiniteSteps, Stopped, StopRequest, agree
-from ddptrain.train.drift import DriftCheck
-from ddptrain.train.loss_scale import LossScaler
-from ddptrain.train.observer import StepObserver
-from ddptrain.train.step import (
+from ddptrain.step.compute import (
     MicroStep,
     Stepped,
     accumulate_gradients,
@@ -74,8 +61,21 @@ from ddptrain.train.step import (
     global_mean,
     settle_nonfinite,
 )
-from ddptrain.train.tokens import MicroBatch
-from ddptrain.train.weighting import Weighting, weighting_for
+from ddptrain.step.control import NonFiniteSteps, Stopped, StopRequest, agree
+from ddptrain.step.tokens import MicroBatch
+from ddptrain.step.weighting import Weighting, weighting_for
+from ddptrain.telemetry import Sinks
+from ddptrain.telemetry.goodput import attempt_start, goodput_line
+from ddptrain.telemetry.measured_peak import memory_peak
+from ddptrain.telemetry.memory import ModelStateProbe
+from ddptrain.telemetry.metrics import StepMetrics, TokenFlops, steady_medians
+from ddptrain.telemetry.stragglers import StragglerMonitor
+from ddptrain.telemetry.summary import RunSummary, SteadyFigures
+from ddptrain.testing.faults import step_hooks
+from ddptrain.train.components import RunShape, autocast_context, resume_target
+from ddptrain.train.drift import DriftCheck
+from ddptrain.train.loss_scale import LossScaler
+from ddptrain.train.observer import StepObserver
 
 log = logging.getLogger("ddptrain")
 

@@ -23,6 +23,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.plan.analytic.planner import Plan, build_plan
 from ddptrain.plan.memory.overheads import RunOverheads, ranks_per_node
 from ddptrain.plan.memory.planner import (
+    AUTO_MARGIN,
     RECOMPUTE,
     Allowances,
     Device,
@@ -32,13 +33,11 @@ from ddptrain.plan.memory.planner import (
     compute_dtype,
     divisors,
     shard,
+    usable_bytes,
 )
 
-# The share of the device's memory that auto leaves free, beyond the planner's allowances: it commits a run to a
-# batch with nobody reading the plan, so it keeps room for what the trace cannot see (kernels' workspaces,
-# a padded prompt/completion batch's mask, the allocator's fragmentation beyond the assumed 10%; see
-# docs/memory_plan.md). 10% of an 80 GB card is 8 GB, several micro batches' activations of a 4B model.
-AUTO_MARGIN = 0.10
+# AUTO_MARGIN, the share of the device's memory auto leaves free, is the planner's: the dry run's options and
+# recommendation are chosen against the same usable memory (``planner.usable_bytes``).
 
 
 @dataclass(frozen=True)
@@ -87,11 +86,6 @@ class StepNeed:
         allowances = Allowances.for_run(device, categories, stage, n, 4.0 * plan.trainable,
                                         cfg.parallel.gradient_as_bucket_view, self.overheads)
         return sum(categories.values()) + allowances.total
-
-
-def usable_bytes(device: Device) -> float:
-    """The device's free memory (its total less what is already in use) less ``AUTO_MARGIN``."""
-    return device.free_gib * GiB * (1 - AUTO_MARGIN)
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int, guess: int) -> int:
@@ -150,7 +144,7 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
     if not fits(1):
         raise ConfigError(nothing_fits(cfg, need, usable, device))
     largest = 1
-    if per_rank > 1 and fits(per_rank, fitted=True) and fits(per_rank):  # without accumulation: can fit alone
+    if per_rank > 1 and fits(per_rank):  # without accumulation: can fit alone (a full trace: the fit can miss)
         largest = per_rank
     elif per_rank > 1:
         below = per_rank - 1  # accumulating micro batches: their need grows with the micro batch

@@ -3,15 +3,17 @@ configuration the planner recommends.
 
 Every category of a phase's peak grows linearly with the number of transformer blocks (each block adds the
 same parameters and saves the same activations per sequence), so one- and two-block traces of a micro batch
-give its step at any depth, exactly; that is how the configured step is traced (``Tracer.exact``). The
-recommendation needs the peak at other micro batches and in each activation checkpointing mode: six traces at micro
-batches 1, 2 and 3 give a fit for any size (``PeakFit``), whose gap from the configured step is reported.
+give its step at any depth, exactly; that is how every step the dry run prints is traced (``Tracer.exact``): the
+configured one, each option's micro batch in each activation checkpointing mode, the by-checkpointing line. A fit
+through micro batches 1, 2 and 3 (``PeakFit``) only tells ``data.micro_batch_size=auto`` where to start its search;
+where it was traced, its gap from the full trace is reported.
 ZeRO stages change the model state by the sharding formula of ``ddptrain/plan/analytic/planner.py``.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import psutil
@@ -29,6 +31,15 @@ from ddptrain.plan.memory.trace import ACCUMULATING, StepSetup, fake_training_st
 from ddptrain.telemetry.storage_peak import CATEGORIES, PeakMemory, PeakTracker
 
 GiB = 1024**3
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+# The share of the device's memory that a choice leaves free, beyond the planner's allowances: auto's micro batch,
+# each option's largest micro batch and the recommendation are chosen against the same usable memory, so they
+# agree (``usable_bytes``). A choice commits a run to a batch with nobody reading the plan, so it keeps room for
+# what the trace cannot see (kernels' workspaces, a padded prompt/completion batch's mask, the allocator's
+# fragmentation beyond the assumed 10%; see docs/memory_plan.md). 10% of an 80 GB card is 8 GB, several micro
+# batches' activations of a 4B model.
+AUTO_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -144,37 +155,53 @@ class PeakFit:
     """Each phase's peak, category by category, bilinear in the micro batch m and the number of blocks L; the
     step's peak is the highest phase's.
 
-    Small traces at one and two blocks give the slope in L (identical blocks: exact, tests/test_memory_trace.py).
+    Small traces at two depths d and d + 1 give the slope in L (identical blocks: exact, tests/test_memory_trace.py).
     At a traced micro batch that is all. In m, a phase's peak is the highest of its moments, each linear in m, so
     a line through two micro batches can miss where another moment overtakes: m = 1 is traced itself, larger
     micro batches follow the line through m = 2 and 3, and ``Tracer.exact`` traces the micro batch itself where
-    the answer must hold (the configured step, ``data.micro_batch_size=auto``).
+    the answer must hold (the configured step, auto, every option the dry run prints: ``plan_memory``).
+
+    The formula combines the four corner traces (m = 2, 3 at the two depths) category by category, which holds
+    only while the phase peaks at the same moment in all four. It need not: under CUDA's autocast lists a
+    GPT-2 block saves fp32 activations, and its one-block step's backward peaks at the end (the tied
+    embedding's fp32 gradient temporaries, the same at any m) while its two-block step's backward peaks in a
+    block (growing with m): mixed, the slopes are garbage (negative gradients, 28 GiB of temporaries at
+    micro batch 64 for a step that holds 2.8). A moment never holds less of any category with one block
+    more or one micro batch more, so a category that shrinks between corners shows the switch
+    (``moments_switch``); the fit then takes its depths one block deeper (``from_traces``), where the blocks'
+    moments lead.
     """
 
     traced: dict[tuple[int, int], Phases]  # (m, L) -> phase -> category -> bytes
+    depths: tuple[int, int] = (1, 2)  # the two depths traced at each micro batch: d and d + 1
 
     @classmethod
     def from_traces(cls, tracer: Tracer, checkpointing: ActivationCheckpointing, working_copy: bool = False,
                     micro_batches: tuple[int, ...] = (1, 2, 3)) -> PeakFit:
-        """Traces of one and two blocks at each of ``micro_batches`` (each an accumulating step)."""
-        return cls({(m, n): tracer.phases(m, checkpointing, n, working_copy)
-                    for m in micro_batches for n in (1, 2)})
+        """Traces at each of ``micro_batches`` (each an accumulating step) of one and two blocks, or of two and
+        three where the corners' moments switch (and the model has three blocks)."""
+        fit = cls({(m, n): tracer.phases(m, checkpointing, n, working_copy) for m in micro_batches for n in (1, 2)})
+        if not moments_switch(fit.traced, micro_batches[-2:], fit.depths) or tracer.cfg.model.num_layers < 3:
+            return fit
+        deeper = (2, 3)
+        return cls({(m, n): tracer.phases(m, checkpointing, n, working_copy) for m in micro_batches for n in deeper},
+                   deeper)
 
     def peak_at(self, micro_batch: int, num_layers: int, accumulating: bool = True) -> PeakMemory:
         """The highest phase's peak, fitted for ``micro_batch`` and ``num_layers``; ``accumulating``: grad_accum
         above 1."""
-        p = self.traced
-        m0, m1 = (micro_batch, micro_batch) if (micro_batch, 1) in p else (2, 3)
-        dm, dl = micro_batch - m0, num_layers - 1
+        p, (d0, d1) = self.traced, self.depths
+        m0, m1 = (micro_batch, micro_batch) if (micro_batch, d0) in p else (2, 3)
+        dm, dl = micro_batch - m0, (num_layers - d0) / (d1 - d0)
         phases = {}
-        for phase in p[m0, 1]:
+        for phase in p[m0, d0]:
             def at(m: int, n: int, c: str, phase: str = phase) -> float:
                 return p[m, n][phase][c]
 
             phases[phase] = {
-                c: at(m0, 1, c) + dm * (at(m1, 1, c) - at(m0, 1, c)) / max(m1 - m0, 1)
-                + dl * (at(m0, 2, c) - at(m0, 1, c))
-                + dm * dl * (at(m1, 2, c) - at(m1, 1, c) - at(m0, 2, c) + at(m0, 1, c)) / max(m1 - m0, 1)
+                c: at(m0, d0, c) + dm * (at(m1, d0, c) - at(m0, d0, c)) / max(m1 - m0, 1)
+                + dl * (at(m0, d1, c) - at(m0, d0, c))
+                + dm * dl * (at(m1, d1, c) - at(m1, d0, c) - at(m0, d1, c) + at(m0, d0, c)) / max(m1 - m0, 1)
                 for c in CATEGORIES
             }
         return highest(phases, accumulating)
@@ -182,6 +209,19 @@ class PeakFit:
     def at(self, micro_batch: int, num_layers: int, accumulating: bool = True) -> dict[str, float]:
         """The categories at the highest of the phases' peaks, fitted for ``micro_batch`` and ``num_layers``."""
         return dict(self.peak_at(micro_batch, num_layers, accumulating).by_category)
+
+
+def moments_switch(traced: dict[tuple[int, int], Phases], micro_batches: tuple[int, ...],
+                   depths: tuple[int, int]) -> bool:
+    """Whether some phase peaks at different moments among the corners: a category that holds less with one
+    block more (at a micro batch) or with the larger micro batch (at a depth) than the corner before."""
+    def shrinks(a: dict[str, int], b: dict[str, int]) -> bool:
+        return any(b[c] < a[c] for c in a)
+
+    m0, m1 = micro_batches
+    d0, d1 = depths
+    return any(shrinks(traced[m, d0][phase], traced[m, d1][phase]) for m in micro_batches for phase in traced[m, d0]) \
+        or any(shrinks(traced[m0, d][phase], traced[m1, d][phase]) for d in depths for phase in traced[m0, d])
 
 
 class Tracer:
@@ -213,6 +253,10 @@ class Tracer:
         if key not in self._fits:
             self._fits[key] = PeakFit.from_traces(self, checkpointing, working_copy)
         return self._fits[key]
+
+    def has_fit(self, checkpointing: ActivationCheckpointing, working_copy: bool = False) -> bool:
+        """Whether the fit for this mode has been traced (auto's search traces it; the dry run's options do not)."""
+        return (checkpointing, working_copy) in self._fits
 
     def exact(self, micro_batch: int, checkpointing: ActivationCheckpointing, working_copy: bool = False,
               accumulating: bool = True, chunked_loss: bool | None = None) -> PeakMemory:
@@ -309,6 +353,8 @@ class Option:
     allowance: float
     step_s: float | None  # predicted step time; None without a device peak
     speedup: float | None  # over one device doing the same global batch
+    accumulation: float = 0.0  # of ``peak``: what accumulating adds (earlier micro batches' gradients held)
+    fit_gap: float | None = None  # the fit of small traces here over the full trace, minus 1; None: no fit traced
 
     @property
     def total(self) -> float:
@@ -317,6 +363,41 @@ class Option:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def usable_bytes(device: Device) -> float:
+    """The device's free memory (its total less what is already in use) less ``AUTO_MARGIN``: what every choice
+    of the plan (auto, the options, the recommendation) fits into."""
+    return device.free_gib * GiB * (1 - AUTO_MARGIN)
+
+
+def largest_divisor_that_fits(need: Callable[[int, bool], float], per_rank: int, limit: float, guess: int
+                              ) -> int | None:
+    """The largest divisor d of ``per_rank`` whose step fits ``limit``: ``need(d, accumulating)`` is a full trace's
+    bytes, accumulating where d is below ``per_rank``; None when even 1 does not fit.
+
+    From ``guess`` (the fit's answer) it steps up while the next divisor fits, else down until one does: a right
+    guess costs two probes, itself and the next divisor. The undivided batch is one step without accumulation,
+    so it can fit where a smaller micro batch with accumulation (whose earlier micro batches' gradients are held)
+    does not: it is asked too where the failed divisor's step would fit without accumulation (the same traces).
+    The same answer as ``data.micro_batch_size=auto`` (``auto_batch.choose_micro_batch``) for its stage and mode.
+    """
+    ds = divisors(per_rank)
+
+    def fits(d: int) -> bool:
+        return need(d, d < per_rank) <= limit
+
+    def undivided_instead(failed: int) -> bool:
+        return failed != per_rank and need(failed, False) <= limit and fits(per_rank)
+
+    i = ds.index(max(d for d in ds if d <= max(guess, 1)))
+    if fits(ds[i]):
+        while i + 1 < len(ds) and fits(ds[i + 1]):
+            i += 1
+        return per_rank if i + 1 < len(ds) and undivided_instead(ds[i + 1]) else ds[i]
+    if undivided_instead(ds[i]):
+        return per_rank
+    return next((d for d in reversed(ds[:i]) if fits(d)), None)
 
 
 @dataclass(frozen=True)
@@ -420,13 +501,14 @@ class MemoryPlan:
     traced: PeakMemory  # the configured step, one rank, no sharding
     by_category: dict[str, float]  # ... under the configured ZeRO stage
     allowances: Allowances
-    fit_gap: float  # the fit's peak at the configured size over the full trace's, minus 1
+    fit_gap: float | None  # the fit's peak at the configured size over the full trace's, minus 1; None: no fit
     options: list[Option]  # the best micro batch per stage and checkpointing mode, fastest first; fits only
     # checkpointing mode -> the fitted categories of the configured micro batch, depth and stage in that mode
     by_mode: dict[ActivationCheckpointing, dict[str, float]]
     logits: LogitsShare | None = None  # the head's and loss's share with train.chunked_loss on and off
     configured_chunked: bool = True  # train.chunked_loss as configured
     host_note: str | None = None  # eager selective checkpointing bound by the host (host_cost.py)
+    usable: float = 0.0  # the memory every option is chosen against: the free memory less AUTO_MARGIN
 
     @property
     def peak(self) -> float:
@@ -440,6 +522,25 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.total <= self.device.free_gib * GiB
 
+    @property
+    def recommendation_note(self) -> str | None:
+        """Why the recommendation's micro batch is smaller than another option's that fits, when it is: the
+        larger one's predicted step beside the recommendation's (or, without a device peak to predict with, the
+        rule that ranked it: less recompute, then a lower stage)."""
+        if not self.options:
+            return None
+        best = self.options[0]
+        larger = [o for o in self.options if o.micro_batch > best.micro_batch]
+        if not larger:
+            return None
+        other = max(larger, key=lambda o: o.micro_batch)  # the fastest of the largest: options are fastest first
+        head = (f"micro batch {other.micro_batch} (grad_accum {other.grad_accum}, checkpointing {other.checkpointing}, "
+                f"{STAGE_NAMES[other.stage]}) fits too")
+        if best.step_s is None or other.step_s is None:
+            return f"{head} but ranks after it: no device peak to predict step times, so less recompute ranks first"
+        why = "slower" if other.step_s > best.step_s else "no faster (ties go to less recompute, then a lower stage)"
+        return f"{head} but is predicted {why}: {other.step_s * 1e3:,.1f} ms against {best.step_s * 1e3:,.1f} ms"
+
     def to_json(self) -> dict:
         best = self.options[0] if self.options else None
         return {
@@ -451,7 +552,9 @@ class MemoryPlan:
             "single_rank_by_category": self.traced.by_category,
             "allowances": {k: round(v) for k, v in self.allowances.items.items()},
             "total_bytes_per_rank": round(self.total), "fits": self.fits, "fit_gap": self.fit_gap,
+            "usable_bytes_per_rank": round(self.usable),
             "recommendation": None if best is None else option_json(best),
+            "recommendation_note": self.recommendation_note,
             "options": [option_json(o) for o in self.options],
             "by_checkpointing": {str(mode): {"activations_bytes": round(by["activations"]),
                                              "peak_bytes_per_rank": round(sum(by.values()))}
@@ -470,6 +573,7 @@ def option_json(option: Option) -> dict:
     return {"zero_stage": option.stage, "activation_checkpointing": str(option.checkpointing),
             "micro_batch_size": option.micro_batch, "grad_accum": option.grad_accum,
             "peak_bytes_per_rank": round(option.peak), "total_bytes_per_rank": round(option.total),
+            "accumulation_bytes": round(option.accumulation), "fit_gap": option.fit_gap,
             "predicted_step_s": option.step_s, "predicted_speedup": option.speedup}
 
 
@@ -497,8 +601,15 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     """Trace the configured step for ``device``, then weigh every stage, checkpointing mode and micro batch.
     ``tracer``: traces already taken of this config on this device (the micro batch search's).
 
-    Modes are weighed from the least recompute to the most (none, selective, full); a mode that fits the whole
-    per-rank batch in one micro batch ends the stage's search, as more recompute cannot make that faster."""
+    One model of memory: every figure here is a full trace (``Tracer.exact``: one- and two-block traces of that
+    micro batch, scaled by depth) sharded for its stage, plus the allowances, as ``data.micro_batch_size=auto``
+    weighs it. Each option's micro batch is the largest divisor of the per-rank batch whose full trace fits the
+    usable memory (``usable_bytes``, auto's), and the next larger one's does not (``largest_divisor_that_fits``,
+    starting from the configured micro batch, which the by-checkpointing line traces in every mode). No fit of
+    small traces stands in for a figure; where auto's search traced one (it starts from it), its miss at each
+    option's micro batch and at the configured one is kept (``fit_gap``). Modes are weighed from the least
+    recompute to the most (none, selective, full); a mode that fits the whole per-rank batch in one micro batch
+    ends the stage's search, as more recompute cannot make that faster."""
     tracer = tracer or Tracer(cfg, vocab, device)
     batch = plan.batch
     n, stages = batch.dp, ((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3)) if batch.dp > 1 else (0,)
@@ -506,44 +617,52 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
     dtype = compute_dtype(cfg.train.precision, device)
     low = dtype is not None and plan.precision.gathered_bytes < plan.precision.param_bytes  # FSDP2 mixed precision
     accumulating = batch.grad_accum > 1
-
-    traced = tracer.exact(batch.micro_batch_size, mode, False, accumulating)
-    stage_traced = tracer.exact(batch.micro_batch_size, mode, True, accumulating) if low and stage >= 2 else traced
-    configured = shard(stage_traced.by_category, stage, n, plan, accumulating)
     grad_bytes = 4.0 * plan.trainable  # fp32 gradients (adapters are fp32 too)
+    limit = usable_bytes(device)
 
     def allowances(by_category: dict[str, float], stage: int) -> Allowances:
         return Allowances.for_run(device, by_category, stage, n, grad_bytes, cfg.parallel.gradient_as_bucket_view,
                                   overheads)
 
-    def fit(checkpointing: ActivationCheckpointing, stage: int) -> PeakFit:
-        return tracer.fit(checkpointing, low and stage >= 2)
+    def planned(micro_batch: int, c: ActivationCheckpointing, stage: int, accumulating: bool,
+                fitted: bool = False) -> dict[str, float]:
+        """The categories per rank at ``stage``: a full trace, or (``fitted``) the fit of small traces."""
+        working_copy = low and stage >= 2
+        peak = (tracer.fit(c, working_copy).peak_at(micro_batch, layers, accumulating) if fitted
+                else tracer.exact(micro_batch, c, working_copy, accumulating))
+        return shard(peak.by_category, stage, n, plan, accumulating)
 
-    fitted = fit(mode, stage).peak_at(batch.micro_batch_size, layers, accumulating).peak
+    def need(micro_batch: int, c: ActivationCheckpointing, stage: int, accumulating: bool) -> float:
+        categories = planned(micro_batch, c, stage, accumulating)
+        return sum(categories.values()) + allowances(categories, stage).total
+
+    def fit_gap(micro_batch: int, c: ActivationCheckpointing, stage: int, accumulating: bool) -> float | None:
+        """The fit of small traces over the full trace, minus 1, where a fit was traced (auto's search starts
+        from it); None where none was: nothing then stood in for a full trace."""
+        if not tracer.has_fit(c, low and stage >= 2):
+            return None
+        fitted = sum(planned(micro_batch, c, stage, accumulating, fitted=True).values())
+        return fitted / sum(planned(micro_batch, c, stage, accumulating).values()) - 1
+
+    traced = tracer.exact(batch.micro_batch_size, mode, False, accumulating)
+    stage_traced = tracer.exact(batch.micro_batch_size, mode, True, accumulating) if low and stage >= 2 else traced
+    configured = shard(stage_traced.by_category, stage, n, plan, accumulating)
     options = []
     per_rank = batch.global_batch_size // n
     modes = sorted(ActivationCheckpointing, key=RECOMPUTE.__getitem__)
     for option_stage in stages:
         for c in modes:
-            for m in sorted(divisors(per_rank), reverse=True):
-                accum = per_rank // m
-                categories = shard(fit(c, option_stage).at(m, layers, accum > 1), option_stage, n, plan, accum > 1)
-                peak = sum(categories.values())
-                allow = allowances(categories, option_stage).total
-                if peak + allow > device.free_gib * GiB:
-                    continue
-                step = predicted_step_s(plan, device, option_stage, c, m, accum, n)
-                single = predicted_step_s(plan, device, 0, c, m, accum * n, 1) if step else None
-                speedup = single / step if step and single else None
-                options.append(Option(option_stage, c, m, accum, peak, allow, step, speedup))
-                break
-            if options and options[-1].stage == option_stage and options[-1].micro_batch == per_rank:
+            # from the configured micro batch, whose full trace the by-checkpointing line needs in every mode
+            m = largest_divisor_that_fits(lambda m, acc, c=c, s=option_stage: need(m, c, s, acc), per_rank, limit,
+                                          batch.micro_batch_size)
+            if m is None:
+                continue
+            option = weigh(Weighed(plan, device, option_stage, c, m, per_rank // m), planned, allowances)
+            options.append(replace(option, fit_gap=fit_gap(m, c, option_stage, m < per_rank)))
+            if m == per_rank:
                 break
     options.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.stage, RECOMPUTE[o.checkpointing]))
-    # the configured mode as traced (exact), the others from their fits (whose line can miss where another
-    # moment overtakes, ``PeakFit``: the gap printed with the options)
-    by_mode = {c: configured if c == mode else
-               shard(fit(c, stage).at(batch.micro_batch_size, layers, accumulating), stage, n, plan, accumulating)
+    by_mode = {c: configured if c == mode else planned(batch.micro_batch_size, c, stage, accumulating)
                for c in modes}
     chosen = next((o for o in options[:1] if o.checkpointing == ActivationCheckpointing.selective), None)
     note_mode, note_micro = (chosen.checkpointing, chosen.micro_batch) if chosen else (mode, batch.micro_batch_size)
@@ -551,12 +670,42 @@ def plan_memory(cfg: Config, plan: Plan, vocab: int, device: Device, overheads: 
         device=device, dtype=str(dtype or torch.float32).removeprefix("torch."),
         micro_batch=batch.micro_batch_size, checkpointing=mode, stage=stage, traced=traced,
         by_category=configured, allowances=allowances(configured, stage),
-        fit_gap=fitted / stage_traced.peak - 1, options=options, by_mode=by_mode,
+        fit_gap=fit_gap(batch.micro_batch_size, mode, stage, accumulating), options=options, by_mode=by_mode,
         logits=logits_share(tracer, batch.micro_batch_size, low and stage >= 2, accumulating, sum(configured.values())),
         configured_chunked=cfg.train.chunked_loss,
         host_note=selective_host_bound(note_mode, cfg.train.compile, block_seconds(plan, device, note_micro, layers),
                                        note_micro),
+        usable=limit,
     )
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """An option's setting: ``micro_batch`` × ``grad_accum`` at ``stage`` in ``checkpointing`` mode."""
+
+    plan: Plan
+    device: Device
+    stage: int
+    checkpointing: ActivationCheckpointing
+    micro_batch: int
+    grad_accum: int
+
+
+def weigh(w: Weighed, planned: Callable[..., dict[str, float]],
+          allowances: Callable[[dict[str, float], int], Allowances]) -> Option:
+    """``w`` as an option: its full trace's bytes (and what accumulating adds to them), its allowances and its
+    predicted step."""
+    accumulating = w.grad_accum > 1
+    categories = planned(w.micro_batch, w.checkpointing, w.stage, accumulating)
+    peak = sum(categories.values())
+    alone = sum(planned(w.micro_batch, w.checkpointing, w.stage, False).values()) if accumulating else peak
+    n = w.plan.batch.dp
+    step = predicted_step_s(w.plan, w.device, w.stage, w.checkpointing, w.micro_batch, w.grad_accum, n)
+    single = (predicted_step_s(w.plan, w.device, 0, w.checkpointing, w.micro_batch, w.grad_accum * n, 1)
+              if step else None)
+    return Option(w.stage, w.checkpointing, w.micro_batch, w.grad_accum, peak,
+                  allowances(categories, w.stage).total, step, single / step if step and single else None,
+                  accumulation=peak - alone)
 
 
 def block_seconds(plan: Plan, device: Device, micro_batch: int, num_layers: int) -> float | None:

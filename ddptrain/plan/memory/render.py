@@ -8,9 +8,9 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from ddptrain.plan.memory.planner import GiB, MemoryPlan
+from ddptrain.plan.memory.planner import AUTO_MARGIN, STAGE_NAMES, GiB, MemoryPlan, Option
 
-_STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+_STAGE_NAMES = STAGE_NAMES
 
 
 def _gib(nbytes: float) -> str:
@@ -47,22 +47,39 @@ def render_memory_plan(mp: MemoryPlan, world_size: int) -> str:
     if not mp.options:
         out.print("Recommendation: no micro batch fits, at any ZeRO stage, in any checkpointing mode.")
         return out.export_text()
-    rec = Table(title="Largest micro batch that fits, per ZeRO stage and checkpointing mode, fastest first "
-                      f"(fit of small traces, {mp.fit_gap:+.1%} from the full trace)")
+    usable = f"{mp.usable / GiB:,.1f} GiB usable ({mp.device.free_gib:,.1f} less a {AUTO_MARGIN:.0%} margin, as auto)"
+    gaps = [o.fit_gap for o in mp.options if o.fit_gap is not None]
+    fit = (f"; auto's search started from a fit of small traces, off by {min(gaps):+.1%} to {max(gaps):+.1%} "
+           "there" if gaps else "")
+    rec = Table(title=f"Largest micro batch that fits {usable}, per ZeRO stage and checkpointing mode, fastest "
+                      f"first: each row a full trace at its micro batch{fit}")
     for column in ("stage", "checkpointing", "micro batch", "grad_accum", "per rank (with allowances)",
                    "predicted step", "speedup"):
         rec.add_column(column, justify="left" if column == "stage" else "right")
     for o in mp.options:
+        held = f" (+{o.accumulation / GiB:,.2f} GiB)" if o.accumulation > 0 else ""
         rec.add_row(_STAGE_NAMES[o.stage], str(o.checkpointing), str(o.micro_batch),
-                    str(o.grad_accum), f"{o.total / GiB:,.1f} of {mp.device.free_gib:,.1f} GiB",
+                    f"{o.grad_accum}{held}", f"{o.total / GiB:,.1f} of {mp.usable / GiB:,.1f} GiB",
                     "?" if o.step_s is None else f"{o.step_s * 1e3:,.1f} ms",
                     "?" if o.speedup is None else f"{o.speedup:.2f}x on {world_size}")
     out.print(rec)
+    if any(o.accumulation > 0 for o in mp.options):
+        out.print("grad_accum (+x GiB): what accumulating holds of the row's bytes per rank (the earlier micro "
+                  "batches' gradients), which a step without accumulation does not.")
     best = mp.options[0]
+    note = mp.recommendation_note
     out.print(f"Recommendation: micro batch {best.micro_batch} (grad_accum {best.grad_accum}), checkpointing "
-              f"{best.checkpointing}, {_STAGE_NAMES[best.stage]}: fits "
-              f"({best.total / GiB:,.1f} of {mp.device.free_gib:,.1f} GiB)"
-              + ("" if best.speedup is None else f", predicted {best.speedup:.2f}x on {world_size} devices") + ".")
+              f"{best.checkpointing}, {_STAGE_NAMES[best.stage]}: fits ({_bytes(best, mp.usable)})"
+              + ("" if best.speedup is None else f", predicted {best.speedup:.2f}x on {world_size} devices")
+              + ("" if best.step_s is None else f" ({best.step_s * 1e3:,.1f} ms a step)")
+              + ("" if note is None else f"; {note}") + ".")
     if mp.host_note:
         out.print(f"Host: {mp.host_note}.")
     return out.export_text()
+
+
+def _bytes(option: Option, usable: float) -> str:
+    """An option's bytes per rank against the usable memory, with what accumulating adds shown where it does (the
+    earlier micro batches' gradients: why a smaller micro batch can plan more than the undivided batch)."""
+    held = f", {option.accumulation / GiB:,.2f} of it accumulation" if option.accumulation > 0 else ""
+    return f"{option.total / GiB:,.1f} of {usable / GiB:,.1f} GiB{held}"

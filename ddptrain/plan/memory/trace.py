@@ -1,7 +1,7 @@
 """Peak memory of one training step, traced on fake tensors: what the step allocates, op by op, with no memory.
 
 The model is built on ``meta`` and materialised as fake tensors (``FakeTensorMode``); the trainer's own step
-(``ddptrain/train/step.py``: the micro batches' forward and backward with the run's weighting, loss guard and
+(``ddptrain/step/compute.py``: the micro batches' forward and backward with the run's weighting, loss guard and
 gradient sync switch, clipping, the update) then runs with every op's output shapes and dtypes but no data.
 ``PeakTracker`` follows each tensor storage from the op that creates it to the moment it is freed, sums the live
 bytes by category and keeps the category split at the global peak. An NF4 base is held as bitsandbytes holds
@@ -29,14 +29,14 @@ from ddptrain.models.lora import DTYPES, prepare_for_finetuning
 from ddptrain.optim import impl_kwargs, param_groups
 from ddptrain.parallel.wrap import sync_switch
 from ddptrain.plan.memory.cuda_autocast import cuda_autocast_policy
+from ddptrain.step.compute import MicroStep, accumulate_gradients, apply_update, clip_gradients
+from ddptrain.step.tokens import MicroBatch
+from ddptrain.step.weighting import weighting_for
 from ddptrain.telemetry.storage_peak import (  # the tracker the run measures its own peak with, too
     PeakTracker,
     model_state_tensors,
     step_tracker,
 )
-from ddptrain.train.step import MicroStep, accumulate_gradients, apply_update, clip_gradients
-from ddptrain.train.tokens import MicroBatch
-from ddptrain.train.weighting import weighting_for
 
 ACCUMULATING = " (accumulating)"  # the phases of a later micro batch, beside the earlier ones' gradients
 
@@ -104,7 +104,7 @@ def representative_chunk_starts(tokens: int, chunk: int) -> list[int]:
 def trace_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], setup: StepSetup
 ) -> tuple[PeakTracker, int]:
-    """One training step under ``PeakTracker``, the trainer's own (``ddptrain/train/step.py``): ``grad_accum``
+    """One training step under ``PeakTracker``, the trainer's own (``ddptrain/step/compute.py``): ``grad_accum``
     micro batches of ``batch`` through ``accumulate_gradients`` (the run's weighting for ``setup.data_format``,
     counted on this rank alone; its loss guard; the gradient sync skipped but on the last), ``clip_gradients``
     on torch's kernels, and ``apply_update`` on a finite verdict.

@@ -8,7 +8,7 @@ gradient-accumulation bug); here the loss tokens of the whole global batch (ever
 counted first, with one all-reduce, and each micro batch contributes its *summed* token loss scaled by
 world_size / total: DDP's average over ranks then leaves exactly grad(sum of token losses) / total.
 
-Both give the step loop (``train/step.py``) one loss function per micro batch; the loop runs forward and backward.
+Both give the step loop (``step/compute.py``) one loss function per micro batch; the loop runs forward and backward.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.config.choices import DataFormat
-from ddptrain.train.tokens import MicroBatch, global_loss_tokens
+from ddptrain.step.tokens import MicroBatch, global_loss_tokens
 
 MicroLoss = Callable[[torch.nn.Module], torch.Tensor]  # one micro batch's forward: its weighted loss
 Phase = Callable[[str], AbstractContextManager]  # the step timer's phase (time spent inside counts in it)

@@ -3,11 +3,11 @@ backward over the micro batches with the gradient sync on the last one, the non-
 the evaluation pass.
 
 Each function says where the host waits for the device or for other ranks (a sync point): with fused AdamW a
-steady step waits nowhere but in the gradient collective itself; a check step agrees once (``train/control.py``).
+steady step waits nowhere but in the gradient collective itself; a check step agrees once (``step/control.py``).
 
 The memory planner runs ``accumulate_gradients``, ``clip_gradients`` and ``apply_update`` too, on fake tensors
 (``plan/memory/trace.py``): one definition of a step. So this module and what it imports sit below the planner
-(``tests/test_layout.py``: the ``train.step`` layer) and take no trainer state, only the model, optimizer, micro
+(``tests/test_layout.py``: the ``step`` package) and take no trainer state, only the model, optimizer, micro
 batches and the callables that time, guard and weigh them.
 """
 
@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor
 from ddptrain.data.packing import to_device
 from ddptrain.kernels.clip import clip_grad_norm
 from ddptrain.optim import is_fused, local_optimizer
-from ddptrain.train.control import NonFiniteError, guard_loss
-from ddptrain.train.tokens import MicroBatch, loss_tokens
-from ddptrain.train.weighting import MEAN_LOSS, Phase, Weighting
+from ddptrain.step.control import NonFiniteError, guard_loss
+from ddptrain.step.tokens import MicroBatch, loss_tokens
+from ddptrain.step.weighting import MEAN_LOSS, Phase, Weighting
 
 log = logging.getLogger("ddptrain")
 

@@ -1,5 +1,5 @@
 """Loss tokens: the positions that carry loss in a prompt/completion batch, and their count over a global batch
-(what the token-mean weighting, ``train/weighting.py``, and the evaluation divide by)."""
+(what the token-mean weighting, ``step/weighting.py``, and the evaluation divide by)."""
 
 from __future__ import annotations
 
