@@ -141,14 +141,17 @@ def _stop_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict,
     from ddptrain.train.step import Stepped
     from tests.helpers.runs import make_config
 
+    class StopsWithin(_slow_saves()):  # type: ignore[misc]
+        stop_at = 0
+
+        def train_step(self, step: int, check: bool) -> Stepped:
+            if step == self.stop_at:
+                self.stop.signum = signal.SIGTERM
+            return super().train_step(step, check)
+
     results = []
     for i, (variant, stop_at) in enumerate(variants):
-        class StopsWithin(_slow_saves()):  # type: ignore[misc]
-            def train_step(self, step: int, check: bool) -> Stepped:
-                if step == stop_at:
-                    self.stop.signum = signal.SIGTERM
-                return super().train_step(step, check)
-
+        StopsWithin.stop_at = stop_at
         run_dir = Path(tmp) / f"stop{i}"
         run_dir.mkdir(parents=True)
         env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
