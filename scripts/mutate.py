@@ -866,6 +866,79 @@ MUTANTS = [
              "        if not moments_switch(fit.traced, micro_batches[-2:], fit.depths)",
              "        if True or not moments_switch(fit.traced, micro_batches[-2:], fit.depths)"),),
            ("tests/test_plan_consistency.py", "-k", "follows_the_moment")),
+    # audit of issue 52's train/telemetry rows and issue 50's loss names and stop: survivors of the fast tier, each
+    # now killed by the test named
+    Mutant("stop-notice-at-the-step-in-progress", "the stop notice rounds the step in progress up to a check step: "
+                                                  "'step 0' before a fresh run, step 6 when step 6's check has passed",
+           (("ddptrain/step/control.py", "latest = (self.step // self.check_every + 1) * self.check_every",
+             "latest = -(-self.step // self.check_every) * self.check_every"),),
+           ("tests/test_hot_path.py", "-k", "stop_notice")),
+    Mutant("stop-notice-past-the-last-step", "the stop notice names a check step after the run's last step",
+           (("ddptrain/step/control.py", "            latest = min(latest, max(self.last_step, self.step))\n",
+             "            pass\n"),),
+           ("tests/test_hot_path.py", "-k", "stop_notice")),
+    Mutant("stop-notice-counts-from-the-step-before", "the loop sets the notice's step after the step has run: a "
+                                                      "signal within a check step counts from the step before",
+           (("ddptrain/train/trainer.py",
+             "                self.stop.step = step  # what a stop request's notice counts from\n"
+             "                done = self.train_step(step, check)\n",
+             "                done = self.train_step(step, check)\n"
+             "                self.stop.step = step  # what a stop request's notice counts from\n"),),
+           ("tests/test_run_summary.py", "-k", "same_order")),
+    Mutant("first-step-loss-of-a-resumed-run", "a resumed run's summary has its first step's loss as step 1's",
+           (("ddptrain/train/trainer.py", "                if step == 1:\n",
+             "                if first_loss is None:\n"),),
+           ("tests/test_tokens_seen.py", "-k", "resumed_runs_summary")),
+    Mutant("first-logged-step-from-log-every", "the summary's first logged step is train.log_every's, a resumed "
+                                               "run's too",
+           (("ddptrain/train/trainer.py", 'first_logged_step=history[0]["step"] if history else None,',
+             "first_logged_step=min(cfg.train.log_every, cfg.train.steps) if history else None,"),),
+           ("tests/test_tokens_seen.py", "-k", "resumed_runs_summary")),
+    Mutant("first-step-loss-this-ranks", "the summary's step-1 loss is each rank's own, not the ranks' mean",
+           (("ddptrain/train/trainer.py",
+             "first_step_loss=global_mean(first_loss) if first_loss is not None else None,",
+             "first_step_loss=float(first_loss) if first_loss is not None else None,"),),
+           ("tests/test_tokens_seen.py", "-k", "resumed_runs_summary")),
+    Mutant("stop-save-kept-in-its-window", "the stop's checkpoint save is timed into its step's line",
+           (("ddptrain/train/trainer.py",
+             "saving = self.metrics.excluded() if self.checkpoints.due(step, last) or done.stop else",
+             "saving = self.metrics.excluded() if self.checkpoints.due(step, last) else"),),
+           ("tests/test_telemetry.py", "-k", "stop_logs")),
+    Mutant("stop-step-logged-twice", "a stop at a logging step writes its window twice (the second of no steps)",
+           (("ddptrain/train/trainer.py",
+             "                if log_step or done.stop:  # a stop's step is logged too: metrics.jsonl ends where the"
+             " run stopped\n"
+             "                    history.append(self.log_window(step, done, skipped))\n"
+             "                if done.stop:\n",
+             "                if log_step:\n"
+             "                    history.append(self.log_window(step, done, skipped))\n"
+             "                if done.stop:\n"
+             "                    history.append(self.log_window(step, done, skipped))\n"),),
+           ("tests/test_telemetry.py", "-k", "stop_logs")),
+    Mutant("window-clock-without-device-sync", "the windows' default clock is the host's, not the device's "
+                                               "(CUDA: queued steps unfinished)",
+           (("ddptrain/telemetry/metrics.py",
+             "self.clock = clock if clock is not None else (lambda: device_clock(device))",
+             "self.clock = clock if clock is not None else time.perf_counter"),
+            ("ddptrain/telemetry/metrics.py", "import statistics\n", "import statistics\nimport time\n")),
+           ("tests/test_telemetry.py", "-k", "default_clock")),
+    Mutant("window-save-time-reset-only-when-logged", "a window restarted without logging (compilation, the memory "
+                                                      "tracker's step) keeps an earlier save's excluded time",
+           (("ddptrain/telemetry/metrics.py", "self._start, self._steps, self._excluded = self._clock(), 0, 0.0",
+             "self._start, self._steps = self._clock(), 0"),
+            ("ddptrain/telemetry/metrics.py", "        self.samples.clear()\n        return metrics\n",
+             "        self.samples.clear()\n        self._excluded = 0.0\n        return metrics\n")),
+           ("tests/test_telemetry.py", "-k", "every_one_of_its_checkpoint_saves")),
+    Mutant("host-fit-intercept-from-the-long-wait", "the host fit's intercept read at the long unit: wrong when the "
+                                                    "slope is clamped at 0",
+           (("scripts/cpu_host_fit.py", "return skew, max(0.0, wait_short - skew * short) * 1e6",
+             "return skew, max(0.0, wait_long - skew * long) * 1e6"),),
+           ("tests/test_predict.py", "-k", "skew_is_the_line")),
+    Mutant("host-fit-negative-skew", "the host fit's skew slope may be negative",
+           (("scripts/cpu_host_fit.py",
+             "skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short else 0.0",
+             "skew = (wait_long - wait_short) / (long - short) if long > short else 0.0"),),
+           ("tests/test_predict.py", "-k", "skew_is_the_line")),
 ]
 
 

@@ -18,7 +18,7 @@ from ddptrain.config.compose import build_config
 from ddptrain.errors import ConfigError
 from ddptrain.optim import impl_kwargs, resolve_impl
 from ddptrain.step.compute import apply_update
-from ddptrain.step.control import NonFiniteSteps, guard_loss
+from ddptrain.step.control import NonFiniteSteps, StopRequest, guard_loss
 from tests.helpers.dist import run_distributed
 from tests.helpers.host_reads import HostReads
 from tests.helpers.runs import Overrides, train_each
@@ -276,6 +276,29 @@ def test_a_stop_logs_the_step_it_stopped_at_and_the_notice_names_the_check_it_wa
     assert stopped[0]["notices"] == ["SIGTERM received: stopping at the next check step, step 6 at the latest "
                                      "(train.check_every=3), after saving a checkpoint"], stopped[0]
     assert stopped[1]["notices"] == []  # rank 1 got no signal: it stopped on the ranks' agreement
+
+
+@pytest.mark.parametrize(("step", "check_every", "last_step", "latest"), [
+    (0, 3, 20, 3),  # before step 1 of a fresh run: the first check
+    (4, 3, 20, 6),
+    (6, 3, 20, 9),  # step 6 (a check step) in progress or over: its check may have passed already
+    (6, 3, None, 9),
+    (19, 3, 20, 20),  # the run's last step checks before step 21 would
+    (20, 3, 20, 20),
+    (7, 1, 20, 8),
+])
+def test_the_stop_notice_names_the_first_check_step_after_the_step_in_progress_and_never_past_the_last(
+    step: int, check_every: int, last_step: int | None, latest: int,
+) -> None:
+    """``StopRequest.notice`` alone (the signal's arrival within a step is not known): the latest step it can stop at
+    is the next multiple of train.check_every after the step in progress, and the run's last step when that
+    comes first."""
+    stop = StopRequest(900.0, check_every, last_step, step)
+    try:
+        assert stop.notice() == (f"stopping at the next check step, step {latest} at the latest "
+                                 f"(train.check_every={check_every}), after saving a checkpoint")
+    finally:
+        stop.restore()
 
 
 def test_guard_keeps_a_finite_loss_exactly_and_poisons_the_gradients_of_a_non_finite_one() -> None:

@@ -399,6 +399,18 @@ def test_the_host_fit_reads_a_rank_late_to_every_sync_as_wait_that_does_not_grow
     assert late == pytest.approx(skew) and (late_us - skew_us) * 1e-6 == pytest.approx(LATE_S / 2)
 
 
+@pytest.mark.parametrize(("waits", "terms"), [
+    ((0.002, 0.004), (0.002 / 0.06, (0.002 - 0.02 * 0.002 / 0.06) * 1e6)),  # the line through both waits
+    ((0.004, 0.001), (0.0, 4000.0)),  # less wait after more compute: no slope, the short unit's wait is the intercept
+])
+def test_the_host_fit_skew_is_the_line_through_the_two_waits_with_no_negative_slope(
+    waits: tuple[float, float], terms: tuple[float, float],
+) -> None:
+    """``skew_terms`` of given readings (units of 0.02 s and 0.08 s of compute): the slope and intercept
+    themselves, not only how lateness moves them."""
+    assert cpu_host_fit.skew_terms(0.02, 0.08, *waits) == pytest.approx(terms)
+
+
 def test_the_host_fit_of_a_real_group_is_in_range(two_ranks: list[tuple[list[dict], HostFit, HostFit]]) -> None:
     for _, fit, _ in two_ranks:  # every rank returns the same kind of figures; rank 0's feed the predictor
         assert fit.contention >= 1.0 and fit.steal_us_per_mb >= 0.0 and fit.skew_us >= 0.0

@@ -32,16 +32,18 @@ def _train_keeping_step_ones_loss(rank: int, world_size: int, tmp: str) -> dict[
     from ddptrain.train.trainer import Trainer
 
     seen: list[float] = []
+    in_progress: list[tuple[int, int]] = []  # (step, the step a stop request's notice would count from)
 
     class KeepsStepOne(Trainer):
         def train_step(self, step: int, check: bool) -> Stepped:
+            in_progress.append((step, self.stop.step))
             done = super().train_step(step, check)
             if step == 1:
                 seen.append(float(done.loss))
             return done
 
     (run,) = train_each_with(KeepsStepOne, rank, world_size, tmp, BASE, [{}])
-    return {**run, "first_step_loss": seen[0]}
+    return {**run, "first_step_loss": seen[0], "stop_steps": in_progress}
 
 
 def test_summary_json_is_the_typed_summarys_record_in_the_same_order(tmp_path: Path) -> None:
@@ -62,6 +64,8 @@ def test_summary_json_is_the_typed_summarys_record_in_the_same_order(tmp_path: P
     assert (record["first_logged_step"], record["first_logged_loss"]) == (2, windows[0]["loss"])
     assert record["final_loss"] == windows[-1]["loss"]
     assert record["first_step_loss"] == run["first_step_loss"] != record["first_logged_loss"]
+    # a stop request's notice counts from the step in progress (a signal within step 2 may come after its check)
+    assert run["stop_steps"] == [(1, 1), (2, 2), (3, 3), (4, 4)], run["stop_steps"]
 
 
 def test_an_earlier_summarys_first_loss_reads_back_as_the_first_logged_loss_and_no_median() -> None:

@@ -100,9 +100,9 @@ SAVE_S = 1000.0  # a save's seconds on the windows' clock: a window that kept on
 SLEEP_S = 0.05  # ... and its real seconds, which goodput books (a lower bound: a busy machine only adds to it)
 
 
-def _train_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict, variants: list) -> list[dict]:
-    """``train_each`` through a trainer whose every checkpoint save takes ``SAVE_S`` on the windows' clock (as a
-    large model's save does, without the wait) and ``SLEEP_S`` of real time."""
+def _slow_saves() -> type:
+    """A trainer whose every checkpoint save takes ``SAVE_S`` on the windows' clock (as a large model's save does,
+    without the wait) and ``SLEEP_S`` of real time."""
     import time
 
     from ddptrain.train.trainer import Trainer
@@ -122,7 +122,47 @@ def _train_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict, var
 
             self.checkpoints.maybe_save = slow_save  # type: ignore[method-assign]  # this trainer's only
 
-    return train_each_with(SlowSaves, rank, world_size, tmp, base, variants)
+    return SlowSaves
+
+
+def _train_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict, variants: list) -> list[dict]:
+    """``train_each`` through the slow-saving trainer (``_slow_saves``)."""
+    return train_each_with(_slow_saves(), rank, world_size, tmp, base, variants)
+
+
+def _stop_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict,
+                          variants: list[tuple[dict, int]]) -> list[dict]:
+    """Each ``(variant, step)``: the slow-saving trainer asked to stop within ``step`` (as SIGTERM's handler asks,
+    before the step's check); per run the message it stopped with and metrics.jsonl's records."""
+    import signal
+
+    from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.train.control import Stopped
+    from ddptrain.train.step import Stepped
+    from tests.helpers.runs import make_config
+
+    class StopsWithin(_slow_saves()):  # type: ignore[misc]
+        stop_at = 0
+
+        def train_step(self, step: int, check: bool) -> Stepped:
+            if step == self.stop_at:
+                self.stop.signum = signal.SIGTERM
+            return super().train_step(step, check)
+
+    results = []
+    for i, (variant, stop_at) in enumerate(variants):
+        StopsWithin.stop_at = stop_at
+        run_dir = Path(tmp) / f"stop{i}"
+        run_dir.mkdir(parents=True)
+        env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+        try:
+            StopsWithin(make_config(tmp, base, variant), env, torch.device("cpu"), run_dir, {}).train()
+            message = None
+        except Stopped as exc:
+            message = str(exc).split(";")[0]
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        results.append({"message": message, "metrics": [json.loads(line) for line in lines]})
+    return results
 
 
 def test_a_windows_step_time_and_throughput_leave_out_every_one_of_its_checkpoint_saves(tmp_path: Path) -> None:
@@ -132,13 +172,30 @@ def test_a_windows_step_time_and_throughput_leave_out_every_one_of_its_checkpoin
     the last) and the summary's medians. Each save takes ``SAVE_S`` on the windows' clock: one save kept in a window
     of 2 steps would add ``SAVE_S / 2`` to its step time, one taken off twice would make it negative."""
     variant = {"train": {"steps": 6, "log_every": 2, "eval_every": 0}, "checkpoint": {"every_n_steps": 1}}
-    (run,) = run_distributed(_train_with_slow_saves, 1, str(tmp_path), BASE, [variant])[0]
+    # a window restarted within (step 2, the CPU memory tracker's, is left out of it): step 1's save goes with it
+    restarted = {"train": {"steps": 3, "log_every": 3, "eval_every": 0}, "checkpoint": {"every_n_steps": 1}}
+    run, tracked = run_distributed(_train_with_slow_saves, 1, str(tmp_path), BASE, [variant, restarted])[0]
     windows = run["metrics"]
-    assert [m["step"] for m in windows] == [2, 4, 6]
+    assert [m["step"] for m in windows] == [2, 4, 6] and [m["step"] for m in tracked["metrics"]] == [3]
     assert run["summary"]["goodput"]["checkpoint_s"] >= 6 * SLEEP_S  # every save was booked there
-    for m in windows:
+    for m in windows + tracked["metrics"]:
         assert 0 < m["step_time_s"] < SAVE_S / 4, windows
         assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(8 * 32)  # a step's tokens
+
+
+def test_a_stop_logs_its_step_once_without_its_save(tmp_path: Path) -> None:
+    """A stop saves a checkpoint, which its step's line leaves out as it does any save's (each takes ``SAVE_S`` on
+    the windows' clock): at a check step that is no logging step (3, train.check_every=3) and at a logging step
+    (2, train.log_every=2), whose line is written once."""
+    base = {**BASE, "model": {**BASE["model"], "num_layers": 2}, "checkpoint": {"every_n_steps": 0}}
+    variants = [({"train": {"steps": 6, "log_every": 4, "check_every": 3}}, 3),
+                ({"train": {"steps": 6, "log_every": 2, "check_every": 10}}, 2)]
+    off_period, logging_step = run_distributed(_stop_with_slow_saves, 1, str(tmp_path), base, variants)[0]
+    for run, step in ((off_period, 3), (logging_step, 2)):
+        assert run["message"] == f"stopped by SIGTERM after step {step}", run
+        assert [m["step"] for m in run["metrics"]] == [step], run
+        (line,) = run["metrics"]
+        assert 0 < line["step_time_s"] < SAVE_S / 4, line
 
 
 def test_every_save_in_a_window_is_left_out_once_on_an_injected_clock() -> None:
@@ -160,3 +217,20 @@ def test_every_save_in_a_window_is_left_out_once_on_an_injected_clock() -> None:
             now[0] += 5.0
             meter.restart_window()
     assert [(m["step_time_s"], m["tokens_per_s"]) for m in windows] == [(0.25, 4 * 8 / 0.25)] * 3
+
+
+def test_the_windows_default_clock_is_the_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a clock of its own, a window is timed by ``device_clock`` of the meter's device (on CUDA: once the
+    queued steps are done, not when they were queued)."""
+    from ddptrain.telemetry import metrics
+
+    now, asked, count = [0.0], [], TokenCount()
+    monkeypatch.setattr(metrics, "device_clock", lambda device: asked.append(device) or now[0])
+    meter = StepMetrics(BatchShape.derive(4, 4, 1, 1, 8), torch.device("cpu"), TokenFlops(1.0), MetricsConfig(),
+                        count)
+    meter.start_step(1)
+    count.count({"input_ids": torch.zeros(4, 8, dtype=torch.long)})
+    now[0] += 100.0
+    meter.end_step(None, None)
+    assert meter.window(1, 0.0, 0.0, 0.0)["step_time_s"] == 100.0
+    assert set(asked) == {torch.device("cpu")}

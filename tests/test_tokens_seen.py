@@ -2,7 +2,7 @@
 
 A resumed run continues the count of the run it resumes (fixed blocks and prompt/completion rows alike), a step
 left out of a logging window (the CPU memory tracker's) still counts, and a checkpoint saved before the count was
-recorded derives it from its data position.
+recorded derives it from its data position. The summary's named losses of a straight and a resumed run.
 """
 
 from __future__ import annotations
@@ -46,6 +46,21 @@ def test_a_resumed_fixed_block_run_continues_the_token_count(block_runs: list[di
     assert _seen(straight) == [GBS * SEQ_LEN * step for step in (1, 2, 3, 4)]
     assert _seen(resumed) == _seen(straight)[2:]
     assert resumed["summary"]["tokens_seen"] == straight["summary"]["tokens_seen"] == 4 * GBS * SEQ_LEN
+
+
+def test_a_resumed_runs_summary_has_no_step_one_loss_and_names_its_own_first_logged_step(
+    block_runs: list[dict],
+) -> None:
+    """summary.json's losses by their steps (2 ranks, a window every step): the straight run's step-1 loss is the
+    ranks' mean, as metrics.jsonl's line for step 1 has it; the run resumed after step 2 trained no step 1 (null)
+    and logged first at step 3, not at train.log_every."""
+    straight, resumed, _ = block_runs
+    first, again = straight["metrics"][0], resumed["metrics"][0]
+    assert (first["step"], again["step"]) == (1, 3)
+    assert [straight["summary"][k] for k in ("first_step_loss", "first_logged_step", "first_logged_loss")] == [
+        first["loss"], 1, first["loss"]]
+    assert [resumed["summary"][k] for k in ("first_step_loss", "first_logged_step", "first_logged_loss")] == [
+        None, 3, again["loss"]]
 
 
 def test_the_memory_tracker_step_left_out_of_a_window_still_counts_in_tokens_seen(block_runs: list[dict]) -> None:
