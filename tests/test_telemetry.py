@@ -137,8 +137,8 @@ def _stop_with_slow_saves(rank: int, world_size: int, tmp: str, base: dict,
     import signal
 
     from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.train.control import Stopped
-    from ddptrain.train.step import Stepped
+    from ddptrain.step.compute import Stepped
+    from ddptrain.step.control import Stopped
     from tests.helpers.runs import make_config
 
     class StopsWithin(_slow_saves()):  # type: ignore[misc]
