@@ -939,6 +939,26 @@ MUTANTS = [
              "skew = max(0.0, (wait_long - wait_short) / (long - short)) if long > short else 0.0",
              "skew = (wait_long - wait_short) / (long - short) if long > short else 0.0"),),
            ("tests/test_predict.py", "-k", "skew_is_the_line")),
+    # the audit of issues 51 (items 5, 6) and 52's GPU rows: mutants the area's tests let through before
+    Mutant("launch-allocator-line-at-debug", "a CUDA worker logs the allocator's start-up line at DEBUG (not seen)",
+           (("ddptrain/app/launch.py", 'log.info("%s", alloc)', 'log.debug("%s", alloc)'),),
+           ("tests/test_gpu_path.py", "-k", "allocator_line_at_start_up")),
+    Mutant("allocator-lowercase-true-on", "expandable_segments:true read as on (torch refuses all but True/False)",
+           (("ddptrain/runtime/allocator.py", '            on = value.strip() == "True"',
+             '            on = value.strip().lower() == "true"'),),
+           ("tests/test_device_memory.py", "-k", "last_expandable_segments")),
+    Mutant("reading-forgotten-only-on-clean-exit", "a run that fails inside its group keeps the memory reading for "
+                                                   "the next group in the process",
+           (("ddptrain/runtime/process_group.py",
+             "        clean = True\n    finally:\n        memory_before_groups.forget()\n",
+             "        clean = True\n        memory_before_groups.forget()\n    finally:\n"),),
+           ("tests/test_device_memory.py", "-k", "forgotten_after_a_failure")),
+    Mutant("present-reads-device-0s-reading", "local rank 1 plans from cuda:0's reading before the groups",
+           (("ddptrain/plan/memory/present.py", "in_use_before_groups(index)", "in_use_before_groups(0)"),),
+           ("tests/test_device_memory.py", "-k", "forgotten_after_a_failure")),
+    Mutant("mask-width-one-past", "an aligned key count's mask rows get a spare block of 8 (16 keys: stride 24)",
+           (("ddptrain/models/attention.py", "    width = -(-keys // 8) * 8", "    width = (keys // 8 + 1) * 8"),),
+           ("tests/test_flash_attention.py", "-k", "padded_to_the_next_multiple_of_8")),
 ]
 
 

@@ -268,6 +268,8 @@ def test_the_last_expandable_segments_option_of_a_variable_wins(var: str) -> Non
     on_then_off = {var: "expandable_segments:True,max_split_size_mb:128,expandable_segments:False"}
     off_then_on = {var: "expandable_segments:False, max_split_size_mb:128, expandable_segments:True"}
     assert not expandable_segments(on_then_off) and expandable_segments(off_then_on)
+    # torch takes only True and False (ConfigTokenizer::toBool: "Expected 'True' or 'False'"): not on
+    assert not expandable_segments({var: "expandable_segments:true"})
     assert RunOverheads.of(examples, 1, on_then_off).fragmentation()[0] == 0.20
     assert RunOverheads.of(examples, 1, off_then_on).fragmentation()[0] == 0.10
 
@@ -302,6 +304,30 @@ def test_auto_counts_this_processs_cuda_context_and_nccls_init_memory_once(monke
     assert list(context_allowance(with_memory(gpu, 20.0)).values()) == [0.75 * GiB]
     # a reading below the assumed context: only what was read is in there
     assert list(context_allowance(replace(gpu, in_use_gib=0.2)).values()) == [pytest.approx(0.55 * GiB)]
+
+
+def test_the_reading_before_the_groups_is_this_ranks_device_and_is_forgotten_after_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Local rank 1 of 2 reads and plans cuda:1 (2 GiB in use beside cuda:0's 5 GiB), from its reading before
+    NCCL's init (+1 GiB); a run that fails inside the group forgets the reading as a clean one does."""
+    for var, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "restored at teardown")
+    cuda = fake_cuda(monkeypatch, H100.using(5.0), H100.using(2.0))
+
+    def init_group(cfg: DistConfig, env: DistEnv, device: torch.device, cpu_collectives: bool = False) -> None:
+        cuda.use(device.index, cuda.gpus[device.index].used / GiB + 1.0)  # NCCL's communicator, made eagerly
+
+    class Failed(Exception):
+        pass
+
+    monkeypatch.setattr(process_group, "init_process_group", init_group)
+    with pytest.raises(Failed), process_group.distributed(DistConfig()) as (_, device):
+        assert device == torch.device("cuda", 1)
+        assert this_device(device).in_use_gib == pytest.approx(2.0)  # cuda:1's reading, not cuda:0's nor NCCL's
+        raise Failed
+    assert this_device(device).in_use_gib == pytest.approx(3.0)  # the group gone: read as it is now
 
 
 @pytest.mark.parametrize("gpu", [A100, L4, RTX_4090], ids=lambda gpu: gpu.name)

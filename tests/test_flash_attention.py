@@ -17,7 +17,12 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from ddptrain.config.choices import Precision
 from ddptrain.data.packing import COUNTS, VARLEN_KEYS, PackCollate, to_device
 from ddptrain.errors import ConfigError
-from ddptrain.models.attention import block_causal_mask, ready_attention_masks, use_varlen_attention
+from ddptrain.models.attention import (
+    additive_mask,
+    block_causal_mask,
+    ready_attention_masks,
+    use_varlen_attention,
+)
 from ddptrain.models.packed_attention import check_packed_attention, leak_share
 from tests.helpers import procs
 from tests.helpers.dist import run_distributed
@@ -664,3 +669,13 @@ def test_the_ready_mask_for_cudas_kernel_has_rows_strided_by_a_multiple_of_8(row
         mask = seen.pop()
         assert mask.device.type == "cuda" and mask.dtype == dtype and mask.shape == (2, 1, keys, keys)
         assert mask.stride(-1) == 1 and mask.stride(-2) % 8 == 0 and mask.stride(-2) == -(-keys // 8) * 8
+
+
+def test_the_additive_masks_rows_are_padded_to_the_next_multiple_of_8_for_every_key_count() -> None:
+    """Each row's storage is the key count rounded up to a multiple of 8, no less (the visible part must fit) and
+    no more (an aligned count gets no spare block): 1 to 17 keys, either side of 8 and 16."""
+    for keys in range(1, 18):
+        allowed = torch.ones(2, 1, keys, keys, dtype=torch.bool).tril()
+        mask = additive_mask(allowed, torch.float32)
+        assert mask.shape == (2, 1, keys, keys) and mask.stride(-2) == -(-keys // 8) * 8, keys
+        assert torch.equal(mask == 0, allowed), keys

@@ -182,6 +182,46 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     assert seen == [True, False]
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_worker_on_cuda_logs_the_allocator_line_at_start_up(device: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """``run_worker`` logs ``startup_line`` at INFO once its group and run dir exist, on a CUDA device only (both
+    variables set: it names the one torch reads expandable segments from). Stopped before anything is built."""
+    from contextlib import contextmanager
+
+    from omegaconf import OmegaConf
+
+    from ddptrain.app import launch
+    from ddptrain.config.compose import Run, build_config
+    from ddptrain.runtime import process_group
+    from ddptrain.runtime.allocator import startup_line
+    from ddptrain.runtime.process_group import DistEnv
+
+    class Started(Exception):
+        pass
+
+    @contextmanager
+    def joined(*_: object, **__: object) -> Iterator[tuple[DistEnv, torch.device]]:
+        yield DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), torch.device(device)
+
+    def started(*_: object) -> None:
+        raise Started
+
+    environ = {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(process_group, "distributed", joined)  # run_worker imports these when called
+    monkeypatch.setattr(process_group, "shared_run_dir", lambda _: tmp_path)
+    monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
+    monkeypatch.setattr(launch, "Evidence", started)  # the line after the allocator's
+    run = Run(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path)}}}), build_config({}), {})
+    with caplog.at_level(logging.INFO, logger=launch.log.name), pytest.raises(Started):
+        launch.run_worker(run)
+    lines = [r.getMessage() for r in caplog.records if "allocator" in r.getMessage() and r.levelno >= logging.INFO]
+    assert lines == ([startup_line(environ)] if device == "cuda" else [])
+    assert device == "cpu" or "PYTORCH_ALLOC_CONF=expandable_segments:False (expandable segments off)" in lines[0]
+
 class _Offloaded(nn.Module):
     """Parameters away from the compute device (as with CPU offload), a loss on the compute device."""
 
