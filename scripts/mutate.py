@@ -774,7 +774,7 @@ MUTANTS = [
     Mutant("ctrl-c-second-launcher-line", "on Ctrl-C before any checkpoint the launcher adds its own line to rank 0's",
            (("ddptrain/app/launch.py", "        elif exc.sigval != signal.SIGINT:", "        else:"),),
            ("tests/test_before_start.py", "-k", "stop_before")),
-    Mutant("hang-evidence-discarded-when-recorded", "a rank that recorded a hang removes its record on the way out",
+    Mutant("hang-evidence-discarded-when-recorded", "a rank that recorded a hang removes its stacks on the way out",
            (("ddptrain/diagnose/evidence.py", "        recorded is kept.\"\"\"\n        if self._recorded:\n"
              "            return\n", "        recorded is kept.\"\"\"\n"),),
            ("tests/test_before_start.py", "-k", "discarded")),
