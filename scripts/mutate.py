@@ -959,6 +959,49 @@ MUTANTS = [
     Mutant("mask-width-one-past", "an aligned key count's mask rows get a spare block of 8 (16 keys: stride 24)",
            (("ddptrain/models/attention.py", "    width = -(-keys // 8) * 8", "    width = (keys // 8 + 1) * 8"),),
            ("tests/test_flash_attention.py", "-k", "padded_to_the_next_multiple_of_8")),
+    # the audit of issue 50's change: survivors of hand-written mutants, each with the test that now kills it
+    Mutant("run-dir-permission-unchecked", "the launcher checks only that the run dir's nearest parent is a directory, "
+                                           "not that it may write there",
+           (("ddptrain/app/before_start.py", "    elif not os.access(existing, os.W_OK | os.X_OK):",
+             "    elif False:"),),
+           ("tests/test_before_start.py", "-k", "may_not_write")),
+    Mutant("explicit-resume-vs-run-dirs-checkpoint", "train.resume=<path> is compared with the run dir's newest "
+                                                     "checkpoint, not the one it names",
+           (("ddptrain/checkpoint/before_start.py", "    path = Path(chosen)\n",
+             "    path = found[-1] if found else Path(chosen)\n"),),
+           ("tests/test_before_start.py", "-k", "explicit_resume_is")),
+    Mutant("resume-vocab-not-compared", "model.vocab_size is left out of the keys that decide 'the same model'",
+           (("ddptrain/checkpoint/before_start.py", '"max_position_embeddings", "vocab_size", "tie_embeddings")',
+             '"max_position_embeddings", "tie_embeddings")'),),
+           ("tests/test_before_start.py", "-k", "vocabulary")),
+    Mutant("worker-exit-2-becomes-1", "a worker's refusal (exit 2) makes the command exit 1 with the agent's line",
+           (("ddptrain/app/launch.py", "SAID_BY_WORKER = frozenset({2, 3, 4})", "SAID_BY_WORKER = frozenset({3, 4})"),),
+           ("tests/test_before_start.py", "-k", "refusal_or_abort")),
+    Mutant("ctrl-c-second-launcher-line", "on Ctrl-C before any checkpoint the launcher adds its own line to rank 0's",
+           (("ddptrain/app/launch.py", "        elif exc.sigval != signal.SIGINT:", "        else:"),),
+           ("tests/test_before_start.py", "-k", "stop_before")),
+    Mutant("hang-evidence-discarded-when-recorded", "a rank that recorded a hang removes its stacks on the way out",
+           (("ddptrain/diagnose/evidence.py", "        recorded is kept.\"\"\"\n        if self._recorded:\n"
+             "            return\n", "        recorded is kept.\"\"\"\n"),),
+           ("tests/test_before_start.py", "-k", "discarded")),
+    Mutant("config-yaml-before-resume-check", "rank 0 writes config.yaml before the trainer's resume check refuses",
+           (("ddptrain/app/launch.py",
+             "        try:\n            trainer = Trainer(typed, env, device, run_dir, resolved, shape)\n",
+             "        if env.is_main:\n"
+             "            (run_dir / \"config.yaml\").write_text(OmegaConf.to_yaml(resolved))\n"
+             "        try:\n            trainer = Trainer(typed, env, device, run_dir, resolved, shape)\n"),),
+           ("tests/test_before_start.py", "-k", "worker_refusing")),
+    Mutant("data-phase-misnamed", "a Ctrl-C while preparing the data is said to interrupt the model's building",
+           (("ddptrain/train/trainer.py", 'with starting("preparing the data", f"cache',
+             'with starting("building the model", f"cache'),),
+           ("tests/test_before_start.py", "-k", "prepares_the_data")),
+    Mutant("await-main-deadline-minutes", "the polled wait for rank 0 reads data.prepare_timeout_s as minutes",
+           (("ddptrain/runtime/process_group.py", "    deadline = time.monotonic() + timeout_s\n",
+             "    deadline = time.monotonic() + timeout_s * 60\n"),),
+           ("tests/test_interrupt.py", "-k", "gives_up")),
+    Mutant("tokenizer-worker-takes-ctrl-c", "a tokenizer pool worker keeps Ctrl-C (its own traceback per worker)",
+           (("ddptrain/data/encode.py", "        signal.signal(signal.SIGINT, signal.SIG_IGN)\n", ""),),
+           ("tests/test_interrupt.py", "-k", "pool_worker")),
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from ddptrain.app import cli
 from ddptrain.app.cli import run_cli
 from ddptrain.checkpoint.format import FORMAT, MANIFEST_KEY, MARKER, TrainState, manifest, model_fingerprint
 from ddptrain.config.compose import PRIMARY, Source, compose_config, typed_config
+from ddptrain.errors import ConfigError
 from ddptrain.models.build import build_model
 from ddptrain.telemetry.logs import ELASTIC_LOGGERS
 
@@ -180,3 +182,157 @@ def test_a_workers_refusal_is_said_at_once_by_rank_0_and_by_another_rank_only_af
     assert run_cli(["data.global_batch_size=3"]) == 2
     assert ("ddptrain: error: data.global_batch_size=3" in capsys.readouterr().err) == printed
     assert bool(sleeps) == slept
+
+
+# --- the audit of the change (docs/mutation.md): what the tests above did not vary ---------------------------------
+
+
+def test_a_run_dir_under_parents_that_do_not_exist_yet_reaches_the_workers(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The nearest existing parent decides (here ``tmp_path``, two levels up), not the run dir's parent."""
+    assert run_cli([*QUICK, "hydra.run.dir=new/nested/run"]) == 0, capsys.readouterr().err
+    assert len(launcher) == 1
+
+
+def test_a_run_dir_this_process_may_not_write_in_is_refused(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """os.access as a non-root user sees for a read-only directory (this suite may run as root, which may write
+    anywhere): only ``tmp_path/locked`` is refused."""
+    from ddptrain.app import before_start
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = before_start.os.access
+    monkeypatch.setattr(before_start.os, "access", lambda path, mode: Path(path) != locked and real(path, mode))
+    refused(capsys, launcher, ["hydra.run.dir=locked/run"],
+            f"hydra.run.dir={locked}/run: cannot write there (Permission denied)")
+    assert run_cli([*QUICK, "hydra.run.dir=open/run"]) == 0 and len(launcher) == 1
+
+
+def test_an_explicit_resume_is_compared_with_its_own_checkpoint_not_the_run_dirs(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], llama_run: Path
+) -> None:
+    """A run dir holding llama checkpoints, resuming a qwen3 checkpoint named by path: a qwen3 run is started,
+    a llama run refused (qwen3's checkpoint is the one it would load)."""
+    qwen = write_checkpoint(tmp_path / "qwen", ["model=qwen3_tiny"])
+    assert run_cli([*QUICK, "model=qwen3_tiny", f"hydra.run.dir={llama_run}", f"train.resume={qwen}"]) == 0
+    first = capsys.readouterr().err
+    assert len(launcher) == 1, first
+    refused(capsys, launcher[1:], [f"hydra.run.dir={llama_run}", f"train.resume={qwen}"],
+            f"train.resume: {qwen} was saved for a different model")
+
+
+def test_resume_with_another_vocabulary_size_is_refused(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], llama_run: Path
+) -> None:
+    """model.vocab_size changes the embedding's rows: every other shape key equal does not make it the same
+    model."""
+    refused(capsys, launcher, ["model.vocab_size=16384", f"hydra.run.dir={llama_run}", "train.resume=auto"],
+            f"train.resume: {llama_run}/checkpoints/step_000002 was saved for a different model")
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_a_worker_refusal_or_abort_is_the_commands_exit_code_without_a_launcher_line(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    code: int,
+) -> None:
+    def run(args: Any) -> None:
+        raise ChildFailedError("ddptrain", {0: ProcessFailure(0, 100, code, str(tmp_path / "none"))})
+
+    monkeypatch.setattr(torch_run, "run", run)
+    assert run_cli([*QUICK, "hydra.run.dir=run"]) == code
+    assert "ddptrain: worker rank" not in capsys.readouterr().err
+
+
+def test_a_stop_before_any_checkpoint_adds_a_line_for_sigterm_and_none_for_ctrl_c(
+    tmp_path: Path, launcher: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Ctrl-C rank 0's own line says what was interrupted: the launcher adds nothing after its first line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        def stopped(args: Any, sig: signal.Signals = sig) -> None:
+            raise SignalException("stopped", sig)
+
+        monkeypatch.setattr(torch_run, "run", stopped)
+        assert run_cli([*QUICK, f"hydra.run.dir=run_{sig.name}"]) == 128 + sig.value
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert [line for line in lines if "stopped by" in line] == (
+            [] if sig == signal.SIGINT else
+            [f"ddptrain: stopped by SIGTERM before this launch committed a checkpoint (run dir {tmp_path}/run_SIGTERM)"]
+        ), lines
+
+
+def test_discarded_evidence_goes_unless_something_was_recorded(tmp_path: Path) -> None:
+    """A rank that ended well leaves no hang/; one that recorded a hang keeps its record and stacks (the launcher's
+    verdict reads it)."""
+    import faulthandler
+    import sys
+
+    from ddptrain.diagnose.evidence import Evidence
+    from ddptrain.diagnose.whereabouts import WHEREABOUTS
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        Evidence(tmp_path / "healthy", 0).discard()
+        assert not (tmp_path / "healthy" / "hang").exists()
+        hung = Evidence(tmp_path / "hung", 1)
+        hung.record("a collective timed out")
+        hung.discard()
+        assert (tmp_path / "hung" / "hang" / "rank1.json").is_file()
+        stacks = (tmp_path / "hung" / "hang" / "rank1.stacks").read_text()
+        assert "a collective timed out: every thread's stack" in stacks
+    finally:
+        WHEREABOUTS.close()
+        faulthandler.enable(sys.__stderr__, all_threads=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def worker_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> Any:
+    """``run_worker`` as a launcher's worker calls it (a device given: the launcher's checks are not made), one
+    rank in this process; returns the exception it ended with."""
+    from ddptrain.app.launch import run_worker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PET_NNODES", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    run = typed_config(compose_config(Source(None, PRIMARY, [*QUICK, "launch.nproc_per_node=1", *overrides])))
+    previous = signal.getsignal(signal.SIGTERM)  # the worker's evidence handler
+    try:
+        run_worker(run, torch.device("cpu"))
+    except (ConfigError, KeyboardInterrupt) as exc:
+        return exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    raise AssertionError("the worker ran to its end")
+
+
+def test_a_worker_refusing_the_resume_leaves_the_earlier_config_yaml_and_no_hang_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_run: Path
+) -> None:
+    """The workers' own check (what the launcher's could not see, or no launcher at all): config.yaml is written
+    only once the checkpoint is resumed, and the refusal leaves no hang evidence."""
+    shutil.copytree(llama_run, tmp_path / "run")
+    exc = worker_in_process(tmp_path, monkeypatch, ["model=qwen3_tiny", "hydra.run.dir=run", "train.resume=auto"])
+    assert isinstance(exc, ConfigError) and "was saved for a different model" in str(exc), exc
+    assert (tmp_path / "run" / "config.yaml").read_text() == "the earlier run's config\n"
+    assert not (tmp_path / "run" / "hang").exists()
+
+
+def test_ctrl_c_while_a_worker_prepares_the_data_names_that_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddptrain.runtime.starting import INTACT_CACHE, interrupted_line
+    from ddptrain.train import trainer
+
+    def interrupted(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "build_token_data", interrupted)
+    exc = worker_in_process(tmp_path, monkeypatch, ["hydra.run.dir=run"])
+    assert isinstance(exc, KeyboardInterrupt), exc
+    assert interrupted_line(exc) == f"interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["train.log"]  # no config.yaml, no hang/

@@ -13,6 +13,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from ddptrain.app.cli import run_cli
+from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import _await_main
 
 
@@ -57,3 +58,31 @@ def test_ctrl_c_outside_the_loop_is_one_line_from_rank_0(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ([f"ddptrain: interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"] if said else []), err
     assert "checkpoint" not in INTACT_CACHE
+
+
+def test_a_rank_waiting_for_rank_0s_data_gives_up_at_its_timeout_in_seconds() -> None:
+    """The polled wait keeps data.prepare_timeout_s's unit: 0.5 means half a second, then the timeout's line."""
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^rank 0 took too long$"):
+        _await_main(store, "never-set", 0.5, "rank 0 took too long")
+    assert 0.5 <= time.monotonic() - start < 5
+
+
+def test_a_tokenizer_pool_worker_leaves_ctrl_c_to_the_preparing_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C reaches the whole process group: a pool worker ignores it (the preparing process stops the pool);
+    the preparing process's own encoder (not in a pool) keeps it."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from ddptrain.data import encode
+
+    handlers: list[tuple[int, Any]] = []
+    monkeypatch.setattr(encode.signal, "signal", lambda sig, handler: handlers.append((sig, handler)))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # restored after the test
+    monkeypatch.setattr(encode, "_WORKER", {})
+    tokenizer = Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).to_str()
+    encode.start_worker(tokenizer, 0, in_pool=False)
+    assert handlers == []
+    encode.start_worker(tokenizer, 0)
+    assert handlers == [(signal.SIGINT, signal.SIG_IGN)]
