@@ -833,6 +833,23 @@ MUTANTS = [
     Mutant("threads-ignore-load", "a worker takes a thread per core however busy the machine is (0.15x at load 12)",
            (("ddptrain/runtime/topology.py", "    idle = max(1.0, cores - busy)", "    idle = float(cores)"),),
            ("tests/test_console_noise.py", "-k", "leaves_idle")),
+    # issue 50 audit: launch_workers' wiring and errors.py's hints, which the rules' own tests did not reach
+    Mutant("launch-note-unwired", "the launcher computes the oversubscription note and never prints it",
+           (("ddptrain/app/launch.py", "    if (note := oversubscription_note(local)) is not None:\n        say(note)\n",
+             "    if (note := oversubscription_note(local)) is not None:\n        pass\n"),),
+           ("tests/test_before_start.py", "-k", "idle_cores")),
+    Mutant("launch-threads-ignore-load", "the launcher sets OMP_NUM_THREADS without the load average (busy cores)",
+           (("ddptrain/app/launch.py", "threads_per_worker(local, busy=os.getloadavg()[0])",
+             "threads_per_worker(local)"),),
+           ("tests/test_before_start.py", "-k", "idle_cores")),
+    Mutant("did-you-mean-loose", "a did-you-mean cutoff of 0.4 guesses unrelated keys (precision: train?)",
+           (("ddptrain/errors.py", "difflib.get_close_matches(name, known, n=1)",
+             "difflib.get_close_matches(name, known, n=1, cutoff=0.4)"),),
+           ("tests/test_bad_inputs.py", "-k", "loosely")),
+    Mutant("bracket-hint-any-type-error", "any value of a wrong type gets the list-in-brackets hint (train.steps=abc)",
+           (("ddptrain/errors.py", '    if "is not a ListConfig, list or tuple" in message:',
+             '    if getattr(cause, "value", None) is not None:'),),
+           ("tests/test_bad_inputs.py", "-k", "loosely")),
 ]
 
 
