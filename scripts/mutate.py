@@ -835,7 +835,8 @@ MUTANTS = [
            ("tests/test_console_noise.py", "-k", "leaves_idle")),
     # issue 50 audit: launch_workers' wiring and errors.py's hints, which the rules' own tests did not reach
     Mutant("launch-note-unwired", "the launcher computes the oversubscription note and never prints it",
-           (("ddptrain/app/launch.py", "    if (note := oversubscription_note(local)) is not None:\n        say(note)\n",
+           (("ddptrain/app/launch.py",
+             "    if (note := oversubscription_note(local)) is not None:\n        say(note)\n",
              "    if (note := oversubscription_note(local)) is not None:\n        pass\n"),),
            ("tests/test_before_start.py", "-k", "idle_cores")),
     Mutant("launch-threads-ignore-load", "the launcher sets OMP_NUM_THREADS without the load average (busy cores)",
