@@ -851,6 +851,16 @@ MUTANTS = [
            (("ddptrain/errors.py", '    if "is not a ListConfig, list or tuple" in message:',
              '    if getattr(cause, "value", None) is not None:'),),
            ("tests/test_bad_inputs.py", "-k", "loosely")),
+    Mutant("goodput-entry-read-late", "the launcher's goodput start is when it is read (after composing and checking "
+                                      "the config), not ddptrain's first line",
+           (("ddptrain/telemetry/goodput.py", "    return ddptrain.ENTERED_AT\n", "    return time.time()\n"),),
+           ("tests/test_goodput.py", "-k", "when_ddptrains_code_began")),
+    Mutant("goodput-start-in-worker", "a worker's first attempt ignores DDPTRAIN_LAUNCH_START: the launcher's "
+                                      "start-up is not counted",
+           (("ddptrain/telemetry/goodput.py",
+             'if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and env.get(LAUNCH_START_ENV):',
+             "if False and env.get(LAUNCH_START_ENV):"),),
+           ("tests/test_goodput.py", "-k", "first_attempt_starts")),
 ]
 
 
