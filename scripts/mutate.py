@@ -1002,6 +1002,34 @@ MUTANTS = [
     Mutant("tokenizer-worker-takes-ctrl-c", "a tokenizer pool worker keeps Ctrl-C (its own traceback per worker)",
            (("ddptrain/data/encode.py", "        signal.signal(signal.SIGINT, signal.SIG_IGN)\n", ""),),
            ("tests/test_interrupt.py", "-k", "pool_worker")),
+    # issue 50 audit: launch_workers' wiring and errors.py's hints, which the rules' own tests did not reach
+    Mutant("launch-note-unwired", "the launcher computes the oversubscription note and never prints it",
+           (("ddptrain/app/launch.py",
+             "    if (note := oversubscription_note(local)) is not None:\n        say(note)\n",
+             "    if (note := oversubscription_note(local)) is not None:\n        pass\n"),),
+           ("tests/test_before_start.py", "-k", "idle_cores")),
+    Mutant("launch-threads-ignore-load", "the launcher sets OMP_NUM_THREADS without the load average (busy cores)",
+           (("ddptrain/app/launch.py", "threads_per_worker(local, busy=os.getloadavg()[0])",
+             "threads_per_worker(local)"),),
+           ("tests/test_before_start.py", "-k", "idle_cores")),
+    Mutant("did-you-mean-loose", "a did-you-mean cutoff of 0.4 guesses unrelated keys (precision: train?)",
+           (("ddptrain/errors.py", "difflib.get_close_matches(name, known, n=1)",
+             "difflib.get_close_matches(name, known, n=1, cutoff=0.4)"),),
+           ("tests/test_bad_inputs.py", "-k", "loosely")),
+    Mutant("bracket-hint-any-type-error", "any value of a wrong type gets the list-in-brackets hint (train.steps=abc)",
+           (("ddptrain/errors.py", '    if "is not a ListConfig, list or tuple" in message:',
+             '    if getattr(cause, "value", None) is not None:'),),
+           ("tests/test_bad_inputs.py", "-k", "loosely")),
+    Mutant("goodput-entry-read-late", "the launcher's goodput start is when it is read (after composing and checking "
+                                      "the config), not ddptrain's first line",
+           (("ddptrain/telemetry/goodput.py", "    return ddptrain.ENTERED_AT\n", "    return time.time()\n"),),
+           ("tests/test_goodput.py", "-k", "when_ddptrains_code_began")),
+    Mutant("goodput-start-in-worker", "a worker's first attempt ignores DDPTRAIN_LAUNCH_START: the launcher's "
+                                      "start-up is not counted",
+           (("ddptrain/telemetry/goodput.py",
+             'if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and env.get(LAUNCH_START_ENV):',
+             "if False and env.get(LAUNCH_START_ENV):"),),
+           ("tests/test_goodput.py", "-k", "first_attempt_starts")),
 ]
 
 

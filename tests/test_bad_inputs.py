@@ -230,3 +230,19 @@ def test_readme_table_lists_every_case() -> None:
     table = README.read_text()
     for _, message in [*IN_PROCESS, *UNDER_TORCHRUN]:
         assert message.replace("|", r"\|") in table, f"README's bad-input table is missing: {message}"
+
+
+def test_a_key_only_loosely_like_the_schemas_gets_no_guess_and_a_scalar_gets_no_bracket_hint() -> None:
+    """The guess is for typos: 'precision' is 0.46 alike to 'train' and 'workers' to optim's 'eps' (a loose
+    cutoff suggests them); the bracket hint is for a list key given a bare value, not for any value of a wrong
+    type ('abc' for train.steps, an integer)."""
+    from ddptrain.config.compose import compose_config, typed_config
+
+    for overrides, message in (
+        (["+precision=bf16"], "precision: Key 'precision' not in 'Config'"),
+        (["+optim.workers=4"], "optim.workers: Key 'workers' not in 'OptimConfig'"),
+        (["train.steps=abc"], "train.steps: Value 'abc' of type 'str' could not be converted to Integer"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            typed_config(compose_config(overrides))
+        assert str(refused.value) == message

@@ -174,3 +174,26 @@ def test_the_start_is_ddptrains_own_not_that_of_a_shell_which_ran_first_and_exec
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     before_exec, started = float(out[0]), float(out[1])
     assert started >= before_exec, f"the start {before_exec - started:.2f} s before the exec counts the shell's work"
+
+
+def test_the_launchers_start_is_when_ddptrains_code_began_not_when_it_is_read() -> None:
+    """The launcher reads its start only after composing and checking the config (seconds of ddptrain's own
+    start-up, which goodput counts): the value is taken at ddptrain's first line, not when it is asked for."""
+    import ddptrain
+
+    asked = time.time()
+    assert float(goodput_module.launcher_start()) == ddptrain.ENTERED_AT < asked
+
+
+@pytest.mark.parametrize(("restarts", "from_launcher"), [("0", True), ("1", False)])
+def test_a_workers_first_attempt_starts_at_the_launchers_start_and_a_restart_at_its_own(
+    restarts: str, from_launcher: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker of a launch's first attempt counts the launcher's start-up too (DDPTRAIN_LAUNCH_START); a
+    restarted worker, spawned by torchrun's agent long after, starts at its own process's start."""
+    monkeypatch.setattr(goodput_module, "_process_start_taken", False)
+    monkeypatch.setenv(goodput_module.LAUNCH_START_ENV, "1000.5")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+    expected = 1000.5 if from_launcher else goodput_module.process_start()
+    assert goodput_module.attempt_start() == pytest.approx(expected, abs=0.05)  # now less age: read twice
