@@ -184,7 +184,29 @@ def test_a_workers_refusal_is_said_at_once_by_rank_0_and_by_another_rank_only_af
     assert bool(sleeps) == slept
 
 
-<<<<<<< HEAD
+@pytest.mark.parametrize(("extra", "cores", "load", "threads", "noted"), [
+    (["launch.nproc_per_node=4", "data.micro_batch_size=4"], 2, 0.0, "1", True),  # 4 workers on 2 cores
+    ([], 4, 6.0, "1", False),  # 2 workers; the rest of the machine keeps the 4 cores busy
+    ([], 4, 0.0, "2", False),  # 2 workers on a quiet machine: a share of the cores each
+])
+def test_the_launcher_gives_its_workers_the_idle_cores_and_notes_more_workers_than_cores(
+    extra: list[str], cores: int, load: float, threads: str, noted: bool, launcher: list[Any],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """launch_workers' own wiring (app/launch.py), not only runtime/topology.py's rules: the workers' OMP_NUM_THREADS
+    follows the load average, and the oversubscription note is printed before they start."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.delenv("OMP_NUM_THREADS")  # the launcher only sets what the user did not
+    assert run_cli([*QUICK, "hydra.run.dir=run", *extra]) == 0
+    assert len(launcher) == 1
+    assert os.environ["OMP_NUM_THREADS"] == threads
+    notes = [line for line in capsys.readouterr().err.splitlines() if "ddptrain: note: launch.nproc_per_node" in line]
+    assert len(notes) == (1 if noted else 0), notes
+
+
 # --- the audit of the change (docs/mutation.md): what the tests above did not vary ---------------------------------
 
 
@@ -337,26 +359,3 @@ def test_ctrl_c_while_a_worker_prepares_the_data_names_that_part(
     assert isinstance(exc, KeyboardInterrupt), exc
     assert interrupted_line(exc) == f"interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["train.log"]  # no config.yaml, no hang/
-=======
-@pytest.mark.parametrize(("extra", "cores", "load", "threads", "noted"), [
-    (["launch.nproc_per_node=4", "data.micro_batch_size=4"], 2, 0.0, "1", True),  # 4 workers on 2 cores
-    ([], 4, 6.0, "1", False),  # 2 workers; the rest of the machine keeps the 4 cores busy
-    ([], 4, 0.0, "2", False),  # 2 workers on a quiet machine: a share of the cores each
-])
-def test_the_launcher_gives_its_workers_the_idle_cores_and_notes_more_workers_than_cores(
-    extra: list[str], cores: int, load: float, threads: str, noted: bool, launcher: list[Any],
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """launch_workers' own wiring (app/launch.py), not only runtime/topology.py's rules: the workers' OMP_NUM_THREADS
-    follows the load average, and the oversubscription note is printed before they start."""
-    import os
-
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.delenv("OMP_NUM_THREADS")  # the launcher only sets what the user did not
-    assert run_cli([*QUICK, "hydra.run.dir=run", *extra]) == 0
-    assert len(launcher) == 1
-    assert os.environ["OMP_NUM_THREADS"] == threads
-    notes = [line for line in capsys.readouterr().err.splitlines() if "ddptrain: note: launch.nproc_per_node" in line]
-    assert len(notes) == (1 if noted else 0), notes
->>>>>>> auditnoise
