@@ -197,3 +197,23 @@ def test_a_workers_first_attempt_starts_at_the_launchers_start_and_a_restart_at_
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
     expected = 1000.5 if from_launcher else goodput_module.process_start()
     assert goodput_module.attempt_start() == pytest.approx(expected, abs=0.05)  # now less age: read twice
+
+
+def test_a_forked_child_starts_at_the_fork_not_when_its_parent_imported_ddptrain() -> None:
+    """A fork server's ranks (and a multiprocessing worker) begin at the fork: without the reset their goodput's
+    start-up was the server's whole life (928 s of "start-up" in a suite that had run for 15 minutes)."""
+    import os
+
+    import ddptrain
+
+    read, write = os.pipe()
+    before_fork = time.time()
+    pid = os.fork()
+    if pid == 0:  # the child: report its start and leave without running pytest's teardown
+        os.write(write, repr(ddptrain.ENTERED_AT).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child_entered = float(os.read(read, 64).decode())
+    os.close(read)
+    assert ddptrain.ENTERED_AT < before_fork <= child_entered

@@ -175,6 +175,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
     monkeypatch.setattr(process_group, "distributed", joining)  # run_worker imports it when called
     monkeypatch.setattr(launch, "validate_config", lambda *_: None)  # offload is refused without CUDA
     monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
+    monkeypatch.setattr(launch, "ready_run_dir", lambda *_: None)  # the launcher's run-dir checks: not this test's
     for offload in (True, False):
         typed = build_config({"parallel": {"zero_stage": 3, "cpu_offload": offload}})
         with pytest.raises(Joined):
