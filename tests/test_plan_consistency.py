@@ -150,6 +150,9 @@ def test_a_category_that_shrinks_between_corners_shows_that_the_peak_moved() -> 
     moved = {**same, (2, 2): {"backward": block}, (3, 2): {"backward": grown}}
     assert not memory_planner.moments_switch(same, (2, 3), (1, 2))
     assert memory_planner.moments_switch(moved, (2, 3), (1, 2))
+    # the same moment in all four corners, every category growing with a block and a micro batch more: no switch
+    grows = {(m, d): {"backward": {c: v * (m + d) for c, v in block.items()}} for m in (2, 3) for d in (1, 2)}
+    assert not memory_planner.moments_switch(grows, (2, 3), (1, 2))
 
 
 @pytest.mark.slow
