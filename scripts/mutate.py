@@ -1035,8 +1035,26 @@ MUTANTS = [
                                                "as ddptrain's start: goodput's start-up is the parent's whole life",
            (("ddptrain/__init__.py", "_os.register_at_fork(after_in_child=_forked)", "_forked"),),
            ("tests/test_goodput.py", "-k", "forked_child")),
+    Mutant("plan-moments-switch-direction", "moments_switch sees a switch where a category grows, not shrinks",
+           (("ddptrain/plan/memory/planner.py", "        return any(b[c] < a[c] for c in a)",
+             "        return any(b[c] > a[c] for c in a)"),),
+           ("tests/test_plan_consistency.py", "-k", "shrinks_between")),
+    Mutant("plan-accumulation-not-subtracted", "an option's accumulation bytes always 0 (alone traced accumulating)",
+           (("ddptrain/plan/memory/planner.py",
+             "    alone = sum(planned(w.micro_batch, w.checkpointing, w.stage, False).values()) if accumulating"
+             " else peak",
+             "    alone = sum(planned(w.micro_batch, w.checkpointing, w.stage, accumulating).values())"),),
+           ("tests/test_plan_consistency.py", "-k", "accumulating_adds")),
+    Mutant("plan-note-slower-inverted", "the note calls the larger option slower when it is faster",
+           (("ddptrain/plan/memory/planner.py", 'why = "slower" if other.step_s > best.step_s else',
+             'why = "slower" if other.step_s < best.step_s else'),),
+           ("tests/test_plan_consistency.py", "-k", "note_names")),
+    Mutant("plan-speedup-ratio-inverted", "an option's speedup is its step over one device's (below 1)",
+           (("ddptrain/plan/memory/planner.py",
+             "allowances(categories, w.stage).total, step, single / step if step and single else None,",
+             "allowances(categories, w.stage).total, step, step / single if step and single else None,"),),
+           ("tests/test_plan_consistency.py", "-k", "accumulating_adds")),
 ]
-
 
 def _copy_tree(dest: Path) -> None:
     """The working tree as git sees it (tracked and untracked, not ignored) into ``dest``."""

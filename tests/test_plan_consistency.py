@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import ddptrain.plan.memory.planner as memory_planner
 from ddptrain.config.choices import ActivationCheckpointing
+from ddptrain.config.compose import compose_config, typed_config
+from ddptrain.plan.analytic.planner import build_plan
+from ddptrain.plan.memory.present import device_for_plan
 from tests.helpers.plan_consistency import assert_one_answer, assert_rows_equal_auto, dry_run, step_need
 from tests.helpers.trace_cache import share_traces
 
@@ -146,6 +150,9 @@ def test_a_category_that_shrinks_between_corners_shows_that_the_peak_moved() -> 
     moved = {**same, (2, 2): {"backward": block}, (3, 2): {"backward": grown}}
     assert not memory_planner.moments_switch(same, (2, 3), (1, 2))
     assert memory_planner.moments_switch(moved, (2, 3), (1, 2))
+    # the same moment in all four corners, every category growing with a block and a micro batch more: no switch
+    grows = {(m, d): {"backward": {c: v * (m + d) for c, v in block.items()}} for m in (2, 3) for d in (1, 2)}
+    assert not memory_planner.moments_switch(grows, (2, 3), (1, 2))
 
 
 @pytest.mark.slow
@@ -160,3 +167,45 @@ def test_the_fit_of_gpt2_on_an_h100_follows_the_moment_its_backward_peaks_at() -
     for m in (16, 64):
         full = tracer.exact(m, ActivationCheckpointing.none, False, m < 64).peak
         assert fit.peak_at(m, 12, m < 64).peak == pytest.approx(full, rel=0.02)
+
+
+def _option(micro_batch: int, step_s: float | None, grad_accum: int = 1) -> memory_planner.Option:
+    return memory_planner.Option(0, ActivationCheckpointing.none, micro_batch, grad_accum, 1.0, 0.0, step_s, None)
+
+
+def test_the_note_names_the_largest_micro_batch_that_fits_and_whether_it_is_slower() -> None:
+    """Options fastest first: micro batch 8 is recommended while 16 and 32 fit too. The note names 32 (the
+    largest, not the first larger row) and says it is slower, with both predicted step times."""
+    def note(options: list[memory_planner.Option]) -> str | None:
+        return memory_planner.MemoryPlan.recommendation_note.fget(SimpleNamespace(options=options))  # type: ignore
+
+    slower = note([_option(8, 0.010, 4), _option(16, 0.015, 2), _option(32, 0.020)])
+    assert slower is not None and slower.startswith("micro batch 32 (grad_accum 1, checkpointing none, DDP) fits too")
+    assert slower.endswith("is predicted slower: 20.0 ms against 10.0 ms")
+    tied = note([_option(8, 0.010, 4), _option(32, 0.010)])
+    assert tied is not None and "predicted no faster" in tied and "slower" not in tied
+    assert note([_option(32, 0.010), _option(8, 0.020, 4)]) is None  # no larger micro batch: nothing to explain
+
+
+def test_an_option_shows_what_accumulating_adds_and_a_speedup_above_one() -> None:
+    """``weigh`` on a synthetic trace: accumulating holds 50 bytes more than the same micro batch alone, and the
+    option shows those 50 (none without accumulation); eight DDP ranks predict a step faster than one device's
+    (a speedup in (1, 8]), not its inverse."""
+    cfg = typed_config(compose_config(["plan.world_size=8", "data.global_batch_size=64"])).typed
+    plan = build_plan(cfg, 8, "H100")
+    device = device_for_plan("h100", None, None)
+
+    def planned(m: int, c: ActivationCheckpointing, stage: int, accumulating: bool) -> dict[str, float]:
+        return {"activations": 10.0 * m, "gradients": 100.0 + (50.0 if accumulating else 0.0)}
+
+    def allowances(categories: dict[str, float], stage: int) -> Any:
+        return SimpleNamespace(total=7.0)
+
+    def weigh(m: int) -> memory_planner.Option:
+        return memory_planner.weigh(memory_planner.Weighed(plan, device, 0, ActivationCheckpointing.none, m, 8 // m),
+                                    planned, allowances)
+
+    accumulating, alone = weigh(2), weigh(8)
+    assert (accumulating.peak, accumulating.accumulation) == (170.0, 50.0)
+    assert (alone.peak, alone.accumulation) == (180.0, 0.0)
+    assert alone.speedup is not None and 1.0 < alone.speedup <= 8.0
