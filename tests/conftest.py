@@ -4,7 +4,7 @@ skip, and the fixtures many tests share."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,3 +89,21 @@ def torchrun_run(cli_runs: RunCache) -> tuple[Path, Path]:
     runs = list((result.cwd / "outputs").rglob("summary.json"))
     assert len(runs) == 1, f"expected one run dir shared by both ranks, got {runs}"
     return runs[0].parent, cli_runs.data_cache
+
+
+# What ddptrain's launcher sets in its own process for the workers it spawns (app/launch.py): an in-process launch
+# in one test must not hand them to a later test's ranks (a leaked DDPTRAIN_LAUNCH_START made a later run's goodput
+# count from that test's launch, 928 s before).
+_LAUNCHER_ENV = ("DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START")
+
+
+@pytest.fixture(autouse=True)
+def _launcher_environment_put_back() -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in _LAUNCHER_ENV}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+

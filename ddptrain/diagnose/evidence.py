@@ -130,6 +130,9 @@ class Evidence:
         recorded is kept."""
         if self._recorded:
             return
+        global _ACTIVE
+        if _ACTIVE is self:  # a later signal in this process (an in-process run ended) has no hang/ to write into
+            _ACTIVE = None
         faulthandler.disable()
         self._stacks.close()
         WHEREABOUTS.close()
