@@ -142,6 +142,23 @@ def _nccl_dump(folder: Path, rank: int, collectives: list[tuple[int, str, int, s
     (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(collectives))
 
 
+def _run_ahead_verdict(tmp_path: Path, ring_of_rank_1: int = 2000) -> str | None:
+    """Rank 1's stream stuck before its #8 (broadcasts #8 and #9 complete on the root without it) while its host
+    enqueued on to #12; rank 0 waits in #10. Both aborted by the watchdog; the verdict read from their dumps."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    ops = {8: "broadcast", 9: "broadcast"}
+    for rank, completed, enqueued, ring in ((0, 9, 11, 2000), (1, 7, 12, ring_of_rank_1)):
+        collectives = [(s, ops.get(s, "all_reduce"), 64, "completed" if s <= completed else "scheduled")
+                       for s in range(1, enqueued + 1)]
+        (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(collectives, ring=ring))
+        _aborted_by_the_watchdog(folder, rank)
+    _at(folder, 0, "check", 2)
+    _at(folder, 1, "forward", 3)
+    return verdict(tmp_path, [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT")], 2, 15, "vm")
+
+
 def _aborted_by_the_watchdog(folder: Path, rank: int) -> None:
     """What faulthandler writes when NCCL's watchdog thread calls abort(): no "Current thread" (the aborting
     thread is not Python's), the main thread blocked wherever the host last synchronized."""
@@ -645,16 +662,7 @@ def test_a_peer_whose_host_ran_past_the_waiters_collective_but_is_stuck_before_i
     """Rank 1's stream is stuck before its #8 (a small broadcast from rank 0, which completes on the root without
     the receiver, as does #9); its host enqueued on to #12. Rank 0 waits in #10: rank 1 enqueued #10 but is
     behind it, so it is the late one."""
-    folder = _folder(tmp_path)
-    ops = {8: "broadcast", 9: "broadcast"}
-    for rank, completed, enqueued in ((0, 9, 11), (1, 7, 12)):
-        _nccl_dump(folder, rank, [(s, ops.get(s, "all_reduce"), 64, "completed" if s <= completed else "scheduled")
-                                  for s in range(1, enqueued + 1)])
-        _aborted_by_the_watchdog(folder, rank)
-    _at(folder, 0, "check", 2)
-    _at(folder, 1, "forward", 3)
-    failures = [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT")]
-    assert verdict(tmp_path, failures, 2, 15, "vm") == (
+    assert _run_ahead_verdict(tmp_path) == (
         "rank 1 (host vm) hung at step 3 in forward; rank 0 waited in all_reduce #10 (64 bytes, the host ran ahead "
         "of it) for 15 s (dist.timeout_s)")
 
@@ -787,18 +795,6 @@ def test_a_peer_stuck_before_the_waiters_collective_is_behind_when_its_ring_no_l
         tmp_path: Path) -> None:
     """As the run-ahead case above, with rank 1's ring shrunk to its last 2 entries (#11, #12): its #10, the one
     rank 0 waits in, is gone from it, and its stuck #8 is known from pg_status only. It is still behind rank 0."""
-    from tests.helpers.nccl_twin import nccl_dump
-
-    folder = _folder(tmp_path)
-    ops = {8: "broadcast", 9: "broadcast"}
-    for rank, completed, enqueued, ring in ((0, 9, 11, 2000), (1, 7, 12, 2)):
-        collectives = [(s, ops.get(s, "all_reduce"), 64, "completed" if s <= completed else "scheduled")
-                       for s in range(1, enqueued + 1)]
-        (folder / f"nccl_trace_rank_{rank}").write_bytes(nccl_dump(collectives, ring=ring))
-        _aborted_by_the_watchdog(folder, rank)
-    _at(folder, 0, "check", 2)
-    _at(folder, 1, "forward", 3)
-    failures = [Failure(0, -6, "SIGABRT"), Failure(1, -6, "SIGABRT")]
-    assert verdict(tmp_path, failures, 2, 15, "vm") == (
+    assert _run_ahead_verdict(tmp_path, ring_of_rank_1=2) == (
         "rank 1 (host vm) hung at step 3 in forward; rank 0 waited in all_reduce #10 (64 bytes, the host ran ahead "
         "of it) for 15 s (dist.timeout_s)")
