@@ -172,3 +172,13 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
     if device_type != "cuda":
         return Precision.fp32
     return Precision.bf16 if bf16_supported else Precision.fp16
+
+
+class FtSync(StrEnum):
+    """How replica groups of a fault-tolerant run (``ft.*``, torchft) agree: every step, or every ``ft.sync_every``
+    inner steps through an outer optimizer (DiLoCo), or that with the model in fragments whose syncs overlap
+    compute (Streaming DiLoCo)."""
+
+    ddp = "ddp"
+    diloco = "diloco"
+    streaming_diloco = "streaming_diloco"

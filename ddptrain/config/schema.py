@@ -26,6 +26,7 @@ from ddptrain.config.choices import (
     Direction,
     DriftPolicy,
     Engine,
+    FtSync,
     Interconnect,
     Kernels,
     Launcher,
@@ -442,6 +443,40 @@ class SweepConfig:
 
 
 @dataclass
+class FtConfig:
+    """Fault-tolerant data parallelism through torchft (the extra ddptrain[ft]): ``replica_groups`` groups of
+    ``launch.nproc_per_node`` workers each train as one data-parallel run; a group that fails is restarted alone and
+    heals its state live from a peer while the others keep stepping (docs/reliability.md)."""
+
+    replica_groups: int = 0  # R groups; 0: off (a failure anywhere restarts every rank, as torchrun does)
+    replica_id: int | None = None  # this process's group, 0..R-1: set by the launcher or the manifest, not by hand
+    lighthouse: str | None = None  # the torchft lighthouse's address (http://host:port); null: one started here
+    min_replicas: int = 1  # groups a step needs; fewer: the survivors wait, then stop cleanly with a checkpoint
+    sync: FtSync = FtSync.ddp  # ddp: every step; diloco / streaming_diloco: every sync_every inner steps
+    sync_every: int = 8  # H: inner steps between outer syncs (diloco, streaming_diloco)
+    fragments: int = 1  # streaming_diloco: the model's fragments, each synced at its own offset in the window
+    outer_lr: float = 0.7  # the outer optimizer: SGD with Nesterov momentum on the pseudo-gradients
+    outer_momentum: float = 0.9
+    group_restarts: int = 3  # restarts of one group by its own agent before the run gives it up
+    quorum_timeout_s: float = 60.0  # how long a step waits for the lighthouse's quorum
+
+    def __post_init__(self) -> None:
+        _require(self.replica_groups >= 0,
+                 f"ft.replica_groups={self.replica_groups}: expected a number of groups >= 0 (0: off)")
+        _require(self.replica_id is None or 0 <= self.replica_id < max(self.replica_groups, 1),
+                 f"ft.replica_id={self.replica_id}: expected a group between 0 and ft.replica_groups - 1 "
+                 f"({self.replica_groups - 1})")
+        _require(1 <= self.min_replicas <= max(self.replica_groups, 1),
+                 f"ft.min_replicas={self.min_replicas}: expected 1 to ft.replica_groups ({self.replica_groups})")
+        for key in ("sync_every", "fragments"):
+            _require(getattr(self, key) >= 1, f"ft.{key}={getattr(self, key)}: expected a positive integer")
+        _require(self.outer_lr > 0, f"ft.outer_lr={self.outer_lr}: expected a positive learning rate")
+        _require(0 <= self.outer_momentum < 1, f"ft.outer_momentum={self.outer_momentum}: expected 0 <= m < 1")
+        _require(self.group_restarts >= 0, f"ft.group_restarts={self.group_restarts}: expected >= 0")
+        _require(self.quorum_timeout_s > 0, f"ft.quorum_timeout_s={self.quorum_timeout_s}: expected seconds > 0")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -456,6 +491,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
 
     def __post_init__(self) -> None:
         """Rules across sections (each section checked itself first)."""
