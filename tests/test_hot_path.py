@@ -201,7 +201,7 @@ def _sigterm_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             self.lines.append(record.getMessage())
 
     step_hooks = trainer.step_hooks
-    trainer.step_hooks = lambda r: TerminateAfterStep4() if r == 0 else step_hooks(r)  # type: ignore[assignment]
+    trainer.step_hooks = lambda r, g=None: TerminateAfterStep4() if r == 0 else step_hooks(r, g)  # type: ignore[assignment]
     run_dir = os.path.join(tmp, "sigterm")
     notices = Notices()
     logging.getLogger("ddptrain").addHandler(notices)

@@ -66,6 +66,12 @@ def run_cli(argv: list[str]) -> int:
             print_config(cfg, args.cfg, args.resolve)
             return 0
         run = typed_config(cfg)  # the schema's checks, before the launch module's imports
+        if run.typed.ft.replica_groups > 0:  # replica groups (torchft): its own launcher; a group in its own dir
+            from ddptrain.ft.launch import in_group, launch_groups
+
+            run = in_group(run)
+            if not run.typed.launch.dry_run and run.typed.ft.replica_id is None and "LOCAL_RANK" not in os.environ:
+                return launch_groups(run, source.argv())
         from ddptrain.app import launch
 
         if run.typed.launch.dry_run:
@@ -74,7 +80,8 @@ def run_cli(argv: list[str]) -> int:
             from ddptrain.app.ray_launch import launch_ray
 
             return launch_ray(run, source)
-        if not launch.is_worker() and (run.typed.launch.nproc_per_node > 1 or launch.operator_pod()):
+        if not launch.is_worker() and (run.typed.launch.nproc_per_node > 1 or launch.operator_pod()
+                                       or run.typed.ft.replica_id is not None):  # a replica group: its own agent
             return launch.launch_workers(run, source.argv())
         launch.run_worker(run)
         return 0

@@ -21,6 +21,7 @@ from ddptrain.data import BatchShape
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, one_line, say
+from ddptrain.ft.layout import GROUP_AGENT_ENV, data_parallel_size
 from ddptrain.runtime.allocator import startup_line as allocator_line
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
@@ -125,9 +126,12 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     The run directory is fixed here, once, so every worker and every restart writes to the same place.
     """
     typed = run.typed
-    options, world_size, local = torchrun_options(typed.launch.nproc_per_node, typed.launch.max_restarts)
-    shape = validate_config(typed, world_size)  # fail here once, not in every worker
-    run_dir = ready_run_dir(run, world_size, shape, f"starting {local} worker{'s' if local > 1 else ''}")
+    in_group = typed.ft.replica_id is not None  # one replica group's agent: it restarts this group alone
+    restarts = typed.ft.group_restarts if in_group else typed.launch.max_restarts
+    options, world_size, local = torchrun_options(typed.launch.nproc_per_node, restarts)
+    shape = validate_config(typed, data_parallel_size(typed, world_size))  # fail here once, not in every worker
+    run_dir = ready_run_dir(run, world_size, shape, f"starting {local} worker{'s' if local > 1 else ''}",
+                            announce=GROUP_AGENT_ENV not in os.environ)  # the groups' launcher announced the run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
@@ -143,7 +147,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(local, busy=os.getloadavg()[0])))
     if (note := oversubscription_note(local)) is not None:
         say(note)
-    if typed.launch.max_restarts > 0:
+    if restarts > 0:
         # without it torchrun's agent did not restart gloo workers (torch 2.13), with or without --standalone
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([*options, "-m", "ddptrain", *argv])
@@ -178,16 +182,18 @@ def launch_workers(run: Run, argv: list[str]) -> int:
 SAID_BY_WORKER = frozenset({2, 3, 4})
 
 
-def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str) -> Path:
+def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str, announce: bool = True) -> Path:
     """The run directory, once it is known the run can start there (``app/before_start.py``: nothing is written
-    before), and the run's first console line: where, how many ranks, the batch, and what comes next."""
+    before), and the run's first console line (unless not ``announce``): where, how many ranks, the batch, and
+    what comes next."""
     from ddptrain.app.before_start import check_before_start
 
     run_dir = Path(os.path.abspath(run.cfg.hydra.run.dir))  # resolved once: ${now:...} changes with the clock
     resume = check_before_start(run.typed, run_dir)
     batch = shape.equation() if shape is not None else "data.micro_batch_size=auto: chosen once the ranks meet"
-    say(f"{time.strftime('%H:%M:%S')} run dir {run_dir} | {world_size} rank{'s' if world_size > 1 else ''} | "
-        f"{batch} | {doing}")
+    if announce:
+        say(f"{time.strftime('%H:%M:%S')} run dir {run_dir} | {world_size} rank{'s' if world_size > 1 else ''} | "
+            f"{batch} | {doing}")
     if resume is not None:  # the reads that need torch (seconds to import), after the line
         from ddptrain.checkpoint.before_start import check_resumable
 
@@ -208,7 +214,8 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     ``device``: the one a launcher assigned (Ray Train), else ``cuda:LOCAL_RANK`` or the CPU."""
     typed, resolved = run.typed, run.resolved
     # the batch shape, derived once here and handed to the trainer (None until data.micro_batch_size=auto is chosen)
-    shape = validate_config(typed, int(os.environ.get("WORLD_SIZE", "1")))  # as DistEnv reads it; before torch
+    # as DistEnv reads it; before torch
+    shape = validate_config(typed, data_parallel_size(typed, int(os.environ.get("WORLD_SIZE", "1"))))
     if not is_worker() and device is None:  # the whole job in this process: no launcher checked the run dir
         ready_run_dir(run, 1, shape, "starting")
     setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
@@ -219,7 +226,7 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built
             typed, resolved = agreed_micro_batch(run, env, device)
-            shape = BatchShape.from_config(typed, env.world_size)
+            shape = BatchShape.from_config(typed, data_parallel_size(typed, env.world_size))
         run_dir = shared_run_dir(run.cfg.hydra.run.dir)
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)

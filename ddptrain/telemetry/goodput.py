@@ -19,7 +19,8 @@ by the loop itself and kept across restarts in ``<run dir>/goodput.json``:
   group, data preparation, model build, checkpoint load), ``compile`` (the first step, compilation included, with
   ``train.compile``), ``checkpoint`` (what the loop blocks in a save: all of a synchronous save, the staging of an
   asynchronous one), ``eval`` (validation), ``productive`` (every other step, from its start to its end, logging
-  included), ``other`` (the rest of its span: the end-of-run export and summary, chiefly).
+  included), ``recovery`` (a replica group's heal: copying a peer's live state after it restarted, before the
+  step it rejoins at), ``other`` (the rest of its span: the end-of-run export and summary, chiefly).
 - **redone steps**: the productive seconds of steps an attempt computed after the checkpoint a later attempt
   resumed from (they were computed twice); taken out of productive into ``redone_steps``.
 - **restart**: the gap from an attempt's last record to the start of the elastic restart that followed it, within
@@ -51,8 +52,8 @@ log = logging.getLogger(__name__)
 RECORD_FILE = "goodput.json"
 LAUNCH_START_ENV = "DDPTRAIN_LAUNCH_START"  # the launcher's process start, for its first attempt's workers
 RECORD_EVERY_S = 10.0  # a record at least this often while steps run, between logging steps
-MEASURED = ("startup", "compile", "checkpoint", "eval", "productive")
-REPORTED = ("startup", "compile", "checkpoint", "eval", "restart", "redone_steps", "other")
+MEASURED = ("startup", "compile", "checkpoint", "eval", "productive", "recovery")
+REPORTED = ("startup", "compile", "checkpoint", "eval", "restart", "recovery", "redone_steps", "other")
 
 _process_start_taken = False  # a second train() in one process (tests) starts when it is called
 
@@ -152,6 +153,15 @@ class Goodput:
             self.attempt.seconds[bucket] += spent
             self._inside += spent
 
+    def recovered(self, seconds: float, healed_to: int) -> None:
+        """This step began with a heal from a peer (replica groups, ``ft/replica.py``) that took ``seconds`` and
+        brought this attempt to step ``healed_to``: those seconds are recovery, not start-up or training, and the
+        attempt continues after ``healed_to`` (the steps it skipped were the peers', not redone here)."""
+        if self._first_step:  # called after step_started: the heal, before it, was counted as start-up
+            self.attempt.seconds["startup"] -= seconds
+        self.attempt.seconds["recovery"] += seconds
+        self.attempt.resumed_from = self.attempt.last_step = healed_to
+
     def step_ended(self, step: int, saved: bool, record: bool) -> None:
         """After the step's update, save and log; ``record``: write the record now (rank 0; a logging step)."""
         now = time.time()
@@ -199,7 +209,7 @@ def account(attempts: list[Attempt]) -> dict[str, Any]:
     between, redone_steps, restarts = 0.0, 0, 0
     for i, a in enumerate(attempts):
         for bucket in MEASURED:
-            seconds[bucket] += a.seconds[bucket]
+            seconds[bucket] += a.seconds.get(bucket, 0.0)  # an earlier version's record has no "recovery"
         seconds["other"] += (a.recorded_at - a.started) - sum(a.seconds.values())
         if i:
             gap = max(0.0, a.started - attempts[i - 1].recorded_at)
@@ -244,7 +254,7 @@ def goodput_line(report: dict[str, Any]) -> str:
     """The final log line: goodput, then where the rest of the wall-clock went."""
     g = report["goodput"]
     names = {"startup": "start-up", "compile": "compile", "checkpoint": "checkpoints", "eval": "eval",
-             "restart": "restarts", "redone_steps": "redone steps", "other": "other"}
+             "restart": "restarts", "recovery": "recovery", "redone_steps": "redone steps", "other": "other"}
     rest = ", ".join(f"{names[k]} {g[f'{k}_pct']:.1f}%" for k in REPORTED)
     redone = f"{g['redone_steps']} step{'' if g['redone_steps'] == 1 else 's'} redone"
     attempts = f" over {g['attempts']} attempts ({redone})" if g["attempts"] > 1 else ""

@@ -10,6 +10,10 @@ all-reduce of 3 floats, which no other rank calls); POINT is ``step`` (after opt
 Example: ``DDPTRAIN_FAULT=kill@save:6``.
 The fault fires only in the first attempt of a run (``TORCHELASTIC_RESTART_COUNT`` 0), so restarts recover.
 
+With replica groups (``ft.replica_groups``), RANK may be ``G/R``: rank R of replica group G (each group's ranks
+count from 0; a plain RANK strikes that rank of every group). It fires only in that group's first attempt (its
+own agent's restart count). Example: ``DDPTRAIN_FAULT=kill@step:10:1/0``.
+
 A straggler: ``delay@PHASE:STEP:RANK[:MS]`` sleeps MS milliseconds (default 200) in PHASE (``data`` or
 ``forward``) of every step from STEP on, on RANK only. Example: ``DDPTRAIN_FAULT=delay@data:1:1``.
 
@@ -43,20 +47,24 @@ POINTS = {"kill": ("step", "save"), "hang": ("step", "save", "data", "forward"),
           "nan": ("step",), "overflow": ("step",), "drift": ("step",), "delay": ("data", "forward")}
 
 
-def step_hooks(rank: int) -> StepHooks:
-    """This rank's hooks: the fault ``DDPTRAIN_FAULT`` names in a run's first attempt, else none. A spec that does
-    not parse is a ``ConfigError`` on every rank, the targeted one or not."""
+def step_hooks(rank: int, group: int | None = None) -> StepHooks:
+    """This rank's hooks (``group``: its replica group, None without): the fault ``DDPTRAIN_FAULT`` names in a
+    run's first attempt, else none. A spec that does not parse is a ``ConfigError`` on every rank, the targeted
+    one or not."""
     spec = os.environ.get("DDPTRAIN_FAULT")
     if not spec:
         return StepHooks()
     fault, target = parse_fault(spec)
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or target != rank:
+    target_group, target_rank = target if isinstance(target, tuple) else (None, target)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or target_rank != rank:
+        return StepHooks()
+    if target_group is not None and target_group != group:
         return StepHooks()
     return fault
 
 
-def parse_fault(spec: str) -> tuple[Fault, int]:
-    """``KIND@POINT:STEP[:RANK[:MS]]`` -> the fault and the rank it strikes."""
+def parse_fault(spec: str) -> tuple[Fault, int | tuple[int, int]]:
+    """``KIND@POINT:STEP[:RANK[:MS]]`` -> the fault and the rank it strikes (``G/R``: (group, rank))."""
     kind, at, where = spec.partition("@")
     point, _, numbers = where.partition(":")
     expected = f"expected KIND@POINT:STEP[:RANK], KIND one of {', '.join(POINTS)}"
@@ -66,16 +74,19 @@ def parse_fault(spec: str) -> tuple[Fault, int]:
         raise ConfigError(f"DDPTRAIN_FAULT={spec}: a {kind} fault strikes at {' or '.join(POINTS[kind])}; {expected}")
     fields = numbers.split(":") if numbers else []
     limit = 3 if kind == "delay" else 2  # STEP, RANK and a delay's MS
+    group_field, slash, rank_field = fields[1].rpartition("/") if len(fields) > 1 else ("", "", "0")
     try:
-        step, rank = int(fields[0]), int(fields[1]) if len(fields) > 1 else 0
+        step, rank = int(fields[0]), int(rank_field)
+        group = int(group_field) if slash else 0
         delay_ms = float(fields[2]) if len(fields) > 2 else 200.0
     except (IndexError, ValueError):
-        step = rank = -1
+        step = rank = group = -1
         delay_ms = 0.0
-    if len(fields) > limit or step < 0 or rank < 0 or delay_ms < 0:
-        raise ConfigError(f"DDPTRAIN_FAULT={spec}: expected a step, a rank{' and milliseconds' if limit == 3 else ''}"
-                          f" after {kind}@{point} (non-negative numbers); {expected}")
-    return Fault(kind, point, step, delay_ms), rank
+    if len(fields) > limit or step < 0 or rank < 0 or group < 0 or delay_ms < 0:
+        raise ConfigError(f"DDPTRAIN_FAULT={spec}: expected a step, a rank (or GROUP/RANK)"
+                          f"{' and milliseconds' if limit == 3 else ''} after {kind}@{point} (non-negative numbers); "
+                          f"{expected}")
+    return Fault(kind, point, step, delay_ms), ((group, rank) if slash else rank)
 
 
 @dataclass(frozen=True)

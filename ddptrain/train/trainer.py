@@ -33,6 +33,8 @@ from ddptrain.config.schema import Config
 from ddptrain.data import BatchShape, MicroBatches, SampleOrder, build_token_data, eval_batches
 from ddptrain.data.streaming import StreamedBatches
 from ddptrain.diagnose.whereabouts import WHEREABOUTS
+from ddptrain.ft.layout import data_parallel_rank, data_parallel_size
+from ddptrain.ft.replica import NoReplicas, ReplicaGroup, replicas_for
 from ddptrain.models import build_model, model_vocab_size
 from ddptrain.models.attention import ready_attention_masks, use_causal_attention, use_varlen_attention
 from ddptrain.models.checkpointing import deprecation_line
@@ -119,6 +121,8 @@ class Trainer:
     nonfinite: NonFiniteSteps  # each step's non-finite verdict, on the device until the next check
     weighting: Weighting  # how micro batches weigh into the gradient: the token mean for prompt/completion data
     observer: StepObserver  # timers, metrics, sync samples, memory peak, goodput, profiler, step hooks
+    replicas: NoReplicas | ReplicaGroup  # the other replica groups (ft.replica_groups, torchft); none without
+    dp_rank: int  # this rank's share of the global sample order: its rank, or G x N + rank in replica group G
 
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device, run_dir: Path, resolved: dict[str, Any],
                  shape: BatchShape | None = None) -> None:
@@ -126,8 +130,10 @@ class Trainer:
         after ``data.micro_batch_size=auto`` is chosen); derived here when not given."""
         self.started = attempt_start()  # first: goodput's wall-clock counts the build
         self.cfg, self.env, self.device, self.run_dir, self.resolved = cfg, env, device, run_dir, resolved
-        self.hooks = step_hooks(env.rank)  # first: a DDPTRAIN_FAULT it cannot read fails before anything is built
-        self.shape = shape if shape is not None else BatchShape.from_config(cfg, env.world_size)
+        self.hooks = step_hooks(env.rank, cfg.ft.replica_id)  # first: a DDPTRAIN_FAULT it cannot read fails early
+        self.shape = shape if shape is not None else BatchShape.from_config(cfg, data_parallel_size(cfg,
+                                                                                                    env.world_size))
+        self.dp_rank = data_parallel_rank(cfg, env.rank, env.world_size)
         topology = gather_topology(env)
         log.info("run dir %s | %d ranks on %s | %s | %s", run_dir, env.world_size, device.type,
                  topology.describe(), self.shape.equation())
@@ -192,7 +198,9 @@ class Trainer:
         self.drift = DriftCheck(model, cfg.train.drift_policy, self.start)
         if env.world_size > 1:
             log.info(self.drift.describe())
-        self.val = eval_batches(data.val, self.shape.micro_batch_size, self.shape.dp, env.rank,
+        self.replicas = replicas_for(cfg, env, run_dir, {"model": model, "optimizer": self.optimizer, **parts},
+                                     self.start)
+        self.val = eval_batches(data.val, self.shape.micro_batch_size, self.shape.dp, self.dp_rank,
                                 cfg.train.eval_batches, data.collate)
         flops = self._flops()
         self.flops_per_token = flops.per_token
@@ -217,10 +225,10 @@ class Trainer:
 
     def _batches(self, data: Any) -> MicroBatches | StreamedBatches:
         """This rank's endless stream of training micro batches: streamed, or drawn from the prepared shards."""
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         if cfg.data.streaming:
-            return StreamedBatches(cfg.data, data.tokenizer, self.shape, env.rank, self.device)
-        return MicroBatches(data.train, self.shape, env.rank, SampleOrder(cfg.train.seed, cfg.data.shuffle),
+            return StreamedBatches(cfg.data, data.tokenizer, self.shape, self.dp_rank, self.device)
+        return MicroBatches(data.train, self.shape, self.dp_rank, SampleOrder(cfg.train.seed, cfg.data.shuffle),
                             cfg.data.num_workers, self.device, data.collate)
 
     def _flops(self) -> TokenFlops:
@@ -277,11 +285,14 @@ class Trainer:
         loss = self.forward_backward_step(step, self.batches)
         watch.after_backward(step)
         with watch.phase("optimizer"):
+            loss = self.replicas.average(self.model, loss)  # across replica groups (else as is)
             if self.scaler is not None:
                 self.scaler.unscale(self.optimizer)  # fp16: true gradients before the norm and clipping
             grad_norm = clip_gradients(self.model, cfg.optim.grad_clip, cfg.parallel.kernels)
             nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank (see guard_loss)
-            apply_update(self.optimizer, nonfinite)  # sync point with the foreach / for_loop kernels only
+            committed = self.replicas.commit(step)  # False: a replica group failed in this step; taken again
+            apply_update(self.optimizer, nonfinite if committed else torch.ones_like(nonfinite))  # sync point with
+            # the foreach / for_loop kernels only
             self.wrapped.step_done(nonfinite)  # sync point with PowerSGD's state only (see parallel/compression.py)
             if self.scaler is not None:
                 self.scaler.update()  # fp16: an overflow halves the scale; a non-finite loss is a nan_policy event
@@ -300,7 +311,8 @@ class Trainer:
                     self.scaler.count_backoffs(agreed.overflows)
                 skipped = settle_nonfinite(agreed.events, step, cfg.train.nan_policy)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if committed:
+            self.scheduler.step()
         return Stepped(loss, grad_norm, lr, stop, skipped)
 
     def train(self) -> dict[str, Any]:
@@ -310,12 +322,17 @@ class Trainer:
         history: list[dict[str, Any]] = []
         skipped = 0  # updates skipped for a non-finite loss or gradient, as the checks learned of them
         first_loss: torch.Tensor | None = None  # step 1's loss on this rank (a fresh run only), read at the end
-        with closing(self.sinks), watch:
-            for step in range(self.start + 1, cfg.train.steps + 1):
+        step = self.start
+        with closing(self.sinks), closing(self.replicas), watch:
+            while step < cfg.train.steps:
+                # the next step: after a heal from a peer (replica groups), the peers' next
+                step = self.replicas.begin(step + 1)
                 last = step == cfg.train.steps
                 log_step = step % cfg.train.log_every == 0 or last
                 check = log_step or self.checkpoints.due(step, last) or step % cfg.train.check_every == 0
                 watch.started(step)
+                if self.replicas.heal_seconds:
+                    watch.goodput.recovered(self.replicas.heal_seconds, step - 1)
                 self.stop.step = step  # what a stop request's notice counts from
                 done = self.train_step(step, check)
                 if step == 1:
@@ -347,6 +364,7 @@ class Trainer:
         WHEREABOUTS.at("loss mean")
         record = self.metrics.window(step, global_mean(done.loss), done.lr, float(done.grad_norm))
         record["skipped_steps"] = skipped
+        record.update(self.replicas.window())
         if self.scaler is not None:
             record.update(self.scaler.window())
         record.update(self.stragglers.window(record))
@@ -402,7 +420,7 @@ class Trainer:
             planned = planned_peak(cfg, env.world_size, self.device, self.vocab, self.n_params)
             summary.memory_peak = memory_peak(planned, self.observer.peak, cfg.train.steps)
             summary.goodput = self.observer.goodput.report()  # the wall-clock ends here
-            record = summary.to_json()
+            record = summary.to_json() | self.replicas.summary()
             (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
             self.sinks.summary(summary.goodput)
             log.info("%s", goodput_line(summary.goodput))

@@ -1,0 +1,162 @@
+"""The local launch of a run with replica groups: a torchft lighthouse and one elastic agent per group.
+
+``ddptrain … ft.replica_groups=R launch.nproc_per_node=N`` checks the config and the run dir once (as the plain
+launch does), starts the lighthouse (unless ``ft.lighthouse`` names one), then R agents, each ``ddptrain`` itself
+with ``ft.replica_id=G``: torch's elastic launcher with its own rendezvous (``--standalone``) and
+``--max-restarts=ft.group_restarts``, so a group whose worker dies is restarted by its own agent while the others
+keep stepping. Every group writes under ``<run dir>/group<G>/`` (``ft/layout.py``).
+
+It waits for every group. The run stops as a whole, with one line, when the lighthouse is gone or a group found no
+quorum of ``ft.min_replicas`` within ``ft.quorum_timeout_s``: every agent is asked to stop (SIGTERM: the workers
+checkpoint if they can reach a check step), and killed if it has not after a grace. Ctrl-C and SIGTERM reach
+every agent. The exit code: 0 when every group finished; a worker's own code when it printed its line
+(``SAID_BY_WORKER``); 1 otherwise; 128 + the signal when stopped by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from ddptrain.config.compose import Run
+from ddptrain.errors import say
+from ddptrain.ft.accounting import read_events, write_ft_json
+from ddptrain.ft.layout import GROUP_AGENT_ENV, events_path, group_dir
+from ddptrain.ft.lighthouse import Lighthouse
+from ddptrain.ft.replica import QUORUM_LOST
+
+POLL_S = 0.2
+KILL_AFTER_S = 15.0  # after the stop's grace (launch.stop_grace_s), an agent still running is killed
+
+
+def group_argv(argv: list[str], run_dir: Path, group: int, lighthouse: str) -> list[str]:
+    """The group's command line: the user's overrides with the run dir fixed and the group's place in the run."""
+    own = ("hydra.run.dir=", "ft.replica_id=", "ft.lighthouse=")
+    kept = [a for a in argv if not a.lstrip("+~").startswith(own)]
+    return [*kept, f"hydra.run.dir={run_dir}", f"ft.replica_id={group}", f"ft.lighthouse={lighthouse}"]
+
+
+def launch_groups(run: Run, argv: list[str]) -> int:
+    """Start the lighthouse and the R group agents; wait for them (the module's docstring)."""
+    from ddptrain.app.launch import SAID_BY_WORKER, ready_run_dir
+    from ddptrain.app.preflight import validate_config
+    from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
+
+    typed = run.typed
+    groups, per_group = typed.ft.replica_groups, typed.launch.nproc_per_node
+    world = groups * per_group
+    shape = validate_config(typed, world)
+    run_dir = ready_run_dir(run, world, shape, f"starting {groups} replica groups of {per_group} worker"
+                            f"{'s' if per_group > 1 else ''} (torchft)")
+    lighthouse = Lighthouse(run_dir, typed.ft.min_replicas) if typed.ft.lighthouse is None else None
+    address = lighthouse.start().address if lighthouse is not None else str(typed.ft.lighthouse)
+    env = {**os.environ, GROUP_AGENT_ENV: "1", LAUNCH_START_ENV: launcher_start(),
+           "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info
+    agents: list[subprocess.Popen[bytes]] = []
+    stopped_by: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        stopped_by.append(signum)
+        for agent in agents:
+            if agent.poll() is None:
+                agent.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for g in range(groups):
+            group_dir(run_dir, g).mkdir(parents=True, exist_ok=True)
+            agents.append(subprocess.Popen([sys.executable, "-m", "ddptrain", *group_argv(argv, run_dir, g, address)],
+                                           env=env, start_new_session=True))  # its own session: a kill ends it all
+        ended = watch(agents, lighthouse, run_dir, groups, typed.launch.stop_grace_s)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for agent in agents:
+            if agent.poll() is None:
+                _kill(agent)
+        if lighthouse is not None:
+            lighthouse.stop()
+        record = write_ft_json(run_dir, groups)
+        publish_summary(run_dir, groups, record)
+    if ended is not None:
+        say(f"ddptrain: error: {ended}; the last checkpoints are kept in {run_dir}/group*/ (continue with "
+            "train.resume=auto)")
+        return 1
+    if stopped_by:
+        return 128 + stopped_by[0]
+    codes = [agent.returncode for agent in agents]
+    if all(code == 0 for code in codes):
+        return 0
+    failed = next(g for g, code in enumerate(codes) if code != 0)
+    if codes[failed] in SAID_BY_WORKER:
+        return codes[failed]
+    say(f"ddptrain: replica group {failed} failed (exit code {codes[failed]}) after ft.group_restarts="
+        f"{typed.ft.group_restarts} restarts; the other groups' exit codes: {codes}")
+    return 1
+
+
+def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, run_dir: Path, groups: int,
+          grace_s: float) -> str | None:
+    """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum. Returns why the
+    run was stopped (None: every agent ended on its own)."""
+    while any(agent.poll() is None for agent in agents):
+        why = None
+        if lighthouse is not None and (code := lighthouse.exit_code()) is not None:
+            why = (f"the torchft lighthouse exited (code {code}) while replica groups were training; stopping "
+                   "every group")
+        elif (lost := quorum_lost(run_dir, groups)) is not None:
+            why = lost
+        if why is not None:
+            stop_all(agents, grace_s)
+            return why
+        time.sleep(POLL_S)
+    return None
+
+
+def quorum_lost(run_dir: Path, groups: int) -> str | None:
+    """A group's line when it found no quorum in time (its rank 0 records it before stopping)."""
+    for g in range(groups):
+        for event in read_events(events_path(run_dir, g)):
+            if event.get("event") == QUORUM_LOST:
+                return (f"replica group {g} found no quorum of ft.min_replicas groups within ft.quorum_timeout_s "
+                        f"before step {event['step']}; stopping every group")
+    return None
+
+
+def stop_all(agents: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM to every agent (its workers checkpoint at their next check step), then a kill after the grace."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + KILL_AFTER_S
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill(agent)
+
+
+def _kill(agent: subprocess.Popen[bytes]) -> None:
+    """The agent's whole session: the agent and its workers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+
+
+def publish_summary(run_dir: Path, groups: int, record: dict) -> None:
+    """``<run dir>/summary.json``: the lowest group's that finished, with ``ft.json``'s per-group record and each
+    step's quorum size."""
+    for g in range(groups):
+        path = group_dir(run_dir, g) / "summary.json"
+        if path.is_file():
+            summary = json.loads(path.read_text())
+            summary["ft"] = {**summary.get("ft", {}), "summary_of_group": g, **record}
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            return

@@ -1,0 +1,184 @@
+"""The worker's side of a run with replica groups: one torchft ``Manager`` per rank, and what it does each step.
+
+Each step (``begin``) asks the lighthouse for a quorum, synchronously (``use_async_quorum=False``): a group whose
+step is behind the quorum's (it came back from a restart) copies a peer's live state before its forward pass (the
+heal, torchft's own HTTP checkpoint transport) and jumps to the peers' step. ``average`` sums the gradients
+(already averaged inside the group by torch DDP) over the groups in the quorum and divides by their number — the
+loss rides in the same buffer, so every group logs the mean over the whole job. ``commit`` is torchft's
+``should_commit``: every rank of a group gets the same answer, and a step not committed is not applied (the
+update, the learning rate's step and the data position are all rolled back) and is taken again.
+
+The state a peer sends: the model, the optimizer, the learning-rate schedule, the fp16 loss scaler and the data
+position. The data position is global (the same on every rank: samples of the global order consumed), so copying
+it from a peer of any rank puts this rank exactly where the step count says.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ddptrain.config.schema import Config
+from ddptrain.errors import RunEnded
+from ddptrain.ft.layout import events_path, run_dir_of_group
+from ddptrain.runtime.process_group import DistEnv
+
+log = logging.getLogger("ddptrain")
+
+QUORUM_LOST = "quorum_lost"  # the event the launcher stops every group on
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class NoReplicas:
+    """A run without replica groups: every step is the next, nothing is averaged across groups, all commit."""
+
+    heal_seconds = 0.0
+
+    def begin(self, step: int) -> int:
+        return step
+
+    def average(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def commit(self, step: int) -> bool:
+        return True
+
+    def window(self) -> dict[str, Any]:
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def replicas_for(cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful],
+                 start: int) -> NoReplicas | ReplicaGroup:
+    """This rank's cross-group side: a ``ReplicaGroup`` in a run with replica groups, else nothing to do."""
+    if cfg.ft.replica_groups == 0 or cfg.ft.replica_id is None:
+        return NoReplicas()
+    return ReplicaGroup(cfg, env, group_run_dir, parts, start)
+
+
+class ReplicaGroup:
+    """This rank in replica group ``ft.replica_id``: its Manager, the quorum sizes, its events (group rank 0)."""
+
+    def __init__(self, cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful],
+                 start: int) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        self.cfg, self.env, self.parts = cfg, env, parts
+        self.group = int(cfg.ft.replica_id or 0)
+        self.heal_seconds = 0.0  # the last begin()'s heal (0: none)
+        self._data_before: Any = None
+        self._quorums: list[int] = []  # this window's quorum sizes
+        self._per_step: list[list[int]] = []  # [first step, last step, quorum size] runs, for the summary
+        self._events = events_path(run_dir_of_group(group_run_dir), self.group) if env.rank == 0 else None
+        if self._events is not None:
+            self._events.parent.mkdir(parents=True, exist_ok=True)
+        timeout = timedelta(seconds=cfg.dist.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.ft.min_replicas,
+            load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
+            replica_id=f"ddptrain_group{self.group}", lighthouse_addr=cfg.ft.lighthouse,
+            rank=env.rank, world_size=env.world_size,  # the group's own ranks; the store torchrun's rank 0 hosts
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            timeout=timeout, quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s),
+            init_sync=False,  # every group built the same weights from train.seed: nothing to copy at step 0
+        )
+        # the step count continues from a resumed checkpoint's; a group behind the quorum's heals
+        self.manager.load_state_dict({"step": start, "batches_committed": 0})
+        self._event({"event": "attempt", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                     "resumed_from": start, "time": time.time()})
+
+    def _state(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
+
+    def begin(self, step: int) -> int:
+        """The quorum for the next step (``step`` as this group counts): the step it really is, the peers' when
+        this group healed (``heal_seconds`` then says how long the copy took)."""
+        started = time.monotonic()
+        before = self.manager.current_step()
+        self._data_before = self.parts["data"].state_dict()
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # the lighthouse's answer never came: no quorum of ft.min_replicas in time
+            self._event({"event": QUORUM_LOST, "step": step, "time": time.time()})
+            raise RunEnded(f"replica group {self.group}: no quorum of ft.min_replicas={self.cfg.ft.min_replicas} "
+                           f"groups within ft.quorum_timeout_s={self.cfg.ft.quorum_timeout_s:g} (lighthouse "
+                           f"{self.cfg.ft.lighthouse}: {type(exc).__name__}); stopping", 1) from exc
+        now = self.manager.current_step()
+        self.heal_seconds = 0.0
+        if now != before:  # healed: the state (and the data position with it) is the peers' after step `now`
+            self.heal_seconds = time.monotonic() - started
+            self._data_before = self.parts["data"].state_dict()
+            log.info("replica group %d healed from a peer: step %d -> %d in %.2f s", self.group, before, now,
+                     self.heal_seconds)
+            self._event({"event": "heal", "step": now + 1, "seconds": round(self.heal_seconds, 3)})
+        return now + 1
+
+    def average(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """The gradients of ``model``'s parameters averaged over the quorum's groups, in place, in one all-reduce that also
+        carries the loss; returns the loss averaged likewise."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        tail = loss.detach().reshape(1).to(grads[0].dtype if grads else loss.dtype)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), tail])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        return flat[-1].to(loss.dtype)
+
+    def commit(self, step: int) -> bool:
+        """torchft's verdict on this step, the same on every rank of the group; a step not committed gives the
+        data it drew back. Records the step and its quorum size."""
+        quorum = self.manager.num_participants()
+        committed = bool(self.manager.should_commit())
+        if not committed:
+            self.parts["data"].load_state_dict(self._data_before)
+            log.warning("replica group %d: step %d not committed (a peer failed in it): taken again", self.group, step)
+        else:
+            self._quorums.append(quorum)
+            if self._per_step and self._per_step[-1][2] == quorum and self._per_step[-1][1] == step - 1:
+                self._per_step[-1][1] = step
+            else:
+                self._per_step.append([step, step, quorum])
+        self._event({"event": "step", "step": step, "quorum": quorum, "committed": committed})
+        return committed
+
+    def window(self) -> dict[str, Any]:
+        """The window's quorum sizes (the metrics record): the smallest and the mean."""
+        sizes, self._quorums = self._quorums, []
+        return {"ft_quorum_min": min(sizes), "ft_quorum_mean": sum(sizes) / len(sizes)} if sizes else {}
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: this group and each committed step's quorum size, as [first, last, size] runs."""
+        return {"ft": {"replica_groups": self.cfg.ft.replica_groups, "replica_id": self.group,
+                       "quorum_per_step": self._per_step}}
+
+    def _event(self, record: dict[str, Any]) -> None:
+        if self._events is not None:
+            with self._events.open("a") as out:
+                out.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
