@@ -67,10 +67,14 @@ def run_cli(argv: list[str]) -> int:
             return 0
         run = typed_config(cfg)  # the schema's checks, before the launch module's imports
         if run.typed.ft.replica_groups > 0:  # replica groups (torchft): its own launcher; a group in its own dir
-            from ddptrain.ft.launch import in_group, launch_groups
+            from ddptrain.ft.extra import require_torchft
+            from ddptrain.ft.layout import in_group
 
+            require_torchft(run.typed.ft.replica_groups)  # one line without the extra, before anything starts
             run = in_group(run)
             if not run.typed.launch.dry_run and run.typed.ft.replica_id is None and "LOCAL_RANK" not in os.environ:
+                from ddptrain.ft.launch import launch_groups
+
                 return launch_groups(run, source.argv())
         from ddptrain.app import launch
 

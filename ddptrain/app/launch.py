@@ -230,7 +230,7 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         run_dir = shared_run_dir(run.cfg.hydra.run.dir)
         if env.num_nodes > 1:
             check_shared_run_dir(run_dir)
-        setup_logging(env.rank, run_dir)
+        setup_logging(env.rank, run_dir, console_info=not typed.ft.replica_id)  # group 0's lines, not each group's
         if device.type == "cuda" and (alloc := allocator_line(os.environ)) is not None:
             log.info("%s", alloc)  # ddptrain's expandable segments, or the user's own
         evidence = Evidence(run_dir, env.rank)

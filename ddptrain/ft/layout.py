@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import open_dict
+from omegaconf import OmegaConf
 
 from ddptrain.config.compose import Run
 from ddptrain.config.schema import Config
@@ -31,8 +31,10 @@ def in_group(run: Run) -> Run:
     group = run.typed.ft.replica_id
     if group is None:
         return run
-    with open_dict(run.cfg):
-        run.cfg.hydra.run.dir = str(group_dir(Path(os.path.abspath(run.cfg.hydra.run.dir)), group))
+    node = run.cfg.hydra.run
+    OmegaConf.set_readonly(node, False)  # Hydra's node is read-only
+    node.dir = str(group_dir(Path(os.path.abspath(node.dir)), group))
+    OmegaConf.set_readonly(node, True)
     return run
 
 

@@ -33,6 +33,7 @@ from ddptrain.runtime.process_group import DistEnv
 
 log = logging.getLogger("ddptrain")
 
+FR_DUMP_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 QUORUM_LOST = "quorum_lost"  # the event the launcher stops every group on
 
 
@@ -91,6 +92,10 @@ class ReplicaGroup:
         if self._events is not None:
             self._events.parent.mkdir(parents=True, exist_ok=True)
         timeout = timedelta(seconds=cfg.dist.timeout_s)
+        # torchft re-points NCCL's flight-recorder dump (ddptrain's hang evidence, runtime/process_group.py) into a
+        # folder per quorum, made at every quorum: left as ddptrain set it, the evidence stays where the verdict
+        # reads it and a healthy run leaves no hang/
+        dump = os.environ.pop(FR_DUMP_ENV, None)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.ft.min_replicas,
             load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
@@ -100,6 +105,8 @@ class ReplicaGroup:
             timeout=timeout, quorum_timeout=timedelta(seconds=cfg.ft.quorum_timeout_s),
             init_sync=False,  # every group built the same weights from train.seed: nothing to copy at step 0
         )
+        if dump is not None:
+            os.environ[FR_DUMP_ENV] = dump
         # the step count continues from a resumed checkpoint's; a group behind the quorum's heals
         self.manager.load_state_dict({"step": start, "batches_committed": 0})
         self._event({"event": "attempt", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -130,14 +137,14 @@ class ReplicaGroup:
         if now != before:  # healed: the state (and the data position with it) is the peers' after step `now`
             self.heal_seconds = time.monotonic() - started
             self._data_before = self.parts["data"].state_dict()
-            log.info("replica group %d healed from a peer: step %d -> %d in %.2f s", self.group, before, now,
+            log.warning("replica group %d healed from a peer: step %d -> %d in %.2f s", self.group, before, now,
                      self.heal_seconds)
             self._event({"event": "heal", "step": now + 1, "seconds": round(self.heal_seconds, 3)})
         return now + 1
 
     def average(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        """The gradients of ``model``'s parameters averaged over the quorum's groups, in place, in one all-reduce that also
-        carries the loss; returns the loss averaged likewise."""
+        """The gradients of ``model``'s parameters averaged over the quorum's groups, in place, in one all-reduce
+        that also carries the loss; returns the loss averaged likewise."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tail = loss.detach().reshape(1).to(grads[0].dtype if grads else loss.dtype)
         flat = torch.cat([*(g.reshape(-1) for g in grads), tail])

@@ -9,14 +9,16 @@ from pathlib import Path
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def setup_logging(rank: int, run_dir: Path | None = None) -> None:
+def setup_logging(rank: int, run_dir: Path | None = None, console_info: bool = True) -> None:
+    """Rank 0: info to the console (unless not ``console_info``: a replica group other than the first, whose
+    lines would repeat group 0's) and to ``<run dir>/train.log``; the other ranks: warnings to the console."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
     if rank == 0:
         console.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-        console.setLevel(logging.INFO)
+        console.setLevel(logging.INFO if console_info else logging.WARNING)
     else:
         console.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
         console.setLevel(logging.WARNING)
@@ -26,7 +28,9 @@ def setup_logging(rank: int, run_dir: Path | None = None) -> None:
         file_handler.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(file_handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    for noisy in ("httpx", "urllib3", "datasets", "transformers", "filelock", "torch.distributed.elastic"):
+    # torchft (replica groups): its Manager logs every quorum and commit at info, three loggers with empty messages
+    for noisy in ("httpx", "urllib3", "datasets", "transformers", "filelock", "torch.distributed.elastic", "torchft",
+                  "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import transformers
 
