@@ -15,6 +15,7 @@ from ddptrain.config.choices import Kernels
 from ddptrain.config.schema import AUTO, AUTO_NEEDS_MEMORY, Config
 from ddptrain.data import BatchShape, validate_source
 from ddptrain.errors import ConfigError
+from ddptrain.ft.checks import check_replica_groups
 from ddptrain.models.finetune_rules import validate_finetune_config
 from ddptrain.telemetry.baseline import load_baseline
 
@@ -23,6 +24,7 @@ def validate_config(cfg: Config, world_size: int) -> BatchShape | None:
     """Check what the schema cannot (devices, files, the world size); returns the batch shape (None while
     ``data.micro_batch_size=auto`` is still to be chosen)."""
     validate_finetune_config(cfg.model, cfg.parallel)
+    check_replica_groups(cfg)
     validate_source(cfg.data)
     if cfg.parallel.cpu_offload and not cuda_available():
         raise ConfigError("parallel.cpu_offload=true needs CUDA devices: it keeps FSDP2's state on the CPU and "

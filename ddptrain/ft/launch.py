@@ -34,6 +34,7 @@ from ddptrain.ft.replica import QUORUM_LOST
 
 POLL_S = 0.2
 KILL_AFTER_S = 15.0  # after the stop's grace (launch.stop_grace_s), an agent still running is killed
+FINISH_GRACE_S = 20.0  # once a group finished the run, how long the others have to finish too
 
 
 def group_argv(argv: list[str], run_dir: Path, group: int, lighthouse: str) -> list[str]:
@@ -92,7 +93,7 @@ def launch_groups(run: Run, argv: list[str]) -> int:
     if stopped_by:
         return 128 + stopped_by[0]
     codes = [agent.returncode for agent in agents]
-    if all(code == 0 for code in codes):
+    if all(code == 0 for code in codes) or (0 in codes and finished_first(run_dir, groups)):
         return 0
     failed = next(g for g, code in enumerate(codes) if code != 0)
     if codes[failed] in SAID_BY_WORKER:
@@ -106,8 +107,18 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
           grace_s: float) -> str | None:
     """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum. Returns why the
     run was stopped (None: every agent ended on its own)."""
+    finished_at: float | None = None
     while any(agent.poll() is None for agent in agents):
         why = None
+        if finished_at is None and any(agent.poll() == 0 for agent in agents):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+            # a group still restarting or healing when the others are done can never catch up (no peer is left)
+            late = [g for g, agent in enumerate(agents) if agent.poll() is None]
+            say(f"ddptrain: replica group{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} had not "
+                f"finished {FINISH_GRACE_S:g} s after the run's steps were done by another group: stopped")
+            stop_all(agents, grace_s)
+            return None
         if lighthouse is not None and (code := lighthouse.exit_code()) is not None:
             why = (f"the torchft lighthouse exited (code {code}) while replica groups were training; stopping "
                    "every group")
@@ -118,6 +129,11 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
             return why
         time.sleep(POLL_S)
     return None
+
+
+def finished_first(run_dir: Path, groups: int) -> bool:
+    """Whether a group's summary exists: it trained every step (the late groups were stopped after it)."""
+    return any((group_dir(run_dir, g) / "summary.json").is_file() for g in range(groups))
 
 
 def quorum_lost(run_dir: Path, groups: int) -> str | None:

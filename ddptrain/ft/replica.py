@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -96,6 +97,8 @@ class ReplicaGroup:
         # folder per quorum, made at every quorum: left as ddptrain set it, the evidence stays where the verdict
         # reads it and a healthy run leaves no hang/
         dump = os.environ.pop(FR_DUMP_ENV, None)
+        # a heal reads the peer's tensors from read-only buffers (torch warns once per process; they are copied)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.ft.min_replicas,
             load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,

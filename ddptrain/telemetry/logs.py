@@ -29,9 +29,10 @@ def setup_logging(rank: int, run_dir: Path | None = None, console_info: bool = T
         root.addHandler(file_handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # torchft (replica groups): its Manager logs every quorum and commit at info, three loggers with empty messages
-    for noisy in ("httpx", "urllib3", "datasets", "transformers", "filelock", "torch.distributed.elastic", "torchft",
-                  "torchft_quorums", "torchft_commits", "torchft_errors"):
+    for noisy in ("httpx", "urllib3", "datasets", "transformers", "filelock", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for noisy in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # (warns of NCCL's recorder
+        logging.getLogger(noisy).setLevel(logging.ERROR)  # on every quorum, even on CPU)
     import transformers
 
     transformers.logging.set_verbosity_error()

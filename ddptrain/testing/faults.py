@@ -14,6 +14,9 @@ With replica groups (``ft.replica_groups``), RANK may be ``G/R``: rank R of repl
 count from 0; a plain RANK strikes that rank of every group). It fires only in that group's first attempt (its
 own agent's restart count). Example: ``DDPTRAIN_FAULT=kill@step:10:1/0``.
 
+Several faults: specs separated by commas, each on its own rank (``kill@step:10:1/0,delay@data:11:0:1000`` kills
+group 1's rank 0 after step 10 and slows rank 0 of every group from step 11 on).
+
 A straggler: ``delay@PHASE:STEP:RANK[:MS]`` sleeps MS milliseconds (default 200) in PHASE (``data`` or
 ``forward``) of every step from STEP on, on RANK only. Example: ``DDPTRAIN_FAULT=delay@data:1:1``.
 
@@ -54,13 +57,18 @@ def step_hooks(rank: int, group: int | None = None) -> StepHooks:
     spec = os.environ.get("DDPTRAIN_FAULT")
     if not spec:
         return StepHooks()
-    fault, target = parse_fault(spec)
-    target_group, target_rank = target if isinstance(target, tuple) else (None, target)
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or target_rank != rank:
+    parsed = [parse_fault(one) for one in spec.split(",")]  # every spec checked, on every rank
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return StepHooks()
-    if target_group is not None and target_group != group:
-        return StepHooks()
-    return fault
+    mine = [fault for fault, target in parsed if strikes(target, rank, group)]
+    return mine[0] if len(mine) == 1 else Faults(tuple(mine)) if mine else StepHooks()
+
+
+def strikes(target: int | tuple[int, int], rank: int, group: int | None) -> bool:
+    """Whether a fault aimed at ``target`` (a rank, or (group, rank)) strikes this rank of this group."""
+    if isinstance(target, tuple):
+        return target == (group, rank)
+    return target == rank
 
 
 def parse_fault(spec: str) -> tuple[Fault, int | tuple[int, int]]:
@@ -136,6 +144,35 @@ class Fault(StepHooks):
             import torch.distributed as dist
 
             dist.all_reduce(torch.zeros(3))
+
+
+@dataclass(frozen=True)
+class Faults(StepHooks):
+    """Several faults on this rank: each hook asks every one of them."""
+
+    faults: tuple[Fault, ...]
+
+    def step_started(self, step: int, phase: Callable[[str], AbstractContextManager]) -> None:
+        for fault in self.faults:
+            fault.step_started(step, phase)
+
+    def poisons_loss(self, step: int) -> bool:
+        return any(fault.poisons_loss(step) for fault in self.faults)
+
+    def overflows_gradients(self, step: int) -> bool:
+        return any(fault.overflows_gradients(step) for fault in self.faults)
+
+    def update_done(self, step: int, model: torch.nn.Module) -> None:
+        for fault in self.faults:
+            fault.update_done(step, model)
+
+    def step_ended(self, step: int) -> None:
+        for fault in self.faults:
+            fault.step_ended(step)
+
+    def before_commit(self, step: int) -> None:
+        for fault in self.faults:
+            fault.before_commit(step)
 
 
 def _nudge_one_element(model: torch.nn.Module, step: int) -> None:
