@@ -1,0 +1,143 @@
+"""Replica groups (torchft), the fast part: the fault grammar's G/R, ft.json from the groups' events, the data
+split by group, the goodput of a heal, and the one-line refusals (the missing extra, the keys it cannot run with).
+The runs themselves are in tests/test_ft_cli.py (slow)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ddptrain.config.schema import Config
+from ddptrain.errors import ConfigError
+from ddptrain.ft.accounting import ranges, write_ft_json
+from ddptrain.ft.layout import data_parallel_rank, data_parallel_size, events_path
+from ddptrain.ft.launch import group_argv
+from ddptrain.runtime.hooks import StepHooks
+from ddptrain.telemetry.goodput import Goodput, account
+from ddptrain.testing.faults import Fault, Faults, parse_fault, step_hooks
+
+
+def test_a_fault_names_a_rank_of_one_replica_group_and_fires_there_in_that_groups_first_attempt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert parse_fault("kill@step:10:1/0") == (Fault("kill", "step", 10), (1, 0))
+    assert parse_fault("kill@step:10:2") == (Fault("kill", "step", 10), 2)  # a plain rank: as before
+    monkeypatch.setenv("DDPTRAIN_FAULT", "kill@step:10:1/0")
+    assert step_hooks(0, 1) == Fault("kill", "step", 10)
+    for rank, group in ((0, 0), (0, 2), (1, 1), (0, None)):  # another group, another rank, no groups at all
+        assert type(step_hooks(rank, group)) is StepHooks
+    monkeypatch.setenv("DDPTRAIN_FAULT", "kill@step:10:0")  # a plain rank strikes that rank of every group
+    assert step_hooks(0, 2) == Fault("kill", "step", 10) and step_hooks(0, None) == Fault("kill", "step", 10)
+    monkeypatch.setenv("DDPTRAIN_FAULT", "kill@step:10:1/0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the group's own agent restarted it
+    assert type(step_hooks(0, 1)) is StepHooks
+
+
+def test_several_faults_in_one_spec_each_strike_their_own_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("DDPTRAIN_FAULT", "kill@step:10:1/0,delay@data:11:0:1000")
+    assert step_hooks(0, 1) == Faults((Fault("kill", "step", 10), Fault("delay", "data", 11, 1000.0)))
+    assert step_hooks(0, 0) == Fault("delay", "data", 11, 1000.0)
+    assert type(step_hooks(1, 0)) is StepHooks
+
+
+@pytest.mark.parametrize("spec", ["kill@step:10:x/0", "kill@step:10:1/", "kill@step:10:-1/0", "kill@step:10:1/0,oops"])
+def test_a_group_rank_that_does_not_parse_is_one_line(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
+    monkeypatch.setenv("DDPTRAIN_FAULT", spec)
+    with pytest.raises(ConfigError, match=r"^DDPTRAIN_FAULT=.*expected"):
+        step_hooks(0, 0)
+
+
+def _events(run_dir: Path, group: int, *records: dict) -> None:
+    path = events_path(run_dir, group)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"event": "st')  # a line cut by a kill
+
+
+def test_ft_json_holds_each_groups_attempts_heals_and_steps_and_each_steps_quorum(tmp_path: Path) -> None:
+    def steps(first: int, last: int, quorum: int, committed: bool = True) -> list[dict]:
+        return [{"event": "step", "step": s, "quorum": quorum, "committed": committed} for s in range(first, last + 1)]
+
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, *steps(1, 10, 3), *steps(11, 11, 3, committed=False),
+            *steps(11, 14, 2), *steps(15, 20, 3))
+    _events(tmp_path, 1, {"event": "attempt", "attempt": 0}, *steps(1, 10, 3), {"event": "attempt", "attempt": 1},
+            {"event": "heal", "step": 15, "seconds": 1.5}, *steps(15, 20, 3))
+    record = write_ft_json(tmp_path, 3)  # group 2 wrote nothing (it never started)
+    assert json.loads((tmp_path / "ft.json").read_text()) == record
+    g0, g1, g2 = record["replica_groups"]
+    assert g0 == {"replica_id": 0, "attempts": 1, "heals": [], "steps": [[1, 20]], "steps_not_committed": [11]}
+    assert g1 == {"replica_id": 1, "attempts": 2, "heals": [{"step": 15, "seconds": 1.5}],
+                  "steps": [[1, 10], [15, 20]], "steps_not_committed": []}
+    assert g2["attempts"] == 0 and g2["steps"] == []
+    assert record["quorum_per_step"] == [[1, 10, 3], [11, 14, 2], [15, 20, 3]]
+    assert record["quorum_lost"] == []
+    assert ranges([7, 1, 2, 3, 2]) == [[1, 3], [7, 7]]
+
+
+def test_the_global_batch_is_split_over_every_rank_of_every_group(compose: Callable[..., Config]) -> None:
+    from ddptrain.data import BatchShape
+
+    cfg = compose("ft.replica_groups=3", "ft.replica_id=2", "data.global_batch_size=12", "data.micro_batch_size=2")
+    assert data_parallel_size(cfg, 2) == 6 and BatchShape.from_config(cfg, 6).grad_accum == 1
+    assert [data_parallel_rank(cfg, r, 2) for r in (0, 1)] == [4, 5]  # group 2's ranks: after groups 0 and 1's
+    plain = compose("data.global_batch_size=12", "data.micro_batch_size=2")
+    assert data_parallel_size(plain, 2) == 2 and data_parallel_rank(plain, 1, 2) == 1
+
+
+def test_a_group_runs_in_the_run_dir_given_to_it_whatever_the_user_set() -> None:
+    argv = group_argv(["model=llama_tiny", "hydra.run.dir=x", "ft.replica_groups=3", "ft.replica_id=0"],
+                      Path("/runs/a"), 2, "http://localhost:1")
+    assert argv == ["model=llama_tiny", "ft.replica_groups=3", "hydra.run.dir=/runs/a", "ft.replica_id=2",
+                    "ft.lighthouse=http://localhost:1"]
+
+
+def test_a_heal_is_recovery_and_the_steps_it_skipped_are_not_redone(tmp_path: Path) -> None:
+    first = Goodput(100.0, tmp_path, True, 1, 0, False, False)
+    first.attempt.seconds["productive"], first.attempt.last_step, first.attempt.recorded_at = 5.0, 10, 106.0
+    first.attempt.productive_at = {"5": 2.5}
+    healed = Goodput(120.0, tmp_path, True, 1, 0, False, False)
+    healed.earlier = [first.attempt]
+    healed.attempt.restart, healed.attempt.launch = 1, first.attempt.launch
+    healed.step_started()
+    healed.recovered(2.0, 24)  # its first step: the copy from a peer, made before it, was counted as start-up
+    assert healed.attempt.seconds["recovery"] == 2.0 and healed.attempt.resumed_from == 24
+    report = account([first.attempt, healed.attempt])
+    assert report["goodput"]["recovery_s"] == 2.0
+    assert report["goodput"]["redone_steps"] == 0  # the first attempt's 10 steps stay productive
+    assert report["goodput"]["productive_s"] == 5.0
+
+
+def test_without_the_extra_a_run_with_replica_groups_is_one_line_naming_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ddptrain.app.cli import run_cli
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # importlib.util.find_spec: not installed
+    assert run_cli(["ft.replica_groups=2", "model=llama_tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddptrain: error: ft.replica_groups=2 needs torchft, which is not installed: "
+                   "pip install 'ddptrain[ft]'"]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["parallel.engine=bucketed"], "ft.replica_groups=2 cannot be combined with parallel.engine=bucketed"),
+    (["parallel.zero_stage=1"], "parallel.zero_stage=1: replica groups train torch DDP"),
+    (["ft.sync=diloco"], "ft.sync=diloco is not wired"),
+    (["data.micro_batch_size=auto", "plan.device_memory_gib=8"], "data.micro_batch_size=auto"),
+])
+def test_replica_groups_refuse_what_they_cannot_run_with(compose: Callable[..., Config], overrides: list[str],
+                                                         expected: str) -> None:
+    from ddptrain.app.preflight import validate_config
+
+    cfg = compose("ft.replica_groups=2", *overrides)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg, 2)
+
+
+def test_without_replica_groups_the_same_keys_pass(compose: Callable[..., Config]) -> None:
+    from ddptrain.app.preflight import validate_config
+
+    assert validate_config(compose("parallel.engine=bucketed", "ft.sync=diloco"), 2) is not None
