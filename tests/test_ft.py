@@ -14,8 +14,8 @@ import pytest
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.ft.accounting import ranges, write_ft_json
-from ddptrain.ft.layout import data_parallel_rank, data_parallel_size, events_path
 from ddptrain.ft.launch import group_argv
+from ddptrain.ft.layout import data_parallel_rank, data_parallel_size, events_path
 from ddptrain.runtime.hooks import StepHooks
 from ddptrain.telemetry.goodput import Goodput, account
 from ddptrain.testing.faults import Fault, Faults, parse_fault, step_hooks
