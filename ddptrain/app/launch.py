@@ -167,6 +167,8 @@ def launch_workers(run: Run, argv: list[str]) -> int:
             print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as exc:
+        if GROUP_AGENT_ENV in os.environ:  # a replica group's agent: the groups' launcher says why the run stopped
+            return 128 + exc.sigval.value
         if latest_commit(run_dir / typed.checkpoint.dir) != saved_before:
             print(f"ddptrain: stopped by {exc.sigval.name}; workers were asked to checkpoint and exit "
                   f"(run dir {run_dir}; continue with train.resume=auto)", file=sys.stderr)

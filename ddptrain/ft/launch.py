@@ -8,7 +8,9 @@ keep stepping. Every group writes under ``<run dir>/group<G>/`` (``ft/layout.py`
 
 It waits for every group. The run stops as a whole, with one line, when the lighthouse is gone or a group found no
 quorum of ``ft.min_replicas`` within ``ft.quorum_timeout_s``: every agent is asked to stop (SIGTERM: the workers
-checkpoint if they can reach a check step), and killed if it has not after a grace. Ctrl-C and SIGTERM reach
+checkpoint if they can reach a check step), and killed with its workers if it has not after ``STOP_WAIT_S``: with no
+quorum no step can end, so waiting for the workers' own stop grace would only delay the line. Checkpoints are
+committed atomically: the last committed one of every group is kept whatever the kill interrupts. Ctrl-C and SIGTERM reach
 every agent. The exit code: 0 when every group finished; a worker's own code when it printed its line
 (``SAID_BY_WORKER``); 1 otherwise; 128 + the signal when stopped by one.
 """
@@ -33,7 +35,7 @@ from ddptrain.ft.lighthouse import Lighthouse
 from ddptrain.ft.replica import QUORUM_LOST
 
 POLL_S = 0.2
-KILL_AFTER_S = 15.0  # after the stop's grace (launch.stop_grace_s), an agent still running is killed
+STOP_WAIT_S = 10.0  # after SIGTERM, how long the agents have before they are killed with their workers
 FINISH_GRACE_S = 20.0  # once a group finished the run, how long the others have to finish too
 
 
@@ -75,7 +77,7 @@ def launch_groups(run: Run, argv: list[str]) -> int:
             group_dir(run_dir, g).mkdir(parents=True, exist_ok=True)
             agents.append(subprocess.Popen([sys.executable, "-m", "ddptrain", *group_argv(argv, run_dir, g, address)],
                                            env=env, start_new_session=True))  # its own session: a kill ends it all
-        ended = watch(agents, lighthouse, run_dir, groups, typed.launch.stop_grace_s)
+        ended = watch(agents, lighthouse, run_dir, groups)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -103,8 +105,8 @@ def launch_groups(run: Run, argv: list[str]) -> int:
     return 1
 
 
-def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, run_dir: Path, groups: int,
-          grace_s: float) -> str | None:
+def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, run_dir: Path, groups: int
+          ) -> str | None:
     """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum. Returns why the
     run was stopped (None: every agent ended on its own)."""
     finished_at: float | None = None
@@ -117,7 +119,7 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
             late = [g for g, agent in enumerate(agents) if agent.poll() is None]
             say(f"ddptrain: replica group{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} had not "
                 f"finished {FINISH_GRACE_S:g} s after the run's steps were done by another group: stopped")
-            stop_all(agents, grace_s)
+            stop_all(agents)
             return None
         if lighthouse is not None and (code := lighthouse.exit_code()) is not None:
             why = (f"the torchft lighthouse exited (code {code}) while replica groups were training; stopping "
@@ -125,7 +127,7 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
         elif (lost := quorum_lost(run_dir, groups)) is not None:
             why = lost
         if why is not None:
-            stop_all(agents, grace_s)
+            stop_all(agents)
             return why
         time.sleep(POLL_S)
     return None
@@ -146,12 +148,12 @@ def quorum_lost(run_dir: Path, groups: int) -> str | None:
     return None
 
 
-def stop_all(agents: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM to every agent (its workers checkpoint at their next check step), then a kill after the grace."""
+def stop_all(agents: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every agent (its workers checkpoint at their next check step if they reach one), then a kill."""
     for agent in agents:
         if agent.poll() is None:
             agent.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s + KILL_AFTER_S
+    deadline = time.monotonic() + STOP_WAIT_S
     for agent in agents:
         try:
             agent.wait(timeout=max(0.0, deadline - time.monotonic()))
