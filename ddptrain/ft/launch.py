@@ -11,8 +11,9 @@ quorum of ``ft.min_replicas`` within ``ft.quorum_timeout_s``: every agent is ask
 checkpoint if they can reach a check step), and killed with its workers if it has not after ``STOP_WAIT_S``: with no
 quorum no step can end, so waiting for the workers' own stop grace would only delay the line. Checkpoints are
 committed atomically: the last committed one of every group is kept whatever the kill interrupts.
-Ctrl-C and SIGTERM reach every agent. The exit code: 0 when every group finished; a worker's own code when it printed its line
-(``SAID_BY_WORKER``); 1 otherwise; 128 + the signal when stopped by one.
+Ctrl-C and SIGTERM reach every agent. The exit code: 0 when every group finished (or one did and the late ones were
+stopped); a worker's own code when it printed its line (``SAID_BY_WORKER``); 1 otherwise; 128 + the signal when
+stopped by one.
 """
 
 from __future__ import annotations
