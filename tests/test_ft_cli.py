@@ -1,0 +1,121 @@
+"""Replica groups (torchft) through the real command: 3 groups of 1 worker train as one 3-rank DDP run; a group
+killed mid-run is restarted by its own agent and heals from a peer while the others keep stepping; a lighthouse
+that dies stops the run with one line, its checkpoints kept. The fast checks are in tests/test_ft.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ddptrain.checkpoint.offline import read_tensors, tensor_entries
+from tests.helpers import procs
+from tests.helpers.cli import cli_command, outside_checkout, test_env
+from tests.helpers.run_cache import RunCache
+
+pytestmark = pytest.mark.slow  # every test here runs the real CLI: a lighthouse and several groups of workers
+
+STEPS = 30
+RUN = ["model=llama_tiny", "data.max_documents=40", f"train.steps={STEPS}", "train.log_every=1",
+       "train.eval_every=0", "data.global_batch_size=6", "data.micro_batch_size=2", "checkpoint.export=false",
+       "logger.progress=false", "hydra.run.dir=run"]
+GROUPS = ["ft.replica_groups=3"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def model_tensors(checkpoint: Path) -> dict:
+    keys = [k for k in tensor_entries(checkpoint) if k.startswith("model.")]
+    return read_tensors(checkpoint, keys)
+
+
+@pytest.fixture(scope="module")
+def no_fault(cli_runs: RunCache) -> Path:
+    """3 groups x 1 worker, all of them in every step (ft.min_replicas=3): the run dir."""
+    ran = cli_runs.run([*RUN, *GROUPS, "ft.min_replicas=3"], timeout=400)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran.run_dir
+
+
+def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(cli_runs: RunCache, no_fault: Path) -> None:
+    ddp = cli_runs.run([*RUN, "launch.nproc_per_node=3"], timeout=400)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    ft = json.loads((no_fault / "ft.json").read_text())
+    assert ft["quorum_per_step"] == [[1, STEPS, 3]]  # the groups met in every step: the feature was on
+    assert [g["steps"] for g in ft["replica_groups"]] == [[[1, STEPS]]] * 3
+    expected = losses(ddp.run_dir)
+    assert len(expected) == STEPS
+    for group in range(3):  # each group logs the loss over all three (it rides in the gradients' all-reduce)
+        got = losses(no_fault / f"group{group}")
+        assert got.keys() == expected.keys()
+        worst = max(abs(got[s] - expected[s]) for s in expected)
+        assert worst <= 1e-5, f"group {group}: largest loss difference {worst:.2e}"
+    assert losses(no_fault / "group0")[STEPS] < losses(no_fault / "group0")[1]  # it trained
+    summary = json.loads((no_fault / "summary.json").read_text())
+    assert summary["ft"]["quorum_per_step"] == [[1, STEPS, 3]]
+
+
+def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_others_keep_stepping(
+        cli_runs: RunCache, no_fault: Path) -> None:
+    # group 1's rank 0 dies after step 10; from step 11 every group's first attempt sleeps 1.5 s per step, so the
+    # survivors are still stepping when group 1's agent has restarted it (tens of seconds on a busy machine)
+    ran = cli_runs.run([*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=10"], timeout=400,
+                       extra_env={"DDPTRAIN_FAULT": "kill@step:10:1/0,delay@data:11:0:1500"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    ft = json.loads((ran.run_dir / "ft.json").read_text())
+    g0, g1, g2 = ft["replica_groups"]
+    assert (g0["attempts"], g1["attempts"], g2["attempts"]) == (1, 2, 1)
+    heals = [h for h in g1["heals"] if h["step"] > 10]
+    assert heals, f"group 1 did not heal after its restart: {g1}"
+    rejoined = heals[-1]["step"]
+    assert g1["steps"][-1] == [rejoined, STEPS] and g2["steps"][-1][1] == STEPS
+    # the survivors stepped without group 1 between its death and its return, then all three again
+    assert any(size == 2 and first > 10 for first, _, size in ft["quorum_per_step"]), ft["quorum_per_step"]
+    assert ft["quorum_per_step"][-1] == [rejoined, STEPS, 3]
+    # group 1's weights equal the others' bit for bit at the step it next saved (its state is a peer's copy)
+    saved = f"checkpoints/step_{STEPS:06d}"
+    reference = model_tensors(ran.run_dir / "group0" / saved)
+    for group in (1, 2):
+        theirs = model_tensors(ran.run_dir / f"group{group}" / saved)
+        assert theirs.keys() == reference.keys()
+        assert all(theirs[k].equal(reference[k]) for k in reference), f"group {group}'s weights differ"
+    final, expected = losses(ran.run_dir / "group0")[STEPS], losses(no_fault / "group0")[STEPS]
+    assert abs(final - expected) <= 0.05 * expected, (final, expected)
+
+
+def test_a_lighthouse_gone_stops_every_group_with_one_line_and_keeps_the_checkpoints(
+        cli_runs: RunCache, tmp_path: Path) -> None:
+    cwd = outside_checkout(tmp_path)
+    args = ["model=llama_tiny", "data.max_documents=40", "train.steps=200", "train.log_every=5", "train.eval_every=0",
+            "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.export=false", "logger.progress=false",
+            "checkpoint.every_n_steps=5", "ft.replica_groups=2", "ft.min_replicas=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = test_env(cli_runs.data_cache, {"DDPTRAIN_FAULT": "delay@data:1:0:300"})
+    err = tmp_path / "stderr"
+    with err.open("w") as out:
+        proc = procs.start(cli_command(args), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=out,
+                           stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while "step 10/" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        lighthouse = json.loads((tmp_path / "run" / "ft" / "lighthouse.json").read_text())
+        os.kill(lighthouse["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=120)
+    took = time.monotonic() - killed
+    lines = err.read_text().splitlines()
+    assert code == 1
+    assert took < 60, f"{took:.0f} s from the lighthouse's death to the end"
+    errors = [line for line in lines if line.startswith("ddptrain:")]
+    assert len(errors) == 1 and "the torchft lighthouse exited" in errors[0], errors
+    for group in (0, 1):
+        committed = sorted((tmp_path / "run" / f"group{group}" / "checkpoints").glob("step_*/COMMITTED"))
+        assert committed and committed[-1].parent.name >= "step_000010", committed
