@@ -96,7 +96,8 @@ def test_a_lighthouse_gone_stops_every_group_with_one_line_and_keeps_the_checkpo
     cwd = outside_checkout(tmp_path)
     args = ["model=llama_tiny", "data.max_documents=40", "train.steps=200", "train.log_every=5", "train.eval_every=0",
             "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.export=false", "logger.progress=false",
-            "checkpoint.every_n_steps=5", "ft.replica_groups=2", "ft.min_replicas=2", f"hydra.run.dir={tmp_path / 'run'}"]
+            "checkpoint.every_n_steps=5", "ft.replica_groups=2", "ft.min_replicas=2",
+            f"hydra.run.dir={tmp_path / 'run'}"]
     env = test_env(cli_runs.data_cache, {"DDPTRAIN_FAULT": "delay@data:1:0:300"})
     err = tmp_path / "stderr"
     with err.open("w") as out:
