@@ -141,7 +141,7 @@ def test_time_inside_a_step_goes_to_its_bucket_and_a_save_is_recorded_at_once_ev
 
     step(1, train_s=1.0, eval_s=2.0, save_s=3.0)  # started at 100: 10 s of start-up
     assert goodput.attempt.seconds == {"startup": 10.0, "compile": 0.0, "checkpoint": 3.0, "eval": 2.0,
-                                       "productive": 1.0}
+                                       "productive": 1.0, "recovery": 0.0}
     step(2, train_s=1.0)  # 1 s after the first record: nothing written
     assert recorded()["last_step"] == 1 and RECORD_EVERY_S > 2.0
     step(3, train_s=1.0, save_s=0.5)  # a save on a step that does not log
