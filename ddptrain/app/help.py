@@ -101,7 +101,7 @@ def help_text(user_dir: Path | None) -> str:
               "  ddptrain -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 'optim.lr=interval(1e-4,3e-3)' "
               "+experiment=quickstart",
               "  ddptrain launch.dry_run=true +experiment=gpt2_small plan.world_size=8",
-              "  ddptrain +experiment=quickstart ft.replica_groups=3 ft.min_replicas=2  "
+              "  ddptrain +experiment=quickstart ft.replica_groups=2 launch.nproc_per_node=1  "
               "# torchft replica groups (pip install 'ddptrain[ft]')",
               "  torchrun --nproc-per-node=8 -m ddptrain +experiment=gpt2_small parallel.bucket_cap_mb=50"]
     return "\n".join(lines)
