@@ -1054,6 +1054,26 @@ MUTANTS = [
              "allowances(categories, w.stage).total, step, single / step if step and single else None,",
              "allowances(categories, w.stage).total, step, step / single if step and single else None,"),),
            ("tests/test_plan_consistency.py", "-k", "accumulating_adds")),
+    Mutant("ft-fault-ignores-group", "kill@step:S:G/R strikes rank R of every replica group",
+           (("ddptrain/testing/faults.py", "        return target == (group, rank)",
+             "        return target[1] == rank"),),
+           ("tests/test_ft.py", "-k", "fault_names_a_rank")),
+    Mutant("ft-data-rank-ignores-group", "every replica group reads the same share of the global sample order",
+           (("ddptrain/ft/layout.py", "return cfg.ft.replica_id * group_world_size + group_rank",
+             "return group_rank"),),
+           ("tests/test_ft.py", "-k", "split_over_every_rank")),
+    Mutant("ft-heal-steps-redone", "a healed group's attempt still continues after its own start: the steps of its "
+           "earlier attempt count as redone",
+           (("ddptrain/telemetry/goodput.py", "self.attempt.resumed_from = self.attempt.last_step = healed_to",
+             "self.attempt.last_step = healed_to"),),
+           ("tests/test_ft.py", "-k", "heal_is_recovery")),
+    Mutant("ft-quorum-runs-merged", "ft.json's quorum_per_step merges consecutive steps of different quorum sizes",
+           (("ddptrain/ft/accounting.py", "if runs and runs[-1][1] == step - 1 and runs[-1][2] == sizes[step]:",
+             "if runs and runs[-1][1] == step - 1:"),),
+           ("tests/test_ft.py", "-k", "ft_json_holds")),
+    Mutant("ft-no-cross-group-average", "replica groups never average their gradients: each trains on its own data",
+           (("ddptrain/ft/replica.py", "        self.manager.allreduce(flat).wait()\n", ""),),
+           ("tests/test_ft_cli.py", "-k", "one_three_rank_ddp_run")),
 ]
 
 def _copy_tree(dest: Path) -> None:
