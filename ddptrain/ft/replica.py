@@ -2,11 +2,11 @@
 
 Each step (``begin``) asks the lighthouse for a quorum, synchronously (``use_async_quorum=False``): a group whose
 step is behind the quorum's (it came back from a restart) copies a peer's live state before its forward pass (the
-heal, torchft's own HTTP checkpoint transport) and jumps to the peers' step. ``average`` sums the gradients
-(already averaged inside the group by torch DDP) over the groups in the quorum and divides by their number — the
-loss rides in the same buffer, so every group logs the mean over the whole job. ``commit`` is torchft's
-``should_commit``: every rank of a group gets the same answer, and a step not committed is not applied (the
-update, the learning rate's step and the data position are all rolled back) and is taken again.
+heal, torchft's checkpoint transport over the groups' process group) and jumps to the peers' step.
+``average`` sums the gradients (already averaged inside the group by torch DDP) over the groups in the quorum and
+divides by their number — the loss rides in the same buffer, so every group logs the mean over the whole job.
+``commit`` is torchft's ``should_commit``: every rank of a group gets the same answer, and a step not committed is
+not applied (the update, the learning rate's step and the data position are all rolled back) and is taken again.
 
 The state a peer sends: the model, the optimizer, the learning-rate schedule, the fp16 loss scaler and the data
 position. The data position is global (the same on every rank: samples of the global order consumed), so copying
@@ -82,6 +82,7 @@ class ReplicaGroup:
     def __init__(self, cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful],
                  start: int) -> None:
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
 
         self.cfg, self.env, self.parts = cfg, env, parts
         self.group = int(cfg.ft.replica_id or 0)
@@ -99,8 +100,14 @@ class ReplicaGroup:
         dump = os.environ.pop(FR_DUMP_ENV, None)
         # a heal reads the peer's tensors from read-only buffers (torch warns once per process; they are copied)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        # ... and torchft's transport uses a pytree API torch deprecates (a warning per heal)
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.ft.min_replicas,
+            pg=pg, min_replica_size=cfg.ft.min_replicas,
+            # the heal's copy goes through the groups' own process group (torchft's HTTP transport, the default,
+            # prints a request line on the console for every copy)
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
             load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
             replica_id=f"ddptrain_group{self.group}", lighthouse_addr=cfg.ft.lighthouse,
             rank=env.rank, world_size=env.world_size,  # the group's own ranks; the store torchrun's rank 0 hosts
