@@ -141,3 +141,15 @@ def test_without_replica_groups_the_same_keys_pass(compose: Callable[..., Config
     from ddptrain.app.preflight import validate_config
 
     assert validate_config(compose("parallel.engine=bucketed", "ft.sync=diloco"), 2) is not None
+
+
+def test_a_group_that_found_no_quorum_is_named_by_the_launchers_line(tmp_path: Path) -> None:
+    from ddptrain.ft.launch import quorum_lost
+
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, {"event": "step", "step": 1, "quorum": 2,
+                                                              "committed": True})
+    assert quorum_lost(tmp_path, 2) is None
+    _events(tmp_path, 1, {"event": "attempt", "attempt": 0}, {"event": "quorum_lost", "step": 7})
+    line = quorum_lost(tmp_path, 2)
+    assert line is not None and line.startswith("replica group 1 found no quorum of ft.min_replicas groups")
+    assert "before step 7" in line and write_ft_json(tmp_path, 2)["quorum_lost"] == [{"replica_id": 1, "step": 7}]
