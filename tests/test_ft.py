@@ -153,3 +153,18 @@ def test_a_group_that_found_no_quorum_is_named_by_the_launchers_line(tmp_path: P
     line = quorum_lost(tmp_path, 2)
     assert line is not None and line.startswith("replica group 1 found no quorum of ft.min_replicas groups")
     assert "before step 7" in line and write_ft_json(tmp_path, 2)["quorum_lost"] == [{"replica_id": 1, "step": 7}]
+
+
+def test_the_lighthouse_runs_through_its_entry_point_where_its_script_is_not_beside_python(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import subprocess
+
+    from ddptrain.ft import lighthouse
+
+    python = sys.executable
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # a venv without torchft's scripts
+    monkeypatch.setenv("PATH", str(tmp_path))
+    command = lighthouse.command()
+    assert command[0] == str(tmp_path / "python") and command[1].endswith("lighthouse_entry.py")
+    done = subprocess.run([python, *command[1:], "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--min_replicas" in done.stdout, done.stderr

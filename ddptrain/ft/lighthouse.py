@@ -22,14 +22,11 @@ JOIN_TIMEOUT_MS = 2000  # how long a quorum waits for a straggling group once ft
 HEARTBEAT_TIMEOUT_MS = 3000  # a group silent this long is out of the next quorum
 
 
-def executable() -> str:
-    """The wheel's console script, beside this interpreter (a venv) or on PATH."""
+def command() -> list[str]:
+    """The wheel's console script, beside this interpreter (a venv) or on PATH; else its entry point."""
     beside = Path(sys.executable).parent / "torchft_lighthouse"
     found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
-    if found is None:
-        raise ResourceError("torchft_lighthouse not found beside this Python or on PATH (it comes with torchft: "
-                            "pip install 'ddptrain[ft]')")
-    return found
+    return [found] if found is not None else [sys.executable, str(Path(__file__).with_name("lighthouse_entry.py"))]
 
 
 def free_port() -> int:
@@ -58,7 +55,7 @@ class Lighthouse:
         log_path = folder / "lighthouse.log"
         with log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
-                [executable(), "--min_replicas", str(self.min_replicas), "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
+                [*command(), "--min_replicas", str(self.min_replicas), "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
                  "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS), "--bind", f"[::]:{self.port}"],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
