@@ -29,6 +29,7 @@ import torch
 
 from ddptrain.config.schema import Config
 from ddptrain.errors import RunEnded
+from ddptrain.ft.accounting import write_ft_json
 from ddptrain.ft.layout import events_path, run_dir_of_group
 from ddptrain.runtime.process_group import DistEnv
 
@@ -198,4 +199,8 @@ class ReplicaGroup:
                 out.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        """Shut the Manager down; group rank 0 writes ``ft.json`` as far as the groups' events go (on a cluster no
+        local launcher writes it at the end)."""
         self.manager.shutdown(wait=False)
+        if self._events is not None:
+            write_ft_json(self._events.parent.parent, self.cfg.ft.replica_groups)
