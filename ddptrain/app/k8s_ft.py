@@ -105,7 +105,7 @@ def group_job(spec: JobSpec, g: int) -> Doc:
     failure = {"rules": [
         {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER["jobset"], "operator": "In",
                                               "values": [BAD_INPUT_EXIT]}},
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
     ]}
     job = {"parallelism": spec.nodes, "completions": spec.nodes, "completionMode": "Indexed",
            "backoffLimit": spec.ft.group_restarts * spec.nodes, "podFailurePolicy": failure,
