@@ -20,9 +20,11 @@ from tests.helpers.pods import pods
 from tests.helpers.webhooks import admission_errors
 
 IMAGE = "ghcr.io/example/ddptrain:1"
-# 3 groups of 2 CPU nodes x 2 processes: 12 ranks; ft.min_replicas=2 and ft.group_restarts=5 (not the defaults)
+# 3 groups of 2 CPU nodes x 2 processes: 12 ranks; ft.min_replicas=2 and ft.group_restarts=5 (not the defaults);
+# --ib and --wandb-secret, which every group's pods must carry as a plain job's do
 GROUPS = ["--replica-groups", "3", "--nodes", "2", "--gpus-per-node", "0", "--namespace", "ml", "--name", "ftrun",
-          "--claim-size", "1Ti", "launch.nproc_per_node=2", "data.global_batch_size=96", "ft.min_replicas=2",
+          "--claim-size", "1Ti", "--ib", "rdma/ib", "--wandb-secret", "wandb",
+          "launch.nproc_per_node=2", "data.global_batch_size=96", "ft.min_replicas=2",
           "ft.group_restarts=5"]
 
 
@@ -116,6 +118,10 @@ def test_the_lighthouse_runs_as_the_images_user_and_its_service_selects_only_it(
         assert not selects(service["spec"]["selector"], job["template"]["metadata"]["labels"])
         assert job["template"]["spec"]["securityContext"]["fsGroup"] == 10001
         assert job["template"]["spec"]["dnsConfig"] == {"searches": ["ftrun.ml.svc.cluster.local"]}
+        (node,) = job["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in node["env"]}
+        assert node["resources"]["limits"] == {"rdma/ib": 1} and env["NCCL_IB_DISABLE"]["value"] == "0"
+        assert env["WANDB_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
 
 
 def test_the_checks_refuse_what_the_api_server_and_the_webhook_refuse(docs) -> None:
