@@ -15,7 +15,7 @@ import sys
 from pathlib import PurePosixPath
 
 from ddptrain.app import k8s_ft
-from ddptrain.app.k8s_manifest import KINDS, FtSpec, JobSpec, documents
+from ddptrain.app.k8s_manifest import KINDS, Doc, FtSpec, JobSpec, documents, volume_claim
 from ddptrain.errors import ConfigError, say
 
 # Trainer v2 checks the TrainJob's name with this rule (RFC 1035 label); a pod's host name, <name>-node-<i>-<j>,
@@ -59,8 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--image", required=True, help="the container image with ddptrain installed")
     parser.add_argument("--kind", choices=KINDS,
                         help="trainjob: Kubeflow Trainer v2 on the torch-distributed runtime (default); pytorchjob: "
-                             "Training Operator v1; jobset: a JobSet with a headless service (the default and the "
-                             "only kind with --replica-groups)")
+                             "Training Operator v1; jobset: a JobSet with a headless service (the default with "
+                             "--replica-groups, the only kind it takes)")
     parser.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1; per replica group "
                                                              "with --replica-groups)")
     parser.add_argument("--replica-groups", type=int, metavar="R",
@@ -264,12 +264,12 @@ def under(path: str, mount: str) -> bool:
     return inner != outer and inner.is_relative_to(outer)
 
 
-def printed(kind: str, spec: JobSpec) -> list:
+def printed(kind: str, spec: JobSpec) -> list[Doc]:
     """The documents ``ddptrain-k8s`` prints: the claim when asked for, then the job (with --replica-groups: the
     lighthouse's Service and Deployment, then the JobSet of the groups)."""
     if spec.ft is None:
         return documents(kind, spec)
-    return [*documents(kind, spec)[:-1], *k8s_ft.documents(spec)]
+    return [*([volume_claim(spec)] if spec.claim_size else []), *k8s_ft.documents(spec)]
 
 
 def render(kind: str, spec: JobSpec) -> str:
