@@ -252,6 +252,8 @@ def test_streaming_diloco_syncs_each_fragment_at_its_own_step() -> None:
         assert started == [interval - 1, 2 * interval - 1, 3 * interval - 1, 4 * interval - 1]
         assert [run.allreduce_calls[s - 1] for s in started] == [6, 6, 6, 6]
         assert run.checkpoint_ok == [(s + 1) % interval != interval - 1 for s in range(2 * H)]
+        # each fragment once per window: the whole model per H steps, as plain DiLoCo
+        assert run.allreduce_bytes / len(run.params) == run.bytes_per_step == ddp_bytes_per_step(Net()) / H
     for r in a.records:
         synced = fragments[r.fragment]
         other = fragments[1 - r.fragment]
