@@ -6,7 +6,13 @@ from the middle of a window. Two replica groups run as threads under a real ligh
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,62 +25,13 @@ from ddptrain.config.choices import FtSync
 from ddptrain.config.schema import FtConfig
 from ddptrain.errors import ConfigError
 from ddptrain.ft.diloco import OuterSync, ddp_bytes_per_step, split_fragments
+from tests.helpers import procs
+from tests.helpers.diloco_net import INNER_LR, Net, fresh_net, inner_step
 from tests.helpers.ft_groups import run_groups
 
 GROUPS = 2
 H = 8
 LR, MOMENTUM = 0.7, 0.9
-INNER_LR = 1e-2
-
-
-class Net(nn.Module):
-    """A tiny residual MLP with four "blocks" (an nn.ModuleList, as a transformer's layers are)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 16)
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-        self.out = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return self.out(h)
-
-
-def _seeded(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return Net().state_dict()
-
-
-# made once, here: the groups run as threads, and torch's global generator is not theirs to seed
-INIT, TEACHER = _seeded(0), Net()
-TEACHER.load_state_dict(_seeded(123))
-
-
-def fresh_net() -> Net:
-    net = Net()
-    net.load_state_dict(INIT)
-    return net
-
-
-def batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group ``group``'s batch at inner step ``step``: its own data (a fixed teacher's targets)."""
-    gen = torch.Generator().manual_seed(1000 * group + step)
-    x = torch.randn(16, 6, generator=gen)
-    with torch.no_grad():
-        y = TEACHER(x) * 3
-    return x, y
-
-
-def inner_step(model: nn.Module, opt: torch.optim.Optimizer, group: int, step: int) -> float:
-    x, y = batch(group, step)
-    loss = nn.functional.mse_loss(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
 
 
 @dataclass
@@ -327,3 +284,33 @@ def test_no_checkpoint_while_a_fragments_all_reduce_is_in_flight() -> None:
         return str(caught.value)
 
     assert all("inner step 3 of 4" in m for m in run_groups(GROUPS, body))
+
+
+@pytest.mark.slow
+def test_two_group_processes_under_the_lighthouse_command_take_the_hand_written_outer_step(tmp_path: Path) -> None:
+    """The same check across processes: torchft's ``torchft_lighthouse`` command and one process per group."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    lighthouse = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+    assert lighthouse is not None
+    procs.start([lighthouse, "--min_replicas", str(GROUPS), "--join_timeout_ms", "2000", "--bind", f"[::]:{port}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    workers = [procs.start([sys.executable, "-m", "tests.helpers.ft_diloco_worker", "--group", str(g), "--groups",
+                            str(GROUPS), "--sync", "diloco", "--sync-every", str(H), "--fragments", "1", "--steps",
+                            str(2 * H), "--lighthouse", f"http://localhost:{port}", "--out", str(tmp_path / f"{g}.pt")],
+                           env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for g in range(GROUPS)]
+    for w in workers:
+        out, _ = w.communicate(timeout=300)
+        assert w.returncode == 0, out[-3000:]
+    runs = [torch.load(tmp_path / f"{g}.pt") for g in range(GROUPS)]
+    ref = reference(2 * H, [list(range(len(list(Net().parameters()))))], delay=0)
+    for g, run in enumerate(runs):
+        assert run["records"] == [(H, 0, True), (2 * H, 0, True)]
+        assert run["bytes_per_step"] == ddp_bytes_per_step(Net()) / H
+        for step, (got, want) in enumerate(zip(run["params"], ref[g], strict=True)):
+            for p, q in zip(got, want, strict=True):
+                torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=f"group {g}, after inner step {step + 1}")
