@@ -238,6 +238,10 @@ def test_fragments_follow_a_transformers_blocks_and_hold_each_parameter_once() -
     # the tied head is the embedding: one tensor, one fragment; the fragments are the model's own parameters
     assert sum(len(list(f.parameters())) for f in parts) == len(list(model.parameters()))
     assert next(parts[0].parameters()) is model.model.embed_tokens.weight
+    # cut where the bytes even out: a large vocabulary's embedding outweighs a block, so it stands with block 0 alone
+    config.vocab_size = 1024
+    big_vocab = [f.model_names for f in split_fragments(LlamaForCausalLM(config), 2)]
+    assert [{n.split(".")[2] for n in names if ".layers." in n} for names in big_vocab] == [{"0"}, {"1", "2", "3"}]
     # without blocks: contiguous runs of about equal bytes
     mlp = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
     assert [f.model_names for f in split_fragments(mlp, 2)] == [["0.weight", "0.bias", "1.weight", "1.bias"],

@@ -77,49 +77,51 @@ def _blocks(model: nn.Module) -> tuple[str, int] | None:
     return best
 
 
-def _split_by_blocks(names: list[str], prefix: str, n_blocks: int, n: int) -> list[int]:
-    """Each parameter's fragment: block i goes to fragment i·n // n_blocks; what comes before the blocks in
-    parameter order (embeddings) joins the first block's fragment, what comes after (final norm, head) the last's."""
+def _block_units(names: list[str], prefix: str) -> list[int]:
+    """Each parameter's unit: its block's position among the blocks that hold trainable parameters; what comes
+    before the blocks in parameter order (embeddings) joins the first, what comes after (final norm, head) the last,
+    anything between two blocks the one before it."""
     pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\." if prefix else r"^(\d+)\.")
-    out: list[int] = []
-    seen_block = False
-    for name in names:
-        match = pattern.match(name)
-        if match:
-            seen_block = True
-            out.append(int(match.group(1)) * n // n_blocks)
-        else:
-            out.append(n - 1 if seen_block else 0)
+    block = [int(m.group(1)) if (m := pattern.match(name)) else None for name in names]
+    units = {b: i for i, b in enumerate(sorted({b for b in block if b is not None}))}
+    out, current = [], 0
+    for b in block:
+        current = units[b] if b is not None else current
+        out.append(current)
     return out
 
 
-def _split_by_bytes(sizes: list[int], n: int) -> list[int]:
-    """Each parameter's fragment, cutting the parameter order into ``n`` contiguous runs of about equal bytes; equal
-    counts where a large parameter would leave a run empty."""
+def _balanced_runs(sizes: list[int], n: int) -> list[int]:
+    """Each unit's run: ``n`` contiguous non-empty runs of the units in order, the k-th cut where the running total
+    of bytes is nearest k/n of the whole (a fragment's sync moves its bytes: even fragments even out the syncs)."""
     total = sum(sizes)
-    out, before = [], 0
-    for size in sizes:
-        out.append(min(n - 1, int((before + size / 2) * n / total)) if total else 0)
-        before += size
-    if len(set(out)) < n:
-        out = [i * n // len(sizes) for i in range(len(sizes))]
-    return out
+    running = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    cuts: list[int] = []  # the index of the last unit of each run but the last
+    for k in range(1, n):
+        lo, hi = (cuts[-1] + 1 if cuts else 0), len(sizes) - (n - k) - 1  # every later run keeps a unit
+        cuts.append(min(range(lo, hi + 1), key=lambda i, k=k: abs(running[i] - k * total / n)))
+    return [sum(i > c for c in cuts) for i in range(len(sizes))]
 
 
 def split_fragments(model: nn.Module, n: int) -> list[Fragment]:
-    """The model's trainable parameters in ``n`` contiguous fragments, by transformer blocks where the model has at
-    least ``n`` of them, else by parameters of about equal bytes. Every trainable parameter is in exactly one fragment
-    (tied weights once: ``named_parameters`` lists a shared tensor once)."""
+    """The model's trainable parameters in ``n`` contiguous fragments of about equal bytes, cut between transformer
+    blocks where the model has at least ``n`` of them (the embeddings with the first block, the final norm and head
+    with the last), else between parameters. Every trainable parameter is in exactly one fragment (tied weights
+    once: ``named_parameters`` lists a shared tensor once)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if len(named) < n:
         raise ConfigError(f"ft.fragments={n}: the model has only {len(named)} trainable parameters to split")
     blocks = _blocks(model)
-    if n == 1:
-        assignment = [0] * len(named)
-    elif blocks is not None and blocks[1] >= n:
-        assignment = _split_by_blocks([name for name, _ in named], blocks[0], blocks[1], n)
+    sizes = [local_nbytes(p) for _, p in named]
+    unit_of = _block_units([name for name, _ in named], blocks[0]) if blocks is not None else [0]
+    if max(unit_of) + 1 >= n:
+        unit_bytes = [0] * (max(unit_of) + 1)
+        for size, unit in zip(sizes, unit_of, strict=True):
+            unit_bytes[unit] += size
+        run_of_unit = _balanced_runs(unit_bytes, n)
+        assignment = [run_of_unit[u] for u in unit_of]
     else:
-        assignment = _split_by_bytes([local_nbytes(p) for _, p in named], n)
+        assignment = _balanced_runs(sizes, n)
     return [Fragment([item for item, f in zip(named, assignment, strict=True) if f == i]) for i in range(n)]
 
 
