@@ -318,3 +318,24 @@ def test_two_group_processes_under_the_lighthouse_command_take_the_hand_written_
         for step, (got, want) in enumerate(zip(run["params"], ref[g], strict=True)):
             for p, q in zip(got, want, strict=True):
                 torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=f"group {g}, after inner step {step + 1}")
+
+
+@pytest.mark.parametrize(("sync", "fragments", "every", "message"), [
+    (FtSync.diloco, 1, 4, "checkpoint: its DiLoCo state has sync_every=8, this run 4: resume with the same"),
+    (FtSync.streaming_diloco, 2, H, "checkpoint: its DiLoCo state has fragments=1, this run 2: resume with the same"),
+])
+def test_a_checkpoint_of_another_window_is_refused_in_one_line(diloco_run: list[GroupRun], sync: FtSync,
+                                                                fragments: int, every: int, message: str) -> None:
+    saved = diloco_run[0].checkpoint
+    assert saved is not None
+
+    def body(manager: Any, group: int) -> str:
+        model = fresh_net()
+        ft = FtConfig(replica_groups=GROUPS, sync=sync, sync_every=every, fragments=fragments)
+        outer = OuterSync.build(manager, model, torch.optim.AdamW(model.parameters()), ft)
+        with pytest.raises(ConfigError) as caught:
+            outer.load_state_dict(saved["outer"])
+        return str(caught.value)
+
+    for refusal in run_groups(GROUPS, body):
+        assert refusal.startswith(message) and "\n" not in refusal
