@@ -11,6 +11,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.ft.diloco import OuterSync, ddp_bytes_per_step, split_fragments
 from tests.helpers import procs
 from tests.helpers.diloco_net import INNER_LR, Net, fresh_net, inner_step
-from tests.helpers.ft_groups import run_groups
+from tests.helpers.ft_groups import group_manager, lighthouse, run_groups
 
 GROUPS = 2
 H = 8
@@ -339,3 +343,65 @@ def test_a_checkpoint_of_another_window_is_refused_in_one_line(diloco_run: list[
 
     for refusal in run_groups(GROUPS, body):
         assert refusal.startswith(message) and "\n" not in refusal
+
+
+@pytest.mark.slow
+def test_a_group_that_rejoins_heals_its_window_start_and_outer_momentum_from_a_peer() -> None:
+    """Window H = 4, lighthouse needing 1 group. Groups 0 and 1 sync at step 4; group 1 dies 2 steps into the
+    second window, group 0 syncs alone at 8; a fresh group 1 (step 0, fresh weights) joins group 0's sync at 12 and
+    heals from it: model, inner optimizer (the state the trainer registers), and the outer state torchft carries
+    for each fragment. From that sync on the two agree bit for bit."""
+    every = 4
+    ft = FtConfig(replica_groups=GROUPS, sync=FtSync.diloco, sync_every=every, min_replicas=1)
+    both_at_sync, dead, alone, rejoining = threading.Barrier(GROUPS), *(threading.Event() for _ in range(3))
+
+    def group(manager: Any, g: int, steps: int, pause: dict[int, Callable[[], object]]) -> dict[str, Any]:
+        model = fresh_net()
+        opt = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        manager.register_state_dict_fn(
+            "default", lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])),
+            lambda: {"model": model.state_dict(), "opt": opt.state_dict()})
+        outer = OuterSync.build(manager, model, opt, ft)
+        with outer:
+            for step in range(steps):
+                if step in pause:
+                    pause[step]()
+                inner_step(model, opt, g, step)
+        state = outer.state_dict()
+        return {"params": [p.detach().clone() for p in model.parameters()], "outer": state,
+                "records": [(r.inner_step, r.fragment, r.committed) for r in outer.records]}
+
+    def join_after_the_returning_group() -> None:
+        # the returning group asks for the quorum first: alone it is not a majority of the two live groups, so the
+        # lighthouse waits for group 0 (asking first, group 0 would get a quorum of its own: its last one's members)
+        rejoining.wait()
+        time.sleep(1.0)
+
+    def survivor(address: str) -> dict[str, Any]:
+        with group_manager(address, 0, 1) as manager:
+            return group(manager, 0, 3 * every, {every - 1: both_at_sync.wait, every + 2: dead.wait,
+                                                 2 * every: alone.set, 3 * every - 1: join_after_the_returning_group})
+
+    def victim(address: str) -> dict[str, Any]:
+        with group_manager(address, 1, 1) as manager:
+            out = group(manager, 1, every + 2, {every - 1: both_at_sync.wait})
+        dead.set()
+        return out
+
+    def returning(address: str) -> dict[str, Any]:
+        alone.wait()  # until group 0 has synced alone at 8
+        with group_manager(address, 1, 1) as manager:
+            return group(manager, 1, every, {every - 1: rejoining.set})
+
+    with lighthouse(1, heartbeat_timeout_ms=1000) as address, ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(fn, address) for fn in (survivor, victim, returning)]
+        first, gone, back = (f.result(timeout=120) for f in futures)
+    assert first["records"] == [(4, 0, True), (8, 0, True), (12, 0, True)]
+    assert gone["records"] == [(4, 0, True)]
+    assert back["outer"]["manager"]["step"] == first["outer"]["manager"]["step"] == 3
+    assert all(torch.equal(p, q) for p, q in zip(first["params"], back["params"], strict=True))
+    for a, b in zip(first["outer"]["window_start"], back["outer"]["window_start"], strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    momenta = [[s["momentum_buffer"] for s in o["outer"]["outer_optimizers"][0]["state"].values()]
+               for o in (first, back)]
+    assert momenta[0] and all(torch.equal(a, b) for a, b in zip(*momenta, strict=True))

@@ -23,33 +23,43 @@ TIMEOUT = timedelta(seconds=20)  # a group that never comes makes the others fai
 
 
 @contextmanager
-def lighthouse(min_replicas: int) -> Iterator[str]:
-    """A lighthouse on a free port; its address (http://host:port)."""
+def lighthouse(min_replicas: int, heartbeat_timeout_ms: int = 5000) -> Iterator[str]:
+    """A lighthouse on a free port; its address (http://host:port). A group whose heartbeats stopped counts as
+    healthy (a quorum may wait for it) for ``heartbeat_timeout_ms`` (torchft's default: 5 s)."""
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200)
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200,
+                              heartbeat_timeout_ms=heartbeat_timeout_ms)
     try:
         yield server.address()
     finally:
         server.shutdown()
 
 
-def _group(address: str, group: int, groups: int, body: Callable[[Manager, int], T]) -> T:
+@contextmanager
+def group_manager(address: str, group: int, min_replicas: int) -> Iterator[Manager]:
+    """Replica group ``group``'s manager (one worker), its own TCPStore, under the lighthouse at ``address``; shut
+    down on leaving (what a group's death looks like to the others: its heartbeats stop)."""
     from torch.distributed import TCPStore
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=None, state_dict=None, min_replica_size=groups,
+        pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
         use_async_quorum=False, replica_id=f"g{group}", lighthouse_addr=address, rank=0, world_size=1,
         store_addr="localhost", store_port=store.port, timeout=TIMEOUT, quorum_timeout=TIMEOUT,
         connect_timeout=TIMEOUT, init_sync=False,
     )
     try:
-        return body(manager, group)
+        yield manager
     finally:
         manager.shutdown(wait=False)
+
+
+def _group(address: str, group: int, groups: int, body: Callable[[Manager, int], T]) -> T:
+    with group_manager(address, group, groups) as manager:
+        return body(manager, group)
 
 
 def run_groups(groups: int, body: Callable[[Manager, int], T]) -> list[T]:
