@@ -196,14 +196,14 @@ class OuterSync:
         parameters now. ``sync_delay``: inner steps a fragment's all-reduce runs under compute before the outer step
         waits for it (torchft's ``fragment_sync_delay``); default 1 under streaming_diloco where a fragment's
         interval allows it, 0 under diloco."""
-        if ft.sync is FtSync.ddp:
+        if ft.sync == FtSync.ddp:
             raise ConfigError("ft.sync=ddp: the outer sync is for ft.sync=diloco or streaming_diloco")
         try:
             import torchft.local_sgd  # noqa: F401
         except ImportError as e:
             raise ConfigError(f"ft.sync={ft.sync}: needs torchft: pip install 'ddptrain[ft]'") from e
-        n = ft.fragments if ft.sync is FtSync.streaming_diloco else 1
-        if ft.sync is FtSync.diloco and ft.fragments != 1:
+        n = ft.fragments if ft.sync == FtSync.streaming_diloco else 1
+        if ft.sync == FtSync.diloco and ft.fragments != 1:
             raise ConfigError(f"ft.fragments={ft.fragments}: fragments are for ft.sync=streaming_diloco "
                               "(ft.sync=diloco syncs the whole model at once)")
         if ft.sync_every % n:
@@ -211,7 +211,7 @@ class OuterSync:
                               "(each fragment syncs once per window, at its own step)")
         interval = ft.sync_every // n
         if sync_delay is None:
-            sync_delay = 1 if ft.sync is FtSync.streaming_diloco and interval >= 2 else 0
+            sync_delay = 1 if ft.sync == FtSync.streaming_diloco and interval >= 2 else 0
         if not 0 <= sync_delay < interval:
             raise ValueError(f"sync_delay={sync_delay}: expected 0 to {interval - 1} "
                              "(ft.sync_every / ft.fragments - 1)")
