@@ -1,0 +1,1 @@
+"""Fault-tolerant data parallelism across replica groups through torchft (the ``ft`` extra)."""
