@@ -38,7 +38,10 @@ WORKDIR /opt/ddptrain
 # layer (the pinned torch is already installed and satisfies its own pin), only a change to pyproject.toml
 # reinstalls them.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+# With them the ft extra (torchft: its lighthouse and Manager), so that ddptrain-k8s --replica-groups runs on this
+# image as printed.
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['ft']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
@@ -55,7 +58,8 @@ RUN pip install --no-deps . \
     && python -c "import torch; assert torch.version.cuda, f'torch {torch.__version__} is not a CUDA build'" \
     && python -c "import subprocess, sysconfig; subprocess.run(['gcc', '-fsyntax-only', '-x', 'c', '-I', \
 sysconfig.get_paths()['include'], '-'], input=b'#include <Python.h>\n', check=True)" \
-    && python -c "import ctypes; ctypes.CDLL('libibverbs.so.1'); ctypes.CDLL('libmlx5.so.1')"
+    && python -c "import ctypes; ctypes.CDLL('libibverbs.so.1'); ctypes.CDLL('libmlx5.so.1')" \
+    && torchft_lighthouse --help > /dev/null
 
 # A non-root user with a writable home: the data cache (~/.cache/ddptrain) and Hugging Face's cache live there.
 RUN groupadd --gid 10001 ddptrain \

@@ -95,7 +95,8 @@ def test_the_dependencies_install_from_pyproject_before_any_source_is_copied() -
     assert not reinstalls, "a pip install after the source is copied resolves dependencies again"
 
 def test_the_dependency_list_the_image_installs_is_pyprojects(tmp_path: Path) -> None:
-    """The very command the image runs on pyproject.toml (run here with this Python) lists its dependencies."""
+    """The very command the image runs on pyproject.toml (run here with this Python) lists its dependencies and the
+    ft extra's."""
     run = next(args for key, args in _instructions() if key == "RUN" and "pip install -r" in args)
     command = re.search(r'python -c "([^"]+)"', run)
     assert command and "pyproject.toml" in command.group(1)
@@ -103,7 +104,11 @@ def test_the_dependency_list_the_image_installs_is_pyprojects(tmp_path: Path) ->
                             check=True).stdout.split()
     declared = re.search(r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
     assert declared
-    assert listed == re.findall(r'^\s*"([^"]+)"', declared.group(1), re.M)
+    extra = re.search(r'^ft = \[(.*?)\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra
+    # the dependencies, then the ft extra: ddptrain-k8s --replica-groups starts torchft_lighthouse from this image
+    assert listed == re.findall(r'^\s*"([^"]+)"', declared.group(1), re.M) + re.findall(r'"([^"]+)"', extra.group(1))
+    assert "torchft==0.2.0" in listed
     assert "torch==" + re.search(r"ARG TORCH_VERSION=([\d.]+)", (ROOT / "Dockerfile").read_text()).group(1) in listed
 
 

@@ -14,7 +14,8 @@ import secrets
 import sys
 from pathlib import PurePosixPath
 
-from ddptrain.app.k8s_manifest import KINDS, JobSpec, documents
+from ddptrain.app import k8s_ft
+from ddptrain.app.k8s_manifest import KINDS, Doc, FtSpec, JobSpec, documents, volume_claim
 from ddptrain.errors import ConfigError, say
 
 # Trainer v2 checks the TrainJob's name with this rule (RFC 1035 label); a pod's host name, <name>-node-<i>-<j>,
@@ -27,12 +28,15 @@ SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-
 # the characters of the random suffix Kubernetes gives a generateName (apimachinery's util/rand: no vowels, no
 # digits that read as letters), so a default job name looks like the ones kubectl users know
 SUFFIX = "bcdfghjklmnpqrstvwxz2456789"
+MAX_POD_NAME = 63  # JobSet's webhook: a generated pod name (with its 5-character suffix) is an RFC 1035 label
+FT_KEYS = ("ft.replica_groups", "ft.replica_id", "ft.lighthouse")  # what --replica-groups writes in each pod
 
 EPILOG = """\
 examples:
   ddptrain-k8s +experiment=gpt2_small --image ghcr.io/me/ddptrain:1 --nodes 2 --gpus-per-node 8 | kubectl apply -f -
   ddptrain-k8s +experiment=gpt2_small --image IMG --nodes 4 --gpus-per-node 8 --ib rdma/ib --ib-hca mlx5 --kind jobset
   ddptrain-k8s logger=wandb +experiment=gpt2_small --image IMG --wandb-secret wandb:api-key --kind pytorchjob
+  ddptrain-k8s +experiment=gpt2_small --image IMG --replica-groups 4 --nodes 1 --gpus-per-node 8 --namespace ml
 
 Every kind runs `ddptrain train.resume=auto OVERRIDES` in one pod per node; torchrun's agent in each pod reads
 the PET_* variables the operator (or, for a JobSet, the manifest) sets. Checkpoints go to the volume of --claim,
@@ -40,6 +44,10 @@ mounted at --mount, in <mount>/runs/<name>: a restarted pod continues the run, a
 starts a new one. Without --name each manifest gets a new name (ddptrain-xxxxx, in its first line); give that
 name again to continue its run in a new job. The claim must exist (ReadWriteMany for several nodes), or add
 --claim-size SIZE to print it before the job.
+
+--replica-groups R (torchft, the image needs ddptrain[ft]) prints the lighthouse's Service and Deployment and a
+JobSet of R replicated jobs, group-0..group-<R-1>, each of --nodes pods; a group whose pod fails is restarted
+alone by its Job (ft.group_restarts x nodes pod failures), the others keep training.
 """
 
 
@@ -49,10 +57,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="the run's Hydra overrides, as for ddptrain")
     parser.add_argument("--image", required=True, help="the container image with ddptrain installed")
-    parser.add_argument("--kind", choices=KINDS, default="trainjob",
+    parser.add_argument("--kind", choices=KINDS,
                         help="trainjob: Kubeflow Trainer v2 on the torch-distributed runtime (default); pytorchjob: "
-                             "Training Operator v1; jobset: a JobSet with a headless service")
-    parser.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
+                             "Training Operator v1; jobset: a JobSet with a headless service (the default with "
+                             "--replica-groups, the only kind it takes)")
+    parser.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1; per replica group "
+                                                             "with --replica-groups)")
+    parser.add_argument("--replica-groups", type=int, metavar="R",
+                        help="torchft replica groups (2 or more): a JobSet of R groups of --nodes pods, each restarted "
+                             "alone, and the torchft lighthouse's Deployment and Service; needs --namespace")
+    parser.add_argument("--cluster-domain", default="cluster.local",
+                        help="the cluster's DNS domain, for the replica groups' host names (default cluster.local)")
     parser.add_argument("--gpus-per-node", type=int, default=1,
                         help="nvidia.com/gpu per pod and processes per pod (0: CPU pods with "
                              "launch.nproc_per_node processes)")
@@ -81,7 +96,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts after a failure (JobSet failurePolicy, PyTorchJob backoffLimit; a TrainJob's "
                              "come from its runtime)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.kind is None:
+        args.kind = "jobset" if args.replica_groups is not None else "trainjob"
+    return args
 
 
 def job_spec(args: argparse.Namespace) -> JobSpec:
@@ -89,9 +107,16 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
     if args.name is None:
         args.name = default_name()
     check_flags(args)
-    typed = composed(args.overrides)
+    if args.replica_groups is not None:
+        check_groups(args)
+    # group 0's ft overrides: every group's differ only in ft.replica_id
+    ft = k8s_ft.ft_overrides(args.name, args.replica_groups, 0) if args.replica_groups else []
+    typed = composed(args.overrides + ft)
+    if args.replica_groups is None and typed.ft.replica_groups:
+        raise ConfigError(f"ft.replica_groups={typed.ft.replica_groups}: on Kubernetes the replica groups are pods of "
+                          "their own; expected --replica-groups R instead")
     procs = args.gpus_per_node or typed.launch.nproc_per_node
-    check_batch(typed, args.nodes * procs)
+    check_batch(typed, args.nodes * procs * (args.replica_groups or 1))
     run_dir = run_dir_on_volume(args.overrides, args.mount, args.name)
     env: dict[str, str] = {}  # a name given twice: the later value, as in a shell
     for item in args.env:
@@ -111,7 +136,43 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
                    mount=args.mount, cache_dir=posixpath.join(args.mount, "cache"), shm_size=args.shm_size,
                    namespace=args.namespace, ib_resource=args.ib, ib_hca=args.ib_hca, wandb_secret=secret,
                    env=list(env.items()), max_restarts=args.max_restarts, ib_root=args.ib_root,
-                   claim_size=args.claim_size, storage_class=args.storage_class)
+                   claim_size=args.claim_size, storage_class=args.storage_class, ft=ft_spec(args, typed))
+
+
+def ft_spec(args: argparse.Namespace, typed) -> FtSpec | None:
+    """The replica groups' spec from the flags and the composed ``ft`` node: the lighthouse's quorum size is
+    ``ft.min_replicas``; it waits for stragglers half of ``ft.quorum_timeout_s`` after that many have joined, so a
+    step's quorum request (which waits ``ft.quorum_timeout_s``) is answered before it gives up."""
+    if args.replica_groups is None:
+        return None
+    return FtSpec(groups=args.replica_groups, min_replicas=typed.ft.min_replicas,
+                  group_restarts=typed.ft.group_restarts, join_timeout_ms=int(typed.ft.quorum_timeout_s * 500),
+                  namespace=args.namespace, cluster_domain=args.cluster_domain)
+
+
+def check_groups(args: argparse.Namespace) -> None:
+    """What ``--replica-groups`` cannot do, in one line each."""
+    groups = args.replica_groups
+    if args.kind != "jobset":
+        raise ConfigError(f"--replica-groups with --kind {args.kind}: expected --kind jobset (the only kind whose "
+                          "groups are Jobs of their own, each restarted alone; docs/multinode.md)")
+    if groups < 2:
+        raise ConfigError(f"--replica-groups {groups}: expected 2 or more groups (one group is a plain job: leave "
+                          "--replica-groups out)")
+    if not args.namespace:
+        raise ConfigError("--replica-groups needs --namespace NS: the pods' DNS search domain names it (torchft "
+                          "advertises each pod's short host name, which resolves under <name>.<NS>.svc)")
+    if not SUBDOMAIN.match(args.cluster_domain):
+        raise ConfigError(f"--cluster-domain {args.cluster_domain}: expected a DNS domain such as cluster.local")
+    pod = k8s_ft.longest_pod_name(args.name, groups, args.nodes)
+    if len(pod) > MAX_POD_NAME:
+        raise ConfigError(f"--name {args.name}: too long for {groups} replica groups of {args.nodes} node(s): the pod "
+                          f"name {pod} would pass {MAX_POD_NAME} characters; expected at most "
+                          f"{len(args.name) - len(pod) + MAX_POD_NAME} characters")
+    for item in args.overrides:
+        key = item.lstrip("+~").partition("=")[0]
+        if key in FT_KEYS:
+            raise ConfigError(f"{item}: set in each pod by --replica-groups; expected it left out")
 
 
 def default_name() -> str:
@@ -203,6 +264,14 @@ def under(path: str, mount: str) -> bool:
     return inner != outer and inner.is_relative_to(outer)
 
 
+def printed(kind: str, spec: JobSpec) -> list[Doc]:
+    """The documents ``ddptrain-k8s`` prints: the claim when asked for, then the job (with --replica-groups: the
+    lighthouse's Service and Deployment, then the JobSet of the groups)."""
+    if spec.ft is None:
+        return documents(kind, spec)
+    return [*([volume_claim(spec)] if spec.claim_size else []), *k8s_ft.documents(spec)]
+
+
 def render(kind: str, spec: JobSpec) -> str:
     """The manifest as YAML, each document apart (``---``), without anchors and aliases: every mapping is
     written out where it stands, as a reader (and an editor) of a manifest expects."""
@@ -212,10 +281,13 @@ def render(kind: str, spec: JobSpec) -> str:
         def ignore_aliases(self, data: object) -> bool:
             return True
 
-    header = (f"# ddptrain-k8s: {kind} {spec.name}: {spec.nodes} node(s) x {spec.procs_per_node} process(es), "
-              f"run dir {spec.run_dir} on claim {spec.claim}"
+    groups = (f"{spec.ft.groups} replica groups x " if spec.ft else "")
+    lighthouse = (f", lighthouse {k8s_ft.lighthouse_url(spec.name)} (quorum of {spec.ft.min_replicas} group(s))"
+                  if spec.ft else "")
+    header = (f"# ddptrain-k8s: {kind} {spec.name}: {groups}{spec.nodes} node(s) x {spec.procs_per_node} "
+              f"process(es){lighthouse}, run dir {spec.run_dir} on claim {spec.claim}"
               f"{'' if spec.claim_size else ' (the claim must exist)'}; --name {spec.name} continues this run\n")
-    return header + yaml.dump_all(documents(kind, spec), Dumper=Plain, sort_keys=False, default_flow_style=False)
+    return header + yaml.dump_all(printed(kind, spec), Dumper=Plain, sort_keys=False, default_flow_style=False)
 
 
 def run(argv: list[str]) -> int:

@@ -44,6 +44,19 @@ Doc = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class FtSpec:
+    """``--replica-groups``: torchft replica groups, each a Job of the JobSet restarted alone, and their lighthouse
+    (``ddptrain/app/k8s_ft.py``)."""
+
+    groups: int  # R, at least 2
+    min_replicas: int  # the lighthouse's --min_replicas (ft.min_replicas)
+    group_restarts: int  # restarts of one group before its Job fails (ft.group_restarts)
+    join_timeout_ms: int  # the lighthouse's wait for stragglers before it issues a quorum
+    namespace: str  # the pods' DNS search domain names it
+    cluster_domain: str  # the cluster's DNS domain (cluster.local)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """What the pods of one job need, whatever operator runs them."""
 
@@ -68,6 +81,12 @@ class JobSpec:
     ib_root: bool = False  # run the pods as root with IPC_LOCK (NCCL may then pin past the node's memlock limit)
     claim_size: str | None = None  # emit the PersistentVolumeClaim too, of this size
     storage_class: str | None = None  # its storage class (default: the cluster's default class)
+    ft: FtSpec | None = None  # --replica-groups: a JobSet of replica groups and the lighthouse
+
+    @property
+    def pods(self) -> int:
+        """Every pod of the job: nodes, times the replica groups."""
+        return self.nodes * (self.ft.groups if self.ft else 1)
 
 
 def manifest(kind: str, spec: JobSpec) -> Doc:
@@ -83,7 +102,7 @@ def documents(kind: str, spec: JobSpec) -> list[Doc]:
 def volume_claim(spec: JobSpec) -> Doc:
     """The checkpoint volume's PersistentVolumeClaim: ReadWriteMany when several nodes mount it at once (the
     storage class must offer it: NFS, CephFS, a cloud file store), ReadWriteOnce for one node."""
-    claim: Doc = {"accessModes": ["ReadWriteMany" if spec.nodes > 1 else "ReadWriteOnce"],
+    claim: Doc = {"accessModes": ["ReadWriteMany" if spec.pods > 1 else "ReadWriteOnce"],
                   "resources": {"requests": {"storage": spec.claim_size}}}
     if spec.storage_class:
         claim["storageClassName"] = spec.storage_class

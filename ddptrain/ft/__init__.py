@@ -11,4 +11,5 @@ live state of a peer (a heal) instead of stopping every rank.
 - ``launch``: the local launcher: the lighthouse and one elastic agent per group.
 - ``replica``: the worker's side: the Manager, each step's quorum, gradient average and commit, the heal.
 - ``accounting``: ``ft.json`` from the groups' event files.
+- ``diloco``: DiLoCo and Streaming DiLoCo (``ft.sync``) on torchft's ``local_sgd.DiLoCo``: the outer sync.
 """

@@ -69,12 +69,14 @@ def pods(manifest: dict[str, Any], volume: str, port: int) -> list[Pod]:
                 made.append(local(Pod([*container["command"], *container["args"]], env), container, volume, port,
                                   name))
         return made
-    if kind == "JobSet":
-        (job,) = manifest["spec"]["replicatedJobs"]
-        spec = job["template"]["spec"]
-        (container,) = spec["template"]["spec"]["containers"]
-        return [local(Pod([*container["command"], *container["args"]], resolve(container["env"], index)), container,
-                      volume, port, name) for index in range(spec["completions"])]
+    if kind == "JobSet":  # every replicated job's pods, job by job (ddptrain-k8s prints one Job per replicated job)
+        made = []
+        for job in manifest["spec"]["replicatedJobs"]:
+            spec = job["template"]["spec"]
+            (container,) = spec["template"]["spec"]["containers"]
+            made += [local(Pod([*container["command"], *container["args"]], resolve(container["env"], index)),
+                           container, volume, port, name) for index in range(spec["completions"])]
+        return made
     raise ValueError(f"unknown kind {kind}")
 
 

@@ -19,7 +19,9 @@ Ported (each only as far as it reaches what a manifest of ``ddptrain-k8s`` can h
 - Training Operator v1.9.0, ``pkg/webhooks/pytorch/pytorchjob_webhook.go`` (``validatePyTorchJob``) with
   ``pkg/common/util/webhooks.go`` (``ValidateRunPolicy``);
 - JobSet v0.9.1, ``pkg/webhooks/jobset_webhook.go`` (``ValidateCreate``), applied after its defaulting webhook and
-  the CRD's defaults as the API server does (``groupName: default``, ``replicas: 1``);
+  the CRD's defaults as the API server does (``groupName: default``, ``replicas: 1``), with its failure-policy rule
+  names (``validateFailurePolicy``: 1 to 128 characters of the format the v0.9.1 CRD's description states; the
+  message as the webhook's source at its main branch words it, since ``--replica-groups`` names a rule);
 - k8s.io/apimachinery's ``pkg/util/validation/validation.go`` (``IsDomainPrefixedPath``, ``IsDNS1123Subdomain``,
   ``IsDNS1035Label``; identical at v0.36.2, Trainer v2.3.0's, and v0.31.3, Training Operator v1.9.0's) and
   ``pkg/api/validation/generic.go`` (``NameIsDNS1035Label``).
@@ -27,7 +29,7 @@ Ported (each only as far as it reaches what a manifest of ``ddptrain-k8s`` can h
 Not ported: the update rules (immutability of ``runtimePatches`` unless suspended, ``ValidateRunPolicyUpdate``:
 ``ddptrain-k8s`` prints new jobs), checks that read the cluster beyond the runtime above (a ClusterTrainingRuntime
 the cluster does not have), the Trainer plugins of other runtimes (MPI, JAX, XGBoost, Flux, Volcano), JobSet's
-``coordinator`` and failure-policy rule-name format (never emitted), and every mutating webhook except JobSet's
+``coordinator`` (never emitted), and every mutating webhook except JobSet's
 defaults used above (Trainer's defaulter only stamps ``runtimePatches[].time``).
 """
 
@@ -219,6 +221,7 @@ MAX_MANAGED_BY = 63
 VALID_JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
                              "PodFailurePolicy")
 TOO_LONG = "must be no more than 63 characters"  # dns1035MaxLengthExceededErrorMsg
+RULE_NAME = "[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?"  # ruleNameFmt
 
 
 def _dns1035(path: str, value: str, too_long: str) -> list[str]:
@@ -265,7 +268,15 @@ def jobset_errors(doc: dict[str, Any]) -> list[str]:
         if target not in names:
             errs.append(f"invalid replicatedJob name '{target}' does not appear in .spec.ReplicatedJobs")
     rules = (spec.get("failurePolicy") or {}).get("rules", [])
-    for rule in rules:
+    rule_names = [r.get("name") or f"failurePolicyRule{i}" for i, r in enumerate(rules)]  # the defaulter's names
+    for rule, rule_name in zip(rules, rule_names, strict=True):
+        if not 1 <= len(rule_name) <= 128:
+            errs.append(f"invalid failure policy rule name of length {len(rule_name)}, the rule name must be at "
+                        "least 1 characters long and at most 128 characters long")
+        if not re.fullmatch(RULE_NAME, rule_name):
+            errs.append(f"invalid failure policy rule name '{rule_name}', a failure policy rule name must start "
+                        "with an alphabetic character, optionally followed by a string of alphanumeric characters or "
+                        "'_,:', and must end with an alphanumeric character or '_'")
         for target in rule.get("targetReplicatedJobs", []):
             if target not in names:
                 errs.append(f"invalid replicatedJob name '{target}' in failure policy does not appear in "
@@ -274,7 +285,6 @@ def jobset_errors(doc: dict[str, Any]) -> list[str]:
             if reason not in VALID_JOB_FAILURE_REASONS:
                 errs.append(f"invalid job failure reason '{reason}' in failure policy is not a recognized job failure "
                             "reason")
-    rule_names = [r.get("name") for r in rules]
     errs += [f"rule names are not unique, rules all have the same name '{n}'" for n in sorted(
         {n for n in rule_names if rule_names.count(n) > 1})]
     return errs
