@@ -48,18 +48,18 @@ class FailureCosts:
 
 
 @dataclass(frozen=True)
-class Goodput:
+class PolicyGoodput:
     """A policy's goodput (productive GPU-time over all GPU-time) and where the rest went, as fractions."""
 
     goodput: float
     lost: dict[str, float]  # each cost's share of the GPU-time
 
 
-def _clipped(lost: dict[str, float]) -> Goodput:
-    return Goodput(max(0.0, 1.0 - sum(lost.values())), lost)
+def _clipped(lost: dict[str, float]) -> PolicyGoodput:
+    return PolicyGoodput(max(0.0, 1.0 - sum(lost.values())), lost)
 
 
-def restart_the_world(costs: FailureCosts, failures_per_hour: float) -> Goodput:
+def restart_the_world(costs: FailureCosts, failures_per_hour: float) -> PolicyGoodput:
     """Goodput when any failure restarts every rank from the last checkpoint."""
     rate = failures_per_hour / 3600.0
     return _clipped({"checkpoint saves": costs.save_s / (costs.checkpoint_every_s + costs.save_s),
@@ -67,7 +67,7 @@ def restart_the_world(costs: FailureCosts, failures_per_hour: float) -> Goodput:
                      "redone work": rate * costs.checkpoint_every_s / 2})
 
 
-def replica_groups(costs: FailureCosts, failures_per_hour: float, groups: int) -> Goodput:
+def replica_groups(costs: FailureCosts, failures_per_hour: float, groups: int) -> PolicyGoodput:
     """Goodput when a failure takes out one of ``groups`` replica groups, which restarts and heals alone."""
     if groups < 2:
         raise ValueError(f"groups={groups}: replica groups need at least 2 (one survives)")
