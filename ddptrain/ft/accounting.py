@@ -4,7 +4,8 @@ written by each group's rank 0: one line per attempt, heal and step).
 Per group: ``replica_id``, ``attempts`` (lives of its workers: the first and each restart by its own agent),
 ``heals`` (recoveries from a peer: the step it rejoined at and the seconds the copy took) and ``steps``, the steps
 it took part in (committed), as ``[first, last]`` ranges. For the run: ``quorum_per_step`` as ``[first, last,
-size]`` runs (the groups that took part in each committed step) and ``quorum_lost`` (the group and step where a
+size]`` runs (the groups that took part in each committed step; under DiLoCo, in each step that closed a window
+and synced) and ``quorum_lost`` (the group and step where a
 quorum never came, if one did not).
 """
 
@@ -55,11 +56,12 @@ def group_record(group: int, events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def quorum_runs(per_group: list[list[dict[str, Any]]]) -> list[list[int]]:
-    """Each committed step's quorum size, as ``[first, last, size]`` runs (every group in it records the same)."""
+    """Each committed step's quorum size, as ``[first, last, size]`` runs (every group in it records the same).
+    Under DiLoCo the groups meet only in the steps that close a window: only those have a size."""
     sizes: dict[int, int] = {}
     for events in per_group:
         for e in events:
-            if e.get("event") == "step" and e.get("committed"):
+            if e.get("event") == "step" and e.get("committed") and e.get("quorum") is not None:
                 sizes[e["step"]] = e["quorum"]
     runs: list[list[int]] = []
     for step in sorted(sizes):

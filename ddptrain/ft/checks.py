@@ -8,7 +8,7 @@ Ray Train's launch has no group agents.
 
 from __future__ import annotations
 
-from ddptrain.config.choices import Engine, FtSync, Launcher
+from ddptrain.config.choices import Engine, FtSync, Launcher, OptimImpl
 from ddptrain.config.schema import AUTO, Config
 from ddptrain.errors import ConfigError
 
@@ -23,8 +23,12 @@ def check_replica_groups(cfg: Config) -> None:
         raise ConfigError(f"{lead} cannot be combined with parallel.engine={cfg.parallel.engine} and parallel."
                           f"zero_stage={cfg.parallel.zero_stage}: replica groups train torch DDP inside each group "
                           "(parallel.engine=torch parallel.zero_stage=0)")
-    if ft.sync != FtSync.ddp:
-        raise ConfigError(f"ft.sync={ft.sync} is not wired into the trainer in this version; use ft.sync=ddp")
+    if ft.sync != FtSync.ddp and cfg.optim.impl in (OptimImpl.foreach, OptimImpl.for_loop):
+        # a non-finite step skips optimizer.step() on these kernels, and DiLoCo counts its window in that step's
+        # hooks: one group would fall a step behind the others' window
+        raise ConfigError(f"ft.sync={ft.sync} cannot be combined with optim.impl={cfg.optim.impl}: DiLoCo counts "
+                          "its window in the optimizer's step, which these kernels skip on a non-finite step "
+                          "(use optim.impl=fused or auto)")
     if cfg.data.micro_batch_size == AUTO:
         raise ConfigError(f"{lead} cannot be combined with data.micro_batch_size=auto: set a number (every group "
                           "must split the global batch alike before they meet)")

@@ -27,9 +27,11 @@ from typing import Any, Protocol
 
 import torch
 
+from ddptrain.config.choices import FtSync
 from ddptrain.config.schema import Config
 from ddptrain.errors import RunEnded
 from ddptrain.ft.accounting import write_ft_json
+from ddptrain.ft.diloco import OuterSync, outer_sync_summary
 from ddptrain.ft.layout import events_path, run_dir_of_group
 from ddptrain.runtime.process_group import DistEnv
 
@@ -59,29 +61,49 @@ class NoReplicas:
     def commit(self, step: int) -> bool:
         return True
 
+    def _inner_step_done(self, step: int) -> bool:
+        """DiLoCo: every inner step is this group's own and is kept; the groups met only if the step closed a
+        window (its sync ran in the optimizer's step), and only then is there a quorum to record."""
+        assert self.outer is not None
+        quorum = None
+        if len(self.outer.records) > self._synced:
+            self._synced = len(self.outer.records)
+            quorum = self.manager.num_participants()
+            self._quorums.append(quorum)
+            self._per_step.append([step, step, quorum])
+        self._event({"event": "step", "step": step, "quorum": quorum, "committed": True})
+        return True
+
     def window(self) -> dict[str, Any]:
         return {}
 
-    def summary(self) -> dict[str, Any]:
+    def summarize(self, record: dict[str, Any]) -> dict[str, Any]:
+        return record
+
+    def stateful(self) -> dict[str, Stateful]:
         return {}
+
+    def resumed(self, start: int) -> None:
+        pass
 
     def close(self) -> None:
         pass
 
 
-def replicas_for(cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful],
-                 start: int) -> NoReplicas | ReplicaGroup:
-    """This rank's cross-group side: a ``ReplicaGroup`` in a run with replica groups, else nothing to do."""
+def replicas_for(cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful]
+                 ) -> NoReplicas | ReplicaGroup:
+    """This rank's cross-group side: a ``ReplicaGroup`` in a run with replica groups, else nothing to do. Built
+    before the checkpoint is resumed (``resumed`` then gives it the step): under DiLoCo its outer state is one of
+    the checkpoint's parts."""
     if cfg.ft.replica_groups == 0 or cfg.ft.replica_id is None:
         return NoReplicas()
-    return ReplicaGroup(cfg, env, group_run_dir, parts, start)
+    return ReplicaGroup(cfg, env, group_run_dir, parts)
 
 
 class ReplicaGroup:
     """This rank in replica group ``ft.replica_id``: its Manager, the quorum sizes, its events (group rank 0)."""
 
-    def __init__(self, cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful],
-                 start: int) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, group_run_dir: Path, parts: Mapping[str, Stateful]) -> None:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -89,6 +111,9 @@ class ReplicaGroup:
         self.group = int(cfg.ft.replica_id or 0)
         self.heal_seconds = 0.0  # the last begin()'s heal (0: none)
         self._data_before: Any = None
+        self._synced = 0  # DiLoCo: the outer syncs recorded so far
+        self._cross_bytes = 0  # the last step's gradient payload averaged across groups (ft.sync=ddp)
+        self._start = 0
         self._quorums: list[int] = []  # this window's quorum sizes
         self._per_step: list[list[int]] = []  # [first step, last step, quorum size] runs, for the summary
         self._events = events_path(run_dir_of_group(group_run_dir), self.group) if env.rank == 0 else None
@@ -118,10 +143,25 @@ class ReplicaGroup:
         )
         if dump is not None:
             os.environ[FR_DUMP_ENV] = dump
-        # the step count continues from a resumed checkpoint's; a group behind the quorum's heals
+        # DiLoCo (ft.sync=diloco|streaming_diloco): no per-step quorum or average; the groups meet every
+        # ft.sync_every inner steps, inside the optimizer's step (its hooks), through torchft's own DiLoCo. No
+        # fragment's all-reduce is left in flight across a step (sync_delay 0): every step can be checkpointed.
+        self.outer: OuterSync | None = None
+        if cfg.ft.sync != FtSync.ddp:
+            self.outer = OuterSync.build(self.manager, parts["model"], parts["optimizer"], cfg.ft, sync_delay=0)
+            self.outer.__enter__()
+
+    def stateful(self) -> dict[str, Stateful]:
+        """What this side adds to the checkpoint: DiLoCo's outer state (window starts, outer momentum, position)."""
+        return {"outer_sync": self.outer} if self.outer is not None else {}
+
+    def resumed(self, start: int) -> None:
+        """The step the run continues after (a resumed checkpoint's, else 0): the manager's count continues from
+        it, and a group behind the quorum's heals."""
         self.manager.load_state_dict({"step": start, "batches_committed": 0})
         self._event({"event": "attempt", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                      "resumed_from": start, "time": time.time()})
+        self._start = start
 
     def _state(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self.parts.items()}
@@ -133,6 +173,9 @@ class ReplicaGroup:
     def begin(self, step: int) -> int:
         """The quorum for the next step (``step`` as this group counts): the step it really is, the peers' when
         this group healed (``heal_seconds`` then says how long the copy took)."""
+        if self.outer is not None:  # DiLoCo: the quorum comes at the window's sync, inside the optimizer's step
+            self.heal_seconds = 0.0
+            return step
         started = time.monotonic()
         before = self.manager.current_step()
         self._data_before = self.parts["data"].state_dict()
@@ -155,7 +198,12 @@ class ReplicaGroup:
 
     def average(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
         """The gradients of ``model``'s parameters averaged over the quorum's groups, in place, in one all-reduce
-        that also carries the loss; returns the loss averaged likewise."""
+        that also carries the loss; returns the loss averaged likewise. Under DiLoCo nothing: the groups train apart
+        within a window (the loss logged is the group's own)."""
+        if self.outer is not None:
+            return loss
+        self._cross_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                                if p.grad is not None)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tail = loss.detach().reshape(1).to(grads[0].dtype if grads else loss.dtype)
         flat = torch.cat([*(g.reshape(-1) for g in grads), tail])
@@ -169,6 +217,8 @@ class ReplicaGroup:
     def commit(self, step: int) -> bool:
         """torchft's verdict on this step, the same on every rank of the group; a step not committed gives the
         data it drew back. Records the step and its quorum size."""
+        if self.outer is not None:
+            return self._inner_step_done(step)
         quorum = self.manager.num_participants()
         committed = bool(self.manager.should_commit())
         if not committed:
@@ -188,10 +238,24 @@ class ReplicaGroup:
         sizes, self._quorums = self._quorums, []
         return {"ft_quorum_min": min(sizes), "ft_quorum_mean": sum(sizes) / len(sizes)} if sizes else {}
 
+    def summarize(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` (summary.json's) with this group's ``ft`` entry, and ``comm_bytes`` counting the sync across
+        groups beside the one inside the group (a group of one rank has none of its own)."""
+        ft = self.summary()
+        return record | ft | {"comm_bytes": (record.get("comm_bytes") or 0.0) + ft["ft"]["cross_group_bytes"]}
+
     def summary(self) -> dict[str, Any]:
-        """For summary.json: this group and each committed step's quorum size, as [first, last, size] runs."""
-        return {"ft": {"replica_groups": self.cfg.ft.replica_groups, "replica_id": self.group,
-                       "quorum_per_step": self._per_step}}
+        """For summary.json: this group and each committed step's quorum size, as [first, last, size] runs, and the
+        payload bytes per step and rank the groups' sync moves (``cross_group_bytes``): every step's gradients
+        under ft.sync=ddp, the outer sync's over ft.sync_every under DiLoCo (with its counters)."""
+        ft: dict[str, Any] = {"replica_groups": self.cfg.ft.replica_groups, "replica_id": self.group,
+                              "sync": str(self.cfg.ft.sync), "quorum_per_step": self._per_step}
+        if self.outer is not None:
+            ft.update(outer_sync_summary(self.outer))
+            ft["cross_group_bytes"] = ft.pop("comm_bytes")
+        else:
+            ft["cross_group_bytes"] = float(self._cross_bytes)
+        return {"ft": ft}
 
     def _event(self, record: dict[str, Any]) -> None:
         if self._events is not None:
@@ -201,6 +265,8 @@ class ReplicaGroup:
     def close(self) -> None:
         """Shut the Manager down; group rank 0 writes ``ft.json`` as far as the groups' events go (on a cluster no
         local launcher writes it at the end)."""
+        if self.outer is not None:
+            self.outer.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
         if self._events is not None:
             write_ft_json(self._events.parent.parent, self.cfg.ft.replica_groups)

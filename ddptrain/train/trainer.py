@@ -193,13 +193,15 @@ class Trainer:
         parts = {"scheduler": self.scheduler, "data": self.batches,
                  **({"grad_scaler": self.scaler} if self.scaler is not None else {}),
                  "run": RunShape(self.shape, cfg.parallel.zero_stage)}
+        # the other replica groups (ft.*): before the resume, whose checkpoint holds DiLoCo's outer state
+        self.replicas = replicas_for(cfg, env, run_dir, {"model": model, "optimizer": self.optimizer, **parts})
+        parts.update(self.replicas.stateful())
         self.checkpoints = CheckpointManager(checkpointer, model, self.optimizer, parts, cfg.checkpoint.every_n_steps)
         self.start = self.checkpoints.resume(resume_target(cfg.train.resume))
+        self.replicas.resumed(self.start)
         self.drift = DriftCheck(model, cfg.train.drift_policy, self.start)
         if env.world_size > 1:
             log.info(self.drift.describe())
-        self.replicas = replicas_for(cfg, env, run_dir, {"model": model, "optimizer": self.optimizer, **parts},
-                                     self.start)
         self.val = eval_batches(data.val, self.shape.micro_batch_size, self.shape.dp, self.dp_rank,
                                 cfg.train.eval_batches, data.collate)
         flops = self._flops()
@@ -420,7 +422,7 @@ class Trainer:
             planned = planned_peak(cfg, env.world_size, self.device, self.vocab, self.n_params)
             summary.memory_peak = memory_peak(planned, self.observer.peak, cfg.train.steps)
             summary.goodput = self.observer.goodput.report()  # the wall-clock ends here
-            record = summary.to_json() | self.replicas.summary()
+            record = self.replicas.summarize(summary.to_json())
             (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
             self.sinks.summary(summary.goodput)
             log.info("%s", goodput_line(summary.goodput))
