@@ -92,16 +92,19 @@ class TrainState:
     grad_scaler: dict[str, Any] | None = None  # train.precision=fp16: the loss scale and its growth tracker
     stream: str | None = None  # data.streaming=true: every rank's reader position, as JSON text
     tokens_seen: int | None = None  # real tokens trained on by all ranks up to this step; None: an earlier version
+    # ft.sync=diloco|streaming_diloco: the outer sync's state (each fragment's window-start weights and outer
+    # momentum, the position in the window; ft/diloco.py), the same on every rank of a group; None without DiLoCo
+    outer_sync: dict[str, Any] | None = None
 
     @classmethod
     def from_parts(cls, step: int, parts: dict[str, dict[str, Any]]) -> TrainState:
         """The record of ``step`` from the state dicts of the parts ``scheduler``, ``data`` (epoch, position,
-        tokens_seen and, streaming, stream), ``run`` (world_size, global_batch_size, zero_stage) and, in fp16,
-        ``grad_scaler``."""
+        tokens_seen and, streaming, stream), ``run`` (world_size, global_batch_size, zero_stage), in fp16
+        ``grad_scaler`` and under DiLoCo ``outer_sync``."""
         data, run = parts["data"], parts["run"]
         return cls(step, parts["scheduler"], data["epoch"], data["position"], run["world_size"],
                    run["global_batch_size"], run["zero_stage"], grad_scaler=parts.get("grad_scaler"),
-                   stream=data.get("stream"), tokens_seen=data.get("tokens_seen"))
+                   stream=data.get("stream"), tokens_seen=data.get("tokens_seen"), outer_sync=parts.get("outer_sync"))
 
     def parts(self) -> dict[str, dict[str, Any]]:
         """Each part's state dict, as ``from_parts`` took it (``grad_scaler`` empty when not trained in fp16)."""
@@ -110,7 +113,7 @@ class TrainState:
                          "tokens_seen": self.tokens_seen},
                 "run": {"world_size": self.world_size, "global_batch_size": self.global_batch_size,
                         "zero_stage": self.zero_stage},
-                "grad_scaler": self.grad_scaler or {}}
+                "grad_scaler": self.grad_scaler or {}, "outer_sync": self.outer_sync or {}}
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

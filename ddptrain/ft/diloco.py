@@ -312,6 +312,9 @@ class OuterSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s state into this freshly built object (same model, ``ft.sync_every``, fragments
         and delay; otherwise one line naming what differs)."""
+        if not state:  # a checkpoint of a run without DiLoCo: no window to continue
+            raise ConfigError("checkpoint: it holds no DiLoCo state (trained with ft.sync=ddp or without replica "
+                              "groups): resume with the ft.sync it trained with, or start a new run")
         mine = {"sync_every": self.sync_every, "fragments": [f.model_names for f in self.fragments],
                 "sync_delay": self.sync_delay}
         for key, value in mine.items():

@@ -61,18 +61,8 @@ class NoReplicas:
     def commit(self, step: int) -> bool:
         return True
 
-    def _inner_step_done(self, step: int) -> bool:
-        """DiLoCo: every inner step is this group's own and is kept; the groups met only if the step closed a
-        window (its sync ran in the optimizer's step), and only then is there a quorum to record."""
-        assert self.outer is not None
-        quorum = None
-        if len(self.outer.records) > self._synced:
-            self._synced = len(self.outer.records)
-            quorum = self.manager.num_participants()
-            self._quorums.append(quorum)
-            self._per_step.append([step, step, quorum])
-        self._event({"event": "step", "step": step, "quorum": quorum, "committed": True})
-        return True
+    def updated(self, step: int) -> None:
+        pass
 
     def window(self) -> dict[str, Any]:
         return {}
@@ -217,8 +207,8 @@ class ReplicaGroup:
     def commit(self, step: int) -> bool:
         """torchft's verdict on this step, the same on every rank of the group; a step not committed gives the
         data it drew back. Records the step and its quorum size."""
-        if self.outer is not None:
-            return self._inner_step_done(step)
+        if self.outer is not None:  # an inner step is this group's own: always kept (see ``updated``)
+            return True
         quorum = self.manager.num_participants()
         committed = bool(self.manager.should_commit())
         if not committed:
@@ -232,6 +222,19 @@ class ReplicaGroup:
                 self._per_step.append([step, step, quorum])
         self._event({"event": "step", "step": step, "quorum": quorum, "committed": committed})
         return committed
+
+    def updated(self, step: int) -> None:
+        """After step ``step``'s update. DiLoCo: the groups met only if the step closed a window (its sync ran in
+        the optimizer's step), and only then is there a quorum to record. Nothing to do under ft.sync=ddp."""
+        if self.outer is None:
+            return
+        quorum = None
+        if len(self.outer.records) > self._synced:
+            self._synced = len(self.outer.records)
+            quorum = self.manager.num_participants()
+            self._quorums.append(quorum)
+            self._per_step.append([step, step, quorum])
+        self._event({"event": "step", "step": step, "quorum": quorum, "committed": True})
 
     def window(self) -> dict[str, Any]:
         """The window's quorum sizes (the metrics record): the smallest and the mean."""

@@ -295,6 +295,7 @@ class Trainer:
             committed = self.replicas.commit(step)  # False: a replica group failed in this step; taken again
             apply_update(self.optimizer, nonfinite if committed else torch.ones_like(nonfinite))  # sync point with
             # the foreach / for_loop kernels only
+            self.replicas.updated(step)  # DiLoCo: a window's sync ran in that step's update (its quorum recorded)
             self.wrapped.step_done(nonfinite)  # sync point with PowerSGD's state only (see parallel/compression.py)
             if self.scaler is not None:
                 self.scaler.update()  # fp16: an overflow halves the scale; a non-finite loss is a nan_policy event
