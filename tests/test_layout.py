@@ -107,6 +107,7 @@ LAYERS = (
     "testing",     # fault injection, as step hooks
     "step",        # the step's pieces: micro batches' forward/backward, weighting, loss guard, clip, update
     "plan",        # planners and predictors over models, data and optimizers
+    "ft",          # torchft replica groups: the outer sync (DiLoCo) the trainer steps
     "train",       # the trainer and its loop
     "app",         # the commands: ddptrain, ddptrain-ckpt
 )
