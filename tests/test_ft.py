@@ -14,8 +14,8 @@ import pytest
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from ddptrain.ft.accounting import ranges, write_ft_json
-from ddptrain.ft.launch import group_argv
 from ddptrain.ft.layout import data_parallel_rank, data_parallel_size, events_path
+from ddptrain.ft.supervise import group_argv
 from ddptrain.runtime.hooks import StepHooks
 from ddptrain.telemetry.goodput import Goodput, account
 from ddptrain.testing.faults import Fault, Faults, parse_fault, step_hooks
@@ -144,7 +144,7 @@ def test_without_replica_groups_the_same_keys_pass(compose: Callable[..., Config
 
 
 def test_a_group_that_found_no_quorum_is_named_by_the_launchers_line(tmp_path: Path) -> None:
-    from ddptrain.ft.launch import quorum_lost
+    from ddptrain.ft.supervise import quorum_lost
 
     _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, {"event": "step", "step": 1, "quorum": 2,
                                                               "committed": True})

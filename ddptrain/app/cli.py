@@ -73,7 +73,7 @@ def run_cli(argv: list[str]) -> int:
             require_torchft(run.typed.ft.replica_groups)  # one line without the extra, before anything starts
             run = in_group(run)
             if not run.typed.launch.dry_run and run.typed.ft.replica_id is None and "LOCAL_RANK" not in os.environ:
-                from ddptrain.ft.launch import launch_groups
+                from ddptrain.app.ft_launch import launch_groups
 
                 return launch_groups(run, source.argv())
         from ddptrain.app import launch

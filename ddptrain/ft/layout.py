@@ -19,6 +19,7 @@ from ddptrain.config.schema import Config
 GROUP_AGENT_ENV = "DDPTRAIN_FT_GROUP_AGENT"  # set in a group's agent by the local launcher, which announced the run
 FT_DIR = "ft"  # <run dir>/ft/: the lighthouse's log and address, each group's events
 FT_JSON = "ft.json"
+QUORUM_LOST = "quorum_lost"  # a group's event when no quorum came in time: the launcher stops every group on it
 
 
 def group_dir(run_dir: Path, group: int) -> Path:

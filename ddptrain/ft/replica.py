@@ -32,13 +32,12 @@ from ddptrain.config.schema import Config
 from ddptrain.errors import RunEnded
 from ddptrain.ft.accounting import write_ft_json
 from ddptrain.ft.diloco import OuterSync, outer_sync_summary
-from ddptrain.ft.layout import events_path, run_dir_of_group
+from ddptrain.ft.layout import QUORUM_LOST, events_path, run_dir_of_group
 from ddptrain.runtime.process_group import DistEnv
 
 log = logging.getLogger("ddptrain")
 
 FR_DUMP_ENV = "TORCH_FR_DUMP_TEMP_FILE"
-QUORUM_LOST = "quorum_lost"  # the event the launcher stops every group on
 
 
 class Stateful(Protocol):

@@ -1,0 +1,111 @@
+"""Watching the replica groups of a local run (``app/ft_launch.py`` starts them): each group's command line, when
+the run stops as a whole, and what it leaves (``summary.json``).
+
+The run stops as a whole, with one line, when the lighthouse is gone or a group found no quorum of
+``ft.min_replicas`` within ``ft.quorum_timeout_s``: every agent is asked to stop (SIGTERM: the workers checkpoint
+if they can reach a check step), and killed with its workers if it has not after ``STOP_WAIT_S``: with no quorum no
+step can end, so waiting for the workers' own stop grace would only delay the line. Checkpoints are committed
+atomically: the last committed one of every group is kept whatever the kill interrupts. A group still restarting
+or healing when another has trained every step is stopped ``FINISH_GRACE_S`` later: no peer is left to heal from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ddptrain.errors import say
+from ddptrain.ft.accounting import read_events
+from ddptrain.ft.layout import QUORUM_LOST, events_path, group_dir
+from ddptrain.ft.lighthouse import Lighthouse
+
+POLL_S = 0.2
+STOP_WAIT_S = 10.0  # after SIGTERM, how long the agents have before they are killed with their workers
+FINISH_GRACE_S = 20.0  # once a group finished the run, how long the others have to finish too
+
+
+def group_argv(argv: list[str], run_dir: Path, group: int, lighthouse: str) -> list[str]:
+    """The group's command line: the user's overrides with the run dir fixed and the group's place in the run."""
+    own = ("hydra.run.dir=", "ft.replica_id=", "ft.lighthouse=")
+    kept = [a for a in argv if not a.lstrip("+~").startswith(own)]
+    return [*kept, f"hydra.run.dir={run_dir}", f"ft.replica_id={group}", f"ft.lighthouse={lighthouse}"]
+
+
+def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, run_dir: Path, groups: int
+          ) -> str | None:
+    """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum. Returns why the
+    run was stopped (None: every agent ended on its own)."""
+    finished_at: float | None = None
+    while any(agent.poll() is None for agent in agents):
+        why = None
+        if finished_at is None and any(agent.poll() == 0 for agent in agents):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+            # a group still restarting or healing when the others are done can never catch up (no peer is left)
+            late = [g for g, agent in enumerate(agents) if agent.poll() is None]
+            say(f"ddptrain: replica group{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} had not "
+                f"finished {FINISH_GRACE_S:g} s after the run's steps were done by another group: stopped")
+            stop_all(agents)
+            return None
+        if lighthouse is not None and (code := lighthouse.exit_code()) is not None:
+            why = (f"the torchft lighthouse exited (code {code}) while replica groups were training; stopping "
+                   "every group")
+        elif (lost := quorum_lost(run_dir, groups)) is not None:
+            why = lost
+        if why is not None:
+            stop_all(agents)
+            return why
+        time.sleep(POLL_S)
+    return None
+
+
+def finished_first(run_dir: Path, groups: int) -> bool:
+    """Whether a group's summary exists: it trained every step (the late groups were stopped after it)."""
+    return any((group_dir(run_dir, g) / "summary.json").is_file() for g in range(groups))
+
+
+def quorum_lost(run_dir: Path, groups: int) -> str | None:
+    """A group's line when it found no quorum in time (its rank 0 records it before stopping)."""
+    for g in range(groups):
+        for event in read_events(events_path(run_dir, g)):
+            if event.get("event") == QUORUM_LOST:
+                return (f"replica group {g} found no quorum of ft.min_replicas groups within ft.quorum_timeout_s "
+                        f"before step {event['step']}; stopping every group")
+    return None
+
+
+def stop_all(agents: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every agent (its workers checkpoint at their next check step if they reach one), then a kill."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill(agent)
+
+
+def kill(agent: subprocess.Popen[bytes]) -> None:
+    """The agent's whole session: the agent and its workers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+
+
+def publish_summary(run_dir: Path, groups: int, record: dict) -> None:
+    """``<run dir>/summary.json``: the lowest group's that finished, with ``ft.json``'s per-group record and each
+    step's quorum size."""
+    for g in range(groups):
+        path = group_dir(run_dir, g) / "summary.json"
+        if path.is_file():
+            summary = json.loads(path.read_text())
+            summary["ft"] = {**summary.get("ft", {}), "summary_of_group": g, **record}
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            return
