@@ -125,7 +125,9 @@ def test_without_the_extra_a_run_with_replica_groups_is_one_line_naming_it(
 @pytest.mark.parametrize(("overrides", "expected"), [
     (["parallel.engine=bucketed"], "ft.replica_groups=2 cannot be combined with parallel.engine=bucketed"),
     (["parallel.zero_stage=1"], "parallel.zero_stage=1: replica groups train torch DDP"),
-    (["ft.sync=diloco"], "ft.sync=diloco is not wired"),
+    (["ft.sync=diloco", "optim.impl=foreach"], "ft.sync=diloco cannot be combined with optim.impl=foreach"),
+    (["ft.sync=streaming_diloco", "ft.fragments=2", "optim.impl=for_loop"],
+     "ft.sync=streaming_diloco cannot be combined with optim.impl=for_loop"),
     (["data.micro_batch_size=auto", "plan.device_memory_gib=8"], "data.micro_batch_size=auto"),
 ])
 def test_replica_groups_refuse_what_they_cannot_run_with(compose: Callable[..., Config], overrides: list[str],
@@ -140,7 +142,8 @@ def test_replica_groups_refuse_what_they_cannot_run_with(compose: Callable[..., 
 def test_without_replica_groups_the_same_keys_pass(compose: Callable[..., Config]) -> None:
     from ddptrain.app.preflight import validate_config
 
-    assert validate_config(compose("parallel.engine=bucketed", "ft.sync=diloco"), 2) is not None
+    assert validate_config(compose("parallel.engine=bucketed", "ft.sync=diloco", "optim.impl=foreach"), 2) is not None
+    assert validate_config(compose("ft.replica_groups=2", "ft.sync=diloco"), 2) is not None  # fused (auto): fine
 
 
 def test_a_group_that_found_no_quorum_is_named_by_the_launchers_line(tmp_path: Path) -> None:
