@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -37,6 +40,19 @@ BASE = ["model=llama_tiny", "data.seq_len=128", "data.global_batch_size=12", "da
         "optim.lr=2e-3", "optim.warmup_steps=10", "train.log_every=1", "train.eval_every=0",
         "checkpoint.export=false", "logger.progress=false", "hydra.run.dir=run"]
 DDPTRAIN = [sys.executable, "-m", "ddptrain"]
+
+
+@contextmanager
+def run_dir_for(prefix: str, keep: bool) -> Iterator[str]:
+    """A temporary working directory for one run, removed after unless ``keep`` (Python 3.11 has no ``delete``)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"kept {path}", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def workers(root: psutil.Process) -> list[psutil.Process]:
@@ -105,7 +121,7 @@ def goodput(kill_every: int, steps: int, checkpoint_every: int, repeats: int, ke
     results: dict[str, list[dict]] = {name: [] for name in policies}
     for repeat in range(repeats):
         for name, args in policies.items():  # interleaved: the machine's load falls on both alike
-            with tempfile.TemporaryDirectory(prefix="bench_ft_", delete=not keep) as tmp:
+            with run_dir_for("bench_ft_", keep) as tmp:
                 cwd = Path(tmp)
                 ran = run_with_kills(args, cwd, kill_every, steps, name == "replica groups")
                 summary_path = cwd / "run" / "summary.json"
@@ -148,7 +164,7 @@ def diloco(steps: int, sync_every: list[int], keep: bool) -> None:
     for name, extra in configs.items():
         args = [*BASE, "data.global_batch_size=8", f"train.steps={steps}", "ft.replica_groups=2",
                 "ft.min_replicas=2", "launch.nproc_per_node=1", *extra]
-        with tempfile.TemporaryDirectory(prefix="bench_diloco_", delete=not keep) as tmp:
+        with run_dir_for("bench_diloco_", keep) as tmp:
             done = subprocess.run([*DDPTRAIN, *args], cwd=tmp, capture_output=True, text=True,
                                   env={**os.environ, "RUST_LOG": "warn"})
             if done.returncode != 0:
