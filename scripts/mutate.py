@@ -1126,6 +1126,16 @@ MUTANTS = [
            (("ddptrain/ft/diloco.py", "return self._since_sync < self.interval - self.sync_delay", "return True"),),
            ("tests/test_diloco.py::test_no_checkpoint_while_a_fragments_all_reduce_is_in_flight",
             "tests/test_diloco.py::test_streaming_diloco_syncs_each_fragment_at_its_own_step")),
+    Mutant("ft-group-timeout-stops-the-run",
+           "a group whose own rank hung before the quorum stops every group, though the others went on committing",
+           (("ddptrain/ft/supervise.py",
+           'if event.get("event") == QUORUM_LOST and not _others_went_past(per_group, g, event["step"]):',
+           'if event.get("event") == QUORUM_LOST:'),),
+           ("tests/test_ft.py::test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing",)),
+    Mutant("ft-others-past-counts-uncommitted", "an uncommitted step of another group counts as getting past",
+           (("ddptrain/ft/supervise.py", 'e.get("event") == "step" and e.get("committed") and e["step"] >= step',
+             'e.get("event") == "step" and e["step"] >= step'),),
+           ("tests/test_ft.py::test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing",)),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -158,6 +158,25 @@ def test_a_group_that_found_no_quorum_is_named_by_the_launchers_line(tmp_path: P
     assert "before step 7" in line and write_ft_json(tmp_path, 2)["quorum_lost"] == [{"replica_id": 1, "step": 7}]
 
 
+def test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing(
+        tmp_path: Path) -> None:
+    """One of a group's own ranks hung before the quorum, which waited for it: the others went on committing. That
+    is this group's failure (its agent restarts it), not a run that can make no progress."""
+    from ddptrain.ft.supervise import quorum_lost
+
+    committed = lambda s: {"event": "step", "step": s, "quorum": 2, "committed": True}  # noqa: E731
+    _events(tmp_path, 1, {"event": "attempt", "attempt": 0}, committed(6), {"event": "quorum_lost", "step": 7})
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, committed(6), {"event": "step", "step": 7,
+                                                                             "quorum": 2, "committed": False})
+    assert quorum_lost(tmp_path, 2) is not None  # group 0 did not get past step 7 either: the run is stuck
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, committed(6), committed(7))
+    assert quorum_lost(tmp_path, 2) is None  # group 0 committed step 7 without it
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, committed(6), committed(7), committed(8),
+            {"event": "quorum_lost", "step": 9})
+    line = quorum_lost(tmp_path, 2)  # now group 0 is stuck at 9 and no one got past it
+    assert line is not None and line.startswith("replica group 0 found no quorum") and "before step 9" in line
+
+
 def test_the_lighthouse_runs_through_its_entry_point_where_its_script_is_not_beside_python(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import subprocess

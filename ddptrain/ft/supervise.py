@@ -2,7 +2,8 @@
 the run stops as a whole, and what it leaves (``summary.json``).
 
 The run stops as a whole, with one line, when the lighthouse is gone or a group found no quorum of
-``ft.min_replicas`` within ``ft.quorum_timeout_s``: every agent is asked to stop (SIGTERM: the workers checkpoint
+``ft.min_replicas`` within ``ft.quorum_timeout_s`` and no other group got past that step (a group that times out
+while the others go on failed alone, and restarts alone): every agent is asked to stop (SIGTERM: the workers checkpoint
 if they can reach a check step), and killed with its workers if it has not after ``STOP_WAIT_S``: with no quorum no
 step can end, so waiting for the workers' own stop grace would only delay the line. Checkpoints are committed
 atomically: the last committed one of every group is kept whatever the kill interrupts. A group still restarting
@@ -70,13 +71,23 @@ def finished_first(run_dir: Path, groups: int) -> bool:
 
 
 def quorum_lost(run_dir: Path, groups: int) -> str | None:
-    """A group's line when it found no quorum in time (its rank 0 records it before stopping)."""
-    for g in range(groups):
-        for event in read_events(events_path(run_dir, g)):
-            if event.get("event") == QUORUM_LOST:
+    """A group's line when it found no quorum in time (its rank 0 records it before stopping) while no other group
+    got past that step either: the run can make no progress. A group that timed out while others went on
+    committing steps failed alone (e.g. one of its own ranks hung before the quorum, which then waited for it):
+    its agent restarts it and it heals, as after any failure of one group."""
+    per_group = [read_events(events_path(run_dir, g)) for g in range(groups)]
+    for g, events in enumerate(per_group):
+        for event in events:
+            if event.get("event") == QUORUM_LOST and not _others_went_past(per_group, g, event["step"]):
                 return (f"replica group {g} found no quorum of ft.min_replicas groups within ft.quorum_timeout_s "
                         f"before step {event['step']}; stopping every group")
     return None
+
+
+def _others_went_past(per_group: list[list[dict]], group: int, step: int) -> bool:
+    """Whether a group other than ``group`` committed step ``step`` or a later one."""
+    return any(e.get("event") == "step" and e.get("committed") and e["step"] >= step
+               for g, events in enumerate(per_group) if g != group for e in events)
 
 
 def stop_all(agents: list[subprocess.Popen[bytes]]) -> None:
