@@ -3,6 +3,7 @@ against DDP: the figures of docs/benchmarks.md ("Beyond restart-the-world").
 
     python scripts/bench_ft.py goodput --steps 60 --kill-every 15 --repeats 2
     python scripts/bench_ft.py diloco --steps 64 --sync-every 1 8 32
+    python scripts/bench_ft.py model --gpus 1024 --gpus-per-group 8 --failures-per-hour 1 --restart-s 600 ...
 
 ``goodput``: the same training (llama_tiny on the quickstart data, 3 ranks, global batch 12) run two ways, the
 pairs interleaved: **replica groups** (``ft.replica_groups=3``, one worker each, ``ft.min_replicas=1``) and
@@ -14,6 +15,9 @@ the kills, and for replica groups each heal's seconds (ft.json); the medians per
 
 ``diloco``: 2 replica groups of one worker under ``ft.sync=diloco`` for each H in ``--sync-every`` and under
 ``ft.sync=ddp``: summary.json's ``comm_bytes`` (payload per step and rank) and the final loss.
+
+``model``: the goodput-under-failures model (``ddptrain/plan/whatif/failures.py``) at a scale given by its flags
+(measured costs from ``goodput``, or assumed ones, stated as such where they are quoted).
 
 Every run happens in a temporary directory and is deleted after its figures are read (``--keep`` keeps them).
 """
@@ -177,6 +181,22 @@ def diloco(steps: int, sync_every: list[int], keep: bool) -> None:
         print(f"| {name} | {sent:,.0f} | {sent / ddp_bytes:.3f} | {summary['final_loss']:.4f} |", flush=True)
 
 
+def model(args: argparse.Namespace) -> None:
+    from ddptrain.plan.whatif.failures import FailureCosts, replica_groups, restart_the_world
+
+    costs = FailureCosts(step_s=args.step_s, checkpoint_every_s=args.checkpoint_every_s, save_s=args.save_s,
+                         restart_s=args.restart_s, detect_s=args.detect_s, group_restart_s=args.group_restart_s,
+                         heal_s=args.heal_s, step_overhead=args.step_overhead)
+    groups = args.gpus // args.gpus_per_group
+    print(f"{args.gpus} GPUs, {groups} replica groups of {args.gpus_per_group}; {costs}")
+    print("| failures / hour | restart-the-world | replica groups | where restart-the-world's time went |")
+    print("|---:|---:|---:|---|")
+    for rate in args.failures_per_hour:
+        world, ft = restart_the_world(costs, rate), replica_groups(costs, rate, groups)
+        lost = ", ".join(f"{k} {v:.1%}" for k, v in world.lost.items())
+        print(f"| {rate:g} | {world.goodput:.1%} | {ft.goodput:.1%} | {lost} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -190,9 +210,18 @@ def main() -> None:
     d.add_argument("--sync-every", type=int, nargs="+", default=[1, 8, 32])
     for p in (g, d):
         p.add_argument("--keep", action="store_true", help="keep the run directories")
+    m = sub.add_parser("model")
+    m.add_argument("--gpus", type=int, default=1024)
+    m.add_argument("--gpus-per-group", type=int, default=8)
+    m.add_argument("--failures-per-hour", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    for name, default in (("step-s", 1.0), ("checkpoint-every-s", 1800.0), ("save-s", 10.0), ("restart-s", 600.0),
+                          ("detect-s", 10.0), ("group-restart-s", 120.0), ("heal-s", 30.0), ("step-overhead", 0.0)):
+        m.add_argument(f"--{name}", type=float, default=default)
     args = parser.parse_args()
     if args.what == "goodput":
         goodput(args.kill_every, args.steps, args.checkpoint_every, args.repeats, args.keep)
+    elif args.what == "model":
+        model(args)
     else:
         diloco(args.steps, args.sync_every, args.keep)
 
