@@ -7,13 +7,13 @@ memory) trace the same steps again; here the module's tests share them.
 
 What a trace depends on is its key: the config as the trace sees it, less what no trace reads (the batch sizes,
 ``plan.*``, ``train.compile``: the plan traces the eager step; ``parallel.*``: a trace is one rank's bare step,
-sharded afterwards by ``planner.shard``, so the ZeRO stages share the traces of their working copy) and with what the traced step sets in place of
-the configured value (``model.num_layers``, ``model.activation_checkpointing`` and, where the step gives it,
-``train.chunked_loss``: a 4-block config traced at one block is the 2-block config traced at one block); the
-vocabulary; the arguments (the target device by what ``trace_peak`` reads of it, its kind and bf16 support, which
-give the traced step's device and compute dtype: an H100, an H200 and an RTX 4090 trace alike, and its name,
-memory size and throughput change no trace); and the representative chunk selection in force (a test replaces it to trace every chunk). A trace is
-returned as traced: the planner only reads it.
+sharded afterwards by ``planner.shard``, so the ZeRO stages share the traces of their working copy) and with what
+the traced step sets in place of the configured value (``model.num_layers``, ``model.activation_checkpointing`` and,
+where the step gives it, ``train.chunked_loss``: a 4-block config traced at one block is the 2-block config traced
+at one block); the vocabulary; the arguments (the target device by what ``trace_peak`` reads of it, its kind and
+bf16 support, which give the traced step's device and compute dtype: an H100, an H200 and an RTX 4090 trace alike,
+and its name, memory size and throughput change no trace); and the representative chunk selection in force (a test
+replaces it to trace every chunk). A trace is returned as traced: the planner only reads it.
 
 ``share_traces`` is a module-scoped fixture's body: ``pytest-xdist`` then keeps the module's tests on one worker
 (``tests/helpers/xdist_groups.py``), where they share what they traced.
