@@ -1054,6 +1054,19 @@ MUTANTS = [
              "allowances(categories, w.stage).total, step, single / step if step and single else None,",
              "allowances(categories, w.stage).total, step, step / single if step and single else None,"),),
            ("tests/test_plan_consistency.py", "-k", "accumulating_adds")),
+    # issue 52 (suite time): the test trace cache's key leaves out parallel.* and the device's name and memory
+    Mutant("trace-reads-the-zero-stage", "a traced step takes the low-precision working copy by the configured ZeRO "
+           "stage, not by its caller (a trace would then depend on parallel.*, which the tests' shared key drops)",
+           (("ddptrain/plan/memory/planner.py",
+             "dtype if working_copy else None, representative_chunks=True)",
+             "dtype if working_copy or cfg.parallel.zero_stage >= 2 else None, representative_chunks=True)"),),
+           ("tests/test_memory_trace.py", "-k", "shared_traces_key")),
+    Mutant("hsdp-shard-group-default-timeout", "HSDP's shard groups built without dist.timeout_s (torch's default, "
+           "30 minutes on gloo)",
+           (("ddptrain/parallel/zero.py",
+             'layout.tolist(), timeout=timeout, group_desc="mesh_shard"',
+             'layout.tolist(), group_desc="mesh_shard"'),),
+           ("tests/test_hsdp.py", "-k", "time_out_at_dist")),
 ]
 
 def _copy_tree(dest: Path) -> None:
