@@ -1136,6 +1136,19 @@ MUTANTS = [
            (("ddptrain/ft/supervise.py", 'e.get("event") == "step" and e.get("committed") and e["step"] >= step',
              'e.get("event") == "step" and e["step"] >= step'),),
            ("tests/test_ft.py::test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing",)),
+    # issue 52 (suite time): the test trace cache's key leaves out parallel.* and the device's name and memory
+    Mutant("trace-reads-the-zero-stage", "a traced step takes the low-precision working copy by the configured ZeRO "
+           "stage, not by its caller (a trace would then depend on parallel.*, which the tests' shared key drops)",
+           (("ddptrain/plan/memory/planner.py",
+             "dtype if working_copy else None, representative_chunks=True)",
+             "dtype if working_copy or cfg.parallel.zero_stage >= 2 else None, representative_chunks=True)"),),
+           ("tests/test_memory_trace.py", "-k", "shared_traces_key")),
+    Mutant("hsdp-shard-group-default-timeout", "HSDP's shard groups built without dist.timeout_s (torch's default, "
+           "30 minutes on gloo)",
+           (("ddptrain/parallel/zero.py",
+             'layout.tolist(), timeout=timeout, group_desc="mesh_shard"',
+             'layout.tolist(), group_desc="mesh_shard"'),),
+           ("tests/test_hsdp.py", "-k", "time_out_at_dist")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -119,6 +119,12 @@ def test_shard_group_node_needs_a_sharding_stage() -> None:
         validate_config(make_config("/tmp", {"parallel": {"zero_stage": 1, "shard_group": "node"}}), 2)
 
 
+# not torch's default (1,800 s on gloo), and long enough for four ranks to connect their groups on a busy machine:
+# at 7 s, one rank's connect timed out at load 6 on 2 cores ("Gloo connectFullMesh failed ... Connection closed by
+# peer")
+MESH_TIMEOUT_S = 240
+
+
 def _mesh_groups(rank: int, world_size: int) -> list[tuple[str, list[int], str, float]]:
     from datetime import timedelta
 
@@ -126,7 +132,7 @@ def _mesh_groups(rank: int, world_size: int) -> list[tuple[str, list[int], str, 
 
     from ddptrain.parallel.zero import hybrid_mesh
 
-    mesh = hybrid_mesh(torch.device("cpu"), 2, timedelta(seconds=7))
+    mesh = hybrid_mesh(torch.device("cpu"), 2, timedelta(seconds=MESH_TIMEOUT_S))
     out = []
     for dim in ("replicate", "shard"):
         group = mesh.get_group(dim)
@@ -139,5 +145,6 @@ def test_the_hsdp_meshs_groups_time_out_at_dist_timeout_s_not_torchs_default() -
     """A hang inside FSDP2's all-gather sits on a mesh group: built by init_device_mesh it would wait torch's
     default (30 minutes on gloo, 10 on NCCL) instead of dist.timeout_s."""
     for rank, groups in enumerate(run_distributed(_mesh_groups, 4)):
-        assert groups == [("replicate", [rank % 2, rank % 2 + 2], "mesh_replicate", 7.0),
-                          ("shard", [rank - rank % 2, rank - rank % 2 + 1], "mesh_shard", 7.0)], (rank, groups)
+        assert groups == [("replicate", [rank % 2, rank % 2 + 2], "mesh_replicate", MESH_TIMEOUT_S),
+                          ("shard", [rank - rank % 2, rank - rank % 2 + 1], "mesh_shard", MESH_TIMEOUT_S)], \
+            (rank, groups)

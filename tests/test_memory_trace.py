@@ -58,7 +58,7 @@ from ddptrain.plan.memory.trace import (
 from ddptrain.telemetry.storage_peak import CATEGORIES, PeakTracker, model_state_tensors
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import TINY_LLAMA
-from tests.helpers.trace_cache import share_traces
+from tests.helpers.trace_cache import share_traces, step_key
 
 VOCAB, BATCH, SEQ = 2048, 4, 64
 REPO = Path(__file__).parents[1]
@@ -195,6 +195,27 @@ def shared_traces() -> Iterator[dict[str, Any]]:
     """The planner's traced steps, each traced once for the tests here that plan (a trace depends on the step,
     not on the device's memory size, the configured mode or train.compile: ``tests/helpers/trace_cache.py``)."""
     yield from share_traces()
+
+
+def test_the_shared_traces_key_a_step_by_what_its_trace_reads() -> None:
+    """``tests/helpers/trace_cache.py`` hands one trace to every step of the same key: the ZeRO stage (a trace is
+    one rank's bare step, sharded after) and the target's name and memory (an H100 and an RTX 4090 both trace in
+    bf16 on ``cuda``) leave the key and the trace alike to the byte; the target's kind and bf16 change both (the
+    planner's matrix in test_plan_consistency.py shares its traces across targets and stages by this)."""
+    cfg = small_config()
+    staged = copy.deepcopy(cfg)
+    staged.parallel.zero_stage, staged.parallel.bucket_cap_mb = 3, 1.0
+    step = TracedStep(2, ActivationCheckpointing.none, 1, 2)
+    h100, rtx4090, cpu = (target_device(name, None, None) for name in ("h100", "rtx4090", "cpu"))
+
+    def traced(c: Config, device: Any) -> tuple[str, dict[str, dict[str, int]]]:
+        tracker = trace_peak(c, VOCAB, step, device)  # the planner's own, imported before any fixture patched it
+        return step_key(c, VOCAB, (step, device), {}), {p: dict(k.by_category) for p, k in tracker.phase_peaks.items()}
+
+    (key, phases), (same_key, same_phases), (cpu_key, cpu_phases) = (
+        traced(cfg, h100), traced(staged, rtx4090), traced(cfg, cpu))
+    assert key == same_key and phases == same_phases
+    assert cpu_key != key and cpu_phases != phases  # fp32 on the CPU: what the key keeps apart differs
 
 
 def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size(shared_traces: dict[str, Any]) -> None:

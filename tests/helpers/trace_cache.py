@@ -6,12 +6,14 @@ that build their own configs (the same tiny model at the same micro batches, wit
 memory) trace the same steps again; here the module's tests share them.
 
 What a trace depends on is its key: the config as the trace sees it, less what no trace reads (the batch sizes,
-``plan.*``, ``train.compile``: the plan traces the eager step) and with what the traced step sets in place of
-the configured value (``model.num_layers``, ``model.activation_checkpointing`` and, where the step gives it,
-``train.chunked_loss``: a 4-block config traced at one block is the 2-block config traced at one block); the
-vocabulary; the arguments (the target device by its name, bf16 support and kind: its memory size changes no
-trace); and the representative chunk selection in force (a test replaces it to trace every chunk). A trace is
-returned as traced: the planner only reads it.
+``plan.*``, ``train.compile``: the plan traces the eager step; ``parallel.*``: a trace is one rank's bare step,
+sharded afterwards by ``planner.shard``, so the ZeRO stages share the traces of their working copy) and with what
+the traced step sets in place of the configured value (``model.num_layers``, ``model.activation_checkpointing`` and,
+where the step gives it, ``train.chunked_loss``: a 4-block config traced at one block is the 2-block config traced
+at one block); the vocabulary; the arguments (the target device by what ``trace_peak`` reads of it, its kind and
+bf16 support, which give the traced step's device and compute dtype: an H100, an H200 and an RTX 4090 trace alike,
+and its name, memory size and throughput change no trace); and the representative chunk selection in force (a test
+replaces it to trace every chunk). A trace is returned as traced: the planner only reads it.
 
 ``share_traces`` is a module-scoped fixture's body: ``pytest-xdist`` then keeps the module's tests on one worker
 (``tests/helpers/xdist_groups.py``), where they share what they traced.
@@ -34,7 +36,7 @@ from ddptrain.config.schema import Config
 def step_key(cfg: Config, vocab: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     seen = copy.deepcopy(cfg)
     seen.data.global_batch_size = seen.data.micro_batch_size = seen.data.grad_accum = None  # type: ignore[assignment]
-    seen.plan, seen.train.compile = type(seen.plan)(), False
+    seen.plan, seen.parallel, seen.train.compile = type(seen.plan)(), type(seen.parallel)(), False
     for traced in (*args, *kwargs.values()):
         if isinstance(traced, memory_planner.TracedStep):  # what trace_peak sets from the step
             seen.model.num_layers, seen.model.activation_checkpointing = traced.num_layers, traced.checkpointing
@@ -46,10 +48,11 @@ def step_key(cfg: Config, vocab: int, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def as_traced(value: Any, seen: Config) -> Any:
-    """An argument as the trace sees it: a target device by what a trace reads of it (not its memory size), a
-    step with its chunked loss as it runs (None: the configured one); any other as it is."""
+    """An argument as the trace sees it: a target device by what a trace reads of it (``trace_peak`` passes its
+    kind to the fake step and its kind and bf16 support to ``compute_dtype``; nothing else of it), a step with its
+    chunked loss as it runs (None: the configured one); any other as it is."""
     if isinstance(value, memory_planner.Device):
-        return ("device", value.name, value.bf16, value.device_type)
+        return ("device", value.bf16, value.device_type)
     if isinstance(value, memory_planner.TracedStep):
         return dataclasses.replace(value, chunked_loss=seen.train.chunked_loss)
     return value
