@@ -521,8 +521,8 @@ MUTANTS = [
            (("ddptrain/app/ray_launch.py", "        return int(metrics[EXIT_CODE])", "        return 1"),),
            ("tests/test_ray.py", "-k", "ended_on_purpose")),
     Mutant("cli-operator-pod-alone", "an operator's pod of one process per node trains alone, without torchrun",
-           (("ddptrain/app/cli.py", "(run.typed.launch.nproc_per_node > 1 or launch.operator_pod())",
-             "run.typed.launch.nproc_per_node > 1"),),
+           (("ddptrain/app/cli.py", "(run.typed.launch.nproc_per_node > 1 or launch.operator_pod()\n",
+             "(run.typed.launch.nproc_per_node > 1\n"),),
            ("tests/test_k8s.py", "-k", "one_process_per_node")),
     # issues 51 (items 5, 6) and 52 (the GPU-only choices, reached on CPU with fake_cuda and FakeTensors)
     Mutant("allocator-cuda-conf-first", "expandable_segments read from PYTORCH_CUDA_ALLOC_CONF before "
