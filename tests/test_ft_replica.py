@@ -14,13 +14,13 @@ import pytest
 import torch
 
 pytest.importorskip("torchft")
-from torchft.work import _DummyWork  # noqa: E402  # the completed Work torchft's own tests hand back
+from torchft.work import _DummyWork  # the completed Work torchft's own tests hand back
 
-from ddptrain.config.schema import Config  # noqa: E402
-from ddptrain.ft.accounting import quorum_runs  # noqa: E402
-from ddptrain.ft.layout import events_path  # noqa: E402
-from ddptrain.ft.replica import ReplicaGroup  # noqa: E402
-from ddptrain.runtime.process_group import DistEnv  # noqa: E402
+from ddptrain.config.schema import Config
+from ddptrain.ft.accounting import quorum_runs
+from ddptrain.ft.layout import events_path
+from ddptrain.ft.replica import ReplicaGroup
+from ddptrain.runtime.process_group import DistEnv
 
 
 class Data:
