@@ -14,7 +14,6 @@ import pytest
 import torch
 
 pytest.importorskip("torchft")
-from torchft.work import _DummyWork  # the completed Work torchft's own tests hand back
 
 from ddptrain.config.schema import Config
 from ddptrain.ft.accounting import quorum_runs
@@ -34,6 +33,20 @@ class Data:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = state["position"]
+
+
+class Done:
+    """A finished all-reduce, as torchft's Work answers it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.future.set_result(tensor)
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[torch.Tensor]:
+        return self.future
 
 
 class ScriptedManager:
@@ -64,9 +77,9 @@ class ScriptedManager:
         self.step += ok
         return ok
 
-    def allreduce(self, tensor: torch.Tensor, **_: Any) -> _DummyWork:
+    def allreduce(self, tensor: torch.Tensor, **_: Any) -> Done:
         tensor.div_(2)  # (this group's + a peer's zeros) / 2
-        return _DummyWork(tensor)
+        return Done(tensor)
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "batches_committed": 0}
