@@ -103,7 +103,9 @@ def test_a_heal_is_recovery_and_the_steps_it_skipped_are_not_redone(tmp_path: Pa
     healed.earlier = [first.attempt]
     healed.attempt.restart, healed.attempt.launch = 1, first.attempt.launch
     healed.step_started()
+    startup = healed.attempt.seconds["startup"]
     healed.recovered(2.0, 24)  # its first step: the copy from a peer, made before it, was counted as start-up
+    assert startup - healed.attempt.seconds["startup"] == pytest.approx(2.0)  # ... and is taken out of it
     assert healed.attempt.seconds["recovery"] == 2.0 and healed.attempt.resumed_from == 24
     report = account([first.attempt, healed.attempt])
     assert report["goodput"]["recovery_s"] == 2.0

@@ -113,7 +113,7 @@ def split_fragments(model: nn.Module, n: int) -> list[Fragment]:
         raise ConfigError(f"ft.fragments={n}: the model has only {len(named)} trainable parameters to split")
     blocks = _blocks(model)
     sizes = [local_nbytes(p) for _, p in named]
-    unit_of = _block_units([name for name, _ in named], blocks[0]) if blocks is not None else [0]
+    unit_of = _block_units([name for name, _ in named], blocks[0]) if blocks is not None else [0] * len(named)
     if max(unit_of) + 1 >= n:
         unit_bytes = [0] * (max(unit_of) + 1)
         for size, unit in zip(sizes, unit_of, strict=True):

@@ -146,8 +146,10 @@ class ReplicaGroup:
 
     def resumed(self, start: int) -> None:
         """The step the run continues after (a resumed checkpoint's, else 0): the manager's count continues from
-        it, and a group behind the quorum's heals."""
-        self.manager.load_state_dict({"step": start, "batches_committed": 0})
+        it, and a group behind the quorum's heals. Under DiLoCo the manager counts the outer syncs, not the steps:
+        its count is the checkpoint's outer state's (loaded with it; 0 in a fresh run), left as it is."""
+        if self.outer is None:
+            self.manager.load_state_dict({"step": start, "batches_committed": 0})
         self._event({"event": "attempt", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                      "resumed_from": start, "time": time.time()})
         self._start = start
