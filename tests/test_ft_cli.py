@@ -120,3 +120,21 @@ def test_a_lighthouse_gone_stops_every_group_with_one_line_and_keeps_the_checkpo
     for group in (0, 1):
         committed = sorted((tmp_path / "run" / f"group{group}" / "checkpoints").glob("step_*/COMMITTED"))
         assert committed and committed[-1].parent.name >= "step_000010", committed
+
+
+def test_the_drift_check_works_inside_a_group_and_repairs_only_that_group(cli_runs: RunCache) -> None:
+    """2 groups of 2 workers; rank 1 of group 1 drifts after step 3's update. Group 1's check at step 3 names its
+    rank 1 and re-broadcasts from its rank 0 (the drift check runs on the group's own process group); group 0 sees
+    nothing; at the end both groups hold the same weights (the cross-group average kept them together)."""
+    args = ["model=llama_tiny", "data.max_documents=40", "train.steps=6", "train.log_every=2", "train.check_every=1",
+            "train.eval_every=0", "data.global_batch_size=8", "data.micro_batch_size=2", "checkpoint.export=false",
+            "logger.progress=false", "hydra.run.dir=run", "ft.replica_groups=2", "ft.min_replicas=2",
+            "launch.nproc_per_node=2", "train.drift_policy=rebroadcast"]
+    ran = cli_runs.run(args, timeout=400, extra_env={"DDPTRAIN_FAULT": "drift@step:3:1/1"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    drift = "replicas differ at step 3 (equal at step 2): rank 1 differs from rank 0"
+    assert drift in (ran.run_dir / "group1" / "train.log").read_text()
+    assert "replicas differ" not in (ran.run_dir / "group0" / "train.log").read_text()
+    saved = "checkpoints/step_000006"
+    g0, g1 = (model_tensors(ran.run_dir / f"group{g}" / saved) for g in (0, 1))
+    assert g0.keys() == g1.keys() and all(g0[k].equal(g1[k]) for k in g0)
