@@ -230,7 +230,7 @@ class Checkpointer:
 
     def _write_metadata(self, tmp: Path, state: TrainState, model: torch.nn.Module) -> None:
         """Rank 0: the trainer state, the run's config and what ``export`` needs to rebuild the model offline."""
-        torch.save(vars(state), tmp / "trainer.pt")
+        torch.save(state.record(), tmp / "trainer.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(self.run_config)))
         model.config.save_pretrained(str(tmp / "hf"))
         if self.tokenizer is not None:

@@ -106,6 +106,14 @@ class TrainState:
                    run["global_batch_size"], run["zero_stage"], grad_scaler=parts.get("grad_scaler"),
                    stream=data.get("stream"), tokens_seen=data.get("tokens_seen"), outer_sync=parts.get("outer_sync"))
 
+    def record(self) -> dict[str, Any]:
+        """``trainer.pt``'s content: every field, except ``outer_sync`` when there is none (a run without DiLoCo
+        writes the layout format 2 has always had, which earlier versions read)."""
+        fields = dict(vars(self))
+        if fields["outer_sync"] is None:
+            del fields["outer_sync"]
+        return fields
+
     def parts(self) -> dict[str, dict[str, Any]]:
         """Each part's state dict, as ``from_parts`` took it (``grad_scaler`` empty when not trained in fp16)."""
         return {"scheduler": self.scheduler,
