@@ -150,3 +150,147 @@ def test_one_rank_runs_main_first_without_a_process_group(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", no_store)
     assert main_first(_env_of(0, 0, 1, 1), lambda: "alone", timeout_s=0.1) == "alone"
+
+
+def test_the_environment_of_torchrun_places_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var, value in (("RANK", "5"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "8"), ("LOCAL_WORLD_SIZE", "4"),
+                       ("GROUP_RANK", "1")):
+        monkeypatch.setenv(var, value)
+    assert DistEnv.from_environ() == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # one node: the whole world
+    assert DistEnv.from_environ().local_world_size == 8
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var)
+    assert DistEnv.from_environ() == DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0)
+
+
+class _FakeDist:
+    """torch.distributed's calls teardown, shared_run_dir and init_process_group make, recorded."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, backend: str = "gloo", world_size: int = 2,
+                 peer_failed: bool = False, barrier_error: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.calls: list[tuple[str, object]] = []
+        self.peer_failed, self.barrier_error, self.world_size = peer_failed, barrier_error, world_size
+        for name, fn in (("is_initialized", lambda: True), ("get_backend", lambda: backend),
+                         ("get_rank", lambda: 0), ("get_world_size", lambda: world_size),
+                         ("barrier", lambda: self.calls.append(("barrier", None))),
+                         ("monitored_barrier", self.monitored_barrier),
+                         ("destroy_process_group", lambda: self.calls.append(("destroy", None))),
+                         ("broadcast_object_list", lambda box, src: self.calls.append(("broadcast", src))),
+                         ("all_gather_object", self.all_gather_object),
+                         ("init_process_group", lambda **kwargs: self.calls.append(("init", kwargs))),
+                         ("set_debug_level_from_env", lambda: self.calls.append(("debug level", None)))):
+            monkeypatch.setattr(dist, name, fn)
+
+    def monitored_barrier(self, timeout: object) -> None:
+        self.calls.append(("monitored_barrier", timeout))
+        if self.barrier_error:
+            raise RuntimeError(self.barrier_error)
+
+    def all_gather_object(self, flags: list[object], mine: object) -> None:
+        assert len(flags) == self.world_size  # every element is overwritten: its initial value is never read
+        flags[:] = [mine] + [self.peer_failed] * (self.world_size - 1)
+        self.calls.append(("all_gather", mine))
+
+
+def test_teardown_meets_the_other_ranks_as_the_run_ended_then_leaves(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from datetime import timedelta
+
+    from ddptrain.runtime.process_group import teardown
+
+    fake = _FakeDist(monkeypatch)
+    teardown(True)
+    assert fake.calls == [("barrier", None), ("destroy", None)]
+    fake.calls.clear()
+    teardown(False, destroy=False)  # after an error on gloo: a bounded barrier; a launcher's group is left alone
+    assert fake.calls == [("monitored_barrier", timedelta(seconds=10))]
+    fake = _FakeDist(monkeypatch, backend="nccl")
+    teardown(False)  # NCCL has no bounded barrier: none
+    assert fake.calls == [("destroy", None)]
+    long = "rank 1 failed to pass monitoredBarrier in 10000 ms\n " + "x" * 300
+    fake = _FakeDist(monkeypatch, barrier_error=long)
+    with caplog.at_level("WARNING", logger="ddptrain.runtime.process_group"):
+        teardown(False)
+    assert fake.calls[-1] == ("destroy", None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ranks did not meet before exit: " + ("rank 1 failed to pass monitoredBarrier in 10000 ms " + "x" * 300)[:200]]
+
+
+def test_the_shared_run_dir_is_checked_writable_on_every_rank(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    from ddptrain.errors import ConfigError
+    from ddptrain.runtime.process_group import shared_run_dir
+
+    fake = _FakeDist(monkeypatch)
+    assert shared_run_dir(str(tmp_path / "run")) == tmp_path / "run"
+    assert (tmp_path / "run").is_dir() and list((tmp_path / "run").iterdir()) == []  # the probe is gone
+    assert fake.calls == [("broadcast", 0), ("all_gather", False)]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError) as caught:  # this rank cannot write: its own reason, told to the others too
+        shared_run_dir(str(tmp_path / "file" / "run"))
+    assert str(caught.value) == f"hydra.run.dir={tmp_path / 'file' / 'run'}: cannot write there (Not a directory)"
+    assert fake.calls[-1] == ("all_gather", True)
+    _FakeDist(monkeypatch, peer_failed=True)
+    with pytest.raises(ConfigError) as caught:
+        shared_run_dir(str(tmp_path / "run"))
+    assert str(caught.value) == f"hydra.run.dir={tmp_path / 'run'}: not writable on every rank"
+    fake = _FakeDist(monkeypatch, world_size=1)
+    assert shared_run_dir(str(tmp_path / "alone")) == tmp_path / "alone"
+    assert fake.calls == [("broadcast", 0)]  # one rank gathers nothing
+
+
+def test_the_process_group_is_joined_with_the_timeout_the_device_and_a_store_only_in_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ddptrain.config.schema import DistConfig
+    from ddptrain.runtime.process_group import init_process_group
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    fake = _FakeDist(monkeypatch)
+    cuda = torch.device("cuda", 1)
+    init_process_group(DistConfig(timeout_s=42), DistEnv(0, 0, 1, 1), torch.device("cpu"))
+    init_process_group(DistConfig(), DistEnv(1, 1, 2, 2), cuda)  # torchrun's: no MASTER_ADDR needed to see it
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    init_process_group(DistConfig(), DistEnv(0, 0, 1, 1), cuda, cpu_collectives=True)
+    (one, two, three) = (kwargs for _, kwargs in fake.calls)
+    assert isinstance(one.pop("store"), dist.HashStore)  # a one-rank run outside torchrun: no port
+    assert one == {"backend": "gloo", "rank": 0, "world_size": 1, "timeout": timedelta(seconds=42), "device_id": None}
+    assert two == {"backend": "nccl", "rank": 1, "world_size": 2, "timeout": timedelta(seconds=300),
+                   "device_id": cuda}
+    assert three == {"backend": "cuda:nccl,cpu:gloo", "rank": 0, "world_size": 1, "timeout": timedelta(seconds=300),
+                     "device_id": cuda}
+
+
+def test_the_backend_follows_the_device_and_nccl_is_refused_on_the_cpu() -> None:
+    import torch
+
+    from ddptrain.config.schema import DistConfig
+    from ddptrain.errors import ConfigError
+    from ddptrain.runtime.process_group import pick_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert pick_backend(DistConfig(backend="gloo"), cpu) == "gloo"
+    assert pick_backend(DistConfig(backend="gloo"), cuda, cpu_collectives=True) == "gloo"
+    assert pick_backend(DistConfig(backend="nccl"), cuda) == "nccl"
+    assert pick_backend(DistConfig(backend="nccl"), cuda, cpu_collectives=True) == "cuda:nccl,cpu:gloo"
+    with pytest.raises(ConfigError) as caught:
+        pick_backend(DistConfig(backend="nccl"), cpu)
+    assert str(caught.value) == "dist.backend=nccl needs CUDA devices; use dist.backend=gloo (or auto) on CPU"
+
+
+def test_the_debug_level_is_set_for_torch_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddptrain.runtime.process_group import apply_debug_level
+
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    fake = _FakeDist(monkeypatch)
+    apply_debug_level("off")
+    assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ and fake.calls == []
+    apply_debug_level("detail")
+    assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and fake.calls == [("debug level", None)]
