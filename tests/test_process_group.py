@@ -294,3 +294,74 @@ def test_the_debug_level_is_set_for_torch_only_when_asked(monkeypatch: pytest.Mo
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ and fake.calls == []
     apply_debug_level("detail")
     assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and fake.calls == [("debug level", None)]
+
+
+def test_main_only_runs_on_rank_0_while_the_others_wait_on_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from ddptrain.errors import ConfigError
+    from ddptrain.runtime.process_group import main_only
+
+    store, ran = dist.HashStore(), []
+    _as_rank(monkeypatch, store)
+    fake = _FakeDist(monkeypatch, world_size=1)
+    main_only(lambda: ran.append("alone"), 0.1, "checkpoint.export_timeout_s", "exporting the model")
+    assert ran == ["alone"] and fake.calls == []
+    for rank in (1, 0, 1):  # rank 1 first: rank 0 has not finished, it gives up; then after rank 0 it goes on
+        _as_rank(monkeypatch, store)
+        _FakeDist(monkeypatch)
+        monkeypatch.setattr(dist, "get_rank", lambda r=rank: r)
+        if rank == 1 and not ran[1:]:
+            with pytest.raises(ConfigError) as caught:
+                main_only(lambda: ran.append("rank 1"), 0.3, "checkpoint.export_timeout_s", "exporting the model")
+            assert str(caught.value) == ("checkpoint.export_timeout_s=0.3: rank 1 waited that long for rank 0, "
+                                         "exporting the model; raise it")
+        else:
+            main_only(lambda r=rank: ran.append(f"rank {r}"), 0.3, "checkpoint.export_timeout_s",
+                      "exporting the model")
+    assert ran == ["alone", "rank 0"]  # rank 1 ran nothing: the work is rank 0's alone
+
+
+def test_main_onlys_error_on_rank_0_is_raised_on_the_others_naming_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from ddptrain.runtime.process_group import main_only
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    store = dist.HashStore()
+    for rank in (0, 1):
+        _as_rank(monkeypatch, store)
+        _FakeDist(monkeypatch)
+        monkeypatch.setattr(dist, "get_rank", lambda r=rank: r)
+        with pytest.raises((OSError, RuntimeError)) as caught:
+            main_only(fail, 0.3, "checkpoint.export_timeout_s", "exporting the model")
+        assert str(caught.value) == ("disk full" if rank == 0 else
+                                     "rank 0 failed while exporting the model: OSError: disk full")
+
+
+def test_a_restarted_attempt_does_not_take_the_previous_attempts_keys_for_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The elastic agent restarts the ranks with the same store: attempt 1's rank 1 must wait for attempt 1's rank
+    0, not read attempt 0's "done"."""
+    import torch.distributed as dist
+
+    from ddptrain.errors import ConfigError
+    from ddptrain.runtime.process_group import main_first
+
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _as_rank(monkeypatch, store)
+    main_first(_env_of(0, 0, 2, 2), lambda: None, timeout_s=0.3)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _as_rank(monkeypatch, store)
+    with pytest.raises(ConfigError, match="rank 1 waited that long"):
+        main_first(_env_of(1, 1, 2, 2), lambda: None, timeout_s=0.3)
+    _as_rank(monkeypatch, store)  # attempt 1's rank 0, twice: each call of rank 1 waits for its own call's key
+    for _ in range(2):
+        main_first(_env_of(0, 0, 2, 2), lambda: None, timeout_s=0.3)
+    _as_rank(monkeypatch, store)
+    assert [main_first(_env_of(1, 1, 2, 2), lambda n=n: n, timeout_s=0.3) for n in range(2)] == [0, 1]
+    with pytest.raises(ConfigError, match="rank 1 waited that long"):
+        main_first(_env_of(1, 1, 2, 2), lambda: None, timeout_s=0.3)
