@@ -872,3 +872,69 @@ def test_a_rank_whose_record_shows_an_unfinished_collective_waited_whatever_stop
     line = verdict(tmp_path, [Failure(0, -15, "SIGTERM"), Failure(1, -15, "SIGTERM")], 2, 15, "vm")
     assert line is not None and line.startswith("rank 1 (host vm) hung at step 3 in data loading; rank 0 waited in "
                                                 "all_reduce #41"), line
+
+
+def test_a_ranks_record_says_who_where_and_why_and_only_the_first_cause(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evidence in-process: the record of an error raised in ddptrain (its frame), of a frame given (a signal's),
+    and of neither (the main thread's stack), with the rank, host, process, time, step, phase and the stacks."""
+    import faulthandler
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+
+    from ddptrain.diagnose import evidence
+    from ddptrain.diagnose.evidence import TIMED_OUT, Evidence
+    from ddptrain.diagnose.whereabouts import WHEREABOUTS
+    from ddptrain.errors import flat
+    from ddptrain.runtime.process_group import DistEnv, main_first
+
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(evidence, "_ACTIVE", None)
+    alone = DistEnv(0, 0, 1, 1)
+    previous, opened = signal.getsignal(signal.SIGTERM), []
+    (tmp_path / HANG_DIR).mkdir()  # a previous attempt's folder and record
+    (tmp_path / HANG_DIR / "rank3.json").write_text("{}")
+    try:
+        begin = time.time()
+        opened.append(ev := Evidence(tmp_path, 3))
+        assert not (tmp_path / HANG_DIR / "rank3.json").exists()
+        WHEREABOUTS.at("backward", 7)
+        try:
+            flat(None)  # type: ignore[arg-type]
+        except AttributeError as exc:
+            ev.record(TIMED_OUT, exc)
+        ev.record("SIGTERM from the launcher")  # a later cause: the first one stays
+        text = (tmp_path / HANG_DIR / "rank3.json").read_text()
+        assert text.endswith("}\n") and text.count("\n") == 1
+        record = json.loads(text)
+        assert begin <= record.pop("time") <= time.time()
+        assert record.pop("where").startswith("ddptrain/errors.py:")
+        assert isinstance(record.pop("collectives"), list) and isinstance(record.pop("groups"), dict)
+        assert record == {"rank": 3, "host": socket.gethostname(), "pid": os.getpid(), "reason": TIMED_OUT,
+                          "error": "AttributeError: 'NoneType' object has no attribute 'split'", "step": 7,
+                          "phase": "backward"}
+        stacks = (tmp_path / HANG_DIR / "rank3.stacks").read_text()
+        assert stacks.count("every thread's stack") == 1
+        assert "--- collective timed out: every thread's stack ---\nCurrent thread" in stacks, stacks[:300]
+
+        opened.append(ev := Evidence(tmp_path, 4))
+        frame = main_first(alone, lambda: sys._getframe(1), timeout_s=1)  # a frame inside ddptrain, as a signal's
+        ev.record("SIGTERM from the launcher", frame=frame)
+        record = json.loads((tmp_path / HANG_DIR / "rank4.json").read_text())
+        assert record["error"] is None and record["reason"] == "SIGTERM from the launcher"
+        assert record["where"].startswith("ddptrain/runtime/process_group.py:"), record["where"]
+
+        opened.append(ev := Evidence(tmp_path, 5))
+        main_first(alone, lambda: ev.record("stopped"), timeout_s=1)  # neither: where the main thread is
+        record = json.loads((tmp_path / HANG_DIR / "rank5.json").read_text())
+        assert record["where"].startswith("ddptrain/runtime/process_group.py:"), record["where"]
+    finally:
+        WHEREABOUTS.close()
+        faulthandler.enable(sys.__stderr__, all_threads=True)
+        signal.signal(signal.SIGTERM, previous)
+        for ev in opened:
+            ev._stacks.close()
