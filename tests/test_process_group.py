@@ -288,7 +288,8 @@ def test_the_backend_follows_the_device_and_nccl_is_refused_on_the_cpu() -> None
 def test_the_debug_level_is_set_for_torch_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddptrain.runtime.process_group import apply_debug_level
 
-    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "")  # recorded, so the variable apply_debug_level sets is undone
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
     fake = _FakeDist(monkeypatch)
     apply_debug_level("off")
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ and fake.calls == []

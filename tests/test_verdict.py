@@ -891,8 +891,9 @@ def test_a_ranks_record_says_who_where_and_why_and_only_the_first_cause(tmp_path
     from ddptrain.errors import flat
     from ddptrain.runtime.process_group import DistEnv, main_first
 
-    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # recorded: Evidence sets them
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.setattr(evidence, "_ACTIVE", None)
     alone = DistEnv(0, 0, 1, 1)
     previous, opened = signal.getsignal(signal.SIGTERM), []
