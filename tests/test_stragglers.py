@@ -88,3 +88,57 @@ def test_a_run_dir_that_another_node_cannot_see_is_refused_on_every_rank(tmp_pat
     errors = run_distributed(_check_storage, 2, str(tmp_path / "a"), str(tmp_path / "b"))
     assert all("not shared by every node (rank(s) 1 (" in e for e in errors), errors
     assert not list((tmp_path / "a").iterdir()), "the probe file is removed"
+
+
+def test_the_shared_run_dir_check_in_process_names_the_ranks_that_miss_rank_0s_probe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank's side of the check with torch.distributed's calls recorded (the test above runs it in forked ranks,
+    where mutmut cannot see it): rank 0 writes the probe, every rank looks, rank 0 removes it after the last
+    barrier; rank 1's side looks for rank 0's probe name and leaves the file alone."""
+    import socket
+
+    import torch.distributed as dist
+
+    calls: list[object] = []
+    peers: list[tuple[bool, str]] = []
+    state = {"rank": 0, "shared": True}
+
+    def broadcast(box: list[object], src: int) -> None:
+        calls.append(("broadcast", src, box[0] is None))
+        if state["rank"] != 0:  # rank 0's probe name, its file there when the directory is shared
+            box[0] = ".shared-probe-0123456789abcdef"
+            if state["shared"]:
+                (tmp_path / str(box[0])).touch()
+
+    def gather(every: list[tuple[bool, str]], seen: tuple[bool, str]) -> None:
+        assert len(every) == 3
+        calls.append(("gather", seen))
+        every[:] = [seen, *peers] if state["rank"] == 0 else [(True, "node-a"), seen, *peers]
+
+    def barrier() -> None:
+        calls.append(("barrier", sorted(p.name for p in tmp_path.iterdir())))
+
+    for name, fn in (("get_rank", lambda: state["rank"]), ("get_world_size", lambda: 3),
+                     ("broadcast_object_list", broadcast), ("all_gather_object", gather), ("barrier", barrier)):
+        monkeypatch.setattr(dist, name, fn)
+    host = socket.gethostname()
+    peers[:] = [(True, "node-b"), (False, "node-c")]
+    with pytest.raises(ConfigError) as caught:
+        check_shared_run_dir(tmp_path)
+    assert str(caught.value) == (
+        f"hydra.run.dir={tmp_path}: not shared by every node (rank(s) 2 (node-c) cannot see rank 0's files); put the "
+        "run directory on a filesystem every node mounts: checkpoints need every rank's files in one place")
+    probe = calls[1][1][0]  # type: ignore[index]
+    assert probe.startswith(".shared-probe-") and len(probe) == len(".shared-probe-") + 16
+    assert calls == [("broadcast", 0, False), ("barrier", [probe]), ("gather", (True, host)), ("barrier", [probe])]
+    assert list(tmp_path.iterdir()) == []  # rank 0 removed its probe after every rank looked
+    calls.clear()
+    peers[:] = [(True, "node-c")]
+    state["rank"] = 1
+    check_shared_run_dir(tmp_path)  # rank 1 of a shared directory: found, nothing removed
+    assert calls[0] == ("broadcast", 0, True) and calls[2] == ("gather", (True, host))
+    assert [p.name for p in tmp_path.iterdir()] == [".shared-probe-0123456789abcdef"]
+    state["shared"] = False
+    (tmp_path / ".shared-probe-0123456789abcdef").unlink()
+    with pytest.raises(ConfigError, match=rf"rank\(s\) 1 \({host}\) cannot see"):
+        check_shared_run_dir(tmp_path)

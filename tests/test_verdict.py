@@ -798,3 +798,144 @@ def test_a_peer_stuck_before_the_waiters_collective_is_behind_when_its_ring_no_l
     assert _run_ahead_verdict(tmp_path, ring_of_rank_1=2) == (
         "rank 1 (host vm) hung at step 3 in forward; rank 0 waited in all_reduce #10 (64 bytes, the host ran ahead "
         "of it) for 15 s (dist.timeout_s)")
+
+
+# mutmut's survivors (docs/mutation.md): the death, late-rank and waiter cases no test above needed
+
+
+def test_a_segfault_before_any_whereabouts_is_named_at_start_up_and_signals_of_the_launcher_are_no_cause(
+        tmp_path: Path) -> None:
+    """Ranks 2 and 3 ended by the launcher (SIGTERM, SIGINT) without evidence are listed first and are not the
+    cause; rank 1's crash outside torch.distributed is named with its frame, before it wrote any whereabouts."""
+    folder = _folder(tmp_path)
+    (folder / "rank1.stacks").write_text(
+        "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+        '  File "/x/ddptrain/models/gpt.py", line 10 in forward\n'
+        '  File "/x/ddptrain/train/loop.py", line 120 in train\n\nThread 0x2:\n')
+    _record(folder, 0, "collective timed out", 0, "start-up", [(1, "broadcast", 64)])
+    failures = [Failure(2, -15, "SIGTERM"), Failure(3, -2, "SIGINT"), Failure(1, -11, "SIGSEGV"), Failure(0, 1, None)]
+    assert verdict(tmp_path, failures, 4, 15, "vm") == (
+        "rank 1 (host vm) died of SIGSEGV (a crash in native code) at step 0 in start-up (ddptrain/models/gpt.py:10); "
+        "rank 0 waited in broadcast #1 (start-up of step 0, 64 bytes) for 15 s (dist.timeout_s)")
+
+
+def test_a_phase_the_verdict_has_no_words_for_is_printed_as_recorded(tmp_path: Path) -> None:
+    # a record or whereabouts from another version of the loop: its phase, not "None"
+    folder = _folder(tmp_path)
+    where = Whereabouts()
+    where.open(folder / "rank1.where")
+    where.at("warm-up", 2)
+    assert verdict(tmp_path, [Failure(1, -9, "SIGKILL")], 2, 15, "vm") == (
+        "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 2 in warm-up")
+    where.at("data", 2)  # and a phase it has words for, in them
+    assert verdict(tmp_path, [Failure(1, -9, "SIGKILL")], 2, 15, "vm") == (
+        "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 2 in data loading")
+    (folder / "rank1.where").unlink()
+    _record(folder, 0, "collective timed out", 2, "forward", [(7, "all_reduce", 8)])
+    _record(folder, 1, "SIGTERM from the launcher", 2, "warm-up", [(6, "all_reduce", 8)])
+    record = json.loads((folder / "rank1.json").read_text())
+    (folder / "rank1.json").write_text(json.dumps({**record, "host": "node-b"}))
+    line = verdict(tmp_path, [Failure(0, 1, None)], 2, 15, "vm")
+    assert line is not None and line.startswith("rank 1 (host node-b) hung at step 2 in warm-up;"), line
+
+
+def test_late_ranks_without_a_record_are_named_from_their_whereabouts_or_at_start_up(tmp_path: Path) -> None:
+    """Rank 0 is known only from its NCCL dump (aborted by the watchdog, no whereabouts yet); rank 1 left only its
+    whereabouts, rank 2 nothing: both late, each named where it was, on the launcher's host."""
+    from tests.helpers.nccl_twin import nccl_dump
+
+    folder = _folder(tmp_path)
+    dump = nccl_dump([(1, "all_reduce", 8, "started")], groups={"0": ("default_pg", [0, 1, 2])})
+    (folder / "nccl_trace_rank_0").write_bytes(dump)
+    _at(folder, 1, "data", 5)
+    line = verdict(tmp_path, [Failure(0, -6, "SIGABRT")], 3, 15, "vm")
+    assert line == ("rank 1 (host vm) hung at step 5 in data loading; rank 2 (host vm) hung at step 0 in start-up; "
+                    "rank 0 waited in all_reduce #1 (start-up of step 0, 8 bytes) for 15 s (dist.timeout_s)")
+
+
+def test_waiters_without_collective_numbers_name_the_ranks_that_are_not_waiting(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    _record(folder, 0, "collective timed out", 1, "forward", [])
+    assert verdict(tmp_path, [Failure(0, 1, None)], 2, 15, "vm") == (
+        "rank 1 (host vm) hung at step 0 in start-up; rank 0 waited in a collective (forward of step 1) for 15 s "
+        "(dist.timeout_s)")
+
+
+def test_a_rank_whose_record_shows_an_unfinished_collective_waited_whatever_stopped_it(tmp_path: Path) -> None:
+    # both ranks stopped by the launcher (reason SIGTERM), but rank 0's record holds a collective it had not finished
+    folder = _folder(tmp_path)
+    _record(folder, 0, "SIGTERM from the launcher", 3, "backward", [(40, "all_reduce", 1024), (41, "all_reduce", 8)])
+    record = json.loads((folder / "rank0.json").read_text())
+    record["collectives"][-1]["completed"] = False
+    (folder / "rank0.json").write_text(json.dumps(record))
+    _record(folder, 1, "SIGTERM from the launcher", 3, "data", [(40, "all_reduce", 1024)])
+    line = verdict(tmp_path, [Failure(0, -15, "SIGTERM"), Failure(1, -15, "SIGTERM")], 2, 15, "vm")
+    assert line is not None and line.startswith("rank 1 (host vm) hung at step 3 in data loading; rank 0 waited in "
+                                                "all_reduce #41"), line
+
+
+def test_a_ranks_record_says_who_where_and_why_and_only_the_first_cause(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evidence in-process: the record of an error raised in ddptrain (its frame), of a frame given (a signal's),
+    and of neither (the main thread's stack), with the rank, host, process, time, step, phase and the stacks."""
+    import faulthandler
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+
+    from ddptrain.diagnose import evidence
+    from ddptrain.diagnose.evidence import TIMED_OUT, Evidence
+    from ddptrain.diagnose.whereabouts import WHEREABOUTS
+    from ddptrain.errors import flat
+    from ddptrain.runtime.process_group import DistEnv, main_first
+
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # recorded: Evidence sets them
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(evidence, "_ACTIVE", None)
+    alone = DistEnv(0, 0, 1, 1)
+    previous, opened = signal.getsignal(signal.SIGTERM), []
+    (tmp_path / HANG_DIR).mkdir()  # a previous attempt's folder and record
+    (tmp_path / HANG_DIR / "rank3.json").write_text("{}")
+    try:
+        begin = time.time()
+        opened.append(ev := Evidence(tmp_path, 3))
+        assert not (tmp_path / HANG_DIR / "rank3.json").exists()
+        WHEREABOUTS.at("backward", 7)
+        try:
+            flat(None)  # type: ignore[arg-type]
+        except AttributeError as exc:
+            ev.record(TIMED_OUT, exc)
+        ev.record("SIGTERM from the launcher")  # a later cause: the first one stays
+        text = (tmp_path / HANG_DIR / "rank3.json").read_text()
+        assert text.endswith("}\n") and text.count("\n") == 1
+        record = json.loads(text)
+        assert begin <= record.pop("time") <= time.time()
+        assert record.pop("where").startswith("ddptrain/errors.py:")
+        assert isinstance(record.pop("collectives"), list) and isinstance(record.pop("groups"), dict)
+        assert record == {"rank": 3, "host": socket.gethostname(), "pid": os.getpid(), "reason": TIMED_OUT,
+                          "error": "AttributeError: 'NoneType' object has no attribute 'split'", "step": 7,
+                          "phase": "backward"}
+        stacks = (tmp_path / HANG_DIR / "rank3.stacks").read_text()
+        assert stacks.count("every thread's stack") == 1
+        assert "--- collective timed out: every thread's stack ---\nCurrent thread" in stacks, stacks[:300]
+
+        opened.append(ev := Evidence(tmp_path, 4))
+        frame = main_first(alone, lambda: sys._getframe(1), timeout_s=1)  # a frame inside ddptrain, as a signal's
+        ev.record("SIGTERM from the launcher", frame=frame)
+        record = json.loads((tmp_path / HANG_DIR / "rank4.json").read_text())
+        assert record["error"] is None and record["reason"] == "SIGTERM from the launcher"
+        assert record["where"].startswith("ddptrain/runtime/process_group.py:"), record["where"]
+
+        opened.append(ev := Evidence(tmp_path, 5))
+        main_first(alone, lambda: ev.record("stopped"), timeout_s=1)  # neither: where the main thread is
+        record = json.loads((tmp_path / HANG_DIR / "rank5.json").read_text())
+        assert record["where"].startswith("ddptrain/runtime/process_group.py:"), record["where"]
+    finally:
+        WHEREABOUTS.close()
+        faulthandler.enable(sys.__stderr__, all_threads=True)
+        signal.signal(signal.SIGTERM, previous)
+        for ev in opened:
+            ev._stacks.close()
