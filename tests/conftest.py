@@ -94,7 +94,10 @@ def torchrun_run(cli_runs: RunCache) -> tuple[Path, Path]:
 # What ddptrain's launcher sets in its own process for the workers it spawns (app/launch.py): an in-process launch
 # in one test must not hand them to a later test's ranks (a leaked DDPTRAIN_LAUNCH_START made a later run's goodput
 # count from that test's launch, 928 s before).
-_LAUNCHER_ENV = ("DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START")
+# The same for what a worker's evidence sets for torch's flight recorder (diagnose/evidence.py) and torchft's Manager
+# re-points: a dump prefix left by one test made a later verdict test read its NCCL dump from elsewhere.
+_LAUNCHER_ENV = ("DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START", "TORCH_FR_DUMP_TEMP_FILE",
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
 
 
 @pytest.fixture(autouse=True)

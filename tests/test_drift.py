@@ -271,9 +271,10 @@ def test_the_verdict_names_the_ranks_outside_the_majority_and_the_first_paramete
     ("drift@step:3:1", None),
     ("bogus@step:3:1", "DDPTRAIN_FAULT=bogus@step:3:1: unknown fault kind 'bogus'; expected KIND@POINT:STEP[:RANK]"),
     ("drift@save:3:1", "DDPTRAIN_FAULT=drift@save:3:1: a drift fault strikes at step;"),
-    ("kill@step", "DDPTRAIN_FAULT=kill@step: expected a step, a rank after kill@step"),
-    ("nan@step:x", "DDPTRAIN_FAULT=nan@step:x: expected a step, a rank after nan@step"),
-    ("delay@data:1:1:fast", "DDPTRAIN_FAULT=delay@data:1:1:fast: expected a step, a rank and milliseconds"),
+    ("kill@step", "DDPTRAIN_FAULT=kill@step: expected a step, a rank (or GROUP/RANK) after kill@step"),
+    ("nan@step:x", "DDPTRAIN_FAULT=nan@step:x: expected a step, a rank (or GROUP/RANK) after nan@step"),
+    ("delay@data:1:1:fast",
+     "DDPTRAIN_FAULT=delay@data:1:1:fast: expected a step, a rank (or GROUP/RANK) and milliseconds"),
 ])
 def test_a_fault_that_does_not_parse_is_a_one_line_error_on_every_rank(
     monkeypatch: pytest.MonkeyPatch, spec: str, message: str | None

@@ -174,7 +174,7 @@ def test_a_worker_asks_for_cpu_collectives_exactly_with_offload(monkeypatch: pyt
 
     monkeypatch.setattr(process_group, "distributed", joining)  # run_worker imports it when called
     monkeypatch.setattr(launch, "validate_config", lambda *_: None)  # offload is refused without CUDA
-    monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
+    monkeypatch.setattr(launch, "setup_logging", lambda *_, **__: None)
     monkeypatch.setattr(launch, "ready_run_dir", lambda *_: None)  # the launcher's run-dir checks: not this test's
     for offload in (True, False):
         typed = build_config({"parallel": {"zero_stage": 3, "cpu_offload": offload}})
@@ -214,7 +214,7 @@ def test_a_worker_on_cuda_logs_the_allocator_line_at_start_up(device: str, tmp_p
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(process_group, "distributed", joined)  # run_worker imports these when called
     monkeypatch.setattr(process_group, "shared_run_dir", lambda _: tmp_path)
-    monkeypatch.setattr(launch, "setup_logging", lambda *_: None)
+    monkeypatch.setattr(launch, "setup_logging", lambda *_, **__: None)
     monkeypatch.setattr(launch, "Evidence", started)  # the line after the allocator's
     run = Run(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path)}}}), build_config({}), {})
     with caplog.at_level(logging.INFO, logger=launch.log.name), pytest.raises(Started):
