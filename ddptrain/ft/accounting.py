@@ -63,6 +63,11 @@ def quorum_runs(per_group: list[list[dict[str, Any]]]) -> list[list[int]]:
         for e in events:
             if e.get("event") == "step" and e.get("committed") and e.get("quorum") is not None:
                 sizes[e["step"]] = e["quorum"]
+    return size_runs(sizes)
+
+
+def size_runs(sizes: dict[int, int]) -> list[list[int]]:
+    """Each step's quorum size as ``[first, last, size]`` runs of consecutive steps of one size."""
     runs: list[list[int]] = []
     for step in sorted(sizes):
         if runs and runs[-1][1] == step - 1 and runs[-1][2] == sizes[step]:

@@ -30,7 +30,7 @@ import torch
 from ddptrain.config.choices import FtSync
 from ddptrain.config.schema import Config
 from ddptrain.errors import RunEnded
-from ddptrain.ft.accounting import write_ft_json
+from ddptrain.ft.accounting import size_runs, write_ft_json
 from ddptrain.ft.diloco import OuterSync, outer_sync_summary
 from ddptrain.ft.layout import QUORUM_LOST, events_path, run_dir_of_group
 from ddptrain.runtime.process_group import DistEnv
@@ -102,9 +102,8 @@ class ReplicaGroup:
         self._data_before: Any = None
         self._synced = 0  # DiLoCo: the outer syncs recorded so far
         self._cross_bytes = 0  # the last step's gradient payload averaged across groups (ft.sync=ddp)
-        self._start = 0
         self._quorums: list[int] = []  # this window's quorum sizes
-        self._per_step: list[list[int]] = []  # [first step, last step, quorum size] runs, for the summary
+        self._sizes: dict[int, int] = {}  # each recorded step's quorum size, for the summary
         self._events = events_path(run_dir_of_group(group_run_dir), self.group) if env.rank == 0 else None
         if self._events is not None:
             self._events.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +151,6 @@ class ReplicaGroup:
             self.manager.load_state_dict({"step": start, "batches_committed": 0})
         self._event({"event": "attempt", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                      "resumed_from": start, "time": time.time()})
-        self._start = start
 
     def _state(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self.parts.items()}
@@ -193,11 +191,10 @@ class ReplicaGroup:
         within a window (the loss logged is the group's own)."""
         if self.outer is not None:
             return loss
-        self._cross_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                                if p.grad is not None)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tail = loss.detach().reshape(1).to(grads[0].dtype if grads else loss.dtype)
         flat = torch.cat([*(g.reshape(-1) for g in grads), tail])
+        self._cross_bytes = (flat.numel() - 1) * flat.element_size()  # the gradients' payload (one dtype: cat)
         self.manager.allreduce(flat).wait()
         offset = 0
         for grad in grads:
@@ -217,10 +214,7 @@ class ReplicaGroup:
             log.warning("replica group %d: step %d not committed (a peer failed in it): taken again", self.group, step)
         else:
             self._quorums.append(quorum)
-            if self._per_step and self._per_step[-1][2] == quorum and self._per_step[-1][1] == step - 1:
-                self._per_step[-1][1] = step
-            else:
-                self._per_step.append([step, step, quorum])
+            self._sizes[step] = quorum
         self._event({"event": "step", "step": step, "quorum": quorum, "committed": committed})
         return committed
 
@@ -234,7 +228,7 @@ class ReplicaGroup:
             self._synced = len(self.outer.records)
             quorum = self.manager.num_participants()
             self._quorums.append(quorum)
-            self._per_step.append([step, step, quorum])
+            self._sizes[step] = quorum
         self._event({"event": "step", "step": step, "quorum": quorum, "committed": True})
 
     def window(self) -> dict[str, Any]:
@@ -253,7 +247,7 @@ class ReplicaGroup:
         payload bytes per step and rank the groups' sync moves (``cross_group_bytes``): every step's gradients
         under ft.sync=ddp, the outer sync's over ft.sync_every under DiLoCo (with its counters)."""
         ft: dict[str, Any] = {"replica_groups": self.cfg.ft.replica_groups, "replica_id": self.group,
-                              "sync": str(self.cfg.ft.sync), "quorum_per_step": self._per_step}
+                              "sync": str(self.cfg.ft.sync), "quorum_per_step": size_runs(self._sizes)}
         if self.outer is not None:
             ft.update(outer_sync_summary(self.outer))
             ft["cross_group_bytes"] = ft.pop("comm_bytes")
