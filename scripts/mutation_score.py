@@ -17,6 +17,14 @@ package, as a markdown table, the mutants killed, survived, with no tests, timed
 early; ``--table-only`` prints what a work directory holds) and other. The score is killed and timed out over
 checked.
 
+``--sample N`` checks a uniform random sample of N mutants per package (``--seed``), not all of them: the score of
+a sample estimates the package's without a bias of anyone's choosing, and the table gives its 95 % interval (Wilson).
+mutmut has no command that only generates mutants, so a first ``mutmut run`` filtered on a name no mutant has
+generates them and collects the stats, then stops (mutmut asserts the filter matched); the sample is drawn from
+the names that run wrote, and a second ``mutmut run NAMES…`` checks them. ``--recheck STATUS[,STATUS]`` checks again
+only the mutants a kept work directory holds with those statuses (``survived,no tests`` after new tests: a killed
+mutant stays killed when tests are added).
+
 "no tests" are mutants of functions no selected test calls in the pytest process: code run only by a forked rank
 or a subprocess counts there (mutmut records which tests reach a function in its own process only). They count
 against the score: a rule no in-process test reaches is a rule the fast tier cannot guard. docs/mutation.md has
@@ -29,7 +37,9 @@ import argparse
 import ast
 import difflib
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -153,27 +163,60 @@ def results(work: Path) -> dict[str, str]:
     return statuses
 
 
-def table(statuses: dict[str, str]) -> str:
+def table(statuses: dict[str, str], sampled: bool = False) -> str:
+    """Per package: the mutants in each column and the score; ``sampled``: the score's 95 % interval too (the
+    statuses are a random sample's, and the not checked ones are the mutants outside it)."""
     per_package: dict[str, Counter[str]] = defaultdict(Counter)
     for name, status in statuses.items():
         per_package[package_of(module_of_mutant(name))][status if status in COLUMNS else "other"] += 1
-    lines = ["| package | mutants | " + " | ".join(COLUMNS) + " | score |", "|---|" + "---:|" * (len(COLUMNS) + 2)]
+    head = "| package | mutants | " + " | ".join(COLUMNS) + " | score |" + (" 95 % interval |" if sampled else "")
+    lines = [head, "|---|" + "---:|" * (len(COLUMNS) + 2 + sampled)]
     totals: Counter[str] = Counter()
     for package, counts in sorted(per_package.items()):
         totals.update(counts)
-        lines.append(_row(package, counts))
+        lines.append(_row(package, counts, sampled))
     if len(per_package) > 1:
-        lines.append(_row("**all**", totals))
+        lines.append(_row("**all**", totals, sampled))
     return "\n".join(lines)
 
 
-def _row(package: str, counts: Counter[str]) -> str:
+def _row(package: str, counts: Counter[str], sampled: bool = False) -> str:
     n = sum(counts.values())
     # a timeout is a kill (the mutant changed what the tests saw: they did not finish); no tests is not; a run
     # stopped early leaves mutants not checked, which count for nothing either way
     checked = n - counts["not checked"]
-    score = (counts["killed"] + counts["timeout"]) / checked if checked else 0.0
-    return f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in COLUMNS) + f" | {score:.0%} |"
+    killed = counts["killed"] + counts["timeout"]
+    score = killed / checked if checked else 0.0
+    row = f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in COLUMNS) + f" | {score:.0%} |"
+    if sampled:
+        low, high = wilson(killed, checked)
+        row += f" {low:.0%}-{high:.0%} |"
+    return row
+
+
+def wilson(killed: int, checked: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion ``killed / checked`` (sound at 0 and 1, unlike the normal
+    approximation)."""
+    if checked == 0:
+        return 0.0, 1.0
+    p = killed / checked
+    centre = (p + z * z / (2 * checked)) / (1 + z * z / checked)
+    half = z * math.sqrt(p * (1 - p) / checked + z * z / (4 * checked * checked)) / (1 + z * z / checked)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def sample(names: list[str], per_package: int, seed: int) -> list[str]:
+    """A uniform random sample of ``per_package`` mutants of each package (all of a package that has fewer),
+    reproducible from ``seed``: the names sorted first, so the draw does not depend on the order files were read."""
+    by_package: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(names):
+        by_package[package_of(module_of_mutant(name))].append(name)
+    rng = random.Random(seed)
+    chosen: list[str] = []
+    for package in sorted(by_package):
+        members = by_package[package]
+        chosen += members if len(members) <= per_package else rng.sample(members, per_package)
+    return sorted(chosen)
 
 
 def survivors(work: Path, statuses: dict[str, str]) -> str:
@@ -216,7 +259,19 @@ def main() -> int:
     parser.add_argument("--table-only", action="store_true",
                         help="run nothing: the table (and --survivors) of what the work directory holds")
     parser.add_argument("--survivors", type=Path, help="write each survivor's diff to this markdown file")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="check a uniform random sample of N mutants per package, not all (the table gives the "
+                             "score's 95 %% interval)")
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    parser.add_argument("--recheck", metavar="STATUS[,STATUS]",
+                        help="check again only the mutants the work directory holds with these statuses, e.g. "
+                             "'survived,no tests' after new tests")
     args = parser.parse_args()
+    if args.sample is not None and args.sample < 1:
+        parser.error("--sample: expected a positive number of mutants per package")
+    recheck = set(args.recheck.split(",")) if args.recheck else set()
+    if recheck - set(COLUMNS):
+        parser.error(f"--recheck: expected statuses among {', '.join(COLUMNS)}")
     files = (changed_files(args.base) if args.base else []) + (python_files(args.paths) if args.paths else [])
     if not files:
         parser.error("nothing to mutate: name files or directories under ddptrain/, or --base with changes")
@@ -234,13 +289,28 @@ def main() -> int:
         chosen = " ".join(tests) if tests is not None else f"marked {' or '.join(marks)}"
         print(f"mutating {len(files)} files; tests: the fast tier of {chosen}", flush=True)
         begin, cpu0 = time.monotonic(), os.times()
-        returncode = subprocess.run(["nice", "-n", "19", *mutmut, "run", "--max-children", str(args.max_children)],
-                                    cwd=args.work).returncode
+        run = ["nice", "-n", "19", *mutmut, "run", "--max-children", str(args.max_children)]
+        names: list[str] | None = None
+        if args.sample is not None or recheck:
+            if not results(args.work):
+                # generate the mutants and collect the stats only: no mutant has this name (mutmut then stops on
+                # its assertion that the filter matched, exit 1)
+                generated = subprocess.run([*run, "generate-only-no-mutant-has-this-name"], cwd=args.work,
+                                           capture_output=True, text=True)
+                if not results(args.work):
+                    print(generated.stdout[-4000:], generated.stderr[-4000:], sep="\n")
+                    raise SystemExit("mutation_score: mutmut generated no mutants (its output is above)")
+            in_scope = {n: s for n, s in results(args.work).items()
+                        if module_of_mutant(n) in {module_of(f) for f in files}}
+            pool = [n for n, s in in_scope.items() if not recheck or s in recheck]
+            names = sample(pool, args.sample, args.seed) if args.sample is not None else sorted(pool)
+            print(f"checking {len(names)} of {len(in_scope)} mutants", flush=True)
+        returncode = subprocess.run(run + (names or []), cwd=args.work).returncode if names != [] else 0
         cpu1 = os.times()
         cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
         print(f"\n{time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min (mutmut exited {returncode})\n")
     statuses = {n: s for n, s in results(args.work).items() if module_of_mutant(n) in {module_of(f) for f in files}}
-    print(table(statuses))
+    print(table(statuses, sampled=args.sample is not None))
     if args.survivors:
         args.survivors.write_text(survivors(args.work, statuses))
         print(f"\nsurvivors' diffs: {args.survivors}")

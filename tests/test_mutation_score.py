@@ -1,0 +1,56 @@
+"""scripts/mutation_score.py's arithmetic: the sample it checks and the interval it prints for a sampled score."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def score():
+    spec = importlib.util.spec_from_file_location("mutation_score", ROOT / "scripts" / "mutation_score.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def names(module: str, function: str, n: int) -> list[str]:
+    return [f"{module}.x_{function}__mutmut_{i}" for i in range(1, n + 1)]
+
+
+def test_the_sample_takes_n_of_each_package_reproducibly_and_all_of_a_smaller_one(score):
+    big = names("ddptrain.train.trainer", "fit", 40) + names("ddptrain.train.drift", "settle", 20)
+    plan = names("ddptrain.plan.memory.present", "pick", 30)
+    small = names("ddptrain.app.k8s", "render", 3)
+    pool = big + plan + small
+    chosen = score.sample(pool, 10, seed=1)
+    per_package = Counter(score.package_of(score.module_of_mutant(n)) for n in chosen)
+    # plan's subpackage is a package of its own; a package with fewer mutants than N is taken whole
+    assert per_package == {"train": 10, "plan.memory": 10, "app": 3}
+    assert set(small) <= set(chosen) and len(set(chosen)) == len(chosen)
+    # reproducible whatever order the names were read in, and another seed draws another sample
+    assert score.sample(list(reversed(pool)), 10, seed=1) == chosen
+    assert score.sample(pool, 10, seed=2) != chosen
+    # both files of train are drawn from: the draw is over the package, not the first file read
+    assert {score.module_of_mutant(n) for n in chosen if ".train." in n} == {"ddptrain.train.trainer",
+                                                                               "ddptrain.train.drift"}
+
+
+def test_the_interval_is_wilsons_and_the_table_counts_only_the_checked_mutants(score):
+    low, high = score.wilson(80, 100)
+    assert (round(low, 4), round(high, 4)) == (0.7112, 0.8666)  # Wilson's 95 % interval of 80 / 100
+    assert score.wilson(0, 10)[0] == 0.0 and score.wilson(10, 10)[1] == 1.0 and score.wilson(10, 10)[0] > 0.6
+    assert score.wilson(0, 0) == (0.0, 1.0)
+    statuses = {n: "killed" for n in names("ddptrain.train.drift", "settle", 8)}
+    statuses |= {n: "survived" for n in names("ddptrain.train.drift", "check", 2)}
+    statuses |= {n: "not checked" for n in names("ddptrain.train.drift", "later", 90)}
+    row = score.table(statuses, sampled=True).splitlines()[2]
+    # 8 of the 10 checked: 80 %, not 8 of 100; the interval of 8 / 10
+    low, high = score.wilson(8, 10)
+    assert row == f"| train | 100 | 8 | 2 | 0 | 0 | 90 | 0 | 80% | {low:.0%}-{high:.0%} |"
+    assert "interval" not in score.table(statuses)
