@@ -47,15 +47,19 @@ DRIFT_FAULT = {"DDPTRAIN_FAULT": "drift@step:3:1/1"}
 
 
 @pytest.fixture(scope="module")
-def background(cli_runs: RunCache) -> Iterator[dict[str, Future[Ran]]]:
+def background(request: pytest.FixtureRequest, cli_runs: RunCache) -> Iterator[dict[str, Future[Ran]]]:
     """The module's runs that nothing here times, started at once beside the no-fault run: the 3-rank DDP
     reference and the drift run. A replica-group run spends half its wall time waiting (the lighthouse's
     quorum each step, the groups' start-up in turn), so these train in its pauses. Each test reads its run
     (``.result()``); ``cli_runs`` keeps them for the session as before. The kill test, whose verdict depends on
     when the killed group's restart lands, runs alone after them."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    runs = {"ddp": (test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run,
+                    [*RUN, "launch.nproc_per_node=3"], None),
+            "drift": (test_the_drift_check_works_inside_a_group_and_repairs_only_that_group, DRIFT, DRIFT_FAULT)}
     with ThreadPoolExecutor(max_workers=2) as pool:  # leaving the module waits for both (each has its timeout)
-        yield {"ddp": pool.submit(cli_runs.run, [*RUN, "launch.nproc_per_node=3"], timeout=400),
-               "drift": pool.submit(cli_runs.run, DRIFT, timeout=400, extra_env=DRIFT_FAULT)}
+        yield {name: pool.submit(cli_runs.run, args, timeout=400, extra_env=env)
+               for name, (test, args, env) in runs.items() if test.__name__ in selected}  # only what a test reads
 
 
 @pytest.fixture(scope="module")
