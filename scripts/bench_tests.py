@@ -4,6 +4,7 @@ and the suite's time per file and per tier from one run's figures.
     python scripts/bench_tests.py --base /path/to/other/checkout --repeats 2 -- tests/test_cli.py -k bad_input
     pytest -q -n 2 --dist loadgroup --timing-json=times.json && python scripts/bench_tests.py --report times.json
     python scripts/bench_tests.py --seconds times.json     # the table the longest-first schedule reads
+    python scripts/bench_tests.py --seconds some.json --keep   # renew the files some.json measured, keep the rest
 
 Runs the same pytest selection in the other checkout and in this one, alternating, ``--repeats`` times each, and
 prints a markdown table of each test's median time (setup + call + teardown) in both, with the ratio. Tests that
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
@@ -119,11 +121,26 @@ def seconds_table(path: Path) -> dict[str, dict[str, float]]:
             "files": {key: round(statistics.mean(walls), 2) for key, walls in sorted(per_file.items())}}
 
 
+def merged_table(old: dict[str, dict[str, float]], new: dict[str, dict[str, float]],
+                 measured: set[str]) -> dict[str, dict[str, float]]:
+    """``old`` with ``new``'s figures for the files in ``measured`` (``path::tier`` keys, and the tests of those
+    files): a run of some files renews their entries and keeps every other file's."""
+    def kept(table: dict[str, float], file_of: Callable[[str], str]) -> dict[str, float]:
+        return {k: v for k, v in table.items() if file_of(k) not in measured}
+
+    test_file = lambda name: name.split("::")[0]  # noqa: E731
+    tests = {**kept(old["tests"], test_file), **new["tests"]}
+    files = {**kept(old["files"], test_file), **new["files"]}
+    return {"tests": dict(sorted(tests.items())), "files": dict(sorted(files.items()))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", type=Path, help="a --timing-json file: print it per file and tier, run nothing")
     parser.add_argument("--seconds", type=Path, help="a --timing-json file of the whole suite: write the table the "
                         "scheduler orders work by (tests/data/test_seconds.json), run nothing")
+    parser.add_argument("--keep", action="store_true", help="with --seconds: renew only the files that run measured, "
+                        "keep the table's other entries")
     parser.add_argument("--base", type=Path, help="the other checkout (e.g. main's)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("selection", nargs="*", help="pytest arguments: files, -k, -m")
@@ -133,7 +150,11 @@ def main() -> None:
         return
     if args.seconds:
         table = HERE / "tests" / "data" / "test_seconds.json"
-        table.write_text(json.dumps(seconds_table(args.seconds), indent=1) + "\n")
+        figures = seconds_table(args.seconds)
+        if args.keep and table.is_file():
+            measured = {name.split("::")[0] for name in json.loads(args.seconds.read_text())}
+            figures = merged_table(json.loads(table.read_text()), figures, measured)
+        table.write_text(json.dumps(figures, indent=1) + "\n")
         print(f"wrote {table}")
         return
     if args.base is None or not args.selection:

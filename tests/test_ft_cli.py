@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from ddptrain.checkpoint.offline import read_tensors, tensor_entries
 from tests.helpers import procs
 from tests.helpers.cli import cli_command, outside_checkout, test_env
-from tests.helpers.run_cache import RunCache
+from tests.helpers.run_cache import Ran, RunCache
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI: a lighthouse and several groups of workers
 
@@ -37,16 +39,40 @@ def model_tensors(checkpoint: Path) -> dict:
     return read_tensors(checkpoint, keys)
 
 
+DRIFT = ["model=llama_tiny", "data.max_documents=40", "train.steps=6", "train.log_every=2", "train.check_every=1",
+         "train.eval_every=0", "data.global_batch_size=8", "data.micro_batch_size=2", "checkpoint.export=false",
+         "logger.progress=false", "hydra.run.dir=run", "ft.replica_groups=2", "ft.min_replicas=2",
+         "launch.nproc_per_node=2", "train.drift_policy=rebroadcast"]
+DRIFT_FAULT = {"DDPTRAIN_FAULT": "drift@step:3:1/1"}
+
+
 @pytest.fixture(scope="module")
-def no_fault(cli_runs: RunCache) -> Path:
+def background(request: pytest.FixtureRequest, cli_runs: RunCache) -> Iterator[dict[str, Future[Ran]]]:
+    """The module's runs that nothing here times, started at once beside the no-fault run: the 3-rank DDP
+    reference and the drift run. A replica-group run spends half its wall time waiting (the lighthouse's
+    quorum each step, the groups' start-up in turn), so these train in its pauses. Each test reads its run
+    (``.result()``); ``cli_runs`` keeps them for the session as before. The kill test, whose verdict depends on
+    when the killed group's restart lands, runs alone after them."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    runs = {"ddp": (test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run,
+                    [*RUN, "launch.nproc_per_node=3"], None),
+            "drift": (test_the_drift_check_works_inside_a_group_and_repairs_only_that_group, DRIFT, DRIFT_FAULT)}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # leaving the module waits for both (each has its timeout)
+        yield {name: pool.submit(cli_runs.run, args, timeout=400, extra_env=env)
+               for name, (test, args, env) in runs.items() if test.__name__ in selected}  # only what a test reads
+
+
+@pytest.fixture(scope="module")
+def no_fault(cli_runs: RunCache, background: dict[str, Future[Ran]]) -> Path:
     """3 groups x 1 worker, all of them in every step (ft.min_replicas=3): the run dir."""
     ran = cli_runs.run([*RUN, *GROUPS, "ft.min_replicas=3"], timeout=400)
     assert ran.returncode == 0, ran.stderr[-3000:]
     return ran.run_dir
 
 
-def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(cli_runs: RunCache, no_fault: Path) -> None:
-    ddp = cli_runs.run([*RUN, "launch.nproc_per_node=3"], timeout=400)
+def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(no_fault: Path,
+                                                                     background: dict[str, Future[Ran]]) -> None:
+    ddp = background["ddp"].result()
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     ft = json.loads((no_fault / "ft.json").read_text())
     assert ft["quorum_per_step"] == [[1, STEPS, 3]]  # the groups met in every step: the feature was on
@@ -64,7 +90,8 @@ def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(cli_runs: Ru
 
 
 def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_others_keep_stepping(
-        cli_runs: RunCache, no_fault: Path) -> None:
+        cli_runs: RunCache, no_fault: Path, background: dict[str, Future[Ran]]) -> None:
+    wait(background.values())  # alone on its worker's share of the machine: its restart races the survivors
     # group 1's rank 0 dies after step 10; from step 11 every group's first attempt sleeps 1.5 s per step, so the
     # survivors are still stepping when group 1's agent has restarted it (tens of seconds on a busy machine)
     ran = cli_runs.run([*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=10"], timeout=400,
@@ -122,15 +149,12 @@ def test_a_lighthouse_gone_stops_every_group_with_one_line_and_keeps_the_checkpo
         assert committed and committed[-1].parent.name >= "step_000010", committed
 
 
-def test_the_drift_check_works_inside_a_group_and_repairs_only_that_group(cli_runs: RunCache) -> None:
+def test_the_drift_check_works_inside_a_group_and_repairs_only_that_group(
+        background: dict[str, Future[Ran]]) -> None:
     """2 groups of 2 workers; rank 1 of group 1 drifts after step 3's update. Group 1's check at step 3 names its
     rank 1 and re-broadcasts from its rank 0 (the drift check runs on the group's own process group); group 0 sees
     nothing; at the end both groups hold the same weights (the cross-group average kept them together)."""
-    args = ["model=llama_tiny", "data.max_documents=40", "train.steps=6", "train.log_every=2", "train.check_every=1",
-            "train.eval_every=0", "data.global_batch_size=8", "data.micro_batch_size=2", "checkpoint.export=false",
-            "logger.progress=false", "hydra.run.dir=run", "ft.replica_groups=2", "ft.min_replicas=2",
-            "launch.nproc_per_node=2", "train.drift_policy=rebroadcast"]
-    ran = cli_runs.run(args, timeout=400, extra_env={"DDPTRAIN_FAULT": "drift@step:3:1/1"})
+    ran = background["drift"].result()
     assert ran.returncode == 0, ran.stderr[-3000:]
     drift = "replicas differ at step 3 (equal at step 2): rank 1 differs from rank 0"
     assert drift in (ran.run_dir / "group1" / "train.log").read_text()

@@ -395,3 +395,23 @@ def test_the_forked_ranks_preload_holds_the_trainer_and_what_it_imports() -> Non
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).parents[1])
     assert done.stdout.split() == ["True", "True"], done.stdout
+
+
+def test_the_seconds_table_renews_the_files_a_run_measured_and_keeps_the_others() -> None:
+    """``bench_tests.py --seconds F --keep``: a run of some files replaces their tests' and tiers' figures (a test
+    gone from them too) and leaves every other file's."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "scripts" / "bench_tests.py"
+    spec = importlib.util.spec_from_file_location("bench_tests", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    old = {"tests": {"tests/a.py::t1": 9.0, "tests/a.py::gone": 5.0, "tests/b.py::t": 7.0},
+           "files": {"tests/a.py::slow": 4.0, "tests/b.py::slow": 3.0}}
+    new = {"tests": {"tests/a.py::t1": 2.5, "tests/c.py::t": 30.0},
+           "files": {"tests/a.py::slow": 1.5, "tests/a.py::fast": 0.2, "tests/c.py::slow": 30.0}}
+    merged = bench.merged_table(old, new, {"tests/a.py", "tests/c.py"})
+    assert merged == {"tests": {"tests/a.py::t1": 2.5, "tests/b.py::t": 7.0, "tests/c.py::t": 30.0},
+                      "files": {"tests/a.py::fast": 0.2, "tests/a.py::slow": 1.5, "tests/b.py::slow": 3.0,
+                                "tests/c.py::slow": 30.0}}
