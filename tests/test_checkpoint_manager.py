@@ -16,8 +16,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ddptrain.checkpoint import CheckpointManager, TrainState
 from ddptrain.config.choices import Precision
+from ddptrain.errors import ConfigError
 from ddptrain.runtime.hooks import StepHooks
-from ddptrain.testing.faults import Fault, step_hooks
+from ddptrain.testing.faults import Fault, parse_fault, step_hooks
 
 REPO = Path(__file__).parents[1]
 
@@ -202,6 +203,50 @@ def test_a_delay_fault_sleeps_inside_its_phase_from_its_step_on() -> None:
     for step in (1, 2, 3):
         fault.step_started(step, Phase)
     assert phases == ["forward", "forward"]
+
+
+def test_a_wait_fault_holds_its_step_in_the_data_phase_until_its_release_file_exists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("DDPTRAIN_FAULT_RELEASE", raising=False)
+    monkeypatch.setenv("DDPTRAIN_FAULT", "wait@data:2:0")
+    with pytest.raises(ConfigError, match="DDPTRAIN_FAULT=wait@data:2:0: a wait fault needs DDPTRAIN_FAULT_RELEASE"):
+        step_hooks(0)
+    release = tmp_path / "go"
+    monkeypatch.setenv("DDPTRAIN_FAULT_RELEASE", str(release))
+    fault = step_hooks(0)
+    assert fault == Fault("wait", "data", 2, 200.0, str(release))
+    with pytest.raises(ConfigError, match="a wait fault strikes at data"):
+        parse_fault("wait@forward:2:0")
+    phases: list[str] = []
+    entered, left = threading.Event(), threading.Event()
+
+    class Phase:
+        def __init__(self, name: str) -> None:
+            phases.append(name)
+
+        def __enter__(self) -> None:
+            entered.set()
+
+        def __exit__(self, *exc: object) -> None:
+            left.set()
+
+    fault.step_started(1, Phase)  # not its step: no wait, no phase
+    assert phases == []
+    waiter = threading.Thread(target=fault.step_started, args=(2, Phase), daemon=True)
+    waiter.start()
+    assert entered.wait(60) and phases == ["data"]
+    # held while the file is missing: counted polls, not a wall-clock bound (it waits however long that takes)
+    for _ in range(5):
+        waiter.join(0.2)
+        assert waiter.is_alive() and not left.is_set()
+    release.touch()
+    waiter.join(60)
+    assert not waiter.is_alive() and left.is_set()
+    fault.step_started(3, Phase)  # only its own step waits
+    assert phases == ["data"]
 
 
 def test_only_the_runs_build_names_fault_injection() -> None:

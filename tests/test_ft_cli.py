@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from ddptrain.checkpoint.offline import read_tensors, tensor_entries
+from ddptrain.ft.accounting import read_events
 from tests.helpers import procs
-from tests.helpers.cli import cli_command, outside_checkout, test_env
+from tests.helpers.cli import cli_command, outside_checkout, run_cli, test_env
 from tests.helpers.run_cache import Ran, RunCache
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI: a lighthouse and several groups of workers
@@ -90,12 +91,29 @@ def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(no_fault: Pa
 
 
 def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_others_keep_stepping(
-        cli_runs: RunCache, no_fault: Path, background: dict[str, Future[Ran]]) -> None:
-    wait(background.values())  # alone on its worker's share of the machine: its restart races the survivors
-    # group 1's rank 0 dies after step 10; from step 11 every group's first attempt sleeps 1.5 s per step, so the
-    # survivors are still stepping when group 1's agent has restarted it (tens of seconds on a busy machine)
-    ran = cli_runs.run([*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=10"], timeout=400,
-                       extra_env={"DDPTRAIN_FAULT": "kill@step:10:1/0,delay@data:11:0:1500"})
+        cli_runs: RunCache, no_fault: Path, background: dict[str, Future[Ran]], tmp_path: Path) -> None:
+    wait(background.values())  # alone on its worker's share of the machine
+    # group 1's rank 0 dies after step 10. The survivors step on without it, then wait at step 20 (a wait fault)
+    # until group 1's restarted workers have resumed (their "attempt" event, written just before their first
+    # quorum), so the restart lands before the run ends however slow the machine is; from step 11 every
+    # group's first attempt also sleeps 1.5 s a step, which leaves the rejoining group ten steps to reach the
+    # quorum after the release
+    release, cwd = tmp_path / "release", tmp_path / "cwd"
+    cwd.mkdir()
+    fault = {"DDPTRAIN_FAULT": "kill@step:10:1/0,delay@data:11:0:1500,wait@data:20:0",
+             "DDPTRAIN_FAULT_RELEASE": str(release)}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(run_cli, [*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=10"],
+                              cwd=cwd, cache=cli_runs.data_cache, timeout=600, extra_env=fault)
+        events = cwd / "run" / "ft" / "group1.jsonl"
+        while not running.done():
+            if sum(e.get("event") == "attempt" for e in read_events(events)) == 2:
+                release.touch()
+                break
+            time.sleep(0.2)
+        done = running.result()
+    ran = Ran(cwd, done.returncode, done.stdout, done.stderr)
+    assert release.exists(), f"group 1 never restarted: {done.stderr[-3000:]}"
     assert ran.returncode == 0, ran.stderr[-3000:]
     ft = json.loads((ran.run_dir / "ft.json").read_text())
     g0, g1, g2 = ft["replica_groups"]

@@ -20,6 +20,11 @@ group 1's rank 0 after step 10 and slows rank 0 of every group from step 11 on).
 A straggler: ``delay@PHASE:STEP:RANK[:MS]`` sleeps MS milliseconds (default 200) in PHASE (``data`` or
 ``forward``) of every step from STEP on, on RANK only. Example: ``DDPTRAIN_FAULT=delay@data:1:1``.
 
+A gate: ``wait@data:STEP:RANK`` stops RANK in the data phase of step STEP until the file that
+``DDPTRAIN_FAULT_RELEASE`` names exists (the test creates it when what it waits for has happened, e.g. a killed
+replica group's restarted workers have started), so a race a test stages does not depend on the machine's speed.
+Example: ``DDPTRAIN_FAULT=wait@data:20:0 DDPTRAIN_FAULT_RELEASE=/tmp/go``.
+
 A replica that drifts: ``drift@step:STEP:RANK`` changes one element of one parameter on RANK after the update of
 STEP (before that step's check): the first element of the last parameter this rank holds a part of, by a relative
 2**-7 (plus 2**-20, so that a zero changes too), as silent corruption would.
@@ -47,7 +52,8 @@ log = logging.getLogger("ddptrain")
 
 # kind -> the points it can strike at
 POINTS = {"kill": ("step", "save"), "hang": ("step", "save", "data", "forward"), "mismatch": ("step", "save"),
-          "nan": ("step",), "overflow": ("step",), "drift": ("step",), "delay": ("data", "forward")}
+          "nan": ("step",), "overflow": ("step",), "drift": ("step",), "delay": ("data", "forward"), "wait": ("data",)}
+RELEASE = "DDPTRAIN_FAULT_RELEASE"  # the file whose appearance lets a wait fault go on
 
 
 def step_hooks(rank: int, group: int | None = None) -> StepHooks:
@@ -94,7 +100,10 @@ def parse_fault(spec: str) -> tuple[Fault, int | tuple[int, int]]:
         raise ConfigError(f"DDPTRAIN_FAULT={spec}: expected a step, a rank (or GROUP/RANK)"
                           f"{' and milliseconds' if limit == 3 else ''} after {kind}@{point} (non-negative numbers); "
                           f"{expected}")
-    return Fault(kind, point, step, delay_ms), ((group, rank) if slash else rank)
+    release = os.environ.get(RELEASE, "")
+    if kind == "wait" and not release:
+        raise ConfigError(f"DDPTRAIN_FAULT={spec}: a wait fault needs {RELEASE}, the file whose appearance releases it")
+    return Fault(kind, point, step, delay_ms, release if kind == "wait" else ""), ((group, rank) if slash else rank)
 
 
 @dataclass(frozen=True)
@@ -105,15 +114,22 @@ class Fault(StepHooks):
     point: str
     step: int
     delay_ms: float = 200.0
+    release: str = ""  # a wait's: the file it waits for
 
     def step_started(self, step: int, phase: Callable[[str], AbstractContextManager]) -> None:
-        """A hang in ``data`` or ``forward`` of its step; a delay there in every step from its step on."""
+        """A hang in ``data`` or ``forward`` of its step; a delay there in every step from its step on; a wait in
+        ``data`` of its step until its release file exists."""
         if self.kind == "hang" and self.point in ("data", "forward") and step == self.step:
             with phase(self.point):
                 _hang()
         if self.kind == "delay" and step >= self.step:
             with phase(self.point):
                 time.sleep(self.delay_ms / 1e3)
+        if self.kind == "wait" and step == self.step:
+            with phase(self.point):
+                log.warning("fault injection: waiting at step %d for %s", step, self.release)
+                while not os.path.exists(self.release):
+                    time.sleep(0.1)
 
     def poisons_loss(self, step: int) -> bool:
         return self.kind == "nan" and step == self.step
