@@ -246,3 +246,14 @@ def test_a_key_only_loosely_like_the_schemas_gets_no_guess_and_a_scalar_gets_no_
         with pytest.raises(ConfigError) as refused:
             typed_config(compose_config(overrides))
         assert str(refused.value) == message
+
+
+def test_a_rank_takes_the_cuda_device_of_its_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device a rank computes on is made current too (torch.cuda.set_device), so CUDA calls without a device
+    (NCCL's communicator, empty_cache) go to the rank's own GPU, not GPU 0."""
+    chosen: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert pick_device(DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2)) == torch.device("cuda", 1)
+    assert chosen == [1]
