@@ -1095,3 +1095,38 @@ def test_whereabouts_start_at_start_up_keep_a_phase_in_memory_until_opened_and_s
     where.at("backward", 4)
     assert read_whereabouts(tmp_path / "a" / "b" / "w") == (3, "x" + "é" * 15 + "\ufffd")
     assert (where.step, where.phase) == (4, "backward")
+
+
+def test_a_groups_ranks_the_current_collective_and_a_size_at_their_edges() -> None:
+    """``pg_config``'s ranks as torch writes them (a string) or already a list, and what is not a list of ranks;
+    a rank with no collective is in none; 1 KiB is the first size in KB."""
+    from ddptrain.diagnose.trace import _ranks, current
+    from ddptrain.diagnose.verdict import _size
+
+    assert (_ranks("[1, 3]"), _ranks([1, 3]), _ranks("[]"), _ranks("['a', 'b']"), _ranks("[0, 'x']")) == (
+        [1, 3], [1, 3], None, None, None)
+    assert current([]) is None and current(None) is None
+    assert (_size(1023), _size(1024), _size(2**20)) == ("1023 bytes", "1.0 KB", "1.0 MB")
+
+
+def test_the_innermost_ddptrain_frame_of_a_frames_stack_is_the_callers_not_an_outer_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame inside ``main_only`` called from a callback of ``main_first`` (two ddptrain frames on its stack,
+    at different lines): where is the inner one."""
+    import sys
+
+    import torch.distributed as dist
+
+    from ddptrain.diagnose.evidence import innermost
+    from ddptrain.runtime.process_group import DistEnv, main_first, main_only
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    found: list[tuple[str | None, int]] = []
+
+    def look() -> None:  # called by main_only: its frame is the caller's, read while it runs
+        frame = sys._getframe(1)
+        found.append((innermost(None, frame), frame.f_lineno))
+
+    main_first(DistEnv(0, 0, 1, 1), lambda: main_only(look, 1.0, "checkpoint.export_timeout_s", "exporting"), 1.0)
+    (where, line), = found
+    assert where == f"ddptrain/runtime/process_group.py:{line}"  # main_only's line, not main_first's
