@@ -1130,3 +1130,22 @@ def test_the_innermost_ddptrain_frame_of_a_frames_stack_is_the_callers_not_an_ou
     main_first(DistEnv(0, 0, 1, 1), lambda: main_only(look, 1.0, "checkpoint.export_timeout_s", "exporting"), 1.0)
     (where, line), = found
     assert where == f"ddptrain/runtime/process_group.py:{line}"  # main_only's line, not main_first's
+
+
+def test_a_stacks_file_gives_the_first_threads_ddptrain_frame_of_the_first_fatal_error(tmp_path: Path) -> None:
+    """faulthandler's dump: bytes that are not UTF-8 are read, not refused; of two fatal errors the first is the
+    cause; a ddptrain frame only in a later thread is not where the crashed thread was."""
+    from ddptrain.diagnose.verdict import _stack_frame
+
+    def crash(frame: str) -> str:
+        return ("Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+                '  File "/x/torch/distributed/distributed_c10d.py", line 2900 in all_reduce\n'
+                f'  File "/x/{frame}", line 46 in global_mean\n\nThread 0x2:\n  File "/x/ddptrain/data/loader.py", '
+                "line 9 in run\n")
+
+    path = tmp_path / "rank1.stacks"
+    path.write_bytes(b"\xff a thread name\n" + crash("ddptrain/step/compute.py").encode()
+                     + crash("ddptrain/train/loop.py").encode())
+    assert _stack_frame(path) == ("ddptrain/step/compute.py:46", True)
+    path.write_text(crash("torch/nn/modules/module.py"))  # the crashed thread ran no ddptrain code
+    assert _stack_frame(path) is None
