@@ -1149,3 +1149,20 @@ def test_a_stacks_file_gives_the_first_threads_ddptrain_frame_of_the_first_fatal
     assert _stack_frame(path) == ("ddptrain/step/compute.py:46", True)
     path.write_text(crash("torch/nn/modules/module.py"))  # the crashed thread ran no ddptrain code
     assert _stack_frame(path) is None
+
+
+def test_late_ranks_when_a_waiter_has_no_collective_and_when_no_waiter_has_one() -> None:
+    """A waiter with no collective does not end the search (the next waiter's peers are behind it); with no
+    collective numbers at all, the ranks not waiting are the late ones. A peer whose group's last collective
+    completed before the waited number, or that has no collective of the group, is not stuck before it."""
+    from ddptrain.diagnose.verdict import _Groups, _late, _stuck_before
+
+    traces = {1: [{"group": "0", "seq": 41, "op": "all_reduce", "completed": False}],
+              2: [{"group": "0", "seq": 40, "op": "all_reduce", "completed": True}]}
+    waiters: dict[int, dict[str, Any]] = {0: {}, 1: {}}  # rank 0 first: waiting, its collectives unknown
+    assert _late(waiters, traces, _Groups(3, {}, traces), 3) == {0, 2}
+    assert _late(waiters, {}, _Groups(4, {}, {}), 4) == {2, 3}
+    other_group = [{"group": "0", "seq": 3, "op": "all_reduce", "completed": True},
+                   {"group": "1", "seq": 7, "op": "all_gather", "completed": False}]
+    assert not _stuck_before(other_group, "0", 5)  # its last of group 0 completed
+    assert not _stuck_before(other_group, "2", 5)  # nothing of group 2
