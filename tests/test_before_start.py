@@ -359,3 +359,12 @@ def test_ctrl_c_while_a_worker_prepares_the_data_names_that_part(
     assert isinstance(exc, KeyboardInterrupt), exc
     assert interrupted_line(exc) == f"interrupted (SIGINT) while preparing the data; {INTACT_CACHE}"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["train.log"]  # no config.yaml, no hang/
+
+
+def test_the_interrupted_line_names_the_innermost_part_and_what_is_safe_only_when_something_is() -> None:
+    from ddptrain.runtime.starting import interrupted_line, starting
+
+    assert interrupted_line(KeyboardInterrupt()) == "interrupted (SIGINT)"  # outside every part
+    with pytest.raises(KeyboardInterrupt) as caught, starting("building the model"), starting("loading weights"):
+        raise KeyboardInterrupt
+    assert interrupted_line(caught.value) == "interrupted (SIGINT) while loading weights"

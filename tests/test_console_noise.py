@@ -131,3 +131,18 @@ def test_threads_per_worker_take_the_cores_the_machine_leaves_idle(
 
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     assert threads_per_worker(workers, busy=busy) == threads
+
+
+def test_a_machine_whose_core_count_is_unknown_counts_as_one_core_and_busy_defaults_to_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ddptrain.runtime.topology import oversubscription_note, threads_per_worker
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert threads_per_worker(1) == 2  # no load given: a machine of our own, a thread per core
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # os.cpu_count() may not know
+    assert threads_per_worker(1) == 1
+    assert oversubscription_note(2) == (
+        "ddptrain: note: launch.nproc_per_node=2 workers on 1 cores: each gets one thread and they take turns on "
+        "the cores (launch.nproc_per_node=1 trains faster here)")

@@ -360,3 +360,25 @@ def test_nccl_nvls_enable_1_plans_the_nvls_buffers_as_unset() -> None:
         assert _nccl(cfg, world, 8, environ={"NCCL_NVLS_ENABLE": "1"}) == unset
         off = _nccl(cfg, world, 8, environ={"NCCL_NVLS_ENABLE": "0"})
         assert not [k for k in off if k.startswith("NVLink SHARP")] and len(off) == 1
+
+
+def test_the_memory_in_use_before_the_groups_is_read_on_the_ranks_device_or_the_current_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``note`` on a CUDA device with an index reads that device; without one, the current device; on the CPU
+    nothing. CUDA's calls faked: device i has 100 + i bytes, 100 - 10 i free."""
+    from ddptrain.runtime import memory_before_groups as before
+
+    def mem_get_info(index: int) -> tuple[int, int]:
+        assert isinstance(index, int), index
+        return 100 - 10 * index, 100 + index
+
+    monkeypatch.setattr(before, "_in_use", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    before.note(torch.device("cpu"))
+    before.note(torch.device("cuda", 1))
+    assert [before.in_use_before_groups(i) for i in range(3)] == [None, 11, None]
+    before.note(torch.device("cuda"))
+    assert [before.in_use_before_groups(i) for i in range(3)] == [None, 11, 22]
+    before.forget()
+    assert before.in_use_before_groups(1) is None

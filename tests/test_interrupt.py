@@ -88,3 +88,22 @@ def test_a_tokenizer_pool_worker_leaves_ctrl_c_to_the_preparing_process(monkeypa
     assert handlers == []
     encode.start_worker(tokenizer, 0)
     assert handlers == [(signal.SIGINT, signal.SIG_IGN)]
+
+
+def test_a_waiting_rank_looks_for_rank_0s_key_every_fifth_of_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poll period bounds how late a waiting rank sees rank 0's key (and a Ctrl-C): the store's key appears at
+    the third look, after two sleeps of 0.2 s (``time.sleep`` recorded, not slept)."""
+    looks: list[list[str]] = []
+
+    class Store:
+        def check(self, keys: list[str]) -> bool:
+            looks.append(keys)
+            return len(looks) == 3
+
+        def get(self, key: str) -> bytes:
+            return b"done"
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    _await_main(Store(), "rank0/data", 60.0, "timed out")  # type: ignore[arg-type]
+    assert looks == [["rank0/data"]] * 3 and slept == [0.2, 0.2]

@@ -366,3 +366,44 @@ def test_a_restarted_attempt_does_not_take_the_previous_attempts_keys_for_its_ow
     assert [main_first(_env_of(1, 1, 2, 2), lambda n=n: n, timeout_s=0.3) for n in range(2)] == [0, 1]
     with pytest.raises(ConfigError, match="rank 1 waited that long"):
         main_first(_env_of(1, 1, 2, 2), lambda: None, timeout_s=0.3)
+
+
+def test_seed_everything_seeds_pythons_numpys_and_torchs_generators() -> None:
+    """The same seed gives the same draws from all three generators; another seed other draws from each."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from ddptrain.runtime.process_group import seed_everything
+
+    def draws() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        seed_everything(3)
+        first = draws()
+        seed_everything(3)
+        assert draws() == first
+        seed_everything(4)
+        assert all(a != b for a, b in zip(draws(), first, strict=True))
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+def test_broadcast_from_main_returns_rank_0s_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from ddptrain.runtime.process_group import broadcast_from_main
+
+    sources: list[object] = []
+
+    def broadcast(box: list[object], src: object = None) -> None:
+        sources.append(src)
+        box[0] = "rank 0's"
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    assert broadcast_from_main("mine") == "rank 0's" and sources == [0]

@@ -142,3 +142,33 @@ def test_the_shared_run_dir_check_in_process_names_the_ranks_that_miss_rank_0s_p
     (tmp_path / ".shared-probe-0123456789abcdef").unlink()
     with pytest.raises(ConfigError, match=rf"rank\(s\) 1 \({host}\) cannot see"):
         check_shared_run_dir(tmp_path)
+
+
+def test_the_topology_line_names_nodes_ranks_per_node_and_at_most_four_hosts() -> None:
+    from ddptrain.runtime.topology import Topology
+
+    five = Topology(["e", "a", "b", "c", "d", "a"], [0, 0, 1, 1, 2, 2], 2)
+    assert five.describe() == "3 node(s) x 2 rank(s) per node on 5 host(s): a, b, c, d ..."
+    four = Topology(["d", "c", "b", "a"], [0, 1, 2, 3], 1)
+    assert four.describe() == "4 node(s) x 1 rank(s) per node on 4 host(s): a, b, c, d"
+
+
+def test_the_topology_is_gathered_from_every_ranks_host_and_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank's side of the gather, torch.distributed's call faked: rank 1 on node 1 of 3 ranks a node."""
+    import socket
+
+    import torch.distributed as dist
+
+    from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.runtime.topology import Topology, gather_topology
+
+    host = socket.gethostname()
+
+    def gather(every: list[tuple[str, int]], mine: tuple[str, int]) -> None:
+        assert every == [mine, mine] and mine == (host, 1)
+        every[:] = [("node-a", 0), mine]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    env = DistEnv(rank=1, local_rank=0, world_size=2, local_world_size=3, node_rank=1)
+    assert gather_topology(env) == Topology(["node-a", host], [0, 1], 3)

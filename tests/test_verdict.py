@@ -942,3 +942,227 @@ def test_a_ranks_record_says_who_where_and_why_and_only_the_first_cause(tmp_path
         signal.signal(signal.SIGTERM, previous)
         for ev in opened:
             ev._stacks.close()
+
+
+def test_a_sigterm_before_the_loop_records_then_dies_of_the_signal_and_a_lost_peer_is_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evidence in-process, with ``os.kill`` faked (the handler re-raises the signal on its own process): SIGTERM's
+    handler records with the signal's frame, puts back the handler it replaced (the signal's default when that was
+    not a function, so the process dies of it as before) and sends the signal again. ``lost_peer`` records only
+    an error that says a collective timed out or lost its peer, with the error's first non-blank line."""
+    import faulthandler
+    import os
+    import signal
+    import sys
+
+    from ddptrain.diagnose import evidence
+    from ddptrain.diagnose.evidence import TIMED_OUT, Evidence, _first_line
+    from ddptrain.diagnose.whereabouts import WHEREABOUTS
+    from ddptrain.runtime.process_group import DistEnv, main_first
+
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # recorded: Evidence sets them
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(evidence, "_ACTIVE", None)
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    previous, opened = signal.getsignal(signal.SIGTERM), []
+
+    def before(signum: int, frame: object) -> None:  # the handler Evidence replaces
+        raise AssertionError("not called: os.kill is faked")
+
+    def read(rank: int) -> dict[str, Any]:
+        return json.loads((tmp_path / HANG_DIR / f"rank{rank}.json").read_text())
+
+    try:
+        signal.signal(signal.SIGTERM, before)
+        (tmp_path / HANG_DIR).mkdir()
+        (tmp_path / HANG_DIR / "nccl_trace_rank_2").write_bytes(b"a previous attempt's")
+        opened.append(ev := Evidence(tmp_path, 2))
+        assert signal.getsignal(signal.SIGTERM) == ev._on_sigterm and evidence._ACTIVE is ev
+        assert not (tmp_path / HANG_DIR / "nccl_trace_rank_2").exists()
+        frame = main_first(DistEnv(0, 0, 1, 1), lambda: sys._getframe(1), timeout_s=1)  # inside ddptrain
+        ev._on_sigterm(signal.SIGTERM, frame)
+        record = read(2)
+        assert record["reason"] == "SIGTERM from the launcher", record
+        assert record["where"].startswith("ddptrain/runtime/process_group.py:"), record["where"]
+        assert signal.getsignal(signal.SIGTERM) is before and killed == [(os.getpid(), signal.SIGTERM)]
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # not a function: the default follows, and kills
+        opened.append(ev := Evidence(tmp_path, 3))
+        ev._on_sigterm(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and len(killed) == 2
+        signal.signal(signal.SIGTERM, before)
+
+        opened.append(ev := Evidence(tmp_path, 4))
+        assert ev.lost_peer(ValueError("the shapes differ")) is None
+        assert not (tmp_path / HANG_DIR / "rank4.json").exists()
+        lost = ev.lost_peer(RuntimeError("\n \t\n  [pair.cc:534] Connection closed by peer [10.0.0.2]:5012  \nmore"))
+        assert lost == read(4) and lost is not None
+        assert (lost["reason"], lost["error"]) == (TIMED_OUT, "RuntimeError: [pair.cc:534] Connection closed by peer "
+                                                              "[10.0.0.2]:5012")
+
+        # the stop handler's call (record_evidence) records into the evidence installed last, with its frame
+        opened.append(ev := Evidence(tmp_path, 5))
+        evidence.record_evidence("SIGTERM from the launcher", frame=frame)
+        assert (read(5)["reason"], read(5)["where"]) == ("SIGTERM from the launcher", record["where"])
+        # a rank that ended well: its files go, hang/ stays while another rank's are there; the installed evidence
+        # is dropped only by its own discard
+        opened.append(healthy := Evidence(tmp_path / "healthy", 0))
+        opened.append(other := Evidence(tmp_path / "healthy", 1))
+        (tmp_path / "healthy" / HANG_DIR / "rank1.stacks").unlink()  # a file already gone does not stop it
+        healthy.discard()
+        assert sorted(p.name for p in (tmp_path / "healthy" / HANG_DIR).iterdir()) == ["rank1.where"]
+        assert evidence._ACTIVE is other
+        other.discard()
+        assert not (tmp_path / "healthy" / HANG_DIR).exists() and evidence._ACTIVE is None
+    finally:
+        WHEREABOUTS.close()
+        faulthandler.enable(sys.__stderr__, all_threads=True)
+        signal.signal(signal.SIGTERM, previous)
+        for ev in opened:
+            ev._stacks.close()
+    assert _first_line(RuntimeError("")) == "RuntimeError: "
+    assert _first_line(TimeoutError("x" * 250 + "\nsecond")) == "TimeoutError: " + "x" * 200
+
+
+def test_a_record_reads_torchs_recorder_without_stacks_and_fills_gloos_group_ranks_from_this_processs_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's recorder API faked with its real names and semantics: ``_dump_fr_trace(includeCollectives,
+    includeStackTraces, onlyActive)`` (None: torch's default, True, True, False) as gloo dumps it (no group's
+    ranks), ``_dump_nccl_trace`` absent (a CPU build) or raising, and ``distributed_c10d._get_all_pg_configs`` as
+    torch returns it. The record asks for every collective without stack traces (collecting them for a full ring
+    takes time), and takes each group's ranks from this process's groups where the dump has none."""
+    import pickle
+
+    import torch
+    from torch.distributed import distributed_c10d
+
+    from ddptrain.diagnose.evidence import flight_record
+    from tests.helpers.nccl_twin import nccl_dump
+
+    gloo = pickle.loads(nccl_dump([(6, "all_reduce", 8, "completed"), (7, "broadcast", 64, "scheduled"),
+                                   ("5", 3, "all_reduce", 8, "scheduled")], groups={"5": ("mesh_shard", [1, 3])}))
+    gloo["pg_config"] = {}
+    stacks: list[bool] = []
+
+    def dump_fr_trace(includeCollectives: bool | None = None, includeStackTraces: bool | None = None,
+                      onlyActive: bool | None = None) -> bytes:
+        stacks.append(includeStackTraces is not False)
+        entries = [] if includeCollectives is False else [
+            e for e in gloo["entries"] if not (onlyActive and e["state"] == "completed")]
+        return pickle.dumps({**gloo, "entries": entries})
+
+    def no_nccl(*_: object) -> bytes:
+        raise RuntimeError("no NCCL process group")
+
+    configs = [{"pg_name": name, "pg_desc": desc, "backend_config": "cpu:gloo", "pg_size": len(ranks), "ranks": ranks}
+               for name, desc, ranks in (("0", "default_pg", [0, 1, 2, 3]), ("5", "mesh_shard", [1, 3]),
+                                         ("9", "mesh_replicate", [1, 3]))]  # 9: no collective in the ring
+    c10d = torch._C._distributed_c10d
+    monkeypatch.delattr(c10d, "_dump_nccl_trace", raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace", dump_fr_trace)
+    monkeypatch.setattr(distributed_c10d, "_get_all_pg_configs", lambda: configs)
+    expected = {"collectives": [{"group": "0", "seq": 6, "op": "all_reduce", "sizes": [[2]], "bytes": 8},
+                                {"group": "0", "seq": 7, "op": "broadcast", "sizes": [[16]], "bytes": 64},
+                                {"group": "5", "seq": 3, "op": "all_reduce", "sizes": [[2]], "bytes": 8}],
+                "groups": {"0": {"desc": "default_pg", "ranks": [0, 1, 2, 3]},
+                           "5": {"desc": "mesh_shard", "ranks": [1, 3]}}}
+    assert flight_record() == expected and stacks == [False]
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", no_nccl, raising=False)  # a CUDA build without NCCL's recorder
+    assert flight_record() == expected
+    monkeypatch.delattr(c10d, "_dump_nccl_trace")
+    monkeypatch.delattr(c10d, "_dump_fr_trace")  # a torch without either: no entries, not an error
+    assert flight_record() == {"collectives": [], "groups": {}}
+
+
+def test_whereabouts_start_at_start_up_keep_a_phase_in_memory_until_opened_and_stop_writing_when_closed(
+        tmp_path: Path) -> None:
+    """A fresh rank is at step 0 in start-up; phases before ``open`` are written when it opens (into a folder it
+    makes); after ``close`` the file keeps the last phase written; a phase cut at 32 bytes inside a character reads
+    with a replacement character, not an error."""
+    fresh = Whereabouts()
+    fresh.open(tmp_path / "fresh")
+    assert read_whereabouts(tmp_path / "fresh") == (0, "start-up")
+    fresh.close()
+    where = Whereabouts()
+    where.at("forward", 3)  # no file yet: kept in memory
+    where.open(tmp_path / "a" / "b" / "w")
+    assert read_whereabouts(tmp_path / "a" / "b" / "w") == (3, "forward")
+    where.at("x" + "é" * 20)  # 41 bytes of UTF-8: the 32nd is the first half of an é
+    assert read_whereabouts(tmp_path / "a" / "b" / "w") == (3, "x" + "é" * 15 + "\ufffd")
+    where.close()
+    where.at("backward", 4)
+    assert read_whereabouts(tmp_path / "a" / "b" / "w") == (3, "x" + "é" * 15 + "\ufffd")
+    assert (where.step, where.phase) == (4, "backward")
+
+
+def test_a_groups_ranks_the_current_collective_and_a_size_at_their_edges() -> None:
+    """``pg_config``'s ranks as torch writes them (a string) or already a list, and what is not a list of ranks;
+    a rank with no collective is in none; 1 KiB is the first size in KB."""
+    from ddptrain.diagnose.trace import _ranks, current
+    from ddptrain.diagnose.verdict import _size
+
+    assert (_ranks("[1, 3]"), _ranks([1, 3]), _ranks("[]"), _ranks("['a', 'b']"), _ranks("[0, 'x']")) == (
+        [1, 3], [1, 3], None, None, None)
+    assert current([]) is None and current(None) is None
+    assert (_size(1023), _size(1024), _size(2**20)) == ("1023 bytes", "1.0 KB", "1.0 MB")
+
+
+def test_the_innermost_ddptrain_frame_of_a_frames_stack_is_the_callers_not_an_outer_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame inside ``main_only`` called from a callback of ``main_first`` (two ddptrain frames on its stack,
+    at different lines): where is the inner one."""
+    import sys
+
+    import torch.distributed as dist
+
+    from ddptrain.diagnose.evidence import innermost
+    from ddptrain.runtime.process_group import DistEnv, main_first, main_only
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    found: list[tuple[str | None, int]] = []
+
+    def look() -> None:  # called by main_only: its frame is the caller's, read while it runs
+        frame = sys._getframe(1)
+        found.append((innermost(None, frame), frame.f_lineno))
+
+    main_first(DistEnv(0, 0, 1, 1), lambda: main_only(look, 1.0, "checkpoint.export_timeout_s", "exporting"), 1.0)
+    (where, line), = found
+    assert where == f"ddptrain/runtime/process_group.py:{line}"  # main_only's line, not main_first's
+
+
+def test_a_stacks_file_gives_the_first_threads_ddptrain_frame_of_the_first_fatal_error(tmp_path: Path) -> None:
+    """faulthandler's dump: bytes that are not UTF-8 are read, not refused; of two fatal errors the first is the
+    cause; a ddptrain frame only in a later thread is not where the crashed thread was."""
+    from ddptrain.diagnose.verdict import _stack_frame
+
+    def crash(frame: str) -> str:
+        return ("Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+                '  File "/x/torch/distributed/distributed_c10d.py", line 2900 in all_reduce\n'
+                f'  File "/x/{frame}", line 46 in global_mean\n\nThread 0x2:\n  File "/x/ddptrain/data/loader.py", '
+                "line 9 in run\n")
+
+    path = tmp_path / "rank1.stacks"
+    path.write_bytes(b"\xff a thread name\n" + crash("ddptrain/step/compute.py").encode()
+                     + crash("ddptrain/train/loop.py").encode())
+    assert _stack_frame(path) == ("ddptrain/step/compute.py:46", True)
+    path.write_text(crash("torch/nn/modules/module.py"))  # the crashed thread ran no ddptrain code
+    assert _stack_frame(path) is None
+
+
+def test_late_ranks_when_a_waiter_has_no_collective_and_when_no_waiter_has_one() -> None:
+    """A waiter with no collective does not end the search (the next waiter's peers are behind it); with no
+    collective numbers at all, the ranks not waiting are the late ones. A peer whose group's last collective
+    completed before the waited number, or that has no collective of the group, is not stuck before it."""
+    from ddptrain.diagnose.verdict import _Groups, _late, _stuck_before
+
+    traces = {1: [{"group": "0", "seq": 41, "op": "all_reduce", "completed": False}],
+              2: [{"group": "0", "seq": 40, "op": "all_reduce", "completed": True}]}
+    waiters: dict[int, dict[str, Any]] = {0: {}, 1: {}}  # rank 0 first: waiting, its collectives unknown
+    assert _late(waiters, traces, _Groups(3, {}, traces), 3) == {0, 2}
+    assert _late(waiters, {}, _Groups(4, {}, {}), 4) == {2, 3}
+    other_group = [{"group": "0", "seq": 3, "op": "all_reduce", "completed": True},
+                   {"group": "1", "seq": 7, "op": "all_gather", "completed": False}]
+    assert not _stuck_before(other_group, "0", 5)  # its last of group 0 completed
+    assert not _stuck_before(other_group, "2", 5)  # nothing of group 2
