@@ -49,6 +49,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where a selected test's module runs ranks through ``tests/helpers/dist.py``, its fork server starts and
+    imports before the first test, not inside it (``warm_forkserver`` says why)."""
+    dist = sys.modules.get("tests.helpers.dist")
+    if dist is None or session.config.option.collectonly:
+        return
+    if any(getattr(getattr(item, "module", None), "run_distributed", None) is dist.run_distributed
+           for item in session.items):
+        dist.warm_forkserver()
+
+
 @pytest.fixture
 def compose() -> Callable[..., Config]:
     """Compose command-line overrides into the typed config a run gets, through the real path (Hydra's compose

@@ -46,6 +46,22 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
         results.put((rank, False, traceback.format_exc()))
 
 
+def _started() -> None:
+    """What ``warm_forkserver``'s process runs: nothing."""
+
+
+def warm_forkserver() -> None:
+    """Start the fork server and wait until it has imported ``PRELOAD`` (seconds of CPU, more on a busy machine).
+
+    Called once per pytest process before its first test (``tests/conftest.py``): otherwise the import is paid
+    inside whichever test first calls ``run_distributed``, which the fast tier's CPU budget charges with it and whose
+    rank timeout it eats into; that test depends on the order the tests ran in, not on what it does.
+    """
+    process = _CTX.Process(target=_started, daemon=True)
+    process.start()  # answered once the server has preloaded and forked it
+    process.join()
+
+
 def _to_bytes(value: Any) -> bytes:
     """Results travel as bytes: tensors sent through a queue are shared-memory handles that die with the child."""
     buf = io.BytesIO()
