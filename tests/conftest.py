@@ -4,11 +4,18 @@ skip, and the fixtures many tests share."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+# Cached bytecode for the suite's own process (and each xdist worker): with PYTHONDONTWRITEBYTECODE=1 in the shell
+# (set on the shared development machine), every run compiled ddptrain's modules again and pytest rewrote the
+# asserts of every test module again, 6.7 of the 20 CPU s a collection costs, paid by each worker. Bytecode lands in
+# the ignored __pycache__ folders; the commands the tests start keep the environment they were given.
+sys.dont_write_bytecode = False
 
 if TYPE_CHECKING:
     from ddptrain.config.schema import Config
@@ -40,6 +47,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where a selected test's module runs ranks through ``tests/helpers/dist.py``, its fork server starts and
+    imports before the first test, not inside it (``warm_forkserver`` says why)."""
+    dist = sys.modules.get("tests.helpers.dist")
+    if dist is None or session.config.option.collectonly:
+        return
+    if any(getattr(getattr(item, "module", None), "run_distributed", None) is dist.run_distributed
+           for item in session.items):
+        dist.warm_forkserver()
 
 
 @pytest.fixture

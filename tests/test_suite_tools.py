@@ -103,7 +103,10 @@ def test_a_test_slowed_by_the_load_passes_when_its_cpu_is_within_the_budget(pyte
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s", "--test-budget-s=0.15",
                                           f"--timing-json={out}")
     figures = json.loads(out.read_text())["test_crowded.py::test_crowded"]
-    assert figures["wall_s"] > 0.5 and figures["cpu_s"] < 0.15, figures  # the crowding happened, the work was small
+    # over the budget in wall seconds, within it in CPU: by construction, the 0.1 s sleep and 0.07 CPU s of work put
+    # the wall over 0.15 whatever the load; the crowding adds to it by as much as the priorities allow (under
+    # `nice -n 10 pytest` the busy process inherits nice 10 against the thread's 15: 0.39 s seen, not over 0.5)
+    assert figures["wall_s"] > 0.15 and figures["cpu_s"] < 0.15, figures
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*fast-tier tests over the budget in wall seconds*", "*test_crowded.py::test_crowded"])
 

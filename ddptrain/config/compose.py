@@ -147,6 +147,9 @@ def typed_config(cfg: DictConfig) -> Run:
     return Run(cfg, typed, resolved)
 
 
+SCHEMA_NAME = "ddptrain_schema"  # configs/config.yaml's first default
+
+
 def register_schema() -> None:
     """Put the schema in Hydra's ConfigStore; group files merge into its typed nodes and are checked there. Our
     launcher plugin registers ``hydra/launcher=ddptrain``, the primary config's choice, on import: imported here,
@@ -154,7 +157,12 @@ def register_schema() -> None:
     ``hydra_plugins`` namespace, which pyproject's package list makes every install (editable too) lay out."""
     import hydra_plugins.ddptrain_launcher.ddptrain_launcher  # noqa: F401  # registers on import
 
-    ConfigStore.instance().store(name="ddptrain_schema", node=Config)
+    store = ConfigStore.instance()
+    # Once per process: building the node from the dataclasses was a fifth of each compose (a process composing many
+    # configs, a sweep's or the tests', paid it every time); Hydra deep-copies what it loads, so the stored node is
+    # never changed by a composition.
+    if f"{SCHEMA_NAME}.yaml" not in store.repo:
+        store.store(name=SCHEMA_NAME, node=Config)
 
 
 def _stored_primary(name: str) -> str:

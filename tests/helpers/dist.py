@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -44,6 +45,37 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the traceback travels to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
+
+
+def _started() -> None:
+    """What ``warm_forkserver``'s process runs: nothing."""
+
+
+def warm_forkserver() -> None:
+    """Start the fork server and wait until it has imported ``PRELOAD`` (seconds of CPU, more on a busy machine).
+
+    Called once per pytest process before its first test (``tests/conftest.py``): otherwise the import is paid
+    inside whichever test first calls ``run_distributed``, which the fast tier's CPU budget charges with it and whose
+    rank timeout it eats into; that test depends on the order the tests ran in, not on what it does.
+    """
+    # The server and every rank it forks print to the descriptors it started with. Started inside a test, those were
+    # that test's capture file; started here, before any test, they would be the terminal: the ranks' lines (a
+    # failing rank's traceback comes back through run_distributed) go nowhere instead.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    kept = [os.dup(fd) for fd in (1, 2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        process = _CTX.Process(target=_started, daemon=True)
+        process.start()  # the server starts here; the process is answered once it has preloaded
+    finally:
+        for fd, copy in zip((1, 2), kept, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
+    process.join()
 
 
 def _to_bytes(value: Any) -> bytes:
