@@ -88,3 +88,20 @@ def test_a_tokenizer_pool_worker_leaves_ctrl_c_to_the_preparing_process(monkeypa
     assert handlers == []
     encode.start_worker(tokenizer, 0)
     assert handlers == [(signal.SIGINT, signal.SIG_IGN)]
+
+
+def test_a_rank_that_stopped_waiting_names_the_collective_its_group_and_where_it_was(tmp_path: Path) -> None:
+    """After a collective timed out, the rank's own line names what it waited in: the op and number, and the group
+    (by its description) when it is not the default group; a rank with no collective recorded says so."""
+    from ddptrain.app.launch import lost_peer_line
+
+    record = {"rank": 3, "step": 12, "phase": "backward", "groups": {"2": {"desc": "replicate"}},
+              "collectives": [{"group": "0", "seq": 40, "op": "all_reduce", "completed": True},
+                              {"group": "2", "seq": 7, "op": "all_gather", "completed": False}]}
+    assert lost_peer_line(record, 60.0, tmp_path) == (
+        f"rank 3 stopped waiting in all_gather #7 of group replicate at step 12 (backward) after at most 60 s "
+        f"(dist.timeout_s): a peer never came or left; evidence in {tmp_path / 'hang'}")
+    record["collectives"] = [{"group": "0", "seq": 41, "op": "", "completed": False}]
+    assert lost_peer_line(record, 1.5, tmp_path).startswith("rank 3 stopped waiting in collective #41 at step 12")
+    record["collectives"] = []
+    assert "stopped waiting in a collective at step 12" in lost_peer_line(record, 1.5, tmp_path)
