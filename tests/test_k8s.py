@@ -369,6 +369,7 @@ def test_a_pytorchjob_is_printed_without_anchors_and_its_master_and_workers_are_
 
 REFUSED = [
     (["--nodes", "0"], "--nodes 0: expected at least 1 node"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node -1: expected 0 (CPU pods) or more"),
     (["--image", " "], "--image: empty; expected the container image"),
     (["hydra.run.dir=/tmp/run"], "hydra.run.dir=/tmp/run: not on the checkpoint volume mounted at /mnt/ddptrain"),
     (["hydra.run.dir=outputs/x"], "hydra.run.dir=outputs/x: not on the checkpoint volume"),
