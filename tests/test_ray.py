@@ -164,8 +164,11 @@ class _Remote:
 
 
 class _StubRay:
+    def __init__(self) -> None:
+        self.actors: list[type] = []
+
     def remote(self, **_: Any) -> Any:
-        return lambda cls: _Remote()
+        return lambda cls: self.actors.append(cls) or _Remote()
 
 
 @pytest.mark.parametrize("code", [4, 3, 143])  # a drift abort, a non-finite abort, a stop on SIGTERM (128 + 15)
@@ -188,11 +191,15 @@ def test_a_ray_run_that_ended_on_purpose_exits_with_the_workers_code(
             return SimpleNamespace(metrics={ENDED: f"stopped on purpose ({code})", EXIT_CODE: code})
 
     monkeypatch.setattr(ray_torch, "TorchTrainer", StubTrainer)
-    cfg = typed_config(compose_config(["data=synthetic", "launch.max_restarts=2"])).typed
-    assert fit(_StubRay(), cfg, 2, False, tmp_path / "run", {}) == code
+    from ddptrain.app.ray_launch import Attempts
+
+    cfg = typed_config(compose_config(["data=synthetic", "launch.max_restarts=2", "dist.timeout_s=90"])).typed
+    ray = _StubRay()
+    assert fit(ray, cfg, 2, False, tmp_path / "run", {}) == code
     assert capsys.readouterr().err.strip() == f"ddptrain: stopped on purpose ({code})"
     (kwargs,) = made
-    assert kwargs["train_loop_config"]["attempts"] == "attempts-actor"
+    assert kwargs["train_loop_config"]["attempts"] == "attempts-actor" and ray.actors == [Attempts]
+    assert (kwargs["torch_config"].backend, kwargs["torch_config"].timeout_s) == ("gloo", 90)  # ddptrain's choices
     assert kwargs["run_config"].failure_config.max_failures == 2
 
 
@@ -275,3 +282,31 @@ def test_a_ray_worker_trains_its_rank_from_the_drivers_source_and_reports_the_su
     outcome[0] = RunEnded("stopped on purpose", 4)
     ray_worker.train_worker(config)
     assert reports[-1] == ({ray_worker.ENDED: "stopped on purpose", ray_worker.EXIT_CODE: 4}, {})
+
+
+def test_the_driver_starts_a_small_local_instance_and_hands_the_workers_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch_ray`` in-process, Ray and the trainer stubbed: a local instance gets a CPU per worker (at least),
+    a small object store and no dashboard; the workers get the source, the absolute run dir (made) and the cwd."""
+    from ddptrain.app import ray_launch
+    from ddptrain.config.compose import Source, compose_config, typed_config
+
+    inits: list[dict[str, Any]] = []
+    fitted: list[tuple[Any, ...]] = []
+    stub = SimpleNamespace(init=lambda **kw: inits.append(kw), shutdown=lambda: None,
+                           cluster_resources=lambda: {"CPU": 2.0}, LoggingConfig=lambda **kw: kw)
+    monkeypatch.setattr(ray_launch, "import_ray", lambda: stub)
+    monkeypatch.setattr(ray_launch, "fit", lambda *args: fitted.append(args) or 0)
+    for key in ("DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START", "RAY_COLOR_PREFIX"):
+        monkeypatch.setenv(key, "")  # launch_ray sets them: restored after the test
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    source = Source(overrides=["data=synthetic", "launch.backend=ray", "launch.ray_workers=2", "hydra.run.dir=run"])
+    assert ray_launch.launch_ray(typed_config(compose_config(source.overrides)), source) == 0
+    (init,) = inits
+    assert init["object_store_memory"] == ray_launch.LOCAL_OBJECT_STORE_BYTES and init["include_dashboard"] is False
+    assert init["num_cpus"] >= 2 and init["address"] is None
+    ((_, _, workers, use_gpu, run_dir, loop),) = fitted
+    assert (workers, use_gpu, run_dir) == (2, False, tmp_path / "run") and run_dir.is_dir()
+    assert loop == {"source": source, "run_dir": str(tmp_path / "run"), "cwd": str(tmp_path),
+                    "launch_start": loop["launch_start"]}
