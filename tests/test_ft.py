@@ -192,3 +192,72 @@ def test_the_lighthouse_runs_through_its_entry_point_where_its_script_is_not_bes
     assert command[0] == str(tmp_path / "python") and command[1].endswith("lighthouse_entry.py")
     done = subprocess.run([python, *command[1:], "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--min_replicas" in done.stdout, done.stderr
+
+
+def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch_groups`` in-process, its processes stubbed: each group's agent is ``ddptrain`` with the group's
+    overrides and the lighthouse's address (ours, or ``ft.lighthouse``'s), in a group folder made in a run dir
+    that need not exist yet; torchft's Rust log at warn unless RUST_LOG says otherwise; Ctrl-C's handlers put
+    back; exit 0 when every group finished or one finished first, the worker's own code when it said its line."""
+    import signal
+    from types import SimpleNamespace
+
+    from ddptrain.app import ft_launch
+    from ddptrain.ft.layout import GROUP_AGENT_ENV, group_dir
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+    codes: list[int] = []
+    lighthouses: list[str] = []
+
+    class Agent:
+        def __init__(self, argv: list[str], env: dict[str, str], start_new_session: bool) -> None:
+            started.append((argv, env))
+            self.returncode = codes[len(started) - 1]
+
+        def poll(self) -> int:
+            return self.returncode
+
+    class OwnLighthouse:
+        address = "http://localhost:29511"
+
+        def __init__(self, run_dir: Path, min_replicas: int) -> None:
+            lighthouses.append(f"started for {min_replicas}")
+
+        def start(self) -> OwnLighthouse:
+            return self
+
+        def stop(self) -> None:
+            lighthouses.append("stopped")
+
+    run_dir = tmp_path / "fresh" / "run"  # not made yet: the launch makes the group folders
+    monkeypatch.setattr(ft_launch, "validate_config", lambda typed, world: None)
+    monkeypatch.setattr(ft_launch, "ready_run_dir", lambda run, world, shape, doing: run_dir)
+    monkeypatch.setattr(ft_launch, "Lighthouse", OwnLighthouse)
+    monkeypatch.setattr(ft_launch.subprocess, "Popen", Agent)
+    monkeypatch.setattr(ft_launch, "watch", lambda agents, lighthouse, run_dir, groups: None)
+    monkeypatch.setattr(ft_launch, "write_ft_json", lambda run_dir, groups: {})
+    monkeypatch.setattr(ft_launch, "publish_summary", lambda run_dir, groups, record: None)
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def launched(lighthouse: str | None, *ended: int) -> int:
+        started.clear()
+        codes[:] = ended
+        typed = SimpleNamespace(ft=SimpleNamespace(replica_groups=len(ended), min_replicas=1, lighthouse=lighthouse,
+                                                   group_restarts=3), launch=SimpleNamespace(nproc_per_node=2))
+        return ft_launch.launch_groups(SimpleNamespace(typed=typed), ["model=llama_tiny"])
+
+    assert launched("lighthouse.example:29510", 0, 0) == 0 and lighthouses == []
+    for g, (argv, env) in enumerate(started):
+        assert argv == [sys.executable, "-m", "ddptrain",
+                        *group_argv(["model=llama_tiny"], run_dir, g, "lighthouse.example:29510")]
+        assert env[GROUP_AGENT_ENV] == "1" and env["RUST_LOG"] == "warn" and group_dir(run_dir, g).is_dir()
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    monkeypatch.setenv("RUST_LOG", "debug")
+    assert launched(None, 0, 1) == 1  # no group finished: group 1's failure (it said no line of its own)
+    assert lighthouses == ["started for 1", "stopped"] and started[0][1]["RUST_LOG"] == "debug"
+    assert started[1][0][-1] == "ft.lighthouse=http://localhost:29511"
+    assert launched(None, 0, 4) == 4 and launched(None, 1, 4) == 1  # the first failed group's code, if it said it
+    (group_dir(run_dir, 0) / "summary.json").write_text("{}")  # group 0 trained every step; group 1 was stopped
+    assert launched(None, 0, 1) == 0

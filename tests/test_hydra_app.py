@@ -154,6 +154,7 @@ def test_help_lists_every_group_choice_and_schema_key(capsys: pytest.CaptureFixt
                    "hydra.searchpath"):
         assert option in text
     assert "train.precision: auto|fp32|bf16|fp16 = auto" in text and "parallel.bucket_cap_mb: float = 25.0" in text
+    assert "model.num_kv_heads: int | null = null" in text  # a default of None as YAML writes it
     listed = [line.split(":", 1)[0].strip() for line in text.splitlines()
               if line.startswith("  ") and ": " in line and " = " in line]
     assert sorted(listed) == sorted(_schema_leaves(OmegaConf.structured(Config)))  # every key once, none extra

@@ -107,3 +107,20 @@ def test_a_waiting_rank_looks_for_rank_0s_key_every_fifth_of_a_second(monkeypatc
     monkeypatch.setattr(time, "sleep", slept.append)
     _await_main(Store(), "rank0/data", 60.0, "timed out")  # type: ignore[arg-type]
     assert looks == [["rank0/data"]] * 3 and slept == [0.2, 0.2]
+
+
+def test_a_rank_that_stopped_waiting_names_the_collective_its_group_and_where_it_was(tmp_path: Path) -> None:
+    """After a collective timed out, the rank's own line names what it waited in: the op and number, and the group
+    (by its description) when it is not the default group; a rank with no collective recorded says so."""
+    from ddptrain.app.launch import lost_peer_line
+
+    record = {"rank": 3, "step": 12, "phase": "backward", "groups": {"2": {"desc": "replicate"}},
+              "collectives": [{"group": "0", "seq": 40, "op": "all_reduce", "completed": True},
+                              {"group": "2", "seq": 7, "op": "all_gather", "completed": False}]}
+    assert lost_peer_line(record, 60.0, tmp_path) == (
+        f"rank 3 stopped waiting in all_gather #7 of group replicate at step 12 (backward) after at most 60 s "
+        f"(dist.timeout_s): a peer never came or left; evidence in {tmp_path / 'hang'}")
+    record["collectives"] = [{"group": "0", "seq": 41, "op": "", "completed": False}]
+    assert lost_peer_line(record, 1.5, tmp_path).startswith("rank 3 stopped waiting in collective #41 at step 12")
+    record["collectives"] = []
+    assert "stopped waiting in a collective at step 12" in lost_peer_line(record, 1.5, tmp_path)

@@ -369,6 +369,7 @@ def test_a_pytorchjob_is_printed_without_anchors_and_its_master_and_workers_are_
 
 REFUSED = [
     (["--nodes", "0"], "--nodes 0: expected at least 1 node"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node -1: expected 0 (CPU pods) or more"),
     (["--image", " "], "--image: empty; expected the container image"),
     (["hydra.run.dir=/tmp/run"], "hydra.run.dir=/tmp/run: not on the checkpoint volume mounted at /mnt/ddptrain"),
     (["hydra.run.dir=outputs/x"], "hydra.run.dir=outputs/x: not on the checkpoint volume"),
@@ -429,6 +430,18 @@ def test_a_name_the_cli_accepts_is_admitted_by_every_kinds_webhook(length: int) 
             continue
         assert admission_errors(doc) == [], (kind, length)
 
+
+def test_help_in_process_names_the_program_each_flag_with_its_value_and_the_examples(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` as the command prints it (the fresh-interpreter test below is not run by mutmut's stats)."""
+    with pytest.raises(SystemExit) as done:
+        k8s.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert done.value.code == 0 and text.startswith("usage: ddptrain-k8s ")
+    for flag in ("--image IMAGE", "--replica-groups R", "--claim-size SIZE", "--ib RESOURCE", "--ib-root",
+                 "--wandb-secret SECRET[:KEY]", "--env KEY=VALUE", "--namespace NAMESPACE", "--max-restarts"):
+        assert flag in text, flag
+    assert k8s.EPILOG.splitlines()[1] in text  # the examples, as written (RawDescriptionHelpFormatter)
 
 def test_help_lists_the_flags_and_printing_a_manifest_imports_no_torch(tmp_path: Path) -> None:
     helped = subprocess.run([str(BIN / "ddptrain-k8s"), "--help"], capture_output=True, text=True, timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -161,3 +162,20 @@ def test_a_qlora_cpu_run_plans_its_4bit_base_and_measures_within_2_percent(pretr
     (peak,) = run_distributed(_written_peaks, 1, str(tmp_path), run, [{}])[0]
     assert "traced step" in peak["planned_by"] and "PeakTracker" in peak["measured_by"]  # planned, not skipped
     assert peak["measured_bytes"] == pytest.approx(peak["planned_bytes"], rel=0.02)
+
+
+def test_a_plannable_run_gets_its_traced_peak_in_process_and_sharding_lowers_it() -> None:
+    """``planned_peak`` unmocked, in this process (the runs above plan in their forked ranks, which mutmut's stats
+    do not see): a figure and how it was made; ZeRO-3 over 2 ranks plans less per rank than one rank's DDP."""
+    from ddptrain.plan.analytic.planner import build_plan
+
+    cfg = Config()
+    cfg.model.vocab_size = 8192
+    n_params = round(build_plan(cfg, 1, None).params)
+    before = copy.deepcopy(cfg)
+    alone, how = own_peak.planned_peak(cfg, 1, torch.device("cpu"), 8192, n_params)
+    assert alone is not None and alone > 0 and how == "traced step on one rank, ZeRO-0 sharding for 1 ranks, fp32"
+    assert cfg == before  # the run's own config is not the traced one's (precision resolved, the world size set)
+    cfg.parallel.zero_stage = 3
+    sharded, how = own_peak.planned_peak(cfg, 2, torch.device("cpu"), 8192, n_params)
+    assert sharded is not None and sharded < alone and how.startswith("traced step on one rank, ZeRO-3 sharding for 2")

@@ -164,8 +164,11 @@ class _Remote:
 
 
 class _StubRay:
+    def __init__(self) -> None:
+        self.actors: list[type] = []
+
     def remote(self, **_: Any) -> Any:
-        return lambda cls: _Remote()
+        return lambda cls: self.actors.append(cls) or _Remote()
 
 
 @pytest.mark.parametrize("code", [4, 3, 143])  # a drift abort, a non-finite abort, a stop on SIGTERM (128 + 15)
@@ -188,9 +191,122 @@ def test_a_ray_run_that_ended_on_purpose_exits_with_the_workers_code(
             return SimpleNamespace(metrics={ENDED: f"stopped on purpose ({code})", EXIT_CODE: code})
 
     monkeypatch.setattr(ray_torch, "TorchTrainer", StubTrainer)
-    cfg = typed_config(compose_config(["data=synthetic", "launch.max_restarts=2"])).typed
-    assert fit(_StubRay(), cfg, 2, False, tmp_path / "run", {}) == code
+    from ddptrain.app.ray_launch import Attempts
+
+    cfg = typed_config(compose_config(["data=synthetic", "launch.max_restarts=2", "dist.timeout_s=90"])).typed
+    ray = _StubRay()
+    assert fit(ray, cfg, 2, False, tmp_path / "run", {}) == code
     assert capsys.readouterr().err.strip() == f"ddptrain: stopped on purpose ({code})"
     (kwargs,) = made
-    assert kwargs["train_loop_config"]["attempts"] == "attempts-actor"
+    assert kwargs["train_loop_config"]["attempts"] == "attempts-actor" and ray.actors == [Attempts]
+    assert (kwargs["torch_config"].backend, kwargs["torch_config"].timeout_s) == ("gloo", 90)  # ddptrain's choices
     assert kwargs["run_config"].failure_config.max_failures == 2
+
+
+def test_the_workers_own_error_is_found_inside_rays_wrappers_by_cause_and_by_the_lowest_rank() -> None:
+    """Ray wraps a worker's exception (``RayTaskError.cause``, or ``__cause__``) and a worker group error holds each
+    rank's (``worker_failures``): the driver reports the lowest rank's own error, a ConfigError or RunEnded where
+    the chain holds one, else the innermost error; a chain that loops ends."""
+    from ddptrain.app.ray_launch import worker_error
+    from ddptrain.errors import ConfigError, RunEnded
+
+    class Wrapped(Exception):  # Ray's task error: the worker's exception in an attribute, no __cause__
+        def __init__(self, cause: BaseException | None) -> None:
+            super().__init__("wrapped")
+            self.cause = cause
+
+    refused = ConfigError("data.seq_len=0: expected at least 1")
+    assert worker_error(Wrapped(refused)) is refused
+    ended = RunEnded("stopped on purpose", 4)
+    outer = RuntimeError("worker group failed")
+    outer.__cause__ = Wrapped(ended)
+    assert worker_error(outer) is ended
+    innermost = ValueError("the rank's own bug")
+    assert worker_error(Wrapped(Wrapped(innermost))) is innermost
+    group = RuntimeError("group")
+    group.worker_failures = {1: Wrapped(ValueError("rank 1")), 0: Wrapped(innermost)}  # type: ignore[attr-defined]
+    assert worker_error(group) is innermost
+    loop = Wrapped(None)
+    loop.cause = loop
+    assert worker_error(loop) is loop
+
+
+def test_a_ray_worker_trains_its_rank_from_the_drivers_source_and_reports_the_summary_and_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_worker`` in-process with Ray's per-worker calls stubbed: it composes the driver's overrides (with
+    train.resume=auto when Ray restored the run), trains through ``run_worker`` and reports the summary's scalars
+    with rank 0's last committed checkpoint."""
+    pytest.importorskip("ray.train.torch", reason="the extra ddptrain[ray] (Ray Train) is not installed")
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    from ddptrain.app import launch, ray_worker
+    from ddptrain.checkpoint.format import MARKER
+    from ddptrain.config.compose import Source
+    from ddptrain.errors import RunEnded
+
+    for key in ("TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START"):
+        monkeypatch.setenv(key, "")  # train_worker sets them: restored after the test
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    last = run_dir / "checkpoints" / "step_000002"
+    last.mkdir(parents=True)
+    (last / MARKER).write_text("")
+    reports: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    trained: list[tuple[Any, Any]] = []
+    outcome: list[Any] = [{"final_loss": 2.5, "world_size": 2, "phases": {"forward": 1.0}}]
+
+    def run_worker(run: Any, device: Any) -> dict[str, Any]:
+        trained.append((run, device))
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    context = SimpleNamespace(get_world_rank=lambda: 0, get_node_rank=lambda: 0)
+    monkeypatch.setattr(ray.train, "get_context", lambda: context)
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: "restored")
+    monkeypatch.setattr(ray.train, "report", lambda metrics, **kw: reports.append((metrics, kw)))
+    monkeypatch.setattr(ray, "get", lambda attempt: 0)
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: "cpu-device")
+    monkeypatch.setattr(launch, "run_worker", run_worker)
+    attempts = SimpleNamespace(start=SimpleNamespace(remote=lambda rank: rank))
+    config = {"source": Source(overrides=["data=synthetic", "train.steps=2"]), "run_dir": str(run_dir),
+              "cwd": str(tmp_path), "launch_start": "0", "attempts": attempts}
+    ray_worker.train_worker(config)
+    ((run, device),) = trained
+    assert device == "cpu-device" and run.typed.train.steps == 2 and run.typed.train.resume == "auto"
+    ((metrics, extra),) = reports
+    assert metrics == {"final_loss": 2.5, "world_size": 2}  # the summary's scalars only
+    assert set(extra) == {"checkpoint", "checkpoint_upload_mode"} and extra["checkpoint"].path.endswith(last.name)
+    outcome[0] = RunEnded("stopped on purpose", 4)
+    ray_worker.train_worker(config)
+    assert reports[-1] == ({ray_worker.ENDED: "stopped on purpose", ray_worker.EXIT_CODE: 4}, {})
+
+
+def test_the_driver_starts_a_small_local_instance_and_hands_the_workers_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch_ray`` in-process, Ray and the trainer stubbed: a local instance gets a CPU per worker (at least),
+    a small object store and no dashboard; the workers get the source, the absolute run dir (made) and the cwd."""
+    from ddptrain.app import ray_launch
+    from ddptrain.config.compose import Source, compose_config, typed_config
+
+    inits: list[dict[str, Any]] = []
+    fitted: list[tuple[Any, ...]] = []
+    stub = SimpleNamespace(init=lambda **kw: inits.append(kw), shutdown=lambda: None,
+                           cluster_resources=lambda: {"CPU": 2.0}, LoggingConfig=lambda **kw: kw)
+    monkeypatch.setattr(ray_launch, "import_ray", lambda: stub)
+    monkeypatch.setattr(ray_launch, "fit", lambda *args: fitted.append(args) or 0)
+    for key in ("DDPTRAIN_RUN_DIR", "DDPTRAIN_LAUNCH_START", "RAY_COLOR_PREFIX"):
+        monkeypatch.setenv(key, "")  # launch_ray sets them: restored after the test
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    source = Source(overrides=["data=synthetic", "launch.backend=ray", "launch.ray_workers=2", "hydra.run.dir=run"])
+    assert ray_launch.launch_ray(typed_config(compose_config(source.overrides)), source) == 0
+    (init,) = inits
+    assert init["object_store_memory"] == ray_launch.LOCAL_OBJECT_STORE_BYTES and init["include_dashboard"] is False
+    assert init["num_cpus"] >= 2 and init["address"] is None
+    ((_, _, workers, use_gpu, run_dir, loop),) = fitted
+    assert (workers, use_gpu, run_dir) == (2, False, tmp_path / "run") and run_dir.is_dir()
+    assert loop == {"source": source, "run_dir": str(tmp_path / "run"), "cwd": str(tmp_path),
+                    "launch_start": loop["launch_start"]}
