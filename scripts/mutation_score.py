@@ -234,6 +234,21 @@ def file_of(module: str) -> str:
     return path + "/__init__.py" if (REPO / path).is_dir() else path + ".py"
 
 
+def importers(module: str, imports: dict[str, set[str]]) -> list[str]:
+    """The files whose imports (``imports``: each file's ``imported_names``) name ``module`` or a name in it."""
+    return sorted(f for f, names in imports.items() if any(n == module or n.startswith(module + ".") for n in names))
+
+
+def ranks_selection(file: str) -> list[str]:
+    """The test files a ranks run of ``file``'s mutants runs: those that import its module, or where none does
+    (``train/observer.py``, reached through the trainer), those that import a ddptrain module importing it."""
+    tests = test_files_of([file])
+    if tests:
+        return tests
+    imports = {str(f.relative_to(REPO)): imported_names(f) for f in sorted((REPO / "ddptrain").rglob("*.py"))}
+    return test_files_of([f for f in importers(module_of(file), imports) if f != file])
+
+
 def ranks_command(tests: list[str], settings: dict[str, object]) -> list[str]:
     """One ranks run's pytest command, as mutmut's runner builds its own (``PytestRunner.execute_pytest`` and
     ``_pytest_args_regular_run``): ``--rootdir=. --tb=native -x -q`` without random order, the test files, then
@@ -284,8 +299,8 @@ def run_tests(command: list[str], cwd: Path, mutant: str, timeout: float | None)
 
 
 def ranks_pass(work: Path, statuses: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Run each mutant mutmut left with no tests against the fast tier of the test files that import its module,
-    in the work directory's ``mutants/`` copy, and record what happened in ``ranks.json``.
+    """Run each mutant mutmut left with no tests against the fast tier of the test files that import its module
+    (``ranks_selection``), in the work directory's ``mutants/`` copy, and record what happened in ``ranks.json``.
 
     mutmut learns which tests call a function only in the pytest process; a function that only forked ranks
     (``tests/helpers/dist.py``) or in-process threads mutmut does not trace run is "no tests" there, yet the ranks
@@ -297,7 +312,7 @@ def ranks_pass(work: Path, statuses: dict[str, str]) -> dict[str, dict[str, str]
     settings = tomllib.loads((work / "mutants" / "pyproject.toml").read_text())["tool"]["mutmut"]
     by_selection: dict[tuple[str, ...], list[str]] = defaultdict(list)
     for name in ranks_todo(statuses, ranks):
-        by_selection[tuple(test_files_of([file_of(module_of_mutant(name))]))].append(name)
+        by_selection[tuple(ranks_selection(file_of(module_of_mutant(name))))].append(name)
     for tests, names in sorted(by_selection.items()):
         if not tests:
             continue

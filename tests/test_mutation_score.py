@@ -87,3 +87,16 @@ def test_the_ranks_pass_shows_its_own_columns_and_yields_to_a_later_mutmut_statu
     later = statuses | {untested[0]: "survived"}
     assert score.with_ranks(later, ranks)[untested[0]] == "survived"
     assert untested[0] not in score.ranks_todo(later, ranks)
+
+
+def test_a_module_no_test_imports_is_run_against_the_tests_of_the_modules_that_import_it(score):
+    imports = {"ddptrain/train/trainer.py": {"ddptrain.train.observer", "ddptrain.train.observer.StepObserver"},
+               "ddptrain/parallel/__init__.py": {"ddptrain.parallel.wrap", "ddptrain.parallel.wrap.wrap_model"},
+               "ddptrain/train/drift.py": {"ddptrain.train", "ddptrain.parallel.replicas.rebroadcast"},
+               "ddptrain/train/observers.py": {"ddptrain.train.observers"}}
+    assert score.importers("ddptrain.train.observer", imports) == ["ddptrain/train/trainer.py"]
+    assert score.importers("ddptrain.parallel.replicas", imports) == ["ddptrain/train/drift.py"]
+    # a name that only starts like the module is another module
+    assert score.importers("ddptrain.train.observe", imports) == []
+    assert score.ranks_selection("ddptrain/train/drift.py") == ["tests/test_drift.py"]
+    assert "tests/test_drift.py" in score.ranks_selection("ddptrain/parallel/replicas.py")
