@@ -14,10 +14,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddptrain.comm.clock import ClockKind, CommClock
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.compression import register_compression
+from ddptrain.parallel.compression import CommMeter, powersgd_elements, register_compression
 from tests.helpers.dist import run_distributed
 
 IN, HIDDEN, OUT = 32, 64, 16
@@ -198,6 +199,31 @@ def test_bad_settings_fail_naming_the_key(override: dict, key: str) -> None:
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd", "topk"])
 def test_default_settings_are_valid(compression: str) -> None:
     assert build_config({"parallel": {"compression": compression}}).parallel.compression == compression
+
+
+def test_the_meter_adds_each_buckets_bytes_and_its_sample_gives_payload_spans_and_launches() -> None:
+    """In-process: what the hooks charge (``record``) and what a sampled step reads back (``take_sample``)."""
+    meter = CommMeter(CommClock(ClockKind.host))
+    meter.record(100, torch.zeros(50))  # sent 100 of a 200-byte fp32 bucket
+    meter.record(30, torch.zeros(10, dtype=torch.float64), steady_bytes=8)  # a warm-up bucket: 8 once compressing
+    assert (meter.comm_bytes, meter.uncompressed_bytes, meter.steady_bytes) == (130, 280, 108)
+    meter.spans += [(1.0, 2.0), (1.5, 4.0)]
+    meter.launches += [(1.0, 200), (1.5, 80)]
+    assert meter.timing() == (3.0, 2.5)  # in flight 1.0 to 4.0; exposed from the last launch (1.5) to the end
+    sample, ratio = meter.take_sample(2, sampled=True)
+    assert ratio == 130 / 280 and sample is not None
+    assert (sample.payload_bytes, sample.comm_s, sample.exposed_s, sample.steady_bytes) == (130, 3.0, 2.5, 108)
+    assert sample.buckets == ((0.5, 200), (0.0, 80))
+    assert (meter.comm_bytes, meter.uncompressed_bytes, meter.spans, meter.launches) == (0, 0, [], [])
+    again, ratio = meter.take_sample(2, sampled=True)  # nothing since: reset
+    assert ratio == 1.0 and again is not None and (again.payload_bytes, again.buckets) == (0, ())
+
+
+def test_powersgd_elements_sends_the_factors_of_a_matrix_worth_compressing_and_any_other_whole() -> None:
+    powersgd = SimpleNamespace(matrix_approximation_rank=2, min_compression_rate=2)
+    # (64 + 32) x 2 = 192 factors, 192 x 2 < 2048: compressed; (3 + 2) x 2 = 10, 10 x 2 >= 6: sent whole (6)
+    assert powersgd_elements(powersgd, [torch.zeros(64, 32), torch.zeros(3, 2)]) == 192 + 6
+    assert powersgd_elements(powersgd, [torch.zeros(64, 2, 16)]) == 192  # viewed as 64 rows
 
 
 # Top-k on 3 ranks. Each rank trains a one-output linear layer without bias on one sample: its weight's gradient is
