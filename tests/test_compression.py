@@ -18,7 +18,8 @@ from ddptrain.comm.clock import ClockKind, CommClock
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.compression import CommMeter, powersgd_elements, register_compression
+from ddptrain.parallel.compression import CommMeter, CompressionState, powersgd_elements, register_compression
+from ddptrain.parallel.wrap import EngineMeter, Wrapped
 from tests.helpers.dist import run_distributed
 
 IN, HIDDEN, OUT = 32, 64, 16
@@ -217,6 +218,33 @@ def test_the_meter_adds_each_buckets_bytes_and_its_sample_gives_payload_spans_an
     assert (meter.comm_bytes, meter.uncompressed_bytes, meter.spans, meter.launches) == (0, 0, [], [])
     again, ratio = meter.take_sample(2, sampled=True)  # nothing since: reset
     assert ratio == 1.0 and again is not None and (again.payload_bytes, again.buckets) == (0, ())
+
+
+def test_the_wrapped_model_reads_its_meter_and_drops_error_feedback_through_its_compression_state() -> None:
+    """In-process: what the loop asks of ``Wrapped`` after a step, with and without a meter and a hook's state,
+    and our engines' meter (a 2-rank all-reduce's link bytes 2(N-1)/N x S = S back to the payload S)."""
+    model = nn.Linear(2, 2)
+    meter = CommMeter(CommClock(ClockKind.host))
+    dropped: list[bool] = []
+    feedback = SimpleNamespace(discard_if=lambda nonfinite: dropped.append(bool(nonfinite)))
+    wrapped = Wrapped(model, model, lambda _sync: None, meter, "torch DDP", CompressionState(meter, feedback))
+    meter.record(8, torch.zeros(4))
+    sample, ratio = wrapped.take_sync_sample(2, sampled=True)
+    assert sample is not None and sample.payload_bytes == 8 and ratio == 0.5
+    assert wrapped.take_sync_sample(2, sampled=False) == (None, 1.0)  # not sampled: the ratio only
+    assert wrapped.comm_clock() is meter.clock
+    wrapped.step_done(torch.tensor(True))
+    assert dropped == [True]
+    bare = Wrapped(model, model, lambda _sync: None, None, "none")
+    assert bare.take_sync_sample(2, sampled=True) == (None, None) and bare.comm_clock() is None
+    bare.step_done(torch.tensor(True))  # no hook state: nothing to drop
+    stats = SimpleNamespace(bytes_sent=400, in_flight_s=0.5, exposed_s=0.25, clock=meter.clock)
+    engine = EngineMeter(SimpleNamespace(comm_stats=stats))
+    assert engine.take_sample(2, sampled=False) == (None, None)
+    taken, none = engine.take_sample(2, sampled=True)
+    assert none is None and taken is not None and (taken.payload_bytes, taken.comm_s, taken.exposed_s) == (
+        400, 0.5, 0.25)
+    assert engine.clock is meter.clock
 
 
 def test_powersgd_elements_sends_the_factors_of_a_matrix_worth_compressing_and_any_other_whole() -> None:
