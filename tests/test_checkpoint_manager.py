@@ -130,6 +130,23 @@ def test_the_loss_scaler_keeps_its_initial_scale_when_the_checkpoint_has_none(ca
     assert "the checkpoint has no loss scale (not trained in fp16): starting from the initial scale" in caplog.text
 
 
+def test_the_loss_scaler_checkpoints_its_scale_and_back_offs_and_logs_them() -> None:
+    from ddptrain.train.loss_scale import LossScaler
+
+    scaler = LossScaler(torch.device("cpu"), sharded=False)
+    assert scaler.scale(torch.ones(())).item() == 2.0**16  # torch's initial scale, set at the first scale
+    scaler.scaler.update(new_scale=1024.0)
+    scaler.count_backoffs(2)
+    scaler.count_backoffs(1)
+    assert scaler.window() == {"loss_scale": 1024.0, "scaler_backoffs": 3}
+    state = scaler.state_dict()
+    assert state["backoffs"] == 3 and state["scale"] == 1024.0
+    resumed = LossScaler(torch.device("cpu"), sharded=False)
+    resumed.load_state_dict(state)
+    assert resumed.window() == {"loss_scale": 1024.0, "scaler_backoffs": 3}
+    assert state["backoffs"] == 3  # the checkpoint's state is read, not consumed
+
+
 def test_the_run_shape_part_warns_when_the_world_size_or_global_batch_changed(
         caplog: pytest.LogCaptureFixture) -> None:
     from ddptrain.config.compose import build_config
