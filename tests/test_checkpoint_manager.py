@@ -147,6 +147,38 @@ def test_the_loss_scaler_checkpoints_its_scale_and_back_offs_and_logs_them() -> 
     assert state["backoffs"] == 3  # the checkpoint's state is read, not consumed
 
 
+def test_the_first_steps_model_state_report_sets_each_ranks_bytes_beside_the_formula(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``report_model_state`` in-process, the gather given: ZeRO-3 over 2 ranks, 2**20 parameters of which 2**19
+    train (adapters) and 2**18 are gathered at the peak; this is rank 1."""
+    from ddptrain.plan.costs import MIXED_BF16
+    from ddptrain.train import summary
+
+    mib = 2**20
+    held = [{"parameters": {"float32": 2 * mib}, "gradients": {"float32": mib}, "optimizer": {"float32": 2 * mib}},
+            {"parameters": {"float32": 2 * mib, "bfloat16": mib // 2}, "gradients": {"float32": mib},
+             "optimizer": {"float32": 2 * mib}}]
+    monkeypatch.setattr(summary, "dist", SimpleNamespace(
+        all_gather_object=lambda out, mine: out.__setitem__(slice(None), [held[0], mine]), get_rank=lambda: 1))
+    probe = SimpleNamespace(bytes=held[1], gathered=2**18)
+    with caplog.at_level(logging.INFO, logger="ddptrain"):
+        record = summary.report_model_state(probe, 2**20, 2, 3, 2, MIXED_BF16, trainable=2**19)
+    # parameters: the fp32 shard (4 x 2**19) and the bf16 working copy of the gathered ones (2 x 2**18); gradients
+    # and AdamW for the trainable half, sharded
+    two_dtypes = "2.50 MiB [bfloat16 0.50, float32 2.00]"
+    assert caplog.messages == [
+        f"model state per rank (ZeRO-3, sharded over 2 of 2 ranks, {MIXED_BF16.name}): parameters {two_dtypes} "
+        f"(formula {two_dtypes}), gradients 1.00 MiB (formula 1.00 MiB), optimizer 2.00 MiB (formula 2.00 MiB)"]
+    assert record["formula_bytes"] == {"parameters": 2.5 * mib, "gradients": mib, "optimizer": 2 * mib}
+    assert record["measured_bytes_per_rank"] == [
+        {"parameters": 2 * mib, "gradients": mib, "optimizer": 2 * mib},
+        {"parameters": 2.5 * mib, "gradients": mib, "optimizer": 2 * mib}]
+    assert record["measured_bytes_by_dtype_per_rank"] == held
+    assert (record["zero_stage"], record["shard_group_size"], record["precision"]) == (3, 2, MIXED_BF16.name)
+    assert record["formula"] == ("4Ψ fp32 params + 4Ψ fp32 grads + 8Ψ AdamW, sharded per stage 3, + 2 bytes "
+                                 "(bfloat16) per gathered parameter: 262144 parameters (root + largest block)")
+
+
 def test_the_run_shape_part_warns_when_the_world_size_or_global_batch_changed(
         caplog: pytest.LogCaptureFixture) -> None:
     from ddptrain.config.compose import build_config
