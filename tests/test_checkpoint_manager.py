@@ -197,25 +197,43 @@ def test_the_run_shape_part_warns_when_the_world_size_or_global_batch_changed(
     assert f"the checkpoint trained with a global batch of {2 * shape.global_batch_size}; continuing" in caplog.text
 
 
-def test_the_first_step_hook_acts_on_the_runs_first_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_first_step_hook_acts_on_the_runs_first_step_only(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from ddptrain.config.compose import build_config
+    from ddptrain.plan.costs import FP32, MIXED_BF16
     from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.telemetry.comm import SyncSample
     from ddptrain.train import first_step
 
     calls: list[str] = []
+    gathered: list[tuple] = []
     probe = SimpleNamespace(after_backward=lambda: calls.append("after_backward"),
                             after_step=lambda optimizer: calls.append("after_step"))
-    monkeypatch.setattr(first_step, "report_model_state", lambda *args: calls.append("gather") or {"rank": 0})
+    monkeypatch.setattr(first_step, "report_model_state",
+                        lambda *args: calls.append("gather") or gathered.append(args) or {"rank": 0})
     t = SimpleNamespace(start=10, probe=probe, optimizer=None, trainable=5, n_params=10, precision=Precision.fp32,
                         metrics=SimpleNamespace(restart_window=lambda: calls.append("restart_window")),
                         cfg=build_config({"train": {"compile": True}}), device=torch.device("cpu"),
                         env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1))
     first = first_step.FirstStep(t)  # type: ignore[arg-type]
-    for step in range(11, 15):
-        first.after_backward(step)
-        first.after_step(step, None, log_step=step == 12)
+    with caplog.at_level(logging.INFO, logger="ddptrain"):
+        for step in range(11, 15):
+            first.after_backward(step)
+            first.after_step(step, None, log_step=step == 12)
     assert calls == ["after_backward", "restart_window", "after_step", "gather"]
     assert first.model_state == {"rank": 0} and first.compile_s is not None and first.compile_s >= 0
+    assert caplog.messages[0].startswith("train.compile: first step ") and caplog.messages[0].endswith(
+        " s, compilation included (kept out of throughput)")
+    # the gather's arguments: the world, the stage, the ranks sharing one copy, the precision's bytes, trainable
+    assert gathered == [(probe, 10, 1, 0, 1, FP32, 5)]
+    # 4 ranks as 2 nodes of 2 under HSDP (ZeRO-3 over each node), bf16, no compile: nothing timed
+    t.cfg = build_config({"parallel": {"zero_stage": 3, "shard_group": "node"}})
+    t.env, t.precision, t.start = DistEnv(rank=1, local_rank=1, world_size=4, local_world_size=2), Precision.bf16, 0
+    calls.clear()
+    second = first_step.FirstStep(t)  # type: ignore[arg-type]
+    second.after_step(1, SyncSample(100.0, None, None), log_step=False)
+    assert gathered[-1] == (probe, 10, 4, 3, 2, MIXED_BF16, 5) and second.compile_s is None
+    assert calls == ["after_step", "gather"]  # no compile: the window is not restarted
 
 
 def test_fault_hooks_come_from_ddptrain_fault_for_their_rank_in_the_first_attempt_only(
