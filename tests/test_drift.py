@@ -279,6 +279,18 @@ def test_the_fingerprint_runs_on_the_tensors_own_device() -> None:
     assert Combined(tensors, torch.device("meta"))(tensors).device.type == "meta"
 
 
+def test_the_start_up_line_says_what_the_replica_groups_compare() -> None:
+    hsdp = ReplicaGroups(((0, 2), (1, 3)), 1, None, True)
+    assert hsdp.comparable and hsdp.describe() == "each shard's 2 replicas across nodes: ranks (0, 2), (1, 3)"
+    assert ReplicaGroups(((0, 1, 2),), 0, None, False).describe() == "whole replicas on 3 ranks"
+    fsdp2 = ReplicaGroups((), 0, None, True)
+    assert not fsdp2.comparable and fsdp2.describe() == (
+        "nothing to compare: each parameter shard is held by one rank only (FSDP2 over every rank; "
+        "parallel.shard_group=node replicates shards across nodes)")
+    alone = ReplicaGroups(((0,),), 0, None, False)  # one rank holds each copy: nothing to compare
+    assert not alone.comparable and alone.describe() == "nothing to compare"
+
+
 def _replicas(policy: DriftPolicy, start: int = 0) -> tuple[DriftCheck, torch.nn.Module, torch.nn.Module]:
     """This rank's check (rank 0 of a 2-rank replica group, built in-process: the group is given, not asked of a
     world) over a tiny model, and rank 1's copy of that model."""
