@@ -247,6 +247,51 @@ def test_the_wrapped_model_reads_its_meter_and_drops_error_feedback_through_its_
     assert engine.clock is meter.clock
 
 
+@pytest.mark.parametrize(("compression", "dtype", "bytes_per_element"), [
+    ("none", torch.float32, 4), ("fp16", torch.float16, 2), ("bf16", torch.bfloat16, 2)])
+def test_each_hook_is_installed_in_this_process_and_sends_its_dtype(
+        compression: str, dtype: torch.dtype, bytes_per_element: int) -> None:
+    """``register_compression`` on a 1-rank DDP in the test process (gloo): the hook the setting names charges the
+    meter it returns, and the gradient comes back rounded through the dtype it sends."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(8, 8)
+        ddp = DistributedDataParallel(layer)
+        state = register_compression(ddp, ParallelConfig(compression=compression))
+        x = torch.randn(4, 8)
+        ddp(x).pow(2).sum().backward()
+        reference = nn.Linear(8, 8)
+        reference.load_state_dict(layer.state_dict())
+        reference(x).pow(2).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert state.feedback is None and state.meter.comm_bytes == 72 * bytes_per_element
+    assert state.meter.uncompressed_bytes == 72 * 4 and len(state.meter.spans) == 1
+    for got, want in zip(layer.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad.to(dtype).float())
+
+
+@pytest.mark.parametrize("compression", ["powersgd", "topk"])
+def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(8, 8))
+        state = register_compression(ddp, ParallelConfig(compression=compression, error_feedback=True))
+        ddp(torch.randn(4, 8)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert state.feedback is not None and state.feedback.meter is state.meter and state.meter.comm_bytes > 0
+    if compression == "topk":
+        assert state.feedback.error_feedback and len(state.feedback.residuals) == 2
+    else:
+        assert state.feedback.powersgd.process_group is None
+
+
 def test_powersgd_elements_sends_the_factors_of_a_matrix_worth_compressing_and_any_other_whole() -> None:
     powersgd = SimpleNamespace(matrix_approximation_rank=2, min_compression_rate=2)
     # (64 + 32) x 2 = 192 factors, 192 x 2 < 2048: compressed; (3 + 2) x 2 = 10, 10 x 2 >= 6: sent whole (6)
