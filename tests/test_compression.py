@@ -19,7 +19,7 @@ from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.compression import CommMeter, CompressionState, powersgd_elements, register_compression
-from ddptrain.parallel.wrap import EngineMeter, Wrapped
+from ddptrain.parallel.wrap import EngineMeter, Wrapped, wrap_model
 from tests.helpers.dist import run_distributed
 
 IN, HIDDEN, OUT = 32, 64, 16
@@ -290,6 +290,23 @@ def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: s
         assert state.feedback.error_feedback and len(state.feedback.residuals) == 2
     else:
         assert state.feedback.powersgd.process_group is None
+
+
+def test_one_rank_trains_the_bare_model_unless_wrap_single_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        with caplog.at_level(logging.INFO):
+            bare = wrap_model(model, ParallelConfig(), torch.device("cpu"))
+            wrapped = wrap_model(nn.Linear(2, 2), ParallelConfig(wrap_single=True), torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert bare.outer is model and bare.model is model and (bare.strategy, bare.meter) == ("none", None)
+    assert isinstance(wrapped.outer, DistributedDataParallel) and wrapped.strategy == "torch DDP"
+    assert caplog.messages == ["data parallel: none (world size 1: the bare model, no gradient sync; "
+                               "parallel.wrap_single=true wraps it)", "data parallel: torch DDP"]
 
 
 def test_powersgd_elements_sends_the_factors_of_a_matrix_worth_compressing_and_any_other_whole() -> None:
