@@ -27,8 +27,11 @@ mutant stays killed when tests are added).
 
 "no tests" are mutants of functions no selected test calls in the pytest process: code run only by a forked rank
 or a subprocess counts there (mutmut records which tests reach a function in its own process only). They count
-against the score: a rule no in-process test reaches is a rule the fast tier cannot guard. docs/mutation.md has
-what a run costs and the triage of the survivors.
+against the score unless ``--ranks`` checks them: the ranks pass runs each such mutant of the run against the fast
+tier of the test files that import its module (``MUTANT_UNDER_TEST`` set: forked ranks inherit it and import the
+copy too), after a clean run of that selection passed, and shows it as "ranks killed" (the run failed) or "ranks
+survived" (it passed), kept in ``ranks.json`` in the work directory (``--ranks-only``: that pass alone on a kept
+work directory, after new tests). docs/mutation.md has what a run costs and the triage of the survivors.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ from tests.helpers.package_marks import imported_names, packages_named  # noqa: 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "type check"}
 COLUMNS = ("killed", "survived", "no tests", "timeout", "not checked", "other")
+# what the ranks pass (--ranks) found for a mutant mutmut left with no tests: columns of their own, beside mutmut's
+RANKS_COLUMNS = ("ranks killed", "ranks survived")
+RANKS_FILE = "ranks.json"  # in the work directory: {mutant: {"from": mutmut's status, "status": the pass's}}
 
 
 def changed_files(base: str) -> list[str]:
@@ -165,29 +171,32 @@ def results(work: Path) -> dict[str, str]:
 
 def table(statuses: dict[str, str], sampled: bool = False) -> str:
     """Per package: the mutants in each column and the score; ``sampled``: the score's 95 % interval too (the
-    statuses are a random sample's, and the not checked ones are the mutants outside it)."""
+    statuses are a random sample's, and the not checked ones are the mutants outside it). The ranks pass's
+    columns appear when a status is one of theirs."""
+    columns = COLUMNS + (RANKS_COLUMNS if set(RANKS_COLUMNS) & set(statuses.values()) else ())
     per_package: dict[str, Counter[str]] = defaultdict(Counter)
     for name, status in statuses.items():
-        per_package[package_of(module_of_mutant(name))][status if status in COLUMNS else "other"] += 1
-    head = "| package | mutants | " + " | ".join(COLUMNS) + " | score |" + (" 95 % interval |" if sampled else "")
-    lines = [head, "|---|" + "---:|" * (len(COLUMNS) + 2 + sampled)]
+        per_package[package_of(module_of_mutant(name))][status if status in columns else "other"] += 1
+    head = "| package | mutants | " + " | ".join(columns) + " | score |" + (" 95 % interval |" if sampled else "")
+    lines = [head, "|---|" + "---:|" * (len(columns) + 2 + sampled)]
     totals: Counter[str] = Counter()
     for package, counts in sorted(per_package.items()):
         totals.update(counts)
-        lines.append(_row(package, counts, sampled))
+        lines.append(_row(package, counts, columns, sampled))
     if len(per_package) > 1:
-        lines.append(_row("**all**", totals, sampled))
+        lines.append(_row("**all**", totals, columns, sampled))
     return "\n".join(lines)
 
 
-def _row(package: str, counts: Counter[str], sampled: bool = False) -> str:
+def _row(package: str, counts: Counter[str], columns: tuple[str, ...], sampled: bool = False) -> str:
     n = sum(counts.values())
     # a timeout is a kill (the mutant changed what the tests saw: they did not finish); no tests is not; a run
-    # stopped early leaves mutants not checked, which count for nothing either way
+    # stopped early leaves mutants not checked, which count for nothing either way; a mutant the ranks pass saw
+    # fail the tests is killed, one it saw pass them survived
     checked = n - counts["not checked"]
-    killed = counts["killed"] + counts["timeout"]
+    killed = counts["killed"] + counts["timeout"] + counts["ranks killed"]
     score = killed / checked if checked else 0.0
-    row = f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in COLUMNS) + f" | {score:.0%} |"
+    row = f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in columns) + f" | {score:.0%} |"
     if sampled:
         low, high = wilson(killed, checked)
         row += f" {low:.0%}-{high:.0%} |"
@@ -219,13 +228,118 @@ def sample(names: list[str], per_package: int, seed: int) -> list[str]:
     return sorted(chosen)
 
 
+def file_of(module: str) -> str:
+    """``ddptrain.train.drift`` -> ``ddptrain/train/drift.py`` (a package: its ``__init__.py``)."""
+    path = module.replace(".", "/")
+    return path + "/__init__.py" if (REPO / path).is_dir() else path + ".py"
+
+
+def importers(module: str, imports: dict[str, set[str]]) -> list[str]:
+    """The files whose imports (``imports``: each file's ``imported_names``) name ``module`` or a name in it."""
+    return sorted(f for f, names in imports.items() if any(n == module or n.startswith(module + ".") for n in names))
+
+
+def ranks_selection(file: str) -> list[str]:
+    """The test files a ranks run of ``file``'s mutants runs: those that import its module, or where none does
+    (``train/observer.py``, reached through the trainer), those that import a ddptrain module importing it."""
+    tests = test_files_of([file])
+    if tests:
+        return tests
+    imports = {str(f.relative_to(REPO)): imported_names(f) for f in sorted((REPO / "ddptrain").rglob("*.py"))}
+    return test_files_of([f for f in importers(module_of(file), imports) if f != file])
+
+
+def ranks_command(tests: list[str], settings: dict[str, object]) -> list[str]:
+    """One ranks run's pytest command, as mutmut's runner builds its own (``PytestRunner.execute_pytest`` and
+    ``_pytest_args_regular_run``): ``--rootdir=. --tb=native -x -q`` without random order, the test files, then
+    ``[tool.mutmut]``'s ``pytest_add_cli_args`` (the fast tier, no xdist, no budget, the deselected tests)."""
+    added = settings.get("pytest_add_cli_args", [])
+    assert isinstance(added, list)
+    return [sys.executable, "-m", "pytest", "--rootdir=.", "--tb=native", "-x", "-q", "-p", "no:randomly",
+            "-p", "no:random-order", *tests, *map(str, added)]
+
+
+def ranks_status(returncode: int | None) -> str:
+    """A ranks run's pytest exit code as a status, read as mutmut reads one (``mutmut.stats.status_by_exit_code``):
+    a failure kills (1; 3, pytest's internal error, too), a clean pass survives (0), nothing selected leaves it
+    with no tests (5), a run past its limit (None) is a timeout (a kill, as mutmut counts one), anything else
+    (2: a collection error or an interruption) is other."""
+    if returncode is None:
+        return "timeout"
+    return {0: "ranks survived", 1: "ranks killed", 3: "ranks killed", 5: "no tests"}.get(returncode, "other")
+
+
+def with_ranks(statuses: dict[str, str], ranks: dict[str, dict[str, str]]) -> dict[str, str]:
+    """mutmut's statuses, each mutant the ranks pass checked shown with what that pass found, as long as mutmut's
+    status is still the one the pass started from (a later mutmut run that finds a test in-process wins)."""
+    return {name: ranks[name]["status"] if name in ranks and ranks[name]["from"] == status else status
+            for name, status in statuses.items()}
+
+
+def ranks_todo(statuses: dict[str, str], ranks: dict[str, dict[str, str]]) -> list[str]:
+    """The mutants the ranks pass runs: mutmut left them with no tests, and the pass has not yet seen them killed
+    (a killed mutant stays killed when tests are added; one that survived is run again)."""
+    seen = with_ranks(statuses, ranks)
+    return sorted(n for n, s in statuses.items() if s == "no tests" and seen[n] not in ("ranks killed", "timeout"))
+
+
+def run_tests(command: list[str], cwd: Path, mutant: str, timeout: float | None) -> int | None:
+    """``command`` in ``cwd`` with ``MUTANT_UNDER_TEST`` set (the trampolines read it in every process that inherits
+    the environment, forked ranks included), at ``nice -n 19``; its exit code, or None past ``timeout`` (its whole
+    process group is killed: ranks and the fork server too)."""
+    env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
+    process = subprocess.Popen(["nice", "-n", "19", *command], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.wait()
+        return None
+
+
+def ranks_pass(work: Path, statuses: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Run each mutant mutmut left with no tests against the fast tier of the test files that import its module
+    (``ranks_selection``), in the work directory's ``mutants/`` copy, and record what happened in ``ranks.json``.
+
+    mutmut learns which tests call a function only in the pytest process; a function that only forked ranks
+    (``tests/helpers/dist.py``) or in-process threads mutmut does not trace run is "no tests" there, yet the ranks
+    import the copy and inherit ``MUTANT_UNDER_TEST``. Each selection runs clean first (``MUTANT_UNDER_TEST`` empty)
+    and must pass: its mutants are not checked otherwise. A mutant's run is limited to five times the clean run's
+    wall time and two minutes more."""
+    path = work / RANKS_FILE
+    ranks: dict[str, dict[str, str]] = json.loads(path.read_text()) if path.exists() else {}
+    settings = tomllib.loads((work / "mutants" / "pyproject.toml").read_text())["tool"]["mutmut"]
+    by_selection: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for name in ranks_todo(statuses, ranks):
+        by_selection[tuple(ranks_selection(file_of(module_of_mutant(name))))].append(name)
+    for tests, names in sorted(by_selection.items()):
+        if not tests:
+            continue
+        command = ranks_command(list(tests), settings)
+        begin = time.monotonic()
+        clean = run_tests(command, work / "mutants", "", None)
+        took = time.monotonic() - begin
+        print(f"ranks: {len(names)} mutants; the clean run of {' '.join(tests)} took {took:.0f} s, exited {clean}",
+              flush=True)
+        if clean != 0:
+            print("ranks: the clean run failed: these mutants are not checked", flush=True)
+            continue
+        for name in names:
+            status = ranks_status(run_tests(command, work / "mutants", name, 5 * took + 120))
+            ranks[name] = {"from": "no tests", "status": status}
+            path.write_text(json.dumps(ranks, indent=1, sort_keys=True) + "\n")
+            print(f"  {status}: {name}", flush=True)
+    return ranks
+
+
 def survivors(work: Path, statuses: dict[str, str]) -> str:
     """Each surviving mutant as a diff against the original function, read from mutmut's mutated file (where
     ``<function>__mutmut_<n>`` sits beside ``<function>__mutmut_orig``): what ``mutmut show`` prints, without a
     process per mutant (``mutmut show`` takes 10 s each on a busy machine)."""
     sources: dict[str, dict[str, str]] = {}
     parts = []
-    for name in sorted(n for n, s in statuses.items() if s == "survived"):
+    for name, status in sorted((n, s) for n, s in statuses.items() if s in ("survived", "ranks survived", "no tests")):
         module = module_of_mutant(name)
         if module not in sources:
             path = work / "mutants" / (module.replace(".", "/") + ".py")
@@ -241,7 +355,7 @@ def survivors(work: Path, statuses: dict[str, str]) -> str:
                                     mutated.replace(function, function.rsplit("__mutmut_", 1)[0]).splitlines(),
                                     lineterm="", n=1)
         body = "\n".join(line for line in list(diff)[2:])
-        parts.append(f"### {name}\n\n```diff\n{body}\n```\n")
+        parts.append(f"### {name} ({status})\n\n```diff\n{body}\n```\n")
     return "\n".join(parts)
 
 
@@ -263,6 +377,11 @@ def main() -> int:
                         help="check a uniform random sample of N mutants per package, not all (the table gives the "
                              "score's 95 %% interval)")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    parser.add_argument("--ranks", action="store_true",
+                        help="then run each mutant mutmut left with no tests against the fast tier of the test files "
+                             "that import its module, forked ranks included (ranks.json in the work directory)")
+    parser.add_argument("--ranks-only", action="store_true",
+                        help="the ranks pass alone, on a kept work directory (the checkout's tests copied in first)")
     parser.add_argument("--recheck", metavar="STATUS[,STATUS]",
                         help="check again only the mutants the work directory holds with these statuses, e.g. "
                              "'survived,no tests' after new tests")
@@ -282,7 +401,7 @@ def main() -> int:
         parser.error("no test file imports these modules: use --tests package")
     mutmut = [sys.executable, "-m", "mutmut"]
     returncode = 0
-    if not args.table_only:
+    if not args.table_only and not args.ranks_only:
         args.work.mkdir(parents=True, exist_ok=True)
         copy_tree(args.work)
         scoped_config(args.work / "pyproject.toml", files, tests, marks)
@@ -310,6 +429,18 @@ def main() -> int:
         cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
         print(f"\n{time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min (mutmut exited {returncode})\n")
     statuses = {n: s for n, s in results(args.work).items() if module_of_mutant(n) in {module_of(f) for f in files}}
+    if (args.ranks or args.ranks_only) and not args.table_only:
+        if args.ranks_only:
+            # the checkout's tests as they are now, into the copy mutmut runs in (mutmut copies them on each run)
+            copy_tree(args.work)
+            shutil.copytree(args.work / "tests", args.work / "mutants" / "tests", dirs_exist_ok=True)
+        begin, cpu0 = time.monotonic(), os.times()
+        ranks_pass(args.work, statuses)
+        cpu1 = os.times()
+        cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
+        print(f"\nranks pass: {time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min\n")
+    ranks_file = args.work / RANKS_FILE
+    statuses = with_ranks(statuses, json.loads(ranks_file.read_text()) if ranks_file.exists() else {})
     print(table(statuses, sampled=args.sample is not None))
     if args.survivors:
         args.survivors.write_text(survivors(args.work, statuses))

@@ -131,6 +131,55 @@ def test_the_loss_scaler_keeps_its_initial_scale_when_the_checkpoint_has_none(ca
     assert "the checkpoint has no loss scale (not trained in fp16): starting from the initial scale" in caplog.text
 
 
+def test_the_loss_scaler_checkpoints_its_scale_and_back_offs_and_logs_them() -> None:
+    from ddptrain.train.loss_scale import LossScaler
+
+    scaler = LossScaler(torch.device("cpu"), sharded=False)
+    assert scaler.scale(torch.ones(())).item() == 2.0**16  # torch's initial scale, set at the first scale
+    scaler.scaler.update(new_scale=1024.0)
+    scaler.count_backoffs(2)
+    scaler.count_backoffs(1)
+    assert scaler.window() == {"loss_scale": 1024.0, "scaler_backoffs": 3}
+    state = scaler.state_dict()
+    assert state["backoffs"] == 3 and state["scale"] == 1024.0
+    resumed = LossScaler(torch.device("cpu"), sharded=False)
+    resumed.load_state_dict(state)
+    assert resumed.window() == {"loss_scale": 1024.0, "scaler_backoffs": 3}
+    assert state["backoffs"] == 3  # the checkpoint's state is read, not consumed
+
+
+def test_the_first_steps_model_state_report_sets_each_ranks_bytes_beside_the_formula(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``report_model_state`` in-process, the gather given: ZeRO-3 over 2 ranks, 2**20 parameters of which 2**19
+    train (adapters) and 2**18 are gathered at the peak; this is rank 1."""
+    from ddptrain.plan.costs import MIXED_BF16
+    from ddptrain.train import summary
+
+    mib = 2**20
+    held = [{"parameters": {"float32": 2 * mib}, "gradients": {"float32": mib}, "optimizer": {"float32": 2 * mib}},
+            {"parameters": {"float32": 2 * mib, "bfloat16": mib // 2}, "gradients": {"float32": mib},
+             "optimizer": {"float32": 2 * mib}}]
+    monkeypatch.setattr(summary, "dist", SimpleNamespace(
+        all_gather_object=lambda out, mine: out.__setitem__(slice(None), [held[0], mine]), get_rank=lambda: 1))
+    probe = SimpleNamespace(bytes=held[1], gathered=2**18)
+    with caplog.at_level(logging.INFO, logger="ddptrain"):
+        record = summary.report_model_state(probe, 2**20, 2, 3, 2, MIXED_BF16, trainable=2**19)
+    # parameters: the fp32 shard (4 x 2**19) and the bf16 working copy of the gathered ones (2 x 2**18); gradients
+    # and AdamW for the trainable half, sharded
+    two_dtypes = "2.50 MiB [bfloat16 0.50, float32 2.00]"
+    assert caplog.messages == [
+        f"model state per rank (ZeRO-3, sharded over 2 of 2 ranks, {MIXED_BF16.name}): parameters {two_dtypes} "
+        f"(formula {two_dtypes}), gradients 1.00 MiB (formula 1.00 MiB), optimizer 2.00 MiB (formula 2.00 MiB)"]
+    assert record["formula_bytes"] == {"parameters": 2.5 * mib, "gradients": mib, "optimizer": 2 * mib}
+    assert record["measured_bytes_per_rank"] == [
+        {"parameters": 2 * mib, "gradients": mib, "optimizer": 2 * mib},
+        {"parameters": 2.5 * mib, "gradients": mib, "optimizer": 2 * mib}]
+    assert record["measured_bytes_by_dtype_per_rank"] == held
+    assert (record["zero_stage"], record["shard_group_size"], record["precision"]) == (3, 2, MIXED_BF16.name)
+    assert record["formula"] == ("4Ψ fp32 params + 4Ψ fp32 grads + 8Ψ AdamW, sharded per stage 3, + 2 bytes "
+                                 "(bfloat16) per gathered parameter: 262144 parameters (root + largest block)")
+
+
 def test_the_run_shape_part_warns_when_the_world_size_or_global_batch_changed(
         caplog: pytest.LogCaptureFixture) -> None:
     from ddptrain.config.compose import build_config
@@ -149,25 +198,43 @@ def test_the_run_shape_part_warns_when_the_world_size_or_global_batch_changed(
     assert f"the checkpoint trained with a global batch of {2 * shape.global_batch_size}; continuing" in caplog.text
 
 
-def test_the_first_step_hook_acts_on_the_runs_first_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_first_step_hook_acts_on_the_runs_first_step_only(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from ddptrain.config.compose import build_config
+    from ddptrain.plan.costs import FP32, MIXED_BF16
     from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.telemetry.comm import SyncSample
     from ddptrain.train import first_step
 
     calls: list[str] = []
+    gathered: list[tuple] = []
     probe = SimpleNamespace(after_backward=lambda: calls.append("after_backward"),
                             after_step=lambda optimizer: calls.append("after_step"))
-    monkeypatch.setattr(first_step, "report_model_state", lambda *args: calls.append("gather") or {"rank": 0})
+    monkeypatch.setattr(first_step, "report_model_state",
+                        lambda *args: calls.append("gather") or gathered.append(args) or {"rank": 0})
     t = SimpleNamespace(start=10, probe=probe, optimizer=None, trainable=5, n_params=10, precision=Precision.fp32,
                         metrics=SimpleNamespace(restart_window=lambda: calls.append("restart_window")),
                         cfg=build_config({"train": {"compile": True}}), device=torch.device("cpu"),
                         env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1))
     first = first_step.FirstStep(t)  # type: ignore[arg-type]
-    for step in range(11, 15):
-        first.after_backward(step)
-        first.after_step(step, None, log_step=step == 12)
+    with caplog.at_level(logging.INFO, logger="ddptrain"):
+        for step in range(11, 15):
+            first.after_backward(step)
+            first.after_step(step, None, log_step=step == 12)
     assert calls == ["after_backward", "restart_window", "after_step", "gather"]
     assert first.model_state == {"rank": 0} and first.compile_s is not None and first.compile_s >= 0
+    assert caplog.messages[0].startswith("train.compile: first step ") and caplog.messages[0].endswith(
+        " s, compilation included (kept out of throughput)")
+    # the gather's arguments: the world, the stage, the ranks sharing one copy, the precision's bytes, trainable
+    assert gathered == [(probe, 10, 1, 0, 1, FP32, 5)]
+    # 4 ranks as 2 nodes of 2 under HSDP (ZeRO-3 over each node), bf16, no compile: nothing timed
+    t.cfg = build_config({"parallel": {"zero_stage": 3, "shard_group": "node"}})
+    t.env, t.precision, t.start = DistEnv(rank=1, local_rank=1, world_size=4, local_world_size=2), Precision.bf16, 0
+    calls.clear()
+    second = first_step.FirstStep(t)  # type: ignore[arg-type]
+    second.after_step(1, SyncSample(100.0, None, None), log_step=False)
+    assert gathered[-1] == (probe, 10, 4, 3, 2, MIXED_BF16, 5) and second.compile_s is None
+    assert calls == ["after_step", "gather"]  # no compile: the window is not restarted
 
 
 def test_fault_hooks_come_from_ddptrain_fault_for_their_rank_in_the_first_attempt_only(

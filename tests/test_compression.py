@@ -14,10 +14,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddptrain.comm.clock import ClockKind, CommClock
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.compression import register_compression
+from ddptrain.parallel.compression import CommMeter, CompressionState, powersgd_elements, register_compression
+from ddptrain.parallel.wrap import EngineMeter, Wrapped, wrap_model
 from tests.helpers.dist import run_distributed
 
 IN, HIDDEN, OUT = 32, 64, 16
@@ -198,6 +200,120 @@ def test_bad_settings_fail_naming_the_key(override: dict, key: str) -> None:
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd", "topk"])
 def test_default_settings_are_valid(compression: str) -> None:
     assert build_config({"parallel": {"compression": compression}}).parallel.compression == compression
+
+
+def test_the_meter_adds_each_buckets_bytes_and_its_sample_gives_payload_spans_and_launches() -> None:
+    """In-process: what the hooks charge (``record``) and what a sampled step reads back (``take_sample``)."""
+    meter = CommMeter(CommClock(ClockKind.host))
+    meter.record(100, torch.zeros(50))  # sent 100 of a 200-byte fp32 bucket
+    meter.record(30, torch.zeros(10, dtype=torch.float64), steady_bytes=8)  # a warm-up bucket: 8 once compressing
+    assert (meter.comm_bytes, meter.uncompressed_bytes, meter.steady_bytes) == (130, 280, 108)
+    meter.spans += [(1.0, 2.0), (1.5, 4.0)]
+    meter.launches += [(1.0, 200), (1.5, 80)]
+    assert meter.timing() == (3.0, 2.5)  # in flight 1.0 to 4.0; exposed from the last launch (1.5) to the end
+    sample, ratio = meter.take_sample(2, sampled=True)
+    assert ratio == 130 / 280 and sample is not None
+    assert (sample.payload_bytes, sample.comm_s, sample.exposed_s, sample.steady_bytes) == (130, 3.0, 2.5, 108)
+    assert sample.buckets == ((0.5, 200), (0.0, 80))
+    assert (meter.comm_bytes, meter.uncompressed_bytes, meter.spans, meter.launches) == (0, 0, [], [])
+    again, ratio = meter.take_sample(2, sampled=True)  # nothing since: reset
+    assert ratio == 1.0 and again is not None and (again.payload_bytes, again.buckets) == (0, ())
+
+
+def test_the_wrapped_model_reads_its_meter_and_drops_error_feedback_through_its_compression_state() -> None:
+    """In-process: what the loop asks of ``Wrapped`` after a step, with and without a meter and a hook's state,
+    and our engines' meter (a 2-rank all-reduce's link bytes 2(N-1)/N x S = S back to the payload S)."""
+    model = nn.Linear(2, 2)
+    meter = CommMeter(CommClock(ClockKind.host))
+    dropped: list[bool] = []
+    feedback = SimpleNamespace(discard_if=lambda nonfinite: dropped.append(bool(nonfinite)))
+    wrapped = Wrapped(model, model, lambda _sync: None, meter, "torch DDP", CompressionState(meter, feedback))
+    meter.record(8, torch.zeros(4))
+    sample, ratio = wrapped.take_sync_sample(2, sampled=True)
+    assert sample is not None and sample.payload_bytes == 8 and ratio == 0.5
+    assert wrapped.take_sync_sample(2, sampled=False) == (None, 1.0)  # not sampled: the ratio only
+    assert wrapped.comm_clock() is meter.clock
+    wrapped.step_done(torch.tensor(True))
+    assert dropped == [True]
+    bare = Wrapped(model, model, lambda _sync: None, None, "none")
+    assert bare.take_sync_sample(2, sampled=True) == (None, None) and bare.comm_clock() is None
+    bare.step_done(torch.tensor(True))  # no hook state: nothing to drop
+    stats = SimpleNamespace(bytes_sent=400, in_flight_s=0.5, exposed_s=0.25, clock=meter.clock)
+    engine = EngineMeter(SimpleNamespace(comm_stats=stats))
+    assert engine.take_sample(2, sampled=False) == (None, None)
+    taken, none = engine.take_sample(2, sampled=True)
+    assert none is None and taken is not None and (taken.payload_bytes, taken.comm_s, taken.exposed_s) == (
+        400, 0.5, 0.25)
+    assert engine.clock is meter.clock
+
+
+@pytest.mark.parametrize(("compression", "dtype", "bytes_per_element"), [
+    ("none", torch.float32, 4), ("fp16", torch.float16, 2), ("bf16", torch.bfloat16, 2)])
+def test_each_hook_is_installed_in_this_process_and_sends_its_dtype(
+        compression: str, dtype: torch.dtype, bytes_per_element: int) -> None:
+    """``register_compression`` on a 1-rank DDP in the test process (gloo): the hook the setting names charges the
+    meter it returns, and the gradient comes back rounded through the dtype it sends."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(8, 8)
+        ddp = DistributedDataParallel(layer)
+        state = register_compression(ddp, ParallelConfig(compression=compression))
+        x = torch.randn(4, 8)
+        ddp(x).pow(2).sum().backward()
+        reference = nn.Linear(8, 8)
+        reference.load_state_dict(layer.state_dict())
+        reference(x).pow(2).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert state.feedback is None and state.meter.comm_bytes == 72 * bytes_per_element
+    assert state.meter.uncompressed_bytes == 72 * 4 and len(state.meter.spans) == 1
+    for got, want in zip(layer.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad.to(dtype).float())
+
+
+@pytest.mark.parametrize("compression", ["powersgd", "topk"])
+def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(8, 8))
+        state = register_compression(ddp, ParallelConfig(compression=compression, error_feedback=True))
+        ddp(torch.randn(4, 8)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert state.feedback is not None and state.feedback.meter is state.meter and state.meter.comm_bytes > 0
+    if compression == "topk":
+        assert state.feedback.error_feedback and len(state.feedback.residuals) == 2
+    else:
+        assert state.feedback.powersgd.process_group is None
+
+
+def test_one_rank_trains_the_bare_model_unless_wrap_single_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        with caplog.at_level(logging.INFO):
+            bare = wrap_model(model, ParallelConfig(), torch.device("cpu"))
+            wrapped = wrap_model(nn.Linear(2, 2), ParallelConfig(wrap_single=True), torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert bare.outer is model and bare.model is model and (bare.strategy, bare.meter) == ("none", None)
+    assert isinstance(wrapped.outer, DistributedDataParallel) and wrapped.strategy == "torch DDP"
+    assert caplog.messages == ["data parallel: none (world size 1: the bare model, no gradient sync; "
+                               "parallel.wrap_single=true wraps it)", "data parallel: torch DDP"]
+
+
+def test_powersgd_elements_sends_the_factors_of_a_matrix_worth_compressing_and_any_other_whole() -> None:
+    powersgd = SimpleNamespace(matrix_approximation_rank=2, min_compression_rate=2)
+    # (64 + 32) x 2 = 192 factors, 192 x 2 < 2048: compressed; (3 + 2) x 2 = 10, 10 x 2 >= 6: sent whole (6)
+    assert powersgd_elements(powersgd, [torch.zeros(64, 32), torch.zeros(3, 2)]) == 192 + 6
+    assert powersgd_elements(powersgd, [torch.zeros(64, 2, 16)]) == 192  # viewed as 64 rows
 
 
 # Top-k on 3 ranks. Each rank trains a one-output linear layer without bias on one sample: its weight's gradient is

@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+import ddptrain.train.drift as drift
 from ddptrain.app.cli import run_cli as ddptrain_main
+from ddptrain.config.choices import DriftPolicy
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.fingerprint import WIDTH, Combined, combine, fingerprint
+from ddptrain.parallel.replicas import ReplicaGroups
 from ddptrain.testing.faults import step_hooks
-from ddptrain.train.drift import Finding
+from ddptrain.train.drift import DriftCheck, DriftError, Finding
 from tests.helpers.cli import run_cli
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import FaultSpec, Overrides
@@ -265,6 +268,91 @@ def test_the_verdict_names_the_ranks_outside_the_majority_and_the_first_paramete
     assert pair.describe() == "rank 3 differs from rank 1, first in b" and pair.source == 1
     tie = Finding.of((0, 1, 2, 3), [other, same, same, other], names)  # two against two: rank 0's side is kept
     assert tie.describe() == "ranks 1, 2 differ from the majority (ranks 0, 3), first in b"
+
+
+def test_the_fingerprint_runs_on_the_tensors_own_device() -> None:
+    """Every index and weight tensor is made where the parameters live (a CUDA run reads nothing back): on the meta
+    device, a CPU tensor anywhere in the arithmetic is an error."""
+    tensors = [torch.empty(n, device="meta") for n in (3, 2 * WIDTH, 3 * WIDTH + 5)]
+    rows = torch.stack([fingerprint(t) for t in tensors])
+    assert rows.device.type == combine(rows).device.type == "meta"
+    assert Combined(tensors, torch.device("meta"))(tensors).device.type == "meta"
+
+
+def test_the_start_up_line_says_what_the_replica_groups_compare() -> None:
+    hsdp = ReplicaGroups(((0, 2), (1, 3)), 1, None, True)
+    assert hsdp.comparable and hsdp.describe() == "each shard's 2 replicas across nodes: ranks (0, 2), (1, 3)"
+    assert ReplicaGroups(((0, 1, 2),), 0, None, False).describe() == "whole replicas on 3 ranks"
+    fsdp2 = ReplicaGroups((), 0, None, True)
+    assert not fsdp2.comparable and fsdp2.describe() == (
+        "nothing to compare: each parameter shard is held by one rank only (FSDP2 over every rank; "
+        "parallel.shard_group=node replicates shards across nodes)")
+    alone = ReplicaGroups(((0,),), 0, None, False)  # one rank holds each copy: nothing to compare
+    assert not alone.comparable and alone.describe() == "nothing to compare"
+
+
+def _replicas(policy: DriftPolicy, start: int = 0) -> tuple[DriftCheck, torch.nn.Module, torch.nn.Module]:
+    """This rank's check (rank 0 of a 2-rank replica group, built in-process: the group is given, not asked of a
+    world) over a tiny model, and rank 1's copy of that model."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    check = DriftCheck(model, DriftPolicy.off, start)  # off: no world to ask for the groups
+    check.policy, check.groups = policy, ReplicaGroups(((0, 1),), 0, None, False)
+    check.combined = Combined([p.detach() for p in model.parameters()], torch.device("cpu"))
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    other.load_state_dict(model.state_dict())
+    return check, model, other
+
+
+def _settle(check: DriftCheck, other: torch.nn.Module, step: int) -> None:
+    """The check's all-reduce (MAX) and gather of this rank's and rank 1's fingerprints, in-process."""
+    rank1 = DriftCheck(other, DriftPolicy.off, 0)
+    rank1.policy, rank1.groups = check.policy, check.groups
+    rank1.combined = Combined([p.detach() for p in other.parameters()], torch.device("cpu"))
+    agreed = torch.maximum(check.words(torch.device("cpu")), rank1.words(torch.device("cpu"))).tolist()
+    rows = [torch.stack([fingerprint(p.detach()) for p in m.parameters()]).tolist() for m in (check.model, other)]
+    check._gather = lambda _rows: rows  # type: ignore[method-assign]
+    check.settle(agreed, step)
+
+
+def test_a_check_names_the_last_agreeing_step_and_aborts_with_exit_4_when_replicas_differ() -> None:
+    check, _, other = _replicas(DriftPolicy.abort)
+    _settle(check, other, 2)
+    assert check.agreed_at == 2
+    with torch.no_grad():
+        other[1].bias[1] += 1
+    with pytest.raises(DriftError) as caught:
+        _settle(check, other, 4)
+    assert caught.value.exit_code == 4
+    assert str(caught.value) == ("replicas differ at step 4 (equal at step 2): rank 1 differs from rank 0, first in "
+                                 "1.bias (train.drift_policy=abort); no checkpoint was written after step 2")
+    # no check agreed yet: in a fresh run, and in one resumed after step 6
+    for start, since in ((0, "the first check of this run"), (6, "the first check since step 6")):
+        fresh, _, drifted = _replicas(DriftPolicy.abort, start)
+        with torch.no_grad():
+            drifted[0].weight[0, 0] += 1
+        with pytest.raises(DriftError, match=re.escape(
+                f"({since}): rank 1 differs from rank 0, first in 0.weight (train.drift_policy=abort); "
+                "no checkpoint was written by this run")):
+            _settle(fresh, drifted, 7)
+
+
+def test_rebroadcast_sends_only_the_differing_parameters_from_the_majority_and_counts_the_step_as_agreed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    check, model, other = _replicas(DriftPolicy.rebroadcast)
+    sent: list[tuple[list[int], int, ReplicaGroups]] = []
+    monkeypatch.setattr(drift, "rebroadcast", lambda tensors, source, groups: sent.append(
+        ([t.data_ptr() for t in tensors], source, groups)))
+    with torch.no_grad():
+        other[0].bias[0] += 1
+        other[1].weight[1] += 1
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        _settle(check, other, 4)
+    assert sent == [([model[0].bias.data_ptr(), model[1].weight.data_ptr()], 0, check.groups)]
+    assert caplog.messages == ["replicas differ at step 4 (the first check of this run): rank 1 differs from rank 0, "
+                               "first in 0.bias; re-broadcast 2 parameter(s) from rank 0 "
+                               "(train.drift_policy=rebroadcast)"]
+    assert check.agreed_at == 4  # repaired: the next difference is counted from here
 
 
 @pytest.mark.parametrize(("spec", "message"), [

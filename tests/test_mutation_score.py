@@ -1,4 +1,5 @@
-"""scripts/mutation_score.py's arithmetic: the sample it checks and the interval it prints for a sampled score."""
+"""scripts/mutation_score.py's arithmetic: the sample it checks, the interval it prints for a sampled score, and how
+the ranks pass reads its runs and shows them."""
 
 from __future__ import annotations
 
@@ -54,3 +55,46 @@ def test_the_interval_is_wilsons_and_the_table_counts_only_the_checked_mutants(s
     low, high = score.wilson(8, 10)
     assert row == f"| train | 100 | 8 | 2 | 0 | 0 | 90 | 0 | 80% | {low:.0%}-{high:.0%} |"
     assert "interval" not in score.table(statuses)
+
+
+def test_the_ranks_pass_reads_pytests_exit_code_as_mutmut_does_and_runs_what_mutmut_runs(score):
+    assert [score.ranks_status(rc) for rc in (1, 3, 0, 5, None, 2, 4)] == [
+        "ranks killed", "ranks killed", "ranks survived", "no tests", "timeout", "other", "other"]
+    settings = {"pytest_add_cli_args": ["-m", "not slow", "-p", "no:xdist"]}
+    command = score.ranks_command(["tests/test_drift.py"], settings)
+    # the first failure ends the run, in file order, and the fast tier's selection comes last, as in mutmut's runner
+    assert command[1:] == ["-m", "pytest", "--rootdir=.", "--tb=native", "-x", "-q", "-p", "no:randomly", "-p",
+                           "no:random-order", "tests/test_drift.py", "-m", "not slow", "-p", "no:xdist"]
+    assert score.file_of("ddptrain.train.drift") == "ddptrain/train/drift.py"
+    assert score.file_of("ddptrain.train") == "ddptrain/train/__init__.py"
+
+
+def test_the_ranks_pass_shows_its_own_columns_and_yields_to_a_later_mutmut_status(score):
+    untested = names("ddptrain.train.drift", "settle", 4)
+    statuses = {n: "no tests" for n in untested} | {n: "killed" for n in names("ddptrain.train.drift", "check", 4)}
+    ranks = {untested[0]: {"from": "no tests", "status": "ranks killed"},
+             untested[1]: {"from": "no tests", "status": "ranks survived"},
+             untested[2]: {"from": "no tests", "status": "timeout"}}
+    seen = score.with_ranks(statuses, ranks)
+    assert [seen[n] for n in untested] == ["ranks killed", "ranks survived", "timeout", "no tests"]
+    # the pass runs again what it has not seen killed: the survivor (after new tests) and the unchecked one
+    assert score.ranks_todo(statuses, ranks) == sorted([untested[1], untested[3]])
+    # 4 killed by mutmut, 1 by the ranks, 1 timeout of 8: 75 %; the ranks' columns follow mutmut's
+    lines = score.table(seen).splitlines()
+    assert lines[0].endswith("| other | ranks killed | ranks survived | score |")
+    assert lines[2] == "| train | 8 | 4 | 0 | 1 | 1 | 0 | 0 | 1 | 1 | 75% |"
+    # a later mutmut run that found an in-process test (here: it survived it) wins over the pass's record
+    later = statuses | {untested[0]: "survived"}
+    assert score.with_ranks(later, ranks)[untested[0]] == "survived"
+    assert untested[0] not in score.ranks_todo(later, ranks)
+
+
+def test_a_module_no_test_imports_is_run_against_the_tests_of_the_modules_that_import_it(score):
+    imports = {"ddptrain/train/trainer.py": {"ddptrain.train.observer", "ddptrain.train.observer.StepObserver"},
+               "ddptrain/parallel/__init__.py": {"ddptrain.parallel.wrap", "ddptrain.parallel.wrap.wrap_model"},
+               "ddptrain/train/drift.py": {"ddptrain.train", "ddptrain.parallel.replicas.rebroadcast"},
+               "ddptrain/train/observers.py": {"ddptrain.train.observers"}}
+    assert score.importers("ddptrain.train.observer", imports) == ["ddptrain/train/trainer.py"]
+    assert score.importers("ddptrain.parallel.replicas", imports) == ["ddptrain/train/drift.py"]
+    # a name that only starts like the module is another module
+    assert score.importers("ddptrain.train.observe", imports) == []

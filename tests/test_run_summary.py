@@ -4,6 +4,7 @@ order, as it was when the summary was a dict."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,53 @@ def test_fp16s_final_scale_replaces_its_median_in_place_and_the_compile_time_fol
     out = summary.to_json()
     assert list(out) == list(record)
     assert out["loss_scale"] == 512.0 and out["scaler_backoffs"] == 1
+
+
+ONE_RANK: dict[str, dict[str, Any]] = {
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 32},
+    "data": {"source": "synthetic", "vocab_size": 128, "num_samples": 64, "seq_len": 16, "global_batch_size": 4,
+             "micro_batch_size": 2},
+    "train": {"steps": 4, "log_every": 2, "check_every": 2, "eval_every": 2},
+    "optim": {"lr": 1e-2, "warmup_steps": 0},
+    "checkpoint": {"every_n_steps": 0},
+}
+
+
+def test_a_one_rank_run_in_this_process_writes_the_summary_its_windows_give(
+        tmp_path: Path, caplog: Any) -> None:
+    """The loop, the step, the logging windows and the summary, in the test process (a 1-rank gloo group): mutation
+    testing sees them here, where the multi-rank runs reach them only in forked ranks. 4 steps, a window of 2."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.train.trainer import Trainer
+    from tests.helpers.runs import make_config
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)
+        trainer = Trainer(make_config(str(tmp_path), ONE_RANK), env, torch.device("cpu"), tmp_path, {})
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        with caplog.at_level(logging.INFO, logger="ddptrain"):
+            summary = trainer.train()
+    finally:
+        dist.destroy_process_group()
+    windows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in windows] == [2, 4]
+    assert all(w["skipped_steps"] == 0 and isinstance(w["lr"], float) and "val_loss" in w for w in windows)
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["first_logged_step"], summary["first_logged_loss"]) == (2, windows[0]["loss"])
+    assert (summary["final_loss"], summary["final_val_loss"]) == (windows[-1]["loss"], windows[-1]["val_loss"])
+    assert summary["tokens_seen"] == windows[-1]["tokens_seen"] == 4 * 4 * 16
+    assert isinstance(summary["first_step_loss"], float) and summary["flops_per_token"] > 0
+    assert (summary["compression"], summary["wrapper"], summary["world_size"]) == ("none", "none", 1)
+    assert summary["predicted"]["comm_link_bytes_per_rank"] == 0.0 and summary["predicted"]["step_note"]
+    assert summary["time_optimizer_s"] > 0 and summary["step_time_s"] > 0
+    assert summary["memory_peak"] and summary["model_state"]["shard_group_size"] == 1
+    # goodput's last line, with the final save and the evaluations booked apart from training
+    assert re.fullmatch(r"goodput [\d.]+% of [\d.]+ s wall-clock: start-up [\d.]+%, .*", caplog.messages[-1])
+    assert summary["goodput"]["checkpoint_s"] > 0 and summary["goodput"]["eval_s"] > 0
+    assert all(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True))
