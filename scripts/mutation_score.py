@@ -399,6 +399,7 @@ def main() -> int:
     tests = test_files_of(files) if args.tests == "files" else None
     if tests == []:
         parser.error("no test file imports these modules: use --tests package")
+    modules = {module_of(f) for f in files}
     mutmut = [sys.executable, "-m", "mutmut"]
     returncode = 0
     if not args.table_only and not args.ranks_only:
@@ -419,8 +420,7 @@ def main() -> int:
                 if not results(args.work):
                     print(generated.stdout[-4000:], generated.stderr[-4000:], sep="\n")
                     raise SystemExit("mutation_score: mutmut generated no mutants (its output is above)")
-            in_scope = {n: s for n, s in results(args.work).items()
-                        if module_of_mutant(n) in {module_of(f) for f in files}}
+            in_scope = scoped(results(args.work), modules)
             pool = [n for n, s in in_scope.items() if not recheck or s in recheck]
             names = sample(pool, args.sample, args.seed) if args.sample is not None else sorted(pool)
             print(f"checking {len(names)} of {len(in_scope)} mutants", flush=True)
@@ -428,7 +428,7 @@ def main() -> int:
         cpu1 = os.times()
         cpu = cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
         print(f"\n{time.monotonic() - begin:.0f} wall s, {cpu / 60:.1f} CPU min (mutmut exited {returncode})\n")
-    statuses = {n: s for n, s in results(args.work).items() if module_of_mutant(n) in {module_of(f) for f in files}}
+    statuses = scoped(results(args.work), modules)
     if (args.ranks or args.ranks_only) and not args.table_only:
         if args.ranks_only:
             # the checkout's tests as they are now, into the copy mutmut runs in (mutmut copies them on each run)
@@ -446,6 +446,11 @@ def main() -> int:
         args.survivors.write_text(survivors(args.work, statuses))
         print(f"\nsurvivors' diffs: {args.survivors}")
     return returncode
+
+
+def scoped(statuses: dict[str, str], modules: set[str]) -> dict[str, str]:
+    """The statuses of the mutants of ``modules`` (a work directory may hold mutants of a wider earlier scope)."""
+    return {name: status for name, status in statuses.items() if module_of_mutant(name) in modules}
 
 
 def module_of_mutant(name: str) -> str:
