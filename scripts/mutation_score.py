@@ -141,12 +141,16 @@ def toml_value(value: object) -> str:
     return str(value)
 
 
-def scoped_config(pyproject: Path, files: list[str], tests: list[str] | None, marks: list[str]) -> None:
+def scoped_config(pyproject: Path, files: list[str], tests: list[str] | None, marks: list[str],
+                  timeout_constant: float | None = None) -> None:
     """Rewrite the copy's ``[tool.mutmut]``: only ``files`` mutated; the fast tier of ``tests`` (test files) run,
-    or with ``tests`` None, the fast tests whose package marks are ``marks``."""
+    or with ``tests`` None, the fast tests whose package marks are ``marks``; ``timeout_constant``: mutmut's
+    seconds added to a mutant's estimated test time before its timeout multiplier (None: mutmut's default)."""
     text = pyproject.read_text()
     settings = dict(tomllib.loads(text)["tool"]["mutmut"])
     settings["only_mutate"] = files
+    if timeout_constant is not None:
+        settings["timeout_constant"] = timeout_constant
     if tests is not None:
         settings["pytest_add_cli_args_test_selection"] = tests
     else:
@@ -385,7 +389,15 @@ def main() -> int:
     parser.add_argument("--recheck", metavar="STATUS[,STATUS]",
                         help="check again only the mutants the work directory holds with these statuses, e.g. "
                              "'survived,no tests' after new tests")
+    parser.add_argument("--timeout-constant", type=float, metavar="S",
+                        help="seconds mutmut adds to a mutant's estimated test time before multiplying it by its "
+                             "timeout_multiplier (15) into the wall-clock limit (mutmut's default 1): a test whose "
+                             "time the stats underestimated (one in-process training run at nice 19 beside other "
+                             "jobs) then finishes instead of timing out. mutmut re-checks only the timed-out "
+                             "mutants when this changes")
     args = parser.parse_args()
+    if args.timeout_constant is not None and args.timeout_constant <= 0:
+        parser.error("--timeout-constant: expected a positive number of seconds")
     if args.sample is not None and args.sample < 1:
         parser.error("--sample: expected a positive number of mutants per package")
     recheck = set(args.recheck.split(",")) if args.recheck else set()
@@ -405,7 +417,7 @@ def main() -> int:
     if not args.table_only and not args.ranks_only:
         args.work.mkdir(parents=True, exist_ok=True)
         copy_tree(args.work)
-        scoped_config(args.work / "pyproject.toml", files, tests, marks)
+        scoped_config(args.work / "pyproject.toml", files, tests, marks, args.timeout_constant)
         chosen = " ".join(tests) if tests is not None else f"marked {' or '.join(marks)}"
         print(f"mutating {len(files)} files; tests: the fast tier of {chosen}", flush=True)
         begin, cpu0 = time.monotonic(), os.times()

@@ -98,3 +98,24 @@ def test_a_module_no_test_imports_is_run_against_the_tests_of_the_modules_that_i
     assert score.importers("ddptrain.parallel.replicas", imports) == ["ddptrain/train/drift.py"]
     # a name that only starts like the module is another module
     assert score.importers("ddptrain.train.observe", imports) == []
+
+
+def test_the_scoped_config_sets_mutmuts_timeout_constant_only_when_asked(score, tmp_path):
+    """``--timeout-constant``: the copy's ``[tool.mutmut]`` gets mutmut's ``timeout_constant`` (its wall-clock limit
+    is (estimated time + constant) × multiplier); without it the key is absent and mutmut's default holds. The
+    other tables and the scope stay as written."""
+    import tomllib
+
+    text = '[project]\nname = "x"\n\n[tool.mutmut]\nsource_paths = ["ddptrain"]\n\n[tool.ruff]\nline-length = 120\n'
+    asked, default = tmp_path / "asked.toml", tmp_path / "default.toml"
+    asked.write_text(text)
+    default.write_text(text)
+    score.scoped_config(asked, ["ddptrain/train/trainer.py"], ["tests/test_run_summary.py"], ["train"], 30.0)
+    score.scoped_config(default, ["ddptrain/train/trainer.py"], ["tests/test_run_summary.py"], ["train"])
+    read, plain = tomllib.loads(asked.read_text()), tomllib.loads(default.read_text())
+    assert read["tool"]["mutmut"]["timeout_constant"] == 30.0
+    assert "timeout_constant" not in plain["tool"]["mutmut"]
+    for settings in (read, plain):
+        assert settings["tool"]["mutmut"]["only_mutate"] == ["ddptrain/train/trainer.py"]
+        assert settings["tool"]["mutmut"]["pytest_add_cli_args_test_selection"] == ["tests/test_run_summary.py"]
+        assert settings["tool"]["ruff"] == {"line-length": 120} and settings["project"] == {"name": "x"}
