@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -196,6 +197,30 @@ def test_when_even_one_does_not_fit_the_error_names_what_would() -> None:
         choose_micro_batch(cfg, 1, device_between(state, lowest), VOCAB)
 
 
+def test_where_no_remedy_fits_alone_the_line_names_those_that_fit_together() -> None:
+    """``nothing_fits`` on a made-up need (GiB): 10 as configured, 9 with any one remedy, 5 with full checkpointing
+    and the chunked loss at once, 6 usable: the line names the two that fit together (selective is not part of
+    it: full recomputes more) with their need; where even that misses, it lists what was tried."""
+    from ddptrain.plan.memory.auto_batch import nothing_fits
+
+    cfg = tiny_auto(chunked_loss=False)
+
+    def need(m: int, checkpointing: ActivationCheckpointing, stage: int, chunked_loss: bool | None = None) -> float:
+        changed = (checkpointing != ActivationCheckpointing.none) + bool(chunked_loss)
+        full_and_chunked = checkpointing == ActivationCheckpointing.full and chunked_loss
+        return (5.0 if full_and_chunked else 9.0 if changed else 10.0) * GiB
+
+    need.plan = SimpleNamespace(batch=SimpleNamespace(dp=1))  # type: ignore[attr-defined]  # one rank: no ZeRO stage
+    device = target_device("cpu", 8.0, None)
+    line = nothing_fits(cfg, need, 6.0 * GiB, device)  # type: ignore[arg-type]
+    assert line.endswith("; it fits with model.activation_checkpointing=full and train.chunked_loss=true together "
+                         "(5.00 GiB)"), line
+    assert line.startswith("data.micro_batch_size=auto: even micro batch 1 needs 10.00 GiB per rank, over the 6.00")
+    missed = nothing_fits(cfg, need, 4.0 * GiB, device)  # type: ignore[arg-type]
+    assert "nothing the planner weighs makes it fit (tried: model.activation_checkpointing=selective (9.00 GiB), " \
+           "model.activation_checkpointing=full (9.00 GiB), train.chunked_loss=true (9.00 GiB))" in missed
+
+
 def test_the_dry_run_reports_the_chosen_micro_batch_and_plans_it() -> None:
     cfg = tiny_auto(global_batch=12)
     need = {m: full_trace(cfg, m, 12) for m in (6, 7)}
@@ -226,6 +251,40 @@ def _agree(rank: int, world_size: int, memory_gib: list[float],
     except ConfigError as exc:
         return 0, {}, str(exc), alone
     return typed.data.micro_batch_size, out["data"], "", alone
+
+
+def test_a_rank_plans_with_its_own_nodes_ranks_and_takes_the_smallest_choice_by_a_min_all_reduce(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process, the search and the group stubbed (the slow test below runs both for real): rank 0 of 4, two per
+    node, plans with its node's two ranks (``local_world_size``; the default would take plan.nodes' 1 node of 4,
+    so another NVLS count), and agrees by an all-reduce with MIN: its 6 against a peer's 3 gives 3, written to the
+    typed config and the resolved dict, with a line that says why."""
+    import ddptrain.plan.memory.auto_batch as auto_batch
+
+    cfg = tiny_auto(global_batch=24)
+    env = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=2)
+    planned: list[RunOverheads | None] = []
+
+    def choose(typed: Config, world: int, target: object, vocab: int,
+               overheads: RunOverheads | None = None) -> SimpleNamespace:
+        planned.append(overheads)
+        return SimpleNamespace(micro_batch=6, line=lambda: "data.micro_batch_size=auto: micro batch 6")
+
+    ops: list[object] = []
+
+    def all_reduce(tensor: torch.Tensor, op: object = torch.distributed.ReduceOp.SUM) -> None:
+        ops.append(op)  # the group's answer with one peer that fits 3: MIN gives 3, SUM 9
+        peer = torch.tensor([3])
+        tensor.copy_(torch.minimum(tensor, peer) if op == torch.distributed.ReduceOp.MIN else tensor + peer)
+
+    monkeypatch.setattr(auto_batch, "choose_micro_batch", choose)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    typed, out = agreed_micro_batch(Run(None, cfg, resolved), env, torch.device("cpu"))  # type: ignore[arg-type]
+    assert planned == [RunOverheads.of(cfg, 2, os.environ)] and planned[0].ranks_per_node == 2
+    assert RunOverheads.of(cfg, ranks_per_node(cfg, 4), os.environ).ranks_per_node == 4  # what the default plans
+    assert ops == [torch.distributed.ReduceOp.MIN]
+    assert (typed.data.micro_batch_size, out["data"]["micro_batch_size"], out["data"]["grad_accum"]) == (3, 3, None)
 
 
 @pytest.mark.slow  # two 2-rank groups, each rank searching its choice: about 15 CPU seconds

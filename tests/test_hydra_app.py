@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app.cli import run_cli
@@ -133,7 +134,10 @@ def test_a_user_config_dir_adds_an_experiment_and_a_model_that_train(
 def test_config_name_picks_another_primary_config(user_configs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (user_configs / "small.yaml").write_text("defaults:\n  - config\n  - _self_\ntrain:\n  steps: 7\n")
     assert run_cli(["-cd", str(user_configs), "-cn", "small", "--cfg", "job"]) == 0
-    assert "steps: 7" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    # the YAML alone, ending in its last line's newline (what `> config.yaml` or a YAML reader takes)
+    assert yaml.safe_load(shown)["train"]["steps"] == 7
+    assert shown.endswith("\n") and not shown.endswith("\n\n")
 
 
 def test_a_config_dir_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

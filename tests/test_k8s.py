@@ -499,6 +499,19 @@ def test_an_elastic_jobs_world_size_is_checked_at_its_largest_node_count(monkeyp
         assert (world_size, local) == (world, 2), nnodes
 
 
+@pytest.mark.parametrize(("nnodes", "nproc"), [("two", "2"), ("2", "many")])
+def test_an_operators_count_that_is_no_number_is_one_line_naming_both_variables(
+        nnodes: str, nproc: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PET_NNODES or PET_NPROC_PER_NODE torchrun cannot read: one line with both values as the pod has them."""
+    from ddptrain.app.launch import torchrun_options
+
+    _operator_env(monkeypatch, {"PET_NNODES": nnodes, "PET_NPROC_PER_NODE": nproc, "PET_NODE_RANK": "0"})
+    with pytest.raises(ConfigError) as refused:
+        torchrun_options(nproc_per_node=1, max_restarts=0)
+    assert str(refused.value) == (f"PET_NNODES={nnodes}, PET_NPROC_PER_NODE={nproc}: expected numbers of nodes and "
+                                  "processes per node (set by the training operator)")
+
+
 def test_an_operators_pod_of_one_process_per_node_still_starts_its_node_through_torchrun(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pod's command, ``ddptrain train.resume=auto OVERRIDES`` with launch.nproc_per_node=1: one process per

@@ -14,7 +14,7 @@ import yaml
 from ddptrain.app import k8s, k8s_ft
 from ddptrain.config.compose import compose_config, typed_config
 from ddptrain.errors import ConfigError
-from tests.helpers.core_rules import core_errors, selects, wiring_errors
+from tests.helpers.core_rules import core_errors, restricted_errors, selects, wiring_errors
 from tests.helpers.crds import schema_errors
 from tests.helpers.pods import pods
 from tests.helpers.webhooks import admission_errors
@@ -114,6 +114,8 @@ def test_the_lighthouse_runs_as_the_images_user_and_its_service_selects_only_it(
     assert container["command"] == ["torchft_lighthouse"] and container["image"] == IMAGE
     assert container["readinessProbe"]["tcpSocket"]["port"] == "lighthouse"
     assert "limits" in container["resources"] and "requests" in container["resources"]
+    # a namespace that enforces the "restricted" Pod Security Standard admits the lighthouse
+    assert restricted_errors(pod) == []
     for job in _jobs(docs["JobSet"]):  # the training pods are not behind the lighthouse's Service
         assert not selects(service["spec"]["selector"], job["template"]["metadata"]["labels"])
         assert job["template"]["spec"]["securityContext"]["fsGroup"] == 10001
@@ -146,6 +148,26 @@ def test_the_checks_refuse_what_the_api_server_and_the_webhook_refuse(docs) -> N
         "the Service's targetPort lighthouse-port-1 is no port of the container"]
     service["metadata"]["name"] = "1-lighthouse"
     assert "a DNS-1035 label" in core_errors(service)[0]
+    service["apiVersion"], deployment["apiVersion"] = "apps/v1", "v1"  # each the other's group: no such kind there
+    assert core_errors(service)[0] == 'no matches for kind "Service" in version "apps/v1" (expected v1)'
+    assert core_errors(deployment)[0] == 'no matches for kind "Deployment" in version "v1" (expected apps/v1)'
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    container["securityContext"]["capabilities"] = {"drop": ["NET_RAW"], "add": ["SYS_ADMIN"]}
+    del container["securityContext"]["allowPrivilegeEscalation"]
+    pod["securityContext"] = {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}}
+    assert restricted_errors(pod) == [
+        "spec.containers[0].securityContext.allowPrivilegeEscalation != false",
+        'spec.containers[0].securityContext.capabilities.drop=["ALL"] is not set',
+        "spec.containers[0].securityContext.capabilities.add holds more than NET_BIND_SERVICE",
+        "spec.containers[0].securityContext.runAsNonRoot != true (nor the pod's)",
+        "spec.containers[0].securityContext.runAsUser=0",
+        "spec.containers[0].securityContext.seccompProfile.type is 'Unconfined', not RuntimeDefault or Localhost "
+        "(nor the pod's)"]
+    # the container's own settings win over the pod's
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "Localhost"}}
+    assert restricted_errors(pod) == []
 
 
 def test_kind_defaults_to_jobset_with_replica_groups_only() -> None:

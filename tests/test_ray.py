@@ -201,6 +201,12 @@ def test_a_ray_run_that_ended_on_purpose_exits_with_the_workers_code(
     assert kwargs["train_loop_config"]["attempts"] == "attempts-actor" and ray.actors == [Attempts]
     assert (kwargs["torch_config"].backend, kwargs["torch_config"].timeout_s) == ("gloo", 90)  # ddptrain's choices
     assert kwargs["run_config"].failure_config.max_failures == 2
+    # Ray deletes none of ddptrain's checkpoints (ddptrain keeps its own: checkpoint.keep_last); None is also Ray's
+    # default, asserted here as the library behaviour the explicit setting documents
+    assert kwargs["run_config"].checkpoint_config.num_to_keep is None
+    from ray.train import CheckpointConfig
+
+    assert CheckpointConfig().num_to_keep is None
 
 
 def test_the_workers_own_error_is_found_inside_rays_wrappers_by_cause_and_by_the_lowest_rank() -> None:
@@ -284,12 +290,17 @@ def test_a_ray_worker_trains_its_rank_from_the_drivers_source_and_reports_the_su
     assert reports[-1] == ({ray_worker.ENDED: "stopped on purpose", ray_worker.EXIT_CODE: 4}, {})
 
 
+# (os.cpu_count(), workers, the local instance's CPUs): the machine's CPUs, a CPU per worker where the machine has
+# fewer, one where Python cannot tell (cpu_count() None)
+@pytest.mark.parametrize(("cpus", "workers", "num_cpus"), [(8, 2, 8), (1, 2, 2), (None, 1, 1)])
 def test_the_driver_starts_a_small_local_instance_and_hands_the_workers_the_run(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        cpus: int | None, workers: int, num_cpus: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``launch_ray`` in-process, Ray and the trainer stubbed: a local instance gets a CPU per worker (at least),
     a small object store and no dashboard; the workers get the source, the absolute run dir (made) and the cwd."""
     from ddptrain.app import ray_launch
     from ddptrain.config.compose import Source, compose_config, typed_config
+
+    monkeypatch.setattr(ray_launch.os, "cpu_count", lambda: cpus)
 
     inits: list[dict[str, Any]] = []
     fitted: list[tuple[Any, ...]] = []
@@ -301,12 +312,13 @@ def test_the_driver_starts_a_small_local_instance_and_hands_the_workers_the_run(
         monkeypatch.setenv(key, "")  # launch_ray sets them: restored after the test
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.chdir(tmp_path)
-    source = Source(overrides=["data=synthetic", "launch.backend=ray", "launch.ray_workers=2", "hydra.run.dir=run"])
+    source = Source(overrides=["data=synthetic", "launch.backend=ray", f"launch.ray_workers={workers}",
+                               "hydra.run.dir=run"])
     assert ray_launch.launch_ray(typed_config(compose_config(source.overrides)), source) == 0
     (init,) = inits
     assert init["object_store_memory"] == ray_launch.LOCAL_OBJECT_STORE_BYTES and init["include_dashboard"] is False
-    assert init["num_cpus"] >= 2 and init["address"] is None
-    ((_, _, workers, use_gpu, run_dir, loop),) = fitted
-    assert (workers, use_gpu, run_dir) == (2, False, tmp_path / "run") and run_dir.is_dir()
+    assert init["num_cpus"] == num_cpus and init["address"] is None
+    ((_, _, started, use_gpu, run_dir, loop),) = fitted
+    assert (started, use_gpu, run_dir) == (workers, False, tmp_path / "run") and run_dir.is_dir()
     assert loop == {"source": source, "run_dir": str(tmp_path / "run"), "cwd": str(tmp_path),
                     "launch_start": loop["launch_start"]}

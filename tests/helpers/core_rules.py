@@ -7,7 +7,16 @@ as those documents reach: core types have no CRD here (``tests/helpers/crds.py``
 - ports: numbers 1-65535, names IANA service names (``IsValidPortName``: at most 15 characters of ``[-a-z0-9]`` with
   a letter, no ``--``, no hyphen at either end), protocols TCP, UDP or SCTP;
 - a Deployment's selector non-empty and matching its template's labels ("`selector` does not match template
-  `labels`", ``ValidateDeploymentSpec``), its pod's restart policy ``Always``.
+  `labels`", ``ValidateDeploymentSpec``), its pod's restart policy ``Always``;
+- the type: ``apiVersion`` the group/version that serves the kind (``v1`` for a Service, ``apps/v1`` for a
+  Deployment: anything else is "no matches for kind" from the API server's REST mapping).
+
+``restricted_errors`` is the Pod Security Standard "restricted" (the built-in Pod Security Admission controller,
+k8s.io/pod-security-admission ``policy/check_*.go``, enforced where a namespace is labelled
+``pod-security.kubernetes.io/enforce=restricted``), for the checks a pod spec without volumes or host namespaces
+reaches: ``allowPrivilegeEscalation`` false, ``capabilities.drop`` holding ``ALL`` and ``add`` at most
+``NET_BIND_SERVICE``, not ``privileged``, ``runAsNonRoot`` true and ``runAsUser`` not 0 (the container's setting,
+else the pod's), and a ``seccompProfile`` of ``RuntimeDefault`` or ``Localhost``.
 
 The rules are k8s.io/apimachinery's ``pkg/util/validation/validation.go`` and k8s.io/kubernetes's
 ``pkg/apis/core/validation`` and ``pkg/apis/apps/validation``; the messages are shortened (the rule, not Go's exact
@@ -127,8 +136,42 @@ def deployment_errors(doc: dict[str, Any]) -> list[str]:
     return errs
 
 
+API_VERSIONS = {"Service": "v1", "Deployment": "apps/v1"}
+
+
 def core_errors(doc: dict[str, Any]) -> list[str]:
-    return {"Service": service_errors, "Deployment": deployment_errors}[doc["kind"]](doc)
+    kind = doc.get("kind")
+    if kind not in API_VERSIONS:
+        return [f"kind: Invalid value: \"{kind}\": expected one of {', '.join(API_VERSIONS)}"]
+    errs = [] if doc.get("apiVersion") == API_VERSIONS[kind] else [
+        f"no matches for kind \"{kind}\" in version \"{doc.get('apiVersion')}\" (expected {API_VERSIONS[kind]})"]
+    return errs + {"Service": service_errors, "Deployment": deployment_errors}[kind](doc)
+
+
+def restricted_errors(pod: dict[str, Any]) -> list[str]:
+    """What the Pod Security Standard "restricted" refuses of a pod spec (the module's docstring lists its checks)."""
+    errs = []
+    pod_context = pod.get("securityContext") or {}
+    for i, container in enumerate(pod.get("containers", [])):
+        path = f"spec.containers[{i}].securityContext"
+        context = container.get("securityContext") or {}
+        if context.get("allowPrivilegeEscalation") is not False:
+            errs.append(f"{path}.allowPrivilegeEscalation != false")
+        capabilities = context.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            errs.append(f"{path}.capabilities.drop=[\"ALL\"] is not set")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            errs.append(f"{path}.capabilities.add holds more than NET_BIND_SERVICE")
+        if context.get("privileged"):
+            errs.append(f"{path}.privileged=true")
+        if context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is not True:
+            errs.append(f"{path}.runAsNonRoot != true (nor the pod's)")
+        if context.get("runAsUser", pod_context.get("runAsUser")) == 0:
+            errs.append(f"{path}.runAsUser=0")
+        seccomp = (context.get("seccompProfile") or pod_context.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            errs.append(f"{path}.seccompProfile.type is {seccomp!r}, not RuntimeDefault or Localhost (nor the pod's)")
+    return errs
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
