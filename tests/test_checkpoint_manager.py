@@ -281,10 +281,16 @@ def test_a_wait_fault_holds_its_step_in_the_data_phase_until_its_release_file_ex
     monkeypatch.setenv("DDPTRAIN_FAULT", "wait@data:2:0")
     with pytest.raises(ConfigError, match="DDPTRAIN_FAULT=wait@data:2:0: a wait fault needs DDPTRAIN_FAULT_RELEASE"):
         step_hooks(0)
+    # set but empty names no file: os.path.exists("") is never true, so such a wait would hold its rank forever
+    monkeypatch.setenv("DDPTRAIN_FAULT_RELEASE", "")
+    with pytest.raises(ConfigError, match="a wait fault needs DDPTRAIN_FAULT_RELEASE"):
+        step_hooks(0)
     release = tmp_path / "go"
     monkeypatch.setenv("DDPTRAIN_FAULT_RELEASE", str(release))
     fault = step_hooks(0)
     assert fault == Fault("wait", "data", 2, 200.0, str(release))
+    # the release is a wait's alone: another fault parsed beside it carries none
+    assert parse_fault("delay@data:2:0:50") == (Fault("delay", "data", 2, 50.0), 0)
     with pytest.raises(ConfigError, match="a wait fault strikes at data"):
         parse_fault("wait@forward:2:0")
     phases: list[str] = []

@@ -70,3 +70,21 @@ def test_a_group_file_repeating_a_default_is_found(tmp_path: Path) -> None:
     (tmp_path / "parallel" / "engine" / "torchy.yaml").write_text("# @package parallel\nengine: torch\n")
     assert repeated_defaults(tmp_path) == ["optim/adamw.yaml: lr = 0.001",
                                            "parallel/engine/torchy.yaml: engine = 'torch'"]
+
+
+def test_the_schema_is_stored_once_per_process_and_no_composition_changes_it() -> None:
+    """``register_schema`` builds the schema's node once (a sweep composes many configs, the tests hundreds): a
+    second call keeps the stored node, which is sound because Hydra composes from a copy of it (a composition's
+    overrides leave the stored schema's defaults as the dataclasses state them)."""
+    from hydra.core.config_store import ConfigStore
+
+    from ddptrain.config.compose import SCHEMA_NAME, compose_config, register_schema
+
+    register_schema()
+    repo = ConfigStore.instance().repo
+    stored = repo[f"{SCHEMA_NAME}.yaml"]
+    register_schema()
+    assert repo[f"{SCHEMA_NAME}.yaml"] is stored
+    composed = compose_config(["train.steps=7", "optim.lr=0.5"])
+    assert (composed.train.steps, composed.optim.lr) == (7, 0.5)
+    assert OmegaConf.to_container(stored.node) == OmegaConf.to_container(OmegaConf.structured(Config))

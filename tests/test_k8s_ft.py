@@ -170,6 +170,25 @@ def test_the_checks_refuse_what_the_api_server_and_the_webhook_refuse(docs) -> N
     assert restricted_errors(pod) == []
 
 
+
+def test_restricted_checks_every_container_refuses_privileged_and_leaves_an_unset_uid_to_the_image() -> None:
+    """The rules the lighthouse's passing pod does not reach: ``privileged`` (baseline's, which restricted keeps),
+    each container checked (not only the first), and ``runAsUser`` refused only at 0 (unset, the image's user runs:
+    ``runAsNonRoot`` makes the kubelet check it); a document without ``apiVersion`` maps to no kind either."""
+    good = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = {"containers": [{"name": "a", "securityContext": dict(good)},
+                          {"name": "b", "securityContext": dict(good, privileged=True)}]}
+    assert restricted_errors(pod) == ["spec.containers[1].securityContext.privileged=true"]
+    pod["containers"][1]["securityContext"] = dict(good, runAsUser=0)
+    assert restricted_errors(pod) == ["spec.containers[1].securityContext.runAsUser=0"]
+    pod["containers"][1]["securityContext"] = dict(good)
+    assert restricted_errors(pod) == []
+    service = {"kind": "Service", "metadata": {"name": "lighthouse"},
+               "spec": {"selector": {"app": "x"}, "ports": [{"name": "lighthouse", "port": 29510}]}}
+    assert core_errors({"apiVersion": "v1", **service}) == []
+    assert core_errors(service) == ['no matches for kind "Service" in version "None" (expected v1)']
+
 def test_kind_defaults_to_jobset_with_replica_groups_only() -> None:
     assert k8s.parse_args(["--image", IMAGE]).kind == "trainjob"
     assert k8s.parse_args(["--image", IMAGE, "--replica-groups", "2"]).kind == "jobset"

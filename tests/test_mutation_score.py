@@ -4,8 +4,11 @@ the ranks pass reads its runs and shows them."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -119,3 +122,134 @@ def test_the_scoped_config_sets_mutmuts_timeout_constant_only_when_asked(score, 
         assert settings["tool"]["mutmut"]["only_mutate"] == ["ddptrain/train/trainer.py"]
         assert settings["tool"]["mutmut"]["pytest_add_cli_args_test_selection"] == ["tests/test_run_summary.py"]
         assert settings["tool"]["ruff"] == {"line-length": 120} and settings["project"] == {"name": "x"}
+
+
+def test_run_tests_passes_the_mutant_to_the_run_and_reads_a_run_past_its_limit_as_none(score):
+    """The mutant reaches the command through ``MUTANT_UNDER_TEST``; a run killed at its limit is None (a timeout),
+    not the kill's exit code (-9 would read as other)."""
+    check = ["sh", "-c", 'test "$MUTANT_UNDER_TEST" = ddptrain.x.x_f__mutmut_1 && exit 7; exit 0']
+    assert score.run_tests(check, ROOT, "ddptrain.x.x_f__mutmut_1", 60) == 7
+    assert score.run_tests(check, ROOT, "", 60) == 0
+    assert score.run_tests(["sleep", "30"], ROOT, "", 0.3) is None
+
+
+def test_the_ranks_pass_checks_only_after_a_clean_pass_and_gives_each_mutant_two_minutes_over_five_cleans(
+        score, tmp_path, monkeypatch):
+    (tmp_path / "mutants").mkdir()
+    (tmp_path / "mutants" / "pyproject.toml").write_text('[tool.mutmut]\npytest_add_cli_args = ["-m", "not slow"]\n')
+    untested = names("ddptrain.train.drift", "settle", 2)
+    statuses = {n: "no tests" for n in untested} | {"ddptrain.train.drift.x_check__mutmut_1": "killed"}
+    monkeypatch.setattr(score, "ranks_selection", lambda file: ["tests/test_drift.py"])
+    runs: list[tuple[str, float | None]] = []
+    codes = {"": 5}
+
+    def run_tests(command, cwd, mutant, timeout):
+        runs.append((mutant, timeout))
+        return codes.get(mutant, 1)
+
+    monkeypatch.setattr(score, "run_tests", run_tests)
+    # the clean run selected nothing (5): no mutant is checked, none recorded
+    assert score.ranks_pass(tmp_path, statuses) == {} and runs == [("", None)]
+    codes[""] = 0
+    runs.clear()
+    ranks = score.ranks_pass(tmp_path, statuses)
+    assert ranks == {n: {"from": "no tests", "status": "ranks killed"} for n in untested}
+    assert [m for m, _ in runs] == ["", *untested]
+    # the clean run here is instant: each mutant's limit is the two minutes (and five times next to nothing)
+    assert all(120 <= t < 125 for _, t in runs[1:])
+    assert json.loads((tmp_path / score.RANKS_FILE).read_text()) == ranks
+
+
+def test_the_survivors_file_shows_each_survivor_and_each_mutant_no_test_reached_with_its_status(score, tmp_path):
+    source = tmp_path / "mutants" / "ddptrain" / "x.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("def x_f__mutmut_orig(a):\n    return a + 1\n\n\ndef x_f__mutmut_1(a):\n    return a - 1\n\n\n"
+                      "def x_f__mutmut_2(a):\n    return a + 2\n\n\ndef x_f__mutmut_3(a):\n    return a * 1\n")
+    statuses = {"ddptrain.x.x_f__mutmut_1": "no tests", "ddptrain.x.x_f__mutmut_2": "survived",
+                "ddptrain.x.x_f__mutmut_3": "killed"}
+    text = score.survivors(tmp_path, statuses)
+    assert "### ddptrain.x.x_f__mutmut_1 (no tests)" in text and "+    return a - 1" in text
+    assert "### ddptrain.x.x_f__mutmut_2 (survived)" in text and "mutmut_3" not in text
+
+
+class Main:
+    """``main()`` on a work directory mutmut already filled (``mutants/**.py.meta``), with the copy and mutmut's runs
+    replaced: what it asks mutmut to run, what it prints."""
+
+    def __init__(self, score, tmp_path, monkeypatch, capsys, codes: dict[str, int | None]) -> None:
+        self.score, self.work, self.monkeypatch, self.capsys = score, tmp_path / "work", monkeypatch, capsys
+        meta = self.work / "mutants" / "ddptrain" / "testing" / "faults.py.meta"
+        meta.parent.mkdir(parents=True)
+        meta.write_text(json.dumps({"exit_code_by_key": codes}))
+        self.runs: list[list[str]] = []
+        self.copies = 0
+        monkeypatch.setattr(score, "copy_tree", self.copy_tree)
+        monkeypatch.setattr(score, "subprocess", SimpleNamespace(run=self.run))
+
+    def copy_tree(self, work: Path) -> None:
+        self.copies += 1
+        (work / "pyproject.toml").write_text('[tool.mutmut]\npytest_add_cli_args = ["-m", "not slow"]\n')
+        (work / "tests").mkdir(exist_ok=True)
+        (work / "tests" / "test_new.py").write_text(f"# copy {self.copies}\n")
+
+    def run(self, command, **kwargs):
+        self.runs.append(command)
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    def __call__(self, *flags: str) -> str:
+        self.monkeypatch.setattr(sys, "argv", ["mutation_score.py", "ddptrain/testing/faults.py", "--tests",
+                                               "package", "--work", str(self.work), *flags])
+        self.runs.clear()
+        assert self.score.main() == 0
+        return self.capsys.readouterr().out
+
+    def checked(self) -> list[str] | None:
+        """The mutants of the one ``mutmut run`` (None: all of them, no names given)."""
+        (run,) = self.runs
+        named = run[run.index("--max-children") + 2:]
+        return named or None
+
+
+def test_main_rechecks_only_the_mutants_of_the_statuses_asked_for_and_runs_nothing_when_none_has_them(
+        score, tmp_path, monkeypatch, capsys):
+    faults = "ddptrain.testing.faults"
+    codes = {f"{faults}.x_parse_fault__mutmut_1": 0, f"{faults}.x_parse_fault__mutmut_2": 1,
+             f"{faults}.x_parse_fault__mutmut_3": 33, f"{faults}.x_parse_fault__mutmut_4": 0}
+    main = Main(score, tmp_path, monkeypatch, capsys, codes)
+    out = main("--recheck", "survived,no tests")
+    assert main.checked() == [f"{faults}.x_parse_fault__mutmut_{i}" for i in (1, 3, 4)]
+    assert "checking 3 of 4 mutants" in out and "interval" not in out  # a recheck is no sample
+    main("--recheck", "timeout")
+    assert main.runs == []  # nothing to recheck: not a run of every mutant
+    main()
+    assert main.checked() is None  # no --recheck nor --sample: mutmut runs them all
+    out = main("--sample", "2", "--seed", "3")
+    assert len(main.checked()) == 2 and "95 % interval" in out
+
+
+def test_main_refuses_bad_flags_in_one_line_and_takes_a_recheck_of_statuses_with_spaces(score, monkeypatch, capsys):
+    for flags, message in ((["--timeout-constant", "0"], "--timeout-constant: expected a positive number"),
+                           (["--sample", "0"], "--sample: expected a positive number"),
+                           (["--recheck", "survived,bogus"], "--recheck: expected statuses among"),
+                           (["--recheck", "survived,no tests"], "nothing to mutate")):
+        monkeypatch.setattr(sys, "argv", ["mutation_score.py", *flags])
+        with pytest.raises(SystemExit) as exit_:
+            score.main()
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ranks_only_runs_the_pass_with_the_checkouts_tests_as_they_are_now(score, tmp_path, monkeypatch, capsys):
+    main = Main(score, tmp_path, monkeypatch, capsys, {"ddptrain.testing.faults.x_parse_fault__mutmut_1": 33})
+    (main.work / "mutants" / "tests").mkdir()
+    (main.work / "tests").mkdir()
+    (main.work / "tests" / "test_new.py").write_text("# the last run's copy\n")
+    seen: list[str] = []
+
+    def ranks_pass(work, statuses):
+        seen.append((work / "mutants" / "tests" / "test_new.py").read_text())
+        assert statuses == {"ddptrain.testing.faults.x_parse_fault__mutmut_1": "no tests"}
+        return {}
+
+    monkeypatch.setattr(score, "ranks_pass", ranks_pass)
+    main("--ranks-only")
+    assert main.runs == [] and seen == ["# copy 1\n"]
