@@ -205,7 +205,8 @@ class Main:
 
     def checked(self) -> list[str] | None:
         """The mutants of the one ``mutmut run`` (None: all of them, no names given)."""
-        (run,) = self.runs
+        assert len(self.runs) == 1, f"expected one mutmut run, got {self.runs}"
+        run = self.runs[0]
         named = run[run.index("--max-children") + 2:]
         return named or None
 
