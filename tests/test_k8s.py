@@ -443,6 +443,20 @@ def test_help_in_process_names_the_program_each_flag_with_its_value_and_the_exam
         assert flag in text, flag
     assert k8s.EPILOG.splitlines()[1] in text  # the examples, as written (RawDescriptionHelpFormatter)
 
+
+def test_the_flags_in_docs_are_what_help_prints(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/multinode.md's copy of ``ddptrain-k8s --help``'s flags is the command's own, word for word (at 100
+    columns, argparse's width from COLUMNS): a flag or its help changed in one place and not the other fails."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        k8s.parse_args(["--help"])
+    text = capsys.readouterr().out
+    printed = text[text.index("options:\n"):text.index("\nexamples:")].rstrip("\n")
+    docs = (Path(__file__).parents[1] / "docs" / "multinode.md").read_text()
+    after = docs.split("<!-- ddptrain-k8s --help: options -->\n```text\n", 1)[1]
+    assert after.split("\n```", 1)[0] == printed
+
 def test_help_lists_the_flags_and_printing_a_manifest_imports_no_torch(tmp_path: Path) -> None:
     helped = subprocess.run([str(BIN / "ddptrain-k8s"), "--help"], capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0, helped.stderr

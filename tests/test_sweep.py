@@ -67,16 +67,57 @@ def test_a_grid_runs_the_cartesian_product_with_the_experiments_params_one_job_e
 def test_a_failed_job_is_reported_and_the_sweep_goes_on_unless_fail_fast(
     stub_jobs: list[list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert run_cli(["-m", "data.micro_batch_size=3,2", "hydra.sweep.dir=all"]) == 1
+    # the stand-in fails micro batch 3: two of the four jobs
+    assert run_cli(["-m", "data.micro_batch_size=3,2", "optim.lr=0.001,0.01", "hydra.sweep.dir=all"]) == 1
     err = capsys.readouterr().err
     assert ("ddptrain: sweep job 0 failed: ddptrain: error: data.global_batch_size=2 is not divisible by "
             "data.micro_batch_size=3") in err
-    assert len(stub_jobs) == 2 and "sweep of 2 jobs in all: 1 succeeded, failed: 0" in err
-    assert [r["status"][:6] for r in _rows(tmp_path / "all")] == ["failed", "ok"]  # written though Hydra stopped
+    assert len(stub_jobs) == 4 and "sweep of 4 jobs in all: 2 succeeded, failed: 0, 1; see sweep.md" in err
+    # written though Hydra stopped
+    assert [r["status"][:6] for r in _rows(tmp_path / "all")] == ["failed", "failed", "ok", "ok"]
 
     stub_jobs.clear()
     assert run_cli(["-m", "--fail-fast", "data.micro_batch_size=3,2", "hydra.sweep.dir=first"]) == 1
     assert len(stub_jobs) == 1 and [r["status"][:6] for r in _rows(tmp_path / "first")] == ["failed"]
+
+
+def test_the_report_is_a_markdown_table_a_csv_with_each_run_dir_and_a_figure_labelled_by_the_swept_values(
+        tmp_path: Path) -> None:
+    """``write_report`` on three saved job results (in-process, no sweep run): sweep.md's table has a header, a
+    separator of one ``---`` per column and a row per job, every line a ``| … |`` row; sweep.csv gives each job's
+    own run dir; the figure's bars are the report's blue and each job is labelled ``key=value``; a searching
+    sweeper's result names its search (``search`` where it gives no name), or its Pareto front."""
+    from matplotlib.colors import to_rgba
+
+    from ddptrain.app.sweep_report import SEARCH_RESULT, figure, search_result, write_report
+
+    sweep_dir = tmp_path / "sweep"
+    results = []
+    for num, lr in enumerate(("0.001", "0.003", "0.01")):
+        run_dir = sweep_dir / str(num)
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"tokens_per_s": 1000.0 * (num + 1)}))
+        result = sweep_job.JobResult(num, [f"optim.lr={lr}"], run_dir, 0 if num != 1 else 1, error="boom")
+        result.save()
+        results.append(result.with_summary())
+    write_report(sweep_dir, "ddptrain -m optim.lr=0.001,0.003,0.01")
+    table = [line for line in (sweep_dir / "sweep.md").read_text().splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header[:2] == ["job", "optim.lr"] and len(table) == 2 + 3
+    assert table[1] == "|" + "---|" * len(header)
+    assert all(line.startswith("| ") and line.endswith(" |") for line in table[:1] + table[2:])
+    assert [r["run_dir"] for r in _rows(sweep_dir)] == [str(sweep_dir / str(n)) for n in range(3)]
+    fig = figure(results, ["optim.lr"])
+    tput = fig.axes[0]
+    assert [label.get_text() for label in tput.get_xticklabels()] == ["lr=0.001", "lr=0.003", "lr=0.01"]
+    assert {patch.get_facecolor() for patch in tput.patches} == {to_rgba("#4C72B0")}
+    assert search_result(sweep_dir) == []  # a grid: no search result
+    (sweep_dir / SEARCH_RESULT).write_text("best_params: {optim.lr: 0.003}\nbest_value: 2.5\n")
+    assert search_result(sweep_dir)[0] == "Best of the search search: **optim.lr=0.003** (objective 2.5)"
+    (sweep_dir / SEARCH_RESULT).write_text("name: lr_search\nbest_params: {optim.lr: 0.003}\nbest_value: 2.5\n")
+    assert search_result(sweep_dir)[0].startswith("Best of the lr_search search: ")
+    (sweep_dir / SEARCH_RESULT).write_text("solutions: [{}, {}]\n")
+    assert search_result(sweep_dir) == [f"search: 2 Pareto-optimal trials (see {SEARCH_RESULT})", ""]
 
 
 def test_the_report_shows_objectives_to_the_digits_the_sweeper_compared(
