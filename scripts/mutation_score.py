@@ -164,6 +164,24 @@ def scoped_config(pyproject: Path, files: list[str], tests: list[str] | None, ma
     pyproject.write_text(text[:start] + table + (text[end + 1:] if end != -1 else ""))
 
 
+def kept_selection(work: Path, tests: list[str]) -> list[str]:
+    """For a recheck, the test files the work directory's stats were collected with, not ``tests`` (today's): mutmut
+    resets every result and collects every stat again when its test selection changes (its config fingerprint),
+    which would turn a recheck of a few mutants into a whole run. New tests in those files are still run (mutmut
+    collects the stats of new tests only); test files added since are not, and are named."""
+    pyproject = work / "pyproject.toml"
+    if not pyproject.is_file():
+        return tests
+    kept = tomllib.loads(pyproject.read_text()).get("tool", {}).get("mutmut", {}).get(
+        "pytest_add_cli_args_test_selection")
+    if not kept or kept == ["tests"]:
+        return tests
+    if added := sorted(set(tests) - set(kept)):
+        print(f"recheck: the work directory's {len(kept)} test files kept (a new selection would reset every "
+              f"result); not run: {' '.join(added)}", flush=True)
+    return list(kept)
+
+
 def results(work: Path) -> dict[str, str]:
     """Each mutant's status, from mutmut's per-file records (``mutants/<file>.meta``)."""
     statuses: dict[str, str] = {}
@@ -411,6 +429,8 @@ def main() -> int:
     tests = test_files_of(files) if args.tests == "files" else None
     if tests == []:
         parser.error("no test file imports these modules: use --tests package")
+    if recheck and tests is not None and not args.table_only:
+        tests = kept_selection(args.work, tests)
     modules = {module_of(f) for f in files}
     mutmut = [sys.executable, "-m", "mutmut"]
     returncode = 0

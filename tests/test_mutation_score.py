@@ -254,3 +254,18 @@ def test_ranks_only_runs_the_pass_with_the_checkouts_tests_as_they_are_now(score
     monkeypatch.setattr(score, "ranks_pass", ranks_pass)
     main("--ranks-only")
     assert main.runs == [] and seen == ["# copy 1\n"]
+
+
+def test_a_recheck_keeps_the_selection_its_stats_were_collected_with(score, tmp_path, capsys):
+    """mutmut resets every result when its test selection changes: a recheck runs the kept work directory's test
+    files and names the ones added since; a work directory without a selection (new, or whole-package ``tests``)
+    takes today's."""
+    today = ["tests/test_a.py", "tests/test_b.py", "tests/test_new.py"]
+    assert score.kept_selection(tmp_path, today) == today  # no work directory yet
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.mutmut]\npytest_add_cli_args_test_selection = ["tests/test_a.py", "tests/test_b.py"]\n')
+    assert score.kept_selection(tmp_path, today) == ["tests/test_a.py", "tests/test_b.py"]
+    assert capsys.readouterr().out.strip().endswith("not run: tests/test_new.py")
+    assert score.kept_selection(tmp_path, today[:2]) == today[:2] and capsys.readouterr().out == ""
+    (tmp_path / "pyproject.toml").write_text('[tool.mutmut]\npytest_add_cli_args_test_selection = ["tests"]\n')
+    assert score.kept_selection(tmp_path, today) == today
