@@ -270,6 +270,8 @@ def test_each_hook_is_installed_in_this_process_and_sends_its_dtype(
         dist.destroy_process_group()
     assert state.feedback is None and state.meter.comm_bytes == 72 * bytes_per_element
     assert state.meter.uncompressed_bytes == 72 * 4 and len(state.meter.spans) == 1
+    ((start, end),) = state.meter.spans  # the hook's span on the meter's clock, as the overlap figure reads it
+    assert start <= end
     for got, want in zip(layer.parameters(), reference.parameters(), strict=True):
         assert torch.equal(got.grad, want.grad.to(dtype).float())
 
@@ -290,6 +292,51 @@ def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: s
         assert state.feedback.error_feedback and len(state.feedback.residuals) == 2
     else:
         assert state.feedback.powersgd.process_group is None
+
+
+def test_powersgd_charges_a_plain_all_reduce_in_warm_up_then_torchs_own_tally_once_it_compresses() -> None:
+    """PowerSGD on a 1-rank DDP in the test process, compressing from step 2: the two warm-up steps are charged
+    the whole bucket (1,056 fp32 elements: a 32x32 weight and its bias) and report the steady figure, 288 elements
+    (the weight as (32+32)x4 factors, the bias whole); the compressed step is charged what torch's
+    ``compression_stats`` tally added, the same 288."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(nn.Linear(32, 32))
+        state = register_compression(ddp, ParallelConfig(compression="powersgd", powersgd_start_iter=2,
+                                                         error_feedback=False))
+        charged = []
+        for _ in range(3):
+            before = (state.meter.comm_bytes, state.meter.steady_bytes)
+            ddp(torch.randn(4, 32)).pow(2).sum().backward()
+            charged.append((state.meter.comm_bytes - before[0], state.meter.steady_bytes - before[1]))
+    finally:
+        dist.destroy_process_group()
+    assert charged == [(1056 * 4, 288 * 4), (1056 * 4, 288 * 4), (288 * 4, 288 * 4)]
+    assert state.feedback is not None and state.feedback.powersgd.compression_stats()[2] == 288
+
+
+def test_topk_drops_every_residual_after_a_non_finite_step_and_keeps_them_after_a_finite_one() -> None:
+    """The top-k state's residuals (what was not sent) are zeroed on the device when the step's verdict is
+    non-finite, every one of them, and kept as they are otherwise."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(8, 8))
+        state = register_compression(ddp, ParallelConfig(compression="topk", error_feedback=True))
+        ddp(torch.randn(4, 8)).pow(2).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    residuals = list(state.feedback.residuals.values())
+    kept = [r.clone() for r in residuals]
+    assert len(residuals) == 2 and any(bool(r.abs().sum() > 0) for r in residuals)
+    state.feedback.discard_if(torch.tensor(False))
+    assert all(torch.equal(r, k) for r, k in zip(residuals, kept, strict=True))
+    state.feedback.discard_if(torch.tensor(True))
+    assert all(bool((r == 0).all()) for r in residuals)
 
 
 def test_one_rank_trains_the_bare_model_unless_wrap_single_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
