@@ -41,6 +41,14 @@ CONVERGENCE_CASES = {
 }
 
 
+
+# DDP objects of the in-process one-rank tests, kept until the interpreter exits. Freed at the end of a test, a DDP
+# (its reducer holds the process group) runs ~ProcessGroupGloo, which joins gloo's worker threads while this thread
+# holds the GIL; a worker may still be releasing the last Python callback of a comm hook's future chain (torch's
+# PowerSGD chains several), which needs the GIL: a deadlock (seen in a py-spy dump of a hung run). By the time the
+# interpreter exits the workers are idle.
+OUTLIVING: list[Any] = []
+
 def _model() -> nn.Module:
     """A two-layer linear network: both weights are matrices PowerSGD compresses, the biases it sends whole."""
     torch.manual_seed(0)
@@ -260,6 +268,7 @@ def test_each_hook_is_installed_in_this_process_and_sends_its_dtype(
         torch.manual_seed(0)
         layer = nn.Linear(8, 8)
         ddp = DistributedDataParallel(layer)
+        OUTLIVING.append(ddp)
         state = register_compression(ddp, ParallelConfig(compression=compression))
         x = torch.randn(4, 8)
         ddp(x).pow(2).sum().backward()
@@ -283,6 +292,7 @@ def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: s
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(nn.Linear(8, 8))
+        OUTLIVING.append(ddp)
         state = register_compression(ddp, ParallelConfig(compression=compression, error_feedback=True))
         ddp(torch.randn(4, 8)).sum().backward()
     finally:
@@ -305,6 +315,7 @@ def test_powersgd_charges_a_plain_all_reduce_in_warm_up_then_torchs_own_tally_on
     try:
         torch.manual_seed(0)
         ddp = DistributedDataParallel(nn.Linear(32, 32))
+        OUTLIVING.append(ddp)
         state = register_compression(ddp, ParallelConfig(compression="powersgd", powersgd_start_iter=2,
                                                          error_feedback=False))
         charged = []
@@ -326,6 +337,7 @@ def test_topk_drops_every_residual_after_a_non_finite_step_and_keeps_them_after_
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(nn.Linear(8, 8))
+        OUTLIVING.append(ddp)
         state = register_compression(ddp, ParallelConfig(compression="topk", error_feedback=True))
         ddp(torch.randn(4, 8)).pow(2).sum().backward()
     finally:
@@ -348,6 +360,7 @@ def test_one_rank_trains_the_bare_model_unless_wrap_single_and_says_so(caplog: p
         with caplog.at_level(logging.INFO):
             bare = wrap_model(model, ParallelConfig(), torch.device("cpu"))
             wrapped = wrap_model(nn.Linear(2, 2), ParallelConfig(wrap_single=True), torch.device("cpu"))
+            OUTLIVING.extend([bare, wrapped])
     finally:
         dist.destroy_process_group()
     assert bare.outer is model and bare.model is model and (bare.strategy, bare.meter) == ("none", None)
