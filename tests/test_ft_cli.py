@@ -122,8 +122,11 @@ def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_other
     assert heals, f"group 1 did not heal after its restart: {g1}"
     rejoined = heals[-1]["step"]
     assert g1["steps"][-1] == [rejoined, STEPS] and g2["steps"][-1][1] == STEPS
-    # the survivors stepped without group 1 between its death and its return, then all three again
-    assert any(size == 2 and first > 10 for first, _, size in ft["quorum_per_step"]), ft["quorum_per_step"]
+    # the survivors stepped without group 1 between its death and its return, then all three again. Read per step:
+    # under load a group can also miss the first quorums (ft.min_replicas=2 lets two start), which merges with the
+    # survivors' steps into one run of size 2 from step 1 ([[1, 14, 2], [15, 30, 3]] in a loaded run)
+    size = {s: n for first, last, n in ft["quorum_per_step"] for s in range(first, last + 1)}
+    assert rejoined > 11 and all(size[s] == 2 for s in range(11, rejoined)), ft["quorum_per_step"]
     assert ft["quorum_per_step"][-1] == [rejoined, STEPS, 3]
     # group 1's weights equal the others' bit for bit at the step it next saved (its state is a peer's copy)
     saved = f"checkpoints/step_{STEPS:06d}"
