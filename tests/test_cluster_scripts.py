@@ -93,13 +93,19 @@ def test_multinode_names_the_missing_variable(tmp_path: Path) -> None:
 def _ft_fakes(tmp_path: Path, fail: str = "") -> dict[str, str]:
     """A PATH whose srun writes each call's argv to a file of its own (the groups' steps run at once) and exits 1
     the first time it starts the group named by ``fail`` (``ft.replica_id=1``), 2 every time for ``fail=bad:...``;
-    scontrol lists four hosts."""
+    scontrol lists four hosts. A group's step waits until the lighthouse's step has started, as a torchft manager
+    waits for its lighthouse: else, on a busy machine, the groups' instant fake steps could end the script, whose
+    exit stops the lighthouse's step before that step had written its call."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
     calls.mkdir()
     (bin_dir / "srun").write_text(f"""#!/bin/bash
 printf "%s\\n" "$@" > "$(mktemp {calls}/call.XXXXXX)"
+case " $* " in
+  *" ft.lighthouse="*)
+    for _ in $(seq 600); do grep -qs torchft_lighthouse {calls}/call.* && break; sleep 0.1; done ;;
+esac
 case " $* " in
   *" {fail.removeprefix('bad:')} "*)
     [ "{fail}" != "{fail.removeprefix('bad:')}" ] && exit 2
