@@ -1,5 +1,6 @@
-"""How long ``ddptrain`` takes to answer before it trains: ``--help``, ``--cfg``, a config error, beside an empty
-interpreter and ``import torch``, interleaved in one run.
+"""How long ``ddptrain`` takes to answer before it trains (``--help``, ``--cfg``, a config error), what a worker
+imports before its first step, and a whole one-step run, beside an empty interpreter and ``import torch``,
+interleaved in one run.
 
     python scripts/bench_startup.py --repeats 7
     python scripts/bench_startup.py --repeats 7 --base /path/to/other/checkout   # this tree against another
@@ -33,6 +34,13 @@ COMMANDS = {
     "ddptrain launch.nproc_per_node=0 (schema error)": ["-c", ENTRY, "launch.nproc_per_node=0"],
     "ddptrain data.global_batch_size=3 (batch error)": ["-c", ENTRY, "data.global_batch_size=3",
                                                         "data.micro_batch_size=2"],
+    # what every worker of a run imports before its first step (its command line, process group, trainer)
+    "a worker's modules": ["-c", "import ddptrain.app.cli, ddptrain.runtime.process_group, ddptrain.train.trainer"],
+    # a whole one-process run on the embedded corpus (its tokenizer cached after the first repeat): one step, a
+    # checkpoint and the export
+    "ddptrain model.num_layers=1 train.steps=1 (one process)": [
+        "-c", ENTRY, "model.num_layers=1", "train.steps=1", "train.eval_every=0", "logger.progress=false",
+        "hydra.run.dir=runs/${now:%H-%M-%S-%f}"],
 }
 NEEDS_PACKAGE = {name for name, argv in COMMANDS.items() if ENTRY in argv}
 

@@ -17,12 +17,16 @@ from tests.helpers.cli import test_env
 REPO = Path(__file__).parents[1]
 HEAVY = ("torch", "transformers", "datasets", "pyarrow", "pandas", "numpy", "matplotlib", "peft", "bitsandbytes",
          "triton", "wandb", "scipy")
+# Parts of a library a run imports only when it uses them: our Triton kernels; torch.distributed.optim (every
+# functional optimizer torch ships, 0.4 s: ZeRO-1 alone needs it); transformers' AutoTokenizer registry (0.35 s: a
+# tokenizer directory of the user's alone needs it, the cached BPE tokenizer does not).
+LAZY = ("ddptrain.kernels.triton_ops", "torch.distributed.optim", "transformers.models.auto.tokenization_auto")
 PROBE = """
 import json, sys
 from ddptrain.app.cli import run_cli
 code = run_cli(sys.argv[1:])
 heavy = {heavy!r}
-print("EXIT", code, json.dumps(sorted(m for m in (*heavy, "ddptrain.kernels.triton_ops") if m in sys.modules)))
+print("EXIT", code, json.dumps(sorted(m for m in (*heavy, *{lazy!r}) if m in sys.modules)))
 """
 
 
@@ -30,7 +34,7 @@ def imported_by(args: list[str], cwd: Path) -> tuple[int, list[str], str]:
     """Exit code of ``ddptrain <args>`` in a fresh interpreter, the heavy modules loaded when it returned, and its
     stderr."""
     env = test_env(cwd / "cache")
-    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], cwd=cwd, env=env,
+    done = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY, lazy=LAZY), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("EXIT ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-2000:]
@@ -57,14 +61,16 @@ def test_a_config_error_is_answered_before_torch_is_imported(args: list[str], me
 
 
 @pytest.mark.slow  # a one-step run in a fresh interpreter: torch and transformers imported, a model built
-def test_a_synthetic_data_worker_imports_no_data_finetuning_or_plotting_library(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data", [["data=synthetic", "data.num_samples=16"], []], ids=["synthetic", "embedded"])
+def test_a_worker_imports_no_data_finetuning_or_plotting_library(data: list[str], tmp_path: Path) -> None:
     """torch and transformers it needs; ``datasets`` (and its Arrow and pandas), peft, bitsandbytes, matplotlib,
-    wandb and our Triton kernels it does not. Triton and scipy themselves are imported by transformers' model
-    classes (through torch._dynamo and its loss utilities) whenever they are installed, as they are here."""
-    args = ["data=synthetic", "data.num_samples=16", "data.seq_len=16", "data.global_batch_size=4",
-            "data.micro_batch_size=4", "model.num_layers=1", "train.steps=1", "train.eval_every=0",
-            "logger.progress=false", "checkpoint.export=false", "hydra.run.dir=run"]
+    wandb, our Triton kernels, torch.distributed.optim and transformers' AutoTokenizer it does not, on synthetic
+    data and on the embedded default corpus (its tokenizer trained, cached and loaded; a checkpoint saved and the
+    model exported). Triton and scipy themselves are imported by transformers' model classes (through
+    torch._dynamo and its loss utilities) whenever they are installed, as they are here."""
+    args = [*data, "data.seq_len=16", "data.global_batch_size=4", "data.micro_batch_size=4", "model.num_layers=1",
+            "train.steps=1", "train.eval_every=0", "logger.progress=false", "hydra.run.dir=run"]
     code, modules, stderr = imported_by(args, tmp_path)
     assert code == 0, stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir() and (tmp_path / "run" / "model").is_dir()
     assert sorted(set(modules) - {"triton", "scipy"}) == ["numpy", "torch", "transformers"]
-

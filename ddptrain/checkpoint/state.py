@@ -10,8 +10,9 @@ Frozen parameters (adapters' base weights) are in ``model`` and have no optimize
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,25 +23,36 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ddptrain.checkpoint.safe import SafeReader
 from ddptrain.optim import local_optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 State = dict[str, dict[str, Any]]
 
 
+def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is ZeRO-1's ZeroRedundancyOptimizer. Looked up in ``sys.modules``: an optimizer can only
+    be one once torch.distributed.optim is imported (``ddptrain.optim`` imports it for stage 1 alone), and that
+    import, which loads every functional optimizer torch ships, would cost every other run's workers 0.4 s of
+    start-up."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
 def named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
     """This rank's part of the name-keyed state, ready for ``dcp.save`` (tensors are the live ones, not copies)."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_zero1(optimizer):
         return {"model": get_model_state_dict(model), "optim": _zero1_optimizer_state(model, optimizer)}
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=FLAT)}
 
 
 def load_named_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Fill ``model`` and ``optimizer`` from a name-keyed DCP directory written under any strategy and world size."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_zero1(optimizer):
         _load_zero1(checkpoint, model, optimizer)
         return
     wanted = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=FLAT)}
