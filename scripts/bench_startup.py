@@ -42,18 +42,18 @@ COMMANDS = {
         "-c", ENTRY, "model.num_layers=1", "train.steps=1", "train.eval_every=0", "logger.progress=false",
         "hydra.run.dir=runs/${now:%H-%M-%S-%f}"],
 }
-NEEDS_PACKAGE = {name for name, argv in COMMANDS.items() if ENTRY in argv}
+NEEDS_PACKAGE = {name for name, argv in COMMANDS.items() if any("ddptrain" in a for a in argv)}
 
 
-def timed(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, float]:
-    """Wall and CPU seconds (user + system) of one run of ``python <argv>``."""
+def timed(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, float, int]:
+    """Wall and CPU seconds (user + system) of one run of ``python <argv>``, and its exit code."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, *argv], env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   check=False)
+    code = subprocess.run([sys.executable, *argv], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, check=False).returncode
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), code
 
 
 def _load() -> str:
@@ -68,24 +68,25 @@ def main() -> None:
     trees = {"this": HERE, **({"base": args.base.resolve()} if args.base else {})}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     cases = [(name, tree) for name in COMMANDS for tree in (trees if name in NEEDS_PACKAGE else ["this"])]
-    seen: dict[tuple[str, str], list[tuple[float, float]]] = {case: [] for case in cases}
+    seen: dict[tuple[str, str], list[tuple[float, float, int]]] = {case: [] for case in cases}
     load_before = _load()
     with tempfile.TemporaryDirectory() as cwd:
         env["DDPTRAIN_CACHE_DIR"] = cwd
         for _ in range(args.repeats):
             for name, tree in cases:
                 seen[(name, tree)].append(timed(COMMANDS[name], {**env, "PYTHONPATH": str(trees[tree])}, cwd))
-    wall = {case: statistics.median(w for w, _ in runs) for case, runs in seen.items()}
-    cpu = {case: statistics.median(c for _, c in runs) for case, runs in seen.items()}
+    wall = {case: statistics.median(w for w, _, _ in runs) for case, runs in seen.items()}
+    cpu = {case: statistics.median(c for _, c, _ in runs) for case, runs in seen.items()}
     empty, torch_ = wall[("python -c pass", "this")], wall[('python -c "import torch"', "this")]
     print(f"load average before: {load_before}; after: {_load()}; {args.repeats} interleaved repeats, medians; "
           f"python {sys.version.split()[0]}\n")
-    print("| command | tree | wall s | CPU s | wall / `python -c pass` | wall / `import torch` |")
-    print("|---|---|---:|---:|---:|---:|")
+    # the exit codes every repeat gave: a config error's 2 is its answer; a run that failed is no figure
+    print("| command | tree | wall s | CPU s | wall / `python -c pass` | wall / `import torch` | exit |")
+    print("|---|---|---:|---:|---:|---:|---|")
     for name, tree in cases:
         case = (name, tree)
         print(f"| `{name}` | {tree} | {wall[case]:.2f} | {cpu[case]:.2f} | {wall[case] / empty:.1f} | "
-              f"{wall[case] / torch_:.2f} |")
+              f"{wall[case] / torch_:.2f} | {','.join(str(c) for c in sorted({c for _, _, c in seen[case]}))} |")
 
 
 if __name__ == "__main__":

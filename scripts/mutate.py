@@ -1280,6 +1280,15 @@ MUTANTS = [
            (('ddptrain/ft/diloco.py', 'if blocks is not None else [0] * len(named)',
              'if blocks is not None else [0]'),),
            ('tests/test_ft_replica.py', '-k', 'quorum_only_at_a_sync')),
+    Mutant('zero1-not-recognised', "ZeRO-1's optimizer saved as a plain one (is_zero1 never true)",
+           (('ddptrain/checkpoint/state.py',
+             'return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)',
+             'return False'),),
+           ('tests/test_zero.py', '-k', 'each_stage_tracks_stage_zero')),
+    Mutant('zero1-imported-by-every-worker', 'a worker imports torch.distributed.optim for every run',
+           (('ddptrain/checkpoint/state.py', '\nif TYPE_CHECKING:\n    from torch.distributed.optim import',
+             '\nimport torch.distributed.optim\nif TYPE_CHECKING:\n    from torch.distributed.optim import'),),
+           ('tests/test_startup.py', '-m', 'slow', '-k', 'embedded')),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,6 +49,25 @@ CONVERGENCE_CASES = {
 # PowerSGD chains several), which needs the GIL: a deadlock (seen in a py-spy dump of a hung run). By the time the
 # interpreter exits the workers are idle.
 OUTLIVING: list[Any] = []
+Keep = Callable[[Any], Any]
+
+
+@pytest.fixture
+def one_rank_gloo() -> Iterator[Keep]:
+    """A one-rank gloo group in this process for the test's length. The test hands what holds the group (a DDP)
+    to the yielded ``keep``, which returns it and keeps it in ``OUTLIVING``."""
+    import torch.distributed as dist
+
+    def keep(holder: Any) -> Any:
+        OUTLIVING.append(holder)
+        return holder
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield keep
+    finally:
+        dist.destroy_process_group()
+
 
 def _model() -> nn.Module:
     """A two-layer linear network: both weights are matrices PowerSGD compresses, the biases it sends whole."""
@@ -258,25 +278,18 @@ def test_the_wrapped_model_reads_its_meter_and_drops_error_feedback_through_its_
 @pytest.mark.parametrize(("compression", "dtype", "bytes_per_element"), [
     ("none", torch.float32, 4), ("fp16", torch.float16, 2), ("bf16", torch.bfloat16, 2)])
 def test_each_hook_is_installed_in_this_process_and_sends_its_dtype(
-        compression: str, dtype: torch.dtype, bytes_per_element: int) -> None:
+        compression: str, dtype: torch.dtype, bytes_per_element: int, one_rank_gloo: Keep) -> None:
     """``register_compression`` on a 1-rank DDP in the test process (gloo): the hook the setting names charges the
     meter it returns, and the gradient comes back rounded through the dtype it sends."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        layer = nn.Linear(8, 8)
-        ddp = DistributedDataParallel(layer)
-        OUTLIVING.append(ddp)
-        state = register_compression(ddp, ParallelConfig(compression=compression))
-        x = torch.randn(4, 8)
-        ddp(x).pow(2).sum().backward()
-        reference = nn.Linear(8, 8)
-        reference.load_state_dict(layer.state_dict())
-        reference(x).pow(2).sum().backward()
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    ddp = one_rank_gloo(DistributedDataParallel(layer))
+    state = register_compression(ddp, ParallelConfig(compression=compression))
+    x = torch.randn(4, 8)
+    ddp(x).pow(2).sum().backward()
+    reference = nn.Linear(8, 8)
+    reference.load_state_dict(layer.state_dict())
+    reference(x).pow(2).sum().backward()
     assert state.feedback is None and state.meter.comm_bytes == 72 * bytes_per_element
     assert state.meter.uncompressed_bytes == 72 * 4 and len(state.meter.spans) == 1
     ((start, end),) = state.meter.spans  # the hook's span on the meter's clock, as the overlap figure reads it
@@ -286,17 +299,10 @@ def test_each_hook_is_installed_in_this_process_and_sends_its_dtype(
 
 
 @pytest.mark.parametrize("compression", ["powersgd", "topk"])
-def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ddp = DistributedDataParallel(nn.Linear(8, 8))
-        OUTLIVING.append(ddp)
-        state = register_compression(ddp, ParallelConfig(compression=compression, error_feedback=True))
-        ddp(torch.randn(4, 8)).sum().backward()
-    finally:
-        dist.destroy_process_group()
+def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: str, one_rank_gloo: Keep) -> None:
+    ddp = one_rank_gloo(DistributedDataParallel(nn.Linear(8, 8)))
+    state = register_compression(ddp, ParallelConfig(compression=compression, error_feedback=True))
+    ddp(torch.randn(4, 8)).sum().backward()
     assert state.feedback is not None and state.feedback.meter is state.meter and state.meter.comm_bytes > 0
     if compression == "topk":
         assert state.feedback.error_feedback and len(state.feedback.residuals) == 2
@@ -304,44 +310,32 @@ def test_a_hook_that_keeps_state_returns_it_for_the_skipped_steps(compression: s
         assert state.feedback.powersgd.process_group is None
 
 
-def test_powersgd_charges_a_plain_all_reduce_in_warm_up_then_torchs_own_tally_once_it_compresses() -> None:
+def test_powersgd_charges_a_plain_all_reduce_in_warm_up_then_torchs_own_tally_once_it_compresses(
+        one_rank_gloo: Keep) -> None:
     """PowerSGD on a 1-rank DDP in the test process, compressing from step 2: the two warm-up steps are charged
     the whole bucket (1,056 fp32 elements: a 32x32 weight and its bias) and report the steady figure, 288 elements
     (the weight as (32+32)x4 factors, the bias whole); the compressed step is charged what torch's
     ``compression_stats`` tally added, the same 288."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        ddp = DistributedDataParallel(nn.Linear(32, 32))
-        OUTLIVING.append(ddp)
-        state = register_compression(ddp, ParallelConfig(compression="powersgd", powersgd_start_iter=2,
-                                                         error_feedback=False))
-        charged = []
-        for _ in range(3):
-            before = (state.meter.comm_bytes, state.meter.steady_bytes)
-            ddp(torch.randn(4, 32)).pow(2).sum().backward()
-            charged.append((state.meter.comm_bytes - before[0], state.meter.steady_bytes - before[1]))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    ddp = one_rank_gloo(DistributedDataParallel(nn.Linear(32, 32)))
+    state = register_compression(ddp, ParallelConfig(compression="powersgd", powersgd_start_iter=2,
+                                                     error_feedback=False))
+    charged = []
+    for _ in range(3):
+        before = (state.meter.comm_bytes, state.meter.steady_bytes)
+        ddp(torch.randn(4, 32)).pow(2).sum().backward()
+        charged.append((state.meter.comm_bytes - before[0], state.meter.steady_bytes - before[1]))
     assert charged == [(1056 * 4, 288 * 4), (1056 * 4, 288 * 4), (288 * 4, 288 * 4)]
     assert state.feedback is not None and state.feedback.powersgd.compression_stats()[2] == 288
 
 
-def test_topk_drops_every_residual_after_a_non_finite_step_and_keeps_them_after_a_finite_one() -> None:
+def test_topk_drops_every_residual_after_a_non_finite_step_and_keeps_them_after_a_finite_one(
+        one_rank_gloo: Keep) -> None:
     """The top-k state's residuals (what was not sent) are zeroed on the device when the step's verdict is
     non-finite, every one of them, and kept as they are otherwise."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ddp = DistributedDataParallel(nn.Linear(8, 8))
-        OUTLIVING.append(ddp)
-        state = register_compression(ddp, ParallelConfig(compression="topk", error_feedback=True))
-        ddp(torch.randn(4, 8)).pow(2).sum().backward()
-    finally:
-        dist.destroy_process_group()
+    ddp = one_rank_gloo(DistributedDataParallel(nn.Linear(8, 8)))
+    state = register_compression(ddp, ParallelConfig(compression="topk", error_feedback=True))
+    ddp(torch.randn(4, 8)).pow(2).sum().backward()
     residuals = list(state.feedback.residuals.values())
     kept = [r.clone() for r in residuals]
     assert len(residuals) == 2 and any(bool(r.abs().sum() > 0) for r in residuals)
@@ -351,18 +345,12 @@ def test_topk_drops_every_residual_after_a_non_finite_step_and_keeps_them_after_
     assert all(bool((r == 0).all()) for r in residuals)
 
 
-def test_one_rank_trains_the_bare_model_unless_wrap_single_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = nn.Linear(2, 2)
-        with caplog.at_level(logging.INFO):
-            bare = wrap_model(model, ParallelConfig(), torch.device("cpu"))
-            wrapped = wrap_model(nn.Linear(2, 2), ParallelConfig(wrap_single=True), torch.device("cpu"))
-            OUTLIVING.extend([bare, wrapped])
-    finally:
-        dist.destroy_process_group()
+def test_one_rank_trains_the_bare_model_unless_wrap_single_and_says_so(
+        caplog: pytest.LogCaptureFixture, one_rank_gloo: Keep) -> None:
+    model = nn.Linear(2, 2)
+    with caplog.at_level(logging.INFO):
+        bare = one_rank_gloo(wrap_model(model, ParallelConfig(), torch.device("cpu")))
+        wrapped = one_rank_gloo(wrap_model(nn.Linear(2, 2), ParallelConfig(wrap_single=True), torch.device("cpu")))
     assert bare.outer is model and bare.model is model and (bare.strategy, bare.meter) == ("none", None)
     assert isinstance(wrapped.outer, DistributedDataParallel) and wrapped.strategy == "torch DDP"
     assert caplog.messages == ["data parallel: none (world size 1: the bare model, no gradient sync; "

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ddptrain.data.cache import cache_lock, remove_stale, unique_tmp
 from ddptrain.errors import ConfigError
@@ -34,10 +34,6 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> PreTrainedTokenizerF
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    # Imported here: resolving AutoTokenizer loads transformers' tokenizer registry (0.35 s), which a run on the
-    # cached BPE tokenizer (``cached_bpe``) never needs.
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
