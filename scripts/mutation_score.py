@@ -57,10 +57,13 @@ sys.path.insert(0, str(REPO))
 from tests.helpers.package_marks import imported_names, packages_named  # noqa: E402 (the checkout's helpers)
 
 # mutmut's exit codes (mutmut.stats.status_by_exit_code, which is not a public API: repeated here), folded into
-# the columns of the table
-STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
-          24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "type check"}
-COLUMNS = ("killed", "survived", "no tests", "timeout", "not checked", "other")
+# the columns of the table. One is read otherwise: mutmut counts pytest's exit 3, an INTERNALERROR, as a kill, but
+# it says the harness broke around the tests, not that a test saw the mutant (under mutmut's default "fork"
+# isolation every mutant whose tests fork ranks ended so: see ``scoped_config``); it is a column of its own,
+# counted neither way, to be checked again.
+STATUS = {1: "killed", 3: "internal error", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "type check"}
+COLUMNS = ("killed", "survived", "no tests", "timeout", "internal error", "not checked", "other")
 # what the ranks pass (--ranks) found for a mutant mutmut left with no tests: columns of their own, beside mutmut's
 RANKS_COLUMNS = ("ranks killed", "ranks survived")
 RANKS_FILE = "ranks.json"  # in the work directory: {mutant: {"from": mutmut's status, "status": the pass's}}
@@ -149,6 +152,12 @@ def scoped_config(pyproject: Path, files: list[str], tests: list[str] | None, ma
     text = pyproject.read_text()
     settings = dict(tomllib.loads(text)["tool"]["mutmut"])
     settings["only_mutate"] = files
+    # Each mutant's tests run in a process forked from a fork server that has only collected them, not from
+    # mutmut's own process: that one ran the stats and clean runs, whose forked-rank tests started
+    # tests/helpers/dist.py's multiprocessing fork server. A process forked from it inherits that server's pid but
+    # is not its parent, so starting a rank there fails in os.waitpid (ChildProcessError), in a pytest hook before
+    # any test: pytest's exit 3 for every such mutant, which mutmut reads as killed.
+    settings["process_isolation"] = "forkserver"
     if timeout_constant is not None:
         settings["timeout_constant"] = timeout_constant
     if tests is not None:
@@ -213,9 +222,9 @@ def table(statuses: dict[str, str], sampled: bool = False) -> str:
 def _row(package: str, counts: Counter[str], columns: tuple[str, ...], sampled: bool = False) -> str:
     n = sum(counts.values())
     # a timeout is a kill (the mutant changed what the tests saw: they did not finish); no tests is not; a run
-    # stopped early leaves mutants not checked, which count for nothing either way; a mutant the ranks pass saw
-    # fail the tests is killed, one it saw pass them survived
-    checked = n - counts["not checked"]
+    # stopped early leaves mutants not checked, and an internal error leaves them unchecked too: neither counts
+    # either way; a mutant the ranks pass saw fail the tests is killed, one it saw pass them survived
+    checked = n - counts["not checked"] - counts["internal error"]
     killed = counts["killed"] + counts["timeout"] + counts["ranks killed"]
     score = killed / checked if checked else 0.0
     row = f"| {package} | {n} | " + " | ".join(str(counts[c]) for c in columns) + f" | {score:.0%} |"
@@ -282,13 +291,13 @@ def ranks_command(tests: list[str], settings: dict[str, object]) -> list[str]:
 
 
 def ranks_status(returncode: int | None) -> str:
-    """A ranks run's pytest exit code as a status, read as mutmut reads one (``mutmut.stats.status_by_exit_code``):
-    a failure kills (1; 3, pytest's internal error, too), a clean pass survives (0), nothing selected leaves it
-    with no tests (5), a run past its limit (None) is a timeout (a kill, as mutmut counts one), anything else
-    (2: a collection error or an interruption) is other."""
+    """A ranks run's pytest exit code as a status, read as ``STATUS`` reads mutmut's: a failure kills (1), a clean
+    pass survives (0), pytest's internal error (3) is the harness's and counts neither way, nothing selected
+    leaves it with no tests (5), a run past its limit (None) is a timeout (a kill, as mutmut counts one), anything
+    else (2: a collection error or an interruption) is other."""
     if returncode is None:
         return "timeout"
-    return {0: "ranks survived", 1: "ranks killed", 3: "ranks killed", 5: "no tests"}.get(returncode, "other")
+    return {0: "ranks survived", 1: "ranks killed", 3: "internal error", 5: "no tests"}.get(returncode, "other")
 
 
 def with_ranks(statuses: dict[str, str], ranks: dict[str, dict[str, str]]) -> dict[str, str]:

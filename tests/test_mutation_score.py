@@ -56,13 +56,13 @@ def test_the_interval_is_wilsons_and_the_table_counts_only_the_checked_mutants(s
     row = score.table(statuses, sampled=True).splitlines()[2]
     # 8 of the 10 checked: 80 %, not 8 of 100; the interval of 8 / 10
     low, high = score.wilson(8, 10)
-    assert row == f"| train | 100 | 8 | 2 | 0 | 0 | 90 | 0 | 80% | {low:.0%}-{high:.0%} |"
+    assert row == f"| train | 100 | 8 | 2 | 0 | 0 | 0 | 90 | 0 | 80% | {low:.0%}-{high:.0%} |"
     assert "interval" not in score.table(statuses)
 
 
 def test_the_ranks_pass_reads_pytests_exit_code_as_mutmut_does_and_runs_what_mutmut_runs(score):
     assert [score.ranks_status(rc) for rc in (1, 3, 0, 5, None, 2, 4)] == [
-        "ranks killed", "ranks killed", "ranks survived", "no tests", "timeout", "other", "other"]
+        "ranks killed", "internal error", "ranks survived", "no tests", "timeout", "other", "other"]
     settings = {"pytest_add_cli_args": ["-m", "not slow", "-p", "no:xdist"]}
     command = score.ranks_command(["tests/test_drift.py"], settings)
     # the first failure ends the run, in file order, and the fast tier's selection comes last, as in mutmut's runner
@@ -85,7 +85,7 @@ def test_the_ranks_pass_shows_its_own_columns_and_yields_to_a_later_mutmut_statu
     # 4 killed by mutmut, 1 by the ranks, 1 timeout of 8: 75 %; the ranks' columns follow mutmut's
     lines = score.table(seen).splitlines()
     assert lines[0].endswith("| other | ranks killed | ranks survived | score |")
-    assert lines[2] == "| train | 8 | 4 | 0 | 1 | 1 | 0 | 0 | 1 | 1 | 75% |"
+    assert lines[2] == "| train | 8 | 4 | 0 | 1 | 1 | 0 | 0 | 0 | 1 | 1 | 75% |"
     # a later mutmut run that found an in-process test (here: it survived it) wins over the pass's record
     later = statuses | {untested[0]: "survived"}
     assert score.with_ranks(later, ranks)[untested[0]] == "survived"
@@ -117,11 +117,30 @@ def test_the_scoped_config_sets_mutmuts_timeout_constant_only_when_asked(score, 
     score.scoped_config(default, ["ddptrain/train/trainer.py"], ["tests/test_run_summary.py"], ["train"])
     read, plain = tomllib.loads(asked.read_text()), tomllib.loads(default.read_text())
     assert read["tool"]["mutmut"]["timeout_constant"] == 30.0
+    # every scope's mutants run from mutmut's fork server (forked-rank tests cannot start ranks otherwise)
+    assert read["tool"]["mutmut"]["process_isolation"] == plain["tool"]["mutmut"]["process_isolation"] == "forkserver"
     assert "timeout_constant" not in plain["tool"]["mutmut"]
     for settings in (read, plain):
         assert settings["tool"]["mutmut"]["only_mutate"] == ["ddptrain/train/trainer.py"]
         assert settings["tool"]["mutmut"]["pytest_add_cli_args_test_selection"] == ["tests/test_run_summary.py"]
         assert settings["tool"]["ruff"] == {"line-length": 120} and settings["project"] == {"name": "x"}
+
+
+def test_pytests_internal_error_is_a_column_of_its_own_and_no_kill(score, tmp_path):
+    """mutmut counts pytest's exit 3 as a kill; the script reads it from mutmut's records as "internal error",
+    beside the kills and outside the score (5 killed of 6 checked: 83 %, where counting the three as kills gave
+    8 of 9)."""
+    meta = tmp_path / "mutants" / "ddptrain" / "train" / "drift.py.meta"
+    meta.parent.mkdir(parents=True)
+    codes = dict.fromkeys(names("ddptrain.train.drift", "settle", 5), 1) | {"ddptrain.train.drift.x_check__mutmut_1": 0}
+    codes |= dict.fromkeys(names("ddptrain.train.drift", "later", 3), 3)
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    statuses = score.results(tmp_path)
+    assert Counter(statuses.values()) == {"killed": 5, "survived": 1, "internal error": 3}
+    lines = score.table(statuses).splitlines()
+    assert lines[0] == ("| package | mutants | killed | survived | no tests | timeout | internal error | not checked "
+                        "| other | score |")
+    assert lines[2] == "| train | 9 | 5 | 1 | 0 | 0 | 3 | 0 | 0 | 83% |"
 
 
 def test_run_tests_passes_the_mutant_to_the_run_and_reads_a_run_past_its_limit_as_none(score):
