@@ -19,7 +19,14 @@ from ddptrain.comm.clock import ClockKind, CommClock
 from ddptrain.config.compose import build_config
 from ddptrain.config.schema import ParallelConfig
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.compression import CommMeter, CompressionState, powersgd_elements, register_compression
+from ddptrain.parallel.compression import (
+    CommMeter,
+    CompressionState,
+    _topk_hook,
+    _TopKState,
+    powersgd_elements,
+    register_compression,
+)
 from ddptrain.parallel.wrap import EngineMeter, Wrapped, wrap_model
 from tests.helpers.dist import run_distributed
 
@@ -157,6 +164,36 @@ def test_topk_sends_values_and_int32_indices_under_4_percent(sync_bytes: dict) -
     expected = (4 + 4) * math.ceil(0.01 * NUMEL)
     assert sync_bytes["topk"]["steps"] == [(expected, FP32_BYTES)] * 3
     assert expected / FP32_BYTES <= 0.04
+
+
+def test_topk_sends_int64_indices_only_in_a_bucket_too_long_for_int32_positions(monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """A bucket of 2**31 elements or more has positions an int32 cannot hold: its indices go as int64 (12 bytes per
+    entry sent), a bucket one element shorter sends int32 (8 bytes). The buckets are on the meta device (shapes,
+    no memory) and the all-gather of two ranks answers at once (meta: shapes only, nothing to gather)."""
+    import torch.distributed as dist
+
+    class Gathered:
+        def __init__(self, out: torch.Tensor) -> None:
+            self.fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            self.fut.set_result([out])
+
+        def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+            return self.fut
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_single", lambda out, inp, group=None, async_op=False: Gathered(out))
+    sent = {}
+    for numel in (2**31 - 1, 2**31):
+        buffer = torch.empty(numel, device="meta")
+        bucket = SimpleNamespace(buffer=lambda b=buffer: b, parameters=list, gradients=list)
+        state = _TopKState(None, CommMeter(CommClock(ClockKind.host)), ratio=1e-9, error_feedback=False)
+        averaged = _topk_hook(state, bucket).wait()  # type: ignore[arg-type]
+        assert averaged.shape == (numel,)
+        sent[numel] = state.meter.comm_bytes
+    k = math.ceil(1e-9 * 2**31)
+    assert k == math.ceil(1e-9 * (2**31 - 1)) == 3
+    assert sent == {2**31 - 1: (4 + 4) * k, 2**31: (4 + 8) * k}
 
 
 def test_topk_of_everything_is_the_exact_average(sync_bytes: dict) -> None:

@@ -291,6 +291,38 @@ def test_the_start_up_line_says_what_the_replica_groups_compare() -> None:
     assert not alone.comparable and alone.describe() == "nothing to compare"
 
 
+def test_replica_groups_reads_hsdp_columns_and_refuses_parameters_on_two_placements_in_this_process() -> None:
+    """``replica_groups`` on real DTensors of a one-rank (1, 1) mesh, in the test process (the 4-rank HSDP runs above
+    reach it only in forked ranks): replicated along one dimension, one group per column; sharded only, nothing to
+    compare; two placements in one model, a one-line error."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ddptrain.parallel.replicas import replica_groups
+
+    def placed(*placements: tuple[Any, ...]) -> torch.nn.Module:
+        model = torch.nn.Linear(2, 2)
+        for (name, param), placement in zip(list(model.named_parameters()), placements, strict=True):
+            setattr(model, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, placement)))
+        return model
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        hsdp = (Replicate(), Shard(0))
+        groups = replica_groups(placed(hsdp, hsdp))
+        assert (groups.members, groups.slot, groups.sharded) == (((0,),), 0, True)
+        assert groups.group is mesh.get_group(0) and not groups.comparable
+        sharded = (Shard(0), Shard(0))
+        assert replica_groups(placed(sharded, sharded)) == ReplicaGroups((), 0, None, True)
+        with pytest.raises(ValueError) as caught:
+            replica_groups(placed(hsdp, sharded))
+        assert str(caught.value) == "the drift check expects every FSDP2 parameter on one mesh with one placement"
+    finally:
+        dist.destroy_process_group()
+
+
 def _replicas(policy: DriftPolicy, start: int = 0) -> tuple[DriftCheck, torch.nn.Module, torch.nn.Module]:
     """This rank's check (rank 0 of a 2-rank replica group, built in-process: the group is given, not asked of a
     world) over a tiny model, and rank 1's copy of that model."""

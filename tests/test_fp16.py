@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from ddptrain.train.components import autocast_context
 from tests.helpers.dist import run_distributed
+from tests.helpers.in_process import train_here
 from tests.helpers.runs import train_each, train_outcomes
 
 RUN = {
@@ -121,3 +122,13 @@ def test_fp16_logs_the_unscaled_gradient_norm_of_the_fp32_run(fp16_runs: tuple) 
     assert fp32[1] > 0.5  # clipping active
     assert fp16[1] == pytest.approx(fp32[1], rel=2**-10)  # fp16 rounding (measured: 1.4e-5)
     assert fp16[2:] == pytest.approx(fp32[2:], rel=1e-2)  # later: weights apart by fp16's rounding (1e-3)
+
+
+def test_an_injected_overflow_on_a_rank_in_this_process_is_one_scaler_back_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank in the test process (where mutation testing sees the step's loss scaling): the overflow fault scales
+    step 1's backward past fp16's range, the scaler backs off once (65536 -> 32768) and nothing is skipped as a
+    nan_policy event."""
+    ran = train_here(tmp_path, monkeypatch, {"train": {"precision": "fp16"}}, fault="overflow@step:1:0")
+    assert ran.error is None
+    assert [(w["loss_scale"], w["scaler_backoffs"], w["skipped_steps"]) for w in ran.windows] == [(32768.0, 1, 0)]

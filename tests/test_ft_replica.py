@@ -293,8 +293,10 @@ def _train_scripted(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     trainer = Trainer(cfg, env, torch.device("cpu"), Path(tmp), {})
     sampler_rank = trainer.batches.sampler.rank
     summary = trainer.train()
+    (attempt,) = json.loads((Path(tmp) / "goodput.json").read_text())["attempts"]
     return {"begun": scripted[0].begun, "updated": scripted[0].updated_params, "sampler_rank": sampler_rank,
-            "dp": trainer.shape.dp, "recovery_s": summary["goodput"]["recovery_s"]}
+            "dp": trainer.shape.dp, "recovery_s": summary["goodput"]["recovery_s"],
+            "attempt_steps": (attempt["resumed_from"], attempt["last_step"])}
 
 
 def test_the_loop_takes_a_step_not_committed_again_unapplied_and_books_a_heal_as_recovery(tmp_path: Path) -> None:
@@ -308,3 +310,5 @@ def test_the_loop_takes_a_step_not_committed_again_unapplied_and_books_a_heal_as
     assert lrs[1] == lrs[2] and lrs[0] < lrs[1] < lrs[3]  # the schedule did not step on the refused step
     assert run["updated"] == [True, False, True, True, True, True]  # its update was not applied
     assert run["recovery_s"] == pytest.approx(0.5, abs=1e-6)
+    # goodput.json: the heal brought this attempt to the peers' step 4, and it continued after it to step 6
+    assert run["attempt_steps"] == (4, 6)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.in_process import train_here
 from tests.helpers.runs import train_outcomes
 
 RUN = {
@@ -85,3 +86,12 @@ def test_fp16_overflow_from_a_finite_loss_is_only_a_back_off_even_under_abort(ru
     assert [m["skipped_steps"] for m in metrics] == [0] * 6
     assert [m["loss_scale"] for m in metrics] == [65536.0] * 2 + [32768.0] * 4
     assert [(o["summary"]["scaler_backoffs"], o["summary"]["skipped_steps"]) for o in outcomes] == [(1, 0)] * 2
+
+
+def test_a_poisoned_loss_on_a_rank_in_this_process_aborts_at_the_next_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank in the test process (where mutation testing sees the step's loss guard): the nan fault poisons step
+    1's loss; train.nan_policy=abort stops the run at step 2's check (a logging step), naming step 1."""
+    ran = train_here(tmp_path, monkeypatch, fault="nan@step:1:0")
+    assert ran.exit_code == 3 and ran.error is not None and "step 1" in ran.error, (ran.exit_code, ran.error)
+    assert ran.windows == []

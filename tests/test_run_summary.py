@@ -139,3 +139,40 @@ def test_a_one_rank_run_in_this_process_writes_the_summary_its_windows_give(
     assert re.fullmatch(r"goodput [\d.]+% of [\d.]+ s wall-clock: start-up [\d.]+%, .*", caplog.messages[-1])
     assert summary["goodput"]["checkpoint_s"] > 0 and summary["goodput"]["eval_s"] > 0
     assert all(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+def test_the_first_steps_line_in_this_process_gives_the_bytes_its_gradient_sync_sent(
+        tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
+    """One rank wrapped in torch DDP anyway (parallel.wrap_single=true), in the test process: the first step's line
+    gives the bytes that step's all-reduce sent (its sync sample's), as the logged comm_bytes does; the bare model
+    syncs nothing and its line gives none."""
+    import logging
+
+    from tests.helpers.in_process import train_here
+
+    lines = {}
+    for name, wrap in (("ddp", True), ("bare", False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ddptrain"):
+            ran = train_here(tmp_path / name, monkeypatch, {"parallel": {"wrap_single": wrap}})
+        (lines[name],) = [m for m in caplog.messages if re.match(r"[\d.]+K of [\d.]+K trainable", m)]
+        if wrap:
+            assert ran.windows[0]["comm_bytes"] > 0
+            sent = ran.windows[0]["comm_bytes"]
+    assert re.fullmatch(rf"[\d.]+K of [\d.]+K trainable; {sent / 1e6:.3g} MB all-reduced per step", lines["ddp"])
+    assert re.fullmatch(r"[\d.]+K of [\d.]+K trainable", lines["bare"])
+
+
+def test_a_compiled_run_whose_first_step_logs_keeps_that_step_in_its_window(tmp_path: Path, monkeypatch: Any) -> None:
+    """train.compile=true with a window every step: the first step's window would be left empty if compilation were
+    taken out of it (that is done only when the first step does not log). Compilation itself is patched out here
+    (the blocks stay eager: the loop's bookkeeping is what is tested, in the test process)."""
+    from ddptrain.parallel.zero import transformer_blocks
+    from ddptrain.train import trainer
+    from tests.helpers.in_process import train_here
+
+    monkeypatch.setattr(trainer, "compile_blocks", lambda model, varying_shapes: len(transformer_blocks(model)))
+    ran = train_here(tmp_path, monkeypatch, {"train": {"compile": True, "log_every": 1}})
+    assert ran.error is None and [w["step"] for w in ran.windows] == [1, 2]
+    assert all(w["step_time_s"] > 0 and w["tokens_per_s"] > 0 for w in ran.windows)
+    assert ran.summary is not None and ran.summary["compile_s"] > 0

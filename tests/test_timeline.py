@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.telemetry.timeline import read_step, render_timeline
 from tests.helpers.dist import run_distributed
+from tests.helpers.in_process import train_here
 
 
 def profile_ddp_steps(rank: int, world_size: int, trace_path: str) -> None:
@@ -103,3 +104,26 @@ def test_a_trace_without_profiler_steps_is_refused(tmp_path: Path) -> None:
     trace.write_text(json.dumps({"traceEvents": [op("aten::mm", 0, 1)]}))
     with pytest.raises(ValueError, match="ProfilerStep"):
         render_timeline(trace, tmp_path / "t.png")
+
+
+PROFILED = {"train": {"steps": 3, "log_every": 3}, "profile": {"enabled": True, "wait": 0, "warmup": 1, "active": 1}}
+
+
+def test_a_profiled_run_in_this_process_writes_its_trace_and_draws_its_timeline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """profile.enabled=true on one rank in the test process: step 2 is recorded, its Chrome trace written and the
+    timeline drawn from it when the run ends."""
+    ran = train_here(tmp_path, monkeypatch, PROFILED)
+    assert ran.error is None
+    assert json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_a_profiled_run_that_fails_keeps_its_trace_and_draws_no_timeline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run aborted by a non-finite loss at step 3, after the recorded step: the trace stays, and no
+    timeline is drawn on the way out of a failing run."""
+    ran = train_here(tmp_path, monkeypatch, PROFILED, fault="nan@step:3:0")
+    assert ran.exit_code == 3 and ran.error is not None
+    assert (tmp_path / "trace_rank0.json").is_file()
+    assert not (tmp_path / "timeline.png").exists()
