@@ -1335,6 +1335,11 @@ MUTANTS = [
            (('ddptrain/train/trainer.py', 'self.drift.settle(agreed.fingerprints, step)',
              'self.drift.settle(agreed.fingerprints, None)'),),
            ('tests/test_drift.py::test_a_drifted_ddp_replica_stops_every_rank_at_the_next_check_naming_it',)),
+    Mutant('topk-int64-index-view-in-place', "one rank's top-k int64 indices viewed in place (odd k: misaligned)",
+           (('ddptrain/parallel/compression.py',
+             'all_index = rows[:, split:].clone(memory_format=torch.contiguous_format).view(index.dtype)',
+             'all_index = rows[:, split:].contiguous().view(index.dtype)'),),
+           ('tests/test_compression.py', '-k', 'int64_indices')),
 ]
 
 def _copy_tree(dest: Path) -> None:

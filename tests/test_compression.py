@@ -166,11 +166,14 @@ def test_topk_sends_values_and_int32_indices_under_4_percent(sync_bytes: dict) -
     assert expected / FP32_BYTES <= 0.04
 
 
-def test_topk_sends_int64_indices_only_in_a_bucket_too_long_for_int32_positions(monkeypatch: pytest.MonkeyPatch
-                                                                                 ) -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_topk_sends_int64_indices_only_in_a_bucket_too_long_for_int32_positions(
+        world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bucket of 2**31 elements or more has positions an int32 cannot hold: its indices go as int64 (12 bytes per
     entry sent), a bucket one element shorter sends int32 (8 bytes). The buckets are on the meta device (shapes,
-    no memory) and the all-gather of two ranks answers at once (meta: shapes only, nothing to gather)."""
+    no memory) and the all-gather answers at once (meta: shapes only, nothing to gather). One rank
+    (``parallel.wrap_single``) too: there the gathered row's index part is already contiguous, at a byte offset of
+    4 × k (k = 3 here), which an int64 view cannot take without a copy."""
     import torch.distributed as dist
 
     class Gathered:
@@ -181,7 +184,7 @@ def test_topk_sends_int64_indices_only_in_a_bucket_too_long_for_int32_positions(
         def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
             return self.fut
 
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
     monkeypatch.setattr(dist, "all_gather_single", lambda out, inp, group=None, async_op=False: Gathered(out))
     sent = {}
     for numel in (2**31 - 1, 2**31):

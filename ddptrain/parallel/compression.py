@@ -241,7 +241,9 @@ def _topk_hook(state: _TopKState, bucket: dist.GradBucket) -> Future[torch.Tenso
     def decompress(_: Future[list[torch.Tensor]]) -> torch.Tensor:
         rows, split = gathered.view(world_size, -1), values.numel() * values.element_size()
         all_values = rows[:, :split].contiguous().view(values.dtype)
-        all_index = rows[:, split:].contiguous().view(index.dtype)
+        # a copy of its own: on one rank the slice is already contiguous, at a byte offset of 4 x k, which an
+        # int64 view (a bucket of 2**31 elements or more) cannot take when k is odd
+        all_index = rows[:, split:].clone(memory_format=torch.contiguous_format).view(index.dtype)
         return sum_in_rank_order(buffer, all_values, all_index).div_(world_size)
 
     return fut.then(decompress)
