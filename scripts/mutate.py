@@ -1340,6 +1340,10 @@ MUTANTS = [
              'all_index = rows[:, split:].clone(memory_format=torch.contiguous_format).view(index.dtype)',
              'all_index = rows[:, split:].contiguous().view(index.dtype)'),),
            ('tests/test_compression.py', '-k', 'int64_indices')),
+    Mutant('mutmut-render-column-header', "the memory table's second column header written otherwise",
+           (('ddptrain/plan/memory/render.py', 'for column in ("at the peak", "per rank"):',
+             'for column in ("at the peak", "PER RANK"):'),),
+           ('tests/test_memory_trace.py', '-k', 'dry_run_prints_the_traced_peak')),
 ]
 
 def _copy_tree(dest: Path) -> None:

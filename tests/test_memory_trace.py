@@ -534,6 +534,9 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "Peak memory per rank on t4" in out and "Recommendation: micro batch" in out
+    # the table's header: the categories at the peak, and what each holds per rank
+    assert any("at the peak" in line and "per rank" in line and "Peak memory" not in line
+               for line in out.splitlines())
     assert "DDP gradient buckets" in out and "Precision: fp16 compute, loss-scaled" in out
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["device"] == "t4" and plan["compute_dtype"] == "float16"  # what train.precision=auto runs on a T4
