@@ -1344,6 +1344,13 @@ MUTANTS = [
            (('ddptrain/plan/memory/render.py', 'for column in ("at the peak", "per rank"):',
              'for column in ("at the peak", "PER RANK"):'),),
            ('tests/test_memory_trace.py', '-k', 'dry_run_prints_the_traced_peak')),
+    Mutant('mutmut-render-category-names', "the memory table's rows without their category names",
+           (('ddptrain/plan/memory/render.py', 'table.add_row(category, _gib(nbytes))',
+             'table.add_row(_gib(nbytes))'),),
+           ('tests/test_memory_trace.py', '-k', 'dry_run_prints_the_traced_peak')),
+    Mutant('mutmut-render-total-label', "the memory table's total row labelled otherwise",
+           (('ddptrain/plan/memory/render.py', 'table.add_row("total", ', 'table.add_row("TOTAL", '),),
+           ('tests/test_memory_trace.py', '-k', 'dry_run_prints_the_traced_peak')),
 ]
 
 def _copy_tree(dest: Path) -> None:

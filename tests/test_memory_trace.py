@@ -544,6 +544,11 @@ def test_dry_run_prints_the_traced_peak_and_writes_plan_json(
     assert plan["by_category"]["parameter copies"] > 0
     assert plan["peak_bytes_per_rank"] == sum(plan["by_category"].values()) > 0
     assert set(plan["by_category"]) == set(CATEGORIES)
+    # the printed table holds plan.json's figures: a row per category with its bytes, and the total with its verdict
+    rows = [" ".join(line.replace("│", " ").split()) for line in out.splitlines()]
+    for category, nbytes in plan["by_category"].items():
+        assert f"{category} {nbytes / 2**30:,.2f} GiB" in rows, category
+    assert any(r.startswith(f"total {plan['total_bytes_per_rank'] / 2**30:,.2f} GiB: fits in ") for r in rows)
     best = plan["recommendation"]
     assert best["micro_batch_size"] * best["grad_accum"] * 2 == 16
     # a tiny model on a T4: the step and the recommendation, allowances included, fit its memory
