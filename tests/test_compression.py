@@ -515,3 +515,38 @@ def test_a_skipped_step_zeroes_every_residual_entry_on_every_rank(topk_ranks: li
     assert not all(torch.isfinite(r).all() for r in topk_ranks[1]["residuals_1"])
     for rank in topk_ranks:
         assert all(torch.equal(r, torch.zeros_like(r)) for r in rank["kept_1"])
+
+
+def test_torch_ddp_gets_the_bucket_size_static_graph_and_bucket_view_of_the_config(one_rank_gloo: Keep) -> None:
+    cfg = ParallelConfig(wrap_single=True, bucket_cap_mb=1.5, static_graph=True, gradient_as_bucket_view=True)
+    ddp = one_rank_gloo(wrap_model(nn.Linear(4, 4), cfg, torch.device("cpu"))).outer
+    assert isinstance(ddp, DistributedDataParallel)
+    assert (ddp.bucket_bytes_cap, ddp.static_graph, ddp.gradient_as_bucket_view) == (int(1.5 * 2**20), True, True)
+
+
+def test_an_engine_wraps_the_model_and_its_no_sync_skips_the_gradient_sync(
+        caplog: pytest.LogCaptureFixture, one_rank_gloo: Keep) -> None:
+    model = nn.Linear(4, 4)
+    with caplog.at_level(logging.INFO):
+        wrapped = one_rank_gloo(wrap_model(model, ParallelConfig(wrap_single=True, engine="bucketed"),
+                                           torch.device("cpu")))
+    assert wrapped.model is model and wrapped.outer.module is model and isinstance(wrapped.meter, EngineMeter)
+    assert caplog.messages == ["data parallel: engine bucketed"]
+    with wrapped.maybe_sync(False):
+        assert not wrapped.outer.require_backward_grad_sync
+    with wrapped.maybe_sync(True):
+        assert wrapped.outer.require_backward_grad_sync
+
+
+def test_zero_stage_2_shards_the_model_with_fsdp2_and_says_so(
+        caplog: pytest.LogCaptureFixture, one_rank_gloo: Keep) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with caplog.at_level(logging.INFO):
+        wrapped = one_rank_gloo(wrap_model(model, ParallelConfig(wrap_single=True, zero_stage=2), torch.device("cpu")))
+    assert wrapped.outer is model and isinstance(model, FSDPModule) and wrapped.model is model
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert (wrapped.strategy, wrapped.meter) == ("FSDP2 (ZeRO-2)", None)
+    assert caplog.messages == ["data parallel: FSDP2 (ZeRO-2)"]

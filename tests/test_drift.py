@@ -435,3 +435,56 @@ def test_the_command_stops_a_drifted_replica_with_one_line_exit_4_and_keeps_the_
         result.stderr[-3000:]  # once (rank 0's), and no launcher line after it
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003"]
     assert "every check compares a fingerprint of the parameters: whole replicas on 2 ranks" in result.stderr
+
+
+def test_each_hsdp_replica_group_is_read_from_its_own_slot_of_the_reduced_words() -> None:
+    """2 nodes x 2 ranks, in-process: ranks 0 and 2 hold one shard, 1 and 3 another. Group 1's slot lies after group
+    0's: when both agree nothing is gathered; when rank 3 drifts, it is named against rank 1."""
+    shards = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+    models = [torch.nn.Linear(3, 2) for _ in range(4)]
+    for rank, model in enumerate(models):
+        model.load_state_dict(shards[rank % 2].state_dict())
+    checks = []
+    for rank, model in enumerate(models):
+        check = DriftCheck(model, DriftPolicy.off, 0)  # off: no world to ask for the groups
+        check.policy, check.groups = DriftPolicy.abort, ReplicaGroups(((0, 2), (1, 3)), rank % 2, None, True)
+        check.combined = Combined([p.detach() for p in model.parameters()], torch.device("cpu"))
+        checks.append(check)
+    gathered: list[int] = []
+
+    def settle(step: int) -> None:
+        agreed = torch.stack([c.words(torch.device("cpu")) for c in checks]).amax(0).tolist()
+        table = [torch.stack([fingerprint(p.detach()) for p in m.parameters()]).tolist() for m in models]
+        checks[0]._gather = lambda _rows: gathered.append(step) or table  # type: ignore[method-assign]
+        checks[0].settle(agreed, step)
+
+    settle(2)
+    assert (checks[0].agreed_at, gathered) == (2, [])
+    with torch.no_grad():
+        models[3].bias[0] += 1
+    with pytest.raises(DriftError, match=re.escape("replicas differ at step 4 (equal at step 2): rank 3 differs from "
+                                                   "rank 1, first in bias (train.drift_policy=abort)")):
+        settle(4)
+    assert gathered == [4]
+
+
+def test_local_parameters_are_the_plain_shards_this_rank_holds_of_fsdp2_parameters() -> None:
+    """The fingerprint reads a tensor's own bytes: an FSDP2 parameter (a DTensor) is given as its local shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ddptrain.parallel.replicas import local_parameters
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        held = list(local_parameters(model))
+        assert [name for name, _ in held] == ["weight", "bias"]
+        for (_, tensor), param in zip(held, model.parameters(), strict=True):
+            assert isinstance(param, DTensor) and type(tensor) is torch.Tensor and not tensor.requires_grad
+            assert tensor.data_ptr() == param.to_local().data_ptr()
+    finally:
+        dist.destroy_process_group()
