@@ -178,6 +178,7 @@ def test_a_one_rank_prompt_completion_run_without_evaluations_saves_the_tokenize
     assert summary["final_val_loss"] is None and summary["final_loss"] == windows[-1]["loss"]
     hf = run_dir / "checkpoints" / "step_000002" / "hf"
     assert AutoConfig.from_pretrained(hf).eos_token_id == tok.eos_token_id is not None
+    assert sorted(f.name for f in hf.glob("tokenizer*")) == ["tokenizer.json", "tokenizer_config.json"]
     assert AutoTokenizer.from_pretrained(hf).get_vocab() == tok.get_vocab()
 
 
