@@ -205,6 +205,10 @@ def test_a_trainer_built_to_compile_under_hsdp_says_so_and_builds_the_model_on_i
         return build(*args)
 
     monkeypatch.setattr(trainer_module, "build_model", recorded)
+    # train.compile sets dynamo's process-wide settings (parallel/compile.py): put back after this test
+    monkeypatch.setattr(torch.compiler.config, "dynamic_sources", torch.compiler.config.dynamic_sources)
+    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions",
+                        torch._dynamo.config.ignore_logging_functions)
     run = {**ONE_RANK, "train": {**ONE_RANK["train"], "compile": True},
            "parallel": {"zero_stage": 3, "shard_group": "node", "wrap_single": True},
            "dist": {"timeout_s": 123}}
