@@ -176,3 +176,94 @@ def test_a_compiled_run_whose_first_step_logs_keeps_that_step_in_its_window(tmp_
     assert ran.error is None and [w["step"] for w in ran.windows] == [1, 2]
     assert all(w["step_time_s"] > 0 and w["tokens_per_s"] > 0 for w in ran.windows)
     assert ran.summary is not None and ran.summary["compile_s"] > 0
+
+
+def test_a_one_rank_prompt_completion_run_without_evaluations_saves_the_tokenizer_and_its_eos(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """In this process, a model built from scratch on prompt/completion data with its own tokenizer: the rows (of
+    varying length) go through the data's collate, the model's end-of-sequence id is the tokenizer's (as the
+    checkpoint's ``hf/config.json`` records it, for generation after export), the checkpoint holds the tokenizer,
+    and a run with no evaluation ends with no validation loss in its summary (not an error)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoTokenizer
+
+    import ddptrain.train.trainer as trainer_module
+    from ddptrain.data.instruct import generated_instructions
+    from ddptrain.data.tokenizer import train_bpe
+    from ddptrain.runtime.process_group import DistEnv
+    from tests.helpers.runs import make_config
+
+    # the summary's traced memory plan is tests/test_own_peak.py's (as without_the_planned_peak, for this test only)
+    monkeypatch.setattr(trainer_module, "planned_peak", lambda *_: (None, "not traced here"))
+    tok = train_bpe([f"{p} {c}" for p, c in generated_instructions(100)], 300)
+    tok.save_pretrained(tmp_path / "tokenizer")
+    run = {**ONE_RANK,
+           "data": {"source": "instructions", "format": "prompt_completion", "tokenizer": str(tmp_path / "tokenizer"),
+                    "num_samples": 32, "seq_len": 32, "global_batch_size": 4, "micro_batch_size": 2},
+           "train": {"steps": 2, "log_every": 1, "check_every": 1, "eval_every": 0}}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)
+        summary = trainer_module.Trainer(make_config(str(tmp_path), run), env, torch.device("cpu"), run_dir, {}).train()
+    finally:
+        dist.destroy_process_group()
+    windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in windows] == [1, 2] and not any("val_loss" in w for w in windows)
+    assert summary["final_val_loss"] is None and summary["final_loss"] == windows[-1]["loss"]
+    hf = run_dir / "checkpoints" / "step_000002" / "hf"
+    assert AutoConfig.from_pretrained(hf).eos_token_id == tok.eos_token_id is not None
+    assert sorted(f.name for f in hf.glob("tokenizer*")) == ["tokenizer.json", "tokenizer_config.json"]
+    assert AutoTokenizer.from_pretrained(hf).get_vocab() == tok.get_vocab()
+
+
+def test_a_trainer_built_to_compile_under_hsdp_says_so_and_builds_the_model_on_its_device(
+        tmp_path: Path, caplog: Any, monkeypatch: Any) -> None:
+    """Built, not trained (compilation would run at the first step), in this process on one rank: the chunked loss
+    and the compilation each log their line; the model is built for the run's device (where a pretrained model's
+    weights load straight to); HSDP (``parallel.shard_group=node``) lays its mesh out from the ranks per node
+    with its groups timing out at ``dist.timeout_s``."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import ddptrain.train.trainer as trainer_module
+    from ddptrain.runtime.process_group import DistEnv
+    from tests.helpers.runs import make_config
+
+    built: list[Any] = []
+    build = trainer_module.build_model
+
+    def recorded(*args: Any) -> Any:
+        built.append(args[-1])
+        return build(*args)
+
+    monkeypatch.setattr(trainer_module, "build_model", recorded)
+    # train.compile sets dynamo's process-wide settings (parallel/compile.py): put back after this test
+    monkeypatch.setattr(torch.compiler.config, "dynamic_sources", torch.compiler.config.dynamic_sources)
+    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions",
+                        torch._dynamo.config.ignore_logging_functions)
+    run = {**ONE_RANK, "train": {**ONE_RANK["train"], "compile": True},
+           "parallel": {"zero_stage": 3, "shard_group": "node", "wrap_single": True},
+           "dist": {"timeout_s": 123}}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)
+        with caplog.at_level(logging.INFO, logger="ddptrain"):
+            trainer = trainer_module.Trainer(make_config(str(tmp_path), run), env, torch.device("cpu"), tmp_path, {})
+        trainer.sinks.close()
+        mesh = next(trainer.model.parameters()).device_mesh  # FSDP2's parameters are DTensors on its mesh
+        # no public getter for a group's timeout: gloo's own options (as tests/test_hsdp.py reads them)
+        timeouts = [mesh.get_group(dim)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                    for dim in ("replicate", "shard")]
+    finally:
+        dist.destroy_process_group()
+    assert built == [torch.device("cpu")]
+    assert "train.compile: compiling 1 transformer blocks (on the first step)" in caplog.messages
+    assert any(m.startswith("train.chunked_loss: the LM head and the loss run ") and
+               m.endswith(" tokens at a time (no [tokens, vocab] logits)") for m in caplog.messages), caplog.messages
+    assert mesh.mesh_dim_names == ("replicate", "shard") and mesh.mesh.tolist() == [[0]]
+    assert timeouts == [123.0, 123.0]
