@@ -1423,6 +1423,18 @@ MUTANTS = [
            (('ddptrain/train/trainer.py', 'watch.after_save(step, saved, record=True)',
              'watch.after_save(saved, record=True)'),),
            ('tests/test_telemetry.py::test_a_stop_logs_its_step_once_without_its_save',)),
+    Mutant('mutmut-render-chunked-off', "the LM head's line says OFF for a chunkable head with chunking off",
+           (('ddptrain/plan/memory/render.py', '"off" if share.chunk_tokens is not None else',
+             '"OFF" if share.chunk_tokens is not None else'),),
+           ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
+    Mutant('mutmut-render-not-exact', "the LM head's line says plain off for a head whose chunking is not exact",
+           (('ddptrain/plan/memory/render.py', '"off" if share.chunk_tokens is not None else',
+             '"off" if (share.chunk_tokens is not None) or True else'),),
+           ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
+    Mutant('mutmut-render-allowances-caveat', "the caveat that the allowances are not traced reworded",
+           (('ddptrain/plan/memory/render.py', 'out.print("The allowances are assumptions, not traced. ZeRO-1/2/3',
+             'out.print("the allowances are assumptions, not traced. zero-1/2/3'),),
+           ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import dataclasses
 import gc
 import json
 import threading
@@ -37,6 +38,7 @@ from ddptrain.plan.memory.planner import (
     AUTO_MARGIN,
     Allowances,
     GiB,
+    LogitsShare,
     MemoryPlan,
     TracedStep,
     Tracer,
@@ -515,6 +517,19 @@ def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bou
     cfg.train.compile = True
     compiled = plan_memory(cfg, plan, VOCAB, target_device("h100", None, None), RunOverheads.of(cfg, 1, {}))
     assert compiled.host_note is None and "Host:" not in render_memory_plan(compiled, 1)
+    # the LM head's line in each of its three wordings, and the caveat that the allowances are not traced
+    both = {"chunked": 1 * 2**30, "full logits": 3 * 2**30}
+
+    def worded(chunk_tokens: int | None, configured: bool) -> str:
+        share = LogitsShare(chunk_tokens, both if chunk_tokens else {"full logits": both["full logits"]}, both)
+        return " ".join(render_memory_plan(dataclasses.replace(compiled, logits=share,
+                                                                configured_chunked=configured), 1).split())
+
+    assert "LM head and loss at the peak (train.chunked_loss on, chunks of 16 tokens): " in worded(16, True)
+    assert "LM head and loss at the peak (train.chunked_loss off): 1.00 GiB with chunked" in worded(16, False)
+    not_exact = worded(None, True)
+    assert "LM head and loss at the peak (train.chunked_loss off: not exact for this model's head): " in not_exact
+    assert "The allowances are assumptions, not traced. ZeRO-1/2/3 figures shard" in not_exact
     host = EAGER_HOST_S_PER_BLOCK[ActivationCheckpointing.selective]
     assert selective_host_bound(ActivationCheckpointing.selective, False, 0.9 * host, 1) is not None
     assert selective_host_bound(ActivationCheckpointing.selective, False, 1.1 * host, 1) is None  # compute-bound
