@@ -1435,6 +1435,10 @@ MUTANTS = [
            (('ddptrain/plan/memory/render.py', 'out.print("The allowances are assumptions, not traced. ZeRO-1/2/3',
              'out.print("the allowances are assumptions, not traced. zero-1/2/3'),),
            ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
+    Mutant('mutmut-plan-lora-all-stages', 'an adapter run weighs ZeRO-2/3 options it cannot run',
+           (('ddptrain/plan/memory/planner.py', '((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3))',
+             '((0, 1) if cfg.model.lora.enabled and False else (0, 1, 2, 3))'),),
+           ('tests/test_memory_trace.py', '-k', 'adapter_run_weighs')),
 ]
 
 def _copy_tree(dest: Path) -> None:

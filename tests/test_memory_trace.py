@@ -498,6 +498,16 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
     assert len(traces) == traced  # each shape traced once, not once per device
 
 
+def test_an_adapter_run_weighs_only_the_stages_that_train_adapters(shared_traces: dict[str, Any]) -> None:
+    """LoRA trains its adapters under DDP or ZeRO-1 only (``models/finetune_rules.py`` refuses ZeRO-2/3): on 2
+    ranks its options are stages 0 and 1 alone, none the run would refuse."""
+    cfg = small_config(lora=True)
+    cfg.data.global_batch_size, cfg.data.micro_batch_size = 2, 1
+    plan = build_plan(cfg, 2, "H100")
+    mp = plan_memory(cfg, plan, VOCAB, target_device("h100", None, None), RunOverheads.of(cfg, 2, {}))
+    assert {o.stage for o in mp.options} == {0, 1}
+
+
 def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bound(
     shared_traces: dict[str, Any],
 ) -> None:
