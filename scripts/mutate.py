@@ -1439,6 +1439,14 @@ MUTANTS = [
            (('ddptrain/plan/memory/planner.py', '((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3))',
              '((0, 1) if cfg.model.lora.enabled and False else (0, 1, 2, 3))'),),
            ('tests/test_memory_trace.py', '-k', 'adapter_run_weighs')),
+    Mutant('mutmut-plan-full-finetune-two-stages', 'a full fine-tune weighs only ZeRO-0/1 options',
+           (('ddptrain/plan/memory/planner.py', '((0, 1) if cfg.model.lora.enabled else (0, 1, 2, 3))',
+             '((0, 1) if cfg.model.lora.enabled or True else (0, 1, 2, 3))'),),
+           ('tests/test_memory_trace.py', '-k', 'adapter_run_weighs')),
+    Mutant('mutmut-render-no-speedup', 'a recommendation without a predicted speedup carries stray text',
+           (('ddptrain/plan/memory/render.py', '+ ("" if best.speedup is None else',
+             '+ ("XXXX" if best.speedup is None else'),),
+           ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
 ]
 
 def _copy_tree(dest: Path) -> None:

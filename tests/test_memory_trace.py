@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import gc
 import json
+import re
 import threading
 import time
 import weakref
@@ -500,12 +501,16 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
 
 def test_an_adapter_run_weighs_only_the_stages_that_train_adapters(shared_traces: dict[str, Any]) -> None:
     """LoRA trains its adapters under DDP or ZeRO-1 only (``models/finetune_rules.py`` refuses ZeRO-2/3): on 2
-    ranks its options are stages 0 and 1 alone, none the run would refuse."""
-    cfg = small_config(lora=True)
-    cfg.data.global_batch_size, cfg.data.micro_batch_size = 2, 1
-    plan = build_plan(cfg, 2, "H100")
-    mp = plan_memory(cfg, plan, VOCAB, target_device("h100", None, None), RunOverheads.of(cfg, 2, {}))
-    assert {o.stage for o in mp.options} == {0, 1}
+    ranks its options are stages 0 and 1 alone, none the run would refuse; a full fine-tune of the same model
+    weighs all four."""
+    stages = {}
+    for lora in (True, False):
+        cfg = small_config(lora=lora)
+        cfg.data.global_batch_size, cfg.data.micro_batch_size = 2, 1
+        plan = build_plan(cfg, 2, "H100")
+        mp = plan_memory(cfg, plan, VOCAB, target_device("h100", None, None), RunOverheads.of(cfg, 2, {}))
+        stages[lora] = {o.stage for o in mp.options}
+    assert stages == {True: {0, 1}, False: {0, 1, 2, 3}}
 
 
 def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bound(
@@ -540,6 +545,11 @@ def test_the_plan_says_when_eager_selective_checkpointing_makes_the_host_the_bou
     not_exact = worded(None, True)
     assert "LM head and loss at the peak (train.chunked_loss off: not exact for this model's head): " in not_exact
     assert "The allowances are assumptions, not traced. ZeRO-1/2/3 figures shard" in not_exact
+    # a recommendation with no predicted speedup (no step time to compare with) ends after its bytes and step
+    unknown = dataclasses.replace(compiled, options=[dataclasses.replace(compiled.options[0], speedup=None)])
+    line = next(ln for ln in render_memory_plan(unknown, 1).splitlines() if ln.startswith("Recommendation:"))
+    assert re.fullmatch(r"Recommendation: micro batch 1 \(grad_accum 1\), checkpointing \w+, DDP: fits \([^)]*\)"
+                        r"( \([\d.,]+ ms a step\))?\.", line), line
     host = EAGER_HOST_S_PER_BLOCK[ActivationCheckpointing.selective]
     assert selective_host_bound(ActivationCheckpointing.selective, False, 0.9 * host, 1) is not None
     assert selective_host_bound(ActivationCheckpointing.selective, False, 1.1 * host, 1) is None  # compute-bound
