@@ -1447,6 +1447,10 @@ MUTANTS = [
            (('ddptrain/plan/memory/render.py', '+ ("" if best.speedup is None else',
              '+ ("XXXX" if best.speedup is None else'),),
            ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
+    Mutant('mutmut-shard-copies-key', 'ZeRO-2/3 plan the traced parameter copies (a misspelled category zeroed)',
+           (('ddptrain/plan/memory/planner.py', '        out["parameter copies"] = 0.0',
+             '        out["PARAMETER COPIES"] = 0.0'),),
+           ('tests/test_memory_trace.py', '-k', 'no_parameter_copies')),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -499,6 +499,18 @@ def test_a_step_that_does_not_fit_the_device_is_flagged_and_only_options_that_fi
     assert len(traces) == traced  # each shape traced once, not once per device
 
 
+def test_fsdp2_stages_plan_no_parameter_copies_and_keep_every_category() -> None:
+    """ZeRO-2/3 shard the single-rank trace into the same categories, with no fp16/bf16 parameter copies (FSDP2's
+    gathered working copy is in its parameters); ZeRO-0/1 keep the traced copies."""
+    cfg = small_config()
+    plan = build_plan(cfg, 2, None)
+    traced = {category: float(2**20) for category in CATEGORIES}
+    for stage in range(4):
+        out = shard(traced, stage, 2, plan)
+        assert set(out) == set(CATEGORIES)
+        assert out["parameter copies"] == (0.0 if stage >= 2 else 2**20)
+
+
 def test_an_adapter_run_weighs_only_the_stages_that_train_adapters(shared_traces: dict[str, Any]) -> None:
     """LoRA trains its adapters under DDP or ZeRO-1 only (``models/finetune_rules.py`` refuses ZeRO-2/3): on 2
     ranks its options are stages 0 and 1 alone, none the run would refuse; a full fine-tune of the same model
