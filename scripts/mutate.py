@@ -1451,6 +1451,9 @@ MUTANTS = [
            (('ddptrain/plan/memory/planner.py', '        out["parameter copies"] = 0.0',
              '        out["PARAMETER COPIES"] = 0.0'),),
            ('tests/test_memory_trace.py', '-k', 'no_parameter_copies')),
+    Mutant('mutmut-auto-per-rank-one-searches', 'a per-rank batch of 1 searches below micro batch 1',
+           (('ddptrain/plan/memory/auto_batch.py', '    elif per_rank > 1:\n', '    elif per_rank >= 1:\n'),),
+           ('tests/test_auto_batch.py', '-k', 'per_rank_batch_of_one')),
 ]
 
 def _copy_tree(dest: Path) -> None:

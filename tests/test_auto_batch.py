@@ -146,6 +146,24 @@ def test_a_device_between_one_less_accumulating_and_the_whole_batch_does_not_get
     assert chosen.need <= chosen.usable < whole
 
 
+def test_a_per_rank_batch_of_one_weighs_micro_batch_one_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sequences on two ranks: micro batch 1 is the only choice, and auto weighs nothing else (no search below
+    it: a trace of micro batch 0 is no step)."""
+    import ddptrain.plan.memory.auto_batch as auto_batch
+
+    asked: list[int] = []
+    weigh = auto_batch.StepNeed.__call__
+
+    def recording(self: StepNeed, micro_batch: int, *args: object, **kwargs: object) -> float:
+        asked.append(micro_batch)
+        return weigh(self, micro_batch, *args, **kwargs)
+
+    monkeypatch.setattr(auto_batch.StepNeed, "__call__", recording)
+    chosen = choose_micro_batch(tiny_auto(global_batch=2), 2, CPU, VOCAB)
+    assert (chosen.micro_batch, chosen.grad_accum, chosen.largest) == (1, 1, 1)
+    assert asked and set(asked) == {1}
+
+
 def test_the_search_finds_the_boundary_from_any_guess() -> None:
     for boundary in (0, 1, 6, 17, 40):
         for guess in (1, 5, 16, 40):
