@@ -59,6 +59,17 @@ OUTLIVING: list[Any] = []
 Keep = Callable[[Any], Any]
 
 
+class CompletedWork:
+    """What an async collective returns, already complete: its future holds the output tensor."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self.fut.set_result([out])
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self.fut
+
+
 @pytest.fixture
 def one_rank_gloo() -> Iterator[Keep]:
     """A one-rank gloo group in this process for the test's length. The test hands what holds the group (a DDP)
@@ -176,16 +187,8 @@ def test_topk_sends_int64_indices_only_in_a_bucket_too_long_for_int32_positions(
     4 × k (k = 3 here), which an int64 view cannot take without a copy."""
     import torch.distributed as dist
 
-    class Gathered:
-        def __init__(self, out: torch.Tensor) -> None:
-            self.fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-            self.fut.set_result([out])
-
-        def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-            return self.fut
-
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
-    monkeypatch.setattr(dist, "all_gather_single", lambda out, inp, group=None, async_op=False: Gathered(out))
+    monkeypatch.setattr(dist, "all_gather_single", lambda out, inp, group=None, async_op=False: CompletedWork(out))
     sent = {}
     for numel in (2**31 - 1, 2**31):
         buffer = torch.empty(numel, device="meta")
@@ -448,17 +451,9 @@ def _completed_all_gathers() -> None:
 
     gather = dist.all_gather_single
 
-    class Done:
-        def __init__(self, out: torch.Tensor) -> None:
-            self.fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-            self.fut.set_result([out])
-
-        def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-            return self.fut
-
-    def completed(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Done:
+    def completed(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> CompletedWork:
         gather(out, inp, group=group)
-        return Done(out)
+        return CompletedWork(out)
 
     dist.all_gather_single = completed
 
