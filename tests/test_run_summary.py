@@ -220,7 +220,7 @@ def test_a_one_rank_prompt_completion_run_without_evaluations_saves_the_tokenize
 
 
 def test_a_trainer_built_to_compile_under_hsdp_says_so_and_builds_the_model_on_its_device(
-        tmp_path: Path, caplog: Any, monkeypatch: Any) -> None:
+        tmp_path: Path, caplog: Any, monkeypatch: Any, request: Any) -> None:
     """Built, not trained (compilation would run at the first step), in this process on one rank: the chunked loss
     and the compilation each log their line; the model is built for the run's device (where a pretrained model's
     weights load straight to); HSDP (``parallel.shard_group=node``) lays its mesh out from the ranks per node
@@ -242,10 +242,11 @@ def test_a_trainer_built_to_compile_under_hsdp_says_so_and_builds_the_model_on_i
         return build(*args)
 
     monkeypatch.setattr(trainer_module, "build_model", recorded)
-    # train.compile sets dynamo's process-wide settings (parallel/compile.py): put back after this test
-    monkeypatch.setattr(torch.compiler.config, "dynamic_sources", torch.compiler.config.dynamic_sources)
-    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions",
-                        torch._dynamo.config.ignore_logging_functions)
+    # train.compile sets dynamo's process-wide settings (parallel/compile.py): put back after this test by the
+    # configs' own save and load (monkeypatch's restore through setattr left dynamo's entry hidden: "does not exist")
+    configs = (torch._dynamo.config, torch.compiler.config)
+    saved = [config.save_config() for config in configs]
+    request.addfinalizer(lambda: [c.load_config(s) for c, s in zip(configs, saved, strict=True)])
     run = {**ONE_RANK, "train": {**ONE_RANK["train"], "compile": True},
            "parallel": {"zero_stage": 3, "shard_group": "node", "wrap_single": True},
            "dist": {"timeout_s": 123}}
