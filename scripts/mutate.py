@@ -1445,7 +1445,7 @@ MUTANTS = [
            ('tests/test_memory_trace.py', '-k', 'adapter_run_weighs')),
     Mutant('mutmut-render-no-speedup', 'a recommendation without a predicted speedup carries stray text',
            (('ddptrain/plan/memory/render.py', '+ ("" if best.speedup is None else',
-             '+ ("XXXX" if best.speedup is None else'),),
+             '+ (", predicted ?x" if best.speedup is None else'),),
            ('tests/test_memory_trace.py', '-k', 'host_the_bound')),
     Mutant('mutmut-shard-copies-key', 'ZeRO-2/3 plan the traced parameter copies (a misspelled category zeroed)',
            (('ddptrain/plan/memory/planner.py', '        out["parameter copies"] = 0.0',

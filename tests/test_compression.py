@@ -29,6 +29,7 @@ from ddptrain.parallel.compression import (
 )
 from ddptrain.parallel.wrap import EngineMeter, Wrapped, wrap_model
 from tests.helpers.dist import run_distributed
+from tests.helpers.in_process import OUTLIVING
 
 IN, HIDDEN, OUT = 32, 64, 16
 NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT  # 3152 parameters: one DDP bucket
@@ -50,12 +51,6 @@ CONVERGENCE_CASES = {
 
 
 
-# DDP objects of the in-process one-rank tests, kept until the interpreter exits. Freed at the end of a test, a DDP
-# (its reducer holds the process group) runs ~ProcessGroupGloo, which joins gloo's worker threads while this thread
-# holds the GIL; a worker may still be releasing the last Python callback of a comm hook's future chain (torch's
-# PowerSGD chains several), which needs the GIL: a deadlock (seen in a py-spy dump of a hung run). By the time the
-# interpreter exits the workers are idle.
-OUTLIVING: list[Any] = []
 Keep = Callable[[Any], Any]
 
 

@@ -23,8 +23,11 @@ ONE_RANK: Overrides = {
     "checkpoint": {"every_n_steps": 0},
 }
 
-# The trainers of these runs, kept until the interpreter exits: a DDP freed after its one-rank group was destroyed
-# can deadlock in gloo's teardown (tests/test_compression.py's OUTLIVING says how).
+# What holds an in-process one-rank group (these trainers, test_compression.py's DDPs), kept until the interpreter
+# exits. Freed at the end of a test, a DDP (its reducer holds the process group) runs ~ProcessGroupGloo, which joins
+# gloo's worker threads while this thread holds the GIL; a worker may still be releasing the last Python callback of
+# a comm hook's future chain (torch's PowerSGD chains several), which needs the GIL: a deadlock (seen in a py-spy
+# dump of a hung run). By the time the interpreter exits the workers are idle.
 OUTLIVING: list[Any] = []
 
 
