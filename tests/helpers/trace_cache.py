@@ -43,7 +43,8 @@ def step_key(cfg: Config, vocab: int, args: tuple[Any, ...], kwargs: dict[str, A
             if traced.chunked_loss is not None:
                 seen.train.chunked_loss = traced.chunked_loss
     args = tuple(as_traced(a, seen) for a in args)
-    kwargs = {k: as_traced(v, seen) for k, v in kwargs.items()}
+    # ``states``: the fake models a Tracer keeps to trace on, the same step whichever it is (trace_peak's docstring)
+    kwargs = {k: as_traced(v, seen) for k, v in kwargs.items() if k != "states"}
     return repr((seen, vocab, args, sorted(kwargs.items()), memory_trace.representative_chunk_starts))
 
 

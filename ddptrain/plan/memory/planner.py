@@ -27,7 +27,7 @@ from ddptrain.plan.analytic.planner import Plan, backward_seconds
 from ddptrain.plan.costs import Comm
 from ddptrain.plan.memory.host_cost import selective_host_bound
 from ddptrain.plan.memory.overheads import RunOverheads
-from ddptrain.plan.memory.trace import ACCUMULATING, StepSetup, fake_training_state, trace_step
+from ddptrain.plan.memory.trace import ACCUMULATING, StepSetup, fake_batch, fake_model_state, trace_step
 from ddptrain.telemetry.storage_peak import CATEGORIES, PeakMemory, PeakTracker
 
 GiB = 1024**3
@@ -118,10 +118,21 @@ class TracedStep:
     chunked_loss: bool | None = None
 
 
-def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, working_copy: bool = False) -> PeakTracker:
+# A fake model and its optimizer, with the mode their tensors belong to: any micro batch traces on them.
+FakeState = tuple[FakeTensorMode, torch.nn.Module, torch.optim.Optimizer]
+
+
+def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, working_copy: bool = False,
+               states: dict[tuple, FakeState] | None = None) -> PeakTracker:
     """One traced step of ``cfg``'s model with ``step``'s changes (the rest as configured). ``working_copy``: on
     parameters in the compute dtype, as FSDP2 computes under mixed precision (ZeRO-2/3). A chunked loss runs on
-    representative chunks (same peak)."""
+    representative chunks (same peak).
+
+    ``states``: fake models of this ``cfg``, ``vocab`` and ``device`` already built, by mode, depth, chunked loss
+    and working copy (``Tracer``'s): a step of another micro batch or accumulation runs on the one built for
+    its kind, with a fake batch of its own, instead of building the model, its fake storage and its optimizer
+    state again (a sixth of a trace). A traced step leaves no gradient and changes no shape, so the trace is the
+    same to the byte (tests/test_memory_trace.py)."""
     micro_batch, checkpointing, num_layers = step.micro_batch, step.checkpointing, step.num_layers
     grad_accum, chunked_loss = step.grad_accum, step.chunked_loss
     traced = copy.deepcopy(cfg)
@@ -129,13 +140,21 @@ def trace_peak(cfg: Config, vocab: int, step: TracedStep, device: Device, workin
     traced.model.num_layers = num_layers
     if chunked_loss is not None:
         traced.train.chunked_loss = chunked_loss
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     dtype = compute_dtype(cfg.train.precision, device)
-    model, optimizer, batch = fake_training_state(traced, vocab, micro_batch, device.device_type, mode,
-                                                  dtype if working_copy else None, representative_chunks=True)
+    kind = (checkpointing, num_layers, traced.train.chunked_loss, working_copy)
+    state = None if states is None else states.pop(kind, None)  # put back only after a step that ran to its end
+    if state is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model_state = fake_model_state(traced, vocab, device.device_type, mode,
+                                       dtype if working_copy else None, representative_chunks=True)
+        state = (mode, *model_state)
+    mode, model, optimizer = state
+    batch = fake_batch(traced.data, micro_batch, mode)
     setup = StepSetup(device.device_type, dtype, cfg.optim.grad_clip, grad_accum, cfg.data.format)
     with mode:
         tracker, _ = trace_step(model, optimizer, batch, setup)
+    if states is not None:
+        states[kind] = state
     return tracker
 
 
@@ -229,13 +248,15 @@ class Tracer:
 
     A dry run asks for the same small step several times (the micro batch search, the fit, the configured step,
     the logits share); every trace here is an accumulating step (two micro batches), whose phases also give the
-    step without accumulation (``highest``).
+    step without accumulation (``highest``). The micro batches of one mode and depth are traced on one fake model
+    and optimizer (``trace_peak``'s ``states``), built once.
     """
 
     def __init__(self, cfg: Config, vocab: int, device: Device) -> None:
         self.cfg, self.vocab, self.device = cfg, vocab, device
         self._traced: dict[tuple, Phases] = {}
         self._fits: dict[tuple[ActivationCheckpointing, bool], PeakFit] = {}
+        self._states: dict[tuple, FakeState] = {}  # one fake model per mode and depth, for every micro batch
 
     def phases(self, micro_batch: int, checkpointing: ActivationCheckpointing, num_layers: int,
                working_copy: bool = False, chunked_loss: bool | None = None) -> Phases:
@@ -243,7 +264,7 @@ class Tracer:
         key = (micro_batch, checkpointing, num_layers, working_copy, chunked)
         if key not in self._traced:
             traced = TracedStep(micro_batch, checkpointing, num_layers, 2, chunked)
-            tracker = trace_peak(self.cfg, self.vocab, traced, self.device, working_copy)
+            tracker = trace_peak(self.cfg, self.vocab, traced, self.device, working_copy, states=self._states)
             self._traced[key] = {phase: peak.by_category for phase, peak in tracker.phase_peaks.items()}
         return self._traced[key]
 

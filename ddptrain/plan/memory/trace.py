@@ -167,7 +167,19 @@ def fake_training_state(
     cfg: Config, vocab_size: int, micro_batch: int, device_type: str, mode: FakeTensorMode,
     param_dtype: torch.dtype | None = None, representative_chunks: bool = False,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
-    """Model, AdamW with its state, and one micro batch, all fake: built on ``meta``, then given fake storage.
+    """Model, AdamW with its state, and one micro batch of ``micro_batch`` rows, all fake (``fake_model_state``,
+    then ``fake_batch``)."""
+    model, optimizer = fake_model_state(cfg, vocab_size, device_type, mode, param_dtype, representative_chunks)
+    return model, optimizer, fake_batch(cfg.data, micro_batch, mode)
+
+
+def fake_model_state(
+    cfg: Config, vocab_size: int, device_type: str, mode: FakeTensorMode, param_dtype: torch.dtype | None = None,
+    representative_chunks: bool = False,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Model and AdamW with its state, fake: built on ``meta``, then given fake storage. Any micro batch can run
+    on them (``fake_batch``), and again after a traced step: the step clears the gradients it made and changes
+    no shape (``Tracer`` traces every micro batch of a mode and depth on one such state).
 
     The optimizer takes the implementation the run would use on ``device_type`` (fused and foreach differ by a
     parameter-sized temporary). ``param_dtype``: compute on parameters of that dtype, as FSDP2's gathered
@@ -204,19 +216,26 @@ def fake_training_state(
         optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr,
                                       **kwargs)
         create_optimizer_state(optimizer, model.parameters())
-        ids = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long)
-        attention = prompt_completion_inputs(model, cfg.data, ids)
-    return model, optimizer, {"input_ids": ids, "labels": ids, **attention}
+    if cfg.data.format == DataFormat.prompt_completion:  # the mask the run builds from a micro batch's inputs
+        ready_attention_masks(model)
+    return model, optimizer
 
 
-def prompt_completion_inputs(model: torch.nn.Module, data: DataConfig, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What a prompt/completion micro batch hands the model beside its tokens, with the ready attention mask the
-    run builds from it (SDPA: one additive ``[rows, 1, T, T]`` mask per micro batch, which backward keeps): packed
-    rows' ``position_ids``, padded rows' padding mask. Planned at full rows of ``data.seq_len``; the mask's size,
-    not its pattern, is what memory sees (one segment per row stands for any packing)."""
+def fake_batch(data: DataConfig, micro_batch: int, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+    """One fake micro batch of ``micro_batch`` full rows of ``data.seq_len`` tokens, as the model takes it."""
+    with mode:
+        ids = torch.zeros(micro_batch, data.seq_len, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids, **prompt_completion_inputs(data, ids)}
+
+
+def prompt_completion_inputs(data: DataConfig, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a prompt/completion micro batch hands the model beside its tokens, from which the ready attention
+    mask the run installs (``ready_attention_masks``, SDPA: one additive ``[rows, 1, T, T]`` mask per micro batch,
+    which backward keeps) is built: packed rows' ``position_ids``, padded rows' padding mask. Planned at full
+    rows of ``data.seq_len``; the mask's size, not its pattern, is what memory sees (one segment per row stands
+    for any packing)."""
     if data.format != DataFormat.prompt_completion:
         return {}
-    ready_attention_masks(model)
     if data.packing:
         return {"position_ids": torch.arange(ids.shape[1]).expand_as(ids)}
     return {"attention_mask": torch.ones_like(ids)}
