@@ -1454,6 +1454,13 @@ MUTANTS = [
     Mutant('mutmut-auto-per-rank-one-searches', 'a per-rank batch of 1 searches below micro batch 1',
            (('ddptrain/plan/memory/auto_batch.py', '    elif per_rank > 1:\n', '    elif per_rank >= 1:\n'),),
            ('tests/test_auto_batch.py', '-k', 'per_rank_batch_of_one')),
+    # issue 52 (suite time): a Tracer traces every micro batch of a mode and depth on one kept fake model
+    Mutant("trace-state-ignores-depth", "a kept fake model reused for a step of another depth (the planner's "
+           "states keyed without the number of blocks)",
+           (("ddptrain/plan/memory/planner.py",
+             "kind = (checkpointing, num_layers, traced.train.chunked_loss, working_copy)",
+             "kind = (checkpointing, traced.train.chunked_loss, working_copy)"),),
+           ("tests/test_memory_trace.py", "-k", "kept_fake_model")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -224,8 +224,8 @@ def test_the_shared_traces_key_a_step_by_what_its_trace_reads() -> None:
 def test_traces_on_one_kept_fake_model_equal_traces_on_a_fresh_one_to_the_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     """``trace_peak``'s ``states`` (a Tracer's): the micro batches, accumulations and depths a planner asks for in
     turn, each traced on the fake model kept for its mode, depth, chunked loss and working copy, peak as on a
-    freshly built one, every phase and category to the byte; and they were traced on kept models (two built
-    for each config's three traces). A LoRA prompt/completion run on the CPU (its attention-mask hook, the
+    freshly built one, every phase and category to the byte; and they were traced on kept models (one built
+    per config and depth). A LoRA prompt/completion run on the CPU (its attention-mask hook, the
     host-read verdict of foreach AdamW) and GPT-2 under full checkpointing on an H100 (CUDA's autocast lists,
     fused AdamW, the bf16 working copy)."""
     import ddptrain.plan.memory.planner as memory_planner
@@ -237,14 +237,16 @@ def test_traces_on_one_kept_fake_model_equal_traces_on_a_fresh_one_to_the_byte(m
     padded = small_config("llama", "selective", lora=True)
     padded.data.format, padded.data.packing = DataFormat.prompt_completion, False
     gpt2 = small_config("gpt2", "full")
-    for cfg, device, working_copy in ((padded, "cpu", False), (gpt2, "h100", True)):
+    # (micro batch, depth, grad_accum) in turn: another micro batch, accumulation and depth on one states dict
+    cases = ((padded, "cpu", False, ((3, 1, 2), (2, 1, 1))), (gpt2, "h100", True, ((3, 1, 2), (1, 2, 2), (2, 1, 1))))
+    for cfg, device, working_copy, steps in cases:
         target, states = target_device(device, None, None), {}
-        mode = cfg.model.activation_checkpointing
-        for step in (TracedStep(3, mode, 1, 2), TracedStep(1, mode, 2, 2), TracedStep(2, mode, 1, 1)):
+        for m, depth, accum in steps:
+            step = TracedStep(m, cfg.model.activation_checkpointing, depth, accum)
             kept = trace_peak(cfg, VOCAB, step, target, working_copy, states=states).phase_peaks
             fresh = trace_peak(cfg, VOCAB, step, target, working_copy).phase_peaks
             assert kept == fresh, (cfg.model.arch, step)
-    assert len(built) == 2 * 2 + 6  # a kept model per depth of each config; a fresh one per fresh trace
+    assert len(built) == 3 + 5  # a kept model per config and depth; a fresh one per fresh trace
 
 
 def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size(shared_traces: dict[str, Any]) -> None:
