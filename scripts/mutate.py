@@ -1461,6 +1461,12 @@ MUTANTS = [
              "kind = (checkpointing, num_layers, traced.train.chunked_loss, working_copy)",
              "kind = (checkpointing, traced.train.chunked_loss, working_copy)"),),
            ("tests/test_memory_trace.py", "-k", "kept_fake_model")),
+    Mutant("auto-search-not-aimed", "auto's exact search starts from the fit's guess, not the line through the exact "
+           "needs at 1 and there",
+           (("ddptrain/plan/memory/auto_batch.py",
+             "    return min(max(int(1 + (usable - one) * (guess - 1) / (there - one)), 1), limit)",
+             "    return guess"),),
+           ("tests/test_auto_batch.py", "-k", "aims_where")),
 ]
 
 def _copy_tree(dest: Path) -> None:

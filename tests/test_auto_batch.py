@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -175,6 +175,27 @@ def test_the_search_finds_the_boundary_from_any_guess() -> None:
 
             assert largest_fitting(fits, 40, guess) == boundary
             assert len(probes) <= 14  # doubling then bisection, never a walk over every size
+
+
+def test_the_exact_search_aims_where_the_line_through_two_exact_needs_crosses_and_ends_where_any_guess_does() -> None:
+    """A need near linear in the micro batch (as a traced step's), boundary 37 of 63, a fit that guessed 17: the
+    line through the exact needs at 1 and 17 aims at 37, so the search verifies 37 and 38 and stops (two probes,
+    four traces), where from 17 it took ten. Whatever the aim, the answer is the search's from any guess (a
+    convex need, where the line aims long)."""
+    from ddptrain.plan.memory.auto_batch import aimed_guess
+
+    for need, aim in ((lambda m: 1000.0 + 10.0 * m, 37), (lambda m: 1000.0 + 0.5 * m * m, 63)):
+        usable = need(37) + 0.1
+        assert aimed_guess(need, usable, 63, 17) == aim
+        probes: dict[int, list[int]] = {17: [], aim: []}
+        for start, seen in probes.items():
+            def fits(m: int, seen: list[int] = seen, need: Callable[[int], float] = need,
+                     usable: float = usable) -> bool:
+                seen.append(m)
+                return need(m) <= usable
+
+            assert largest_fitting(fits, 63, start) == 37
+        assert len(probes[17]) == 10 and len(probes[aim]) == (2 if aim == 37 else 10)
 
 
 @pytest.mark.parametrize("value", [0, -1, "big"])

@@ -3,9 +3,10 @@
 The traced memory plan decides (``memory_plan.Tracer``: fake tensors, nothing allocated on a device, no trial
 and out-of-memory loop). A micro batch's need per rank is its step traced at one and two blocks and scaled by
 depth (exact), sharded for the run's ZeRO stage, plus the planner's allowances; it fits when that is at most the
-device's memory less ``AUTO_MARGIN``. The search starts from the fit through micro batches 1-3 (free once
-traced), doubles its step outward from there until the answer is bracketed, and bisects, each probe an exact
-trace. ``grad_accum`` is then derived so that the configured global batch holds: the micro batch is the largest
+device's memory less ``AUTO_MARGIN``. The search aims with the fit through micro batches 1-3 (free once
+traced), then with the line through the exact needs at micro batch 1 and at the fit's answer (``aimed_guess``),
+doubles its step outward from there until the answer is bracketed, and bisects, each probe an exact trace.
+``grad_accum`` is then derived so that the configured global batch holds: the micro batch is the largest
 one that fits and divides the per-rank batch. When the model state alone (the planner's arithmetic) exceeds the
 usable memory at every ZeRO stage weighed, nothing can fit and the answer comes before any trace.
 """
@@ -113,6 +114,21 @@ def largest_fitting(fits: Callable[[int], bool], limit: int, guess: int) -> int:
     return lo
 
 
+def aimed_guess(need: Callable[[int], float], usable: float, limit: int, guess: int) -> int:
+    """Where the line through the exact needs at micro batch 1 and at ``guess`` crosses ``usable``: the largest m
+    it fits, in 1..``limit``. A step's need grows about linearly with the micro batch, so over that long a span the
+    line aims within a micro batch or two where the fit of micro batches 1-3 (``guess``), extrapolated from a
+    span of one, can miss by tens; each exact probe saved in the search after is two traces. It only aims: the
+    search from it (``largest_fitting``) gives the same answer from any guess."""
+    guess = min(max(guess, 1), limit)
+    if guess == 1:
+        return 1
+    one, there = need(1), need(guess)
+    if there <= one:
+        return guess
+    return min(max(int(1 + (usable - one) * (guess - 1) / (there - one)), 1), limit)
+
+
 def planned_run(cfg: Config, dp: int, device: Device) -> Plan:
     """The planner's model state and precision for ``cfg`` on ``dp`` ranks of ``device`` (any micro batch)."""
     probe = copy.deepcopy(cfg)
@@ -148,7 +164,8 @@ def choose_micro_batch(cfg: Config, dp: int, device: Device, vocab: int, tracer:
         largest = per_rank
     elif per_rank > 1:
         below = per_rank - 1  # accumulating micro batches: their need grows with the micro batch
-        largest = largest_fitting(fits, below, largest_fitting(lambda m: fits(m, fitted=True), below, 1))
+        guess = largest_fitting(lambda m: fits(m, fitted=True), below, 1)
+        largest = largest_fitting(fits, below, aimed_guess(lambda m: need(m, mode, stage), usable, below, guess))
         if largest == below and fits(per_rank):
             largest = per_rank
     micro = max(d for d in divisors(per_rank) if d <= largest)
