@@ -3,10 +3,10 @@
 What only the command can show runs through it: every kill (a real SIGKILL of a real worker, mid-step or
 mid-save, and the launcher's line and exit code), torchrun's restart of a killed worker, SIGTERM of the launcher,
 the exit code and single line of an aborted non-finite step. What the checkpoints those leave hold is shown by
-training on from them as the command's workers do, in forked ranks (``as_the_command``: the same composed config,
-the launcher's checks of the run dir before any worker, the worker's ``Trainer``), and by comparing with the
-uninterrupted runs, trained the same way: a CLI run costs a launcher and a torch import per rank (about 17 CPU s
-for 2 ranks), a forked one the training (about 3).
+training on from them as the command's workers do, in forked ranks (``tests/helpers/worker_run.py``: the same
+composed config, the launcher's checks of the run dir before any worker, the worker's ``Trainer``), and by
+comparing with the uninterrupted runs, trained the same way: a CLI run costs a launcher and a torch import per
+rank (about 17 CPU s for 2 ranks), a forked one the training (about 3).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from filelock import FileLock
@@ -28,8 +27,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import procs
 from tests.helpers.cli import DDPTRAIN, run_cli, test_env
-from tests.helpers.dist import run_distributed
 from tests.helpers.run_cache import RunCache, shared_root
+from tests.helpers.worker_run import train_as_the_command
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 
@@ -53,61 +52,9 @@ def cache(cli_runs: RunCache) -> Path:
     return cli_runs.data_cache
 
 
-def _as_a_worker(rank: int, world_size: int, overrides: list[str], cache: str, fault: str | None) -> dict[str, Any]:
-    """One rank of ``ddptrain <overrides>`` as the command's worker trains it (``app/launch.py``'s ``run_worker``),
-    after the checks its launcher makes of the run dir (``ready_run_dir``: read only, so every rank makes them):
-    rank 0's log lines and the run's summary."""
-    import logging
-
-    import torch
-    import torch.distributed as dist
-    from omegaconf import OmegaConf
-
-    import ddptrain
-    from ddptrain.app.before_start import check_before_start
-    from ddptrain.app.preflight import validate_config
-    from ddptrain.checkpoint.before_start import check_resumable
-    from ddptrain.config.compose import compose_config, typed_config
-    from ddptrain.ft.layout import data_parallel_size
-    from ddptrain.runtime.process_group import DistEnv
-    from ddptrain.telemetry import setup_logging
-    from ddptrain.train.trainer import Trainer
-
-    os.environ["DDPTRAIN_CACHE_DIR"] = cache  # as the command's environment has it (tests/helpers/cli.py)
-    os.environ.pop("DDPTRAIN_FAULT", None)
-    if fault:
-        os.environ["DDPTRAIN_FAULT"] = fault
-    ddptrain.ENTERED_AT = time.time()  # goodput: this attempt starts now, as a fresh worker process's would
-    run = typed_config(compose_config(overrides))
-    shape = validate_config(run.typed, data_parallel_size(run.typed, world_size))
-    run_dir = Path(run.cfg.hydra.run.dir).absolute()
-    if (resume := check_before_start(run.typed, run_dir)) is not None:
-        check_resumable(resume)
-    dist.barrier()  # no rank writes before every rank has checked
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(rank, run_dir)
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger().addHandler(handler)
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
-    trainer = Trainer(run.typed, env, torch.device("cpu"), run_dir, run.resolved, shape)
-    if env.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run.resolved))
-    summary = trainer.train()
-    return {"said": "\n".join(said), "summary": summary}
-
-
-def as_the_command(args: list[str], cache: Path, fault: str | None = None) -> str:
-    """Train ``ddptrain <args>`` (``launch.nproc_per_node`` ranks, ``DDPTRAIN_FAULT=fault``) in forked ranks as
-    its workers would; rank 0's log lines."""
-    ranks = int(next(a for a in reversed(args) if a.startswith("launch.nproc_per_node=")).split("=")[1])
-    return run_distributed(_as_a_worker, ranks, args, str(cache), fault, timeout=300)[0]["said"]
-
-
 class Uninterrupted:
     """The uninterrupted reference run of each strategy, trained once per session (across pytest-xdist workers:
-    a lock per strategy) as the command's workers train it (``as_the_command``), when a test first asks for it:
+    a lock per strategy) as the command's workers train it (``train_as_the_command``), when a test first asks for it:
     kill, restart and resume cases all compare with these. Do not change them."""
 
     def __init__(self, root: Path, cache: Path) -> None:
@@ -119,7 +66,7 @@ class Uninterrupted:
         with FileLock(str(run_dir) + ".lock"):
             if not trained.is_file():
                 shutil.rmtree(run_dir, ignore_errors=True)
-                as_the_command([*RUN, *STRATEGIES[strategy], f"hydra.run.dir={run_dir}"], self.cache)
+                train_as_the_command([*RUN, *STRATEGIES[strategy], f"hydra.run.dir={run_dir}"], self.cache)
                 trained.touch()
         return run_dir
 
@@ -155,7 +102,7 @@ def test_kill_and_resume_is_bitwise_equal_to_uninterrupted(
         checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
         assert checkpoints == (["step_000002"] if fault.startswith("kill@step") else
                                [".tmp-step_000004", "step_000002"]), (fault, checkpoints)
-    resumed = as_the_command([*args, "train.resume=auto"], cache)  # what the last kill left, trained on
+    resumed = train_as_the_command([*args, "train.resume=auto"], cache)  # what the last kill left, trained on
     assert "resumed from" in resumed and "step 2" in resumed, resumed[-3000:]
     assert not list((tmp_path / "checkpoints").glob(".tmp-*")), "a partial save must be cleaned"
     _assert_bitwise_equal(uninterrupted[strategy], tmp_path)
@@ -175,7 +122,7 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_latest(
     assert "died of SIGKILL" in killed.stderr
     assert "step_000002 (training blocked" in killed.stderr and "background write" in killed.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".tmp-step_000004", "step_000002"]
-    resumed = as_the_command([*args, "train.resume=auto"], cache)
+    resumed = train_as_the_command([*args, "train.resume=auto"], cache)
     assert "resumed from" in resumed and "step_000002 at step 2" in resumed, resumed[-3000:]
     _assert_bitwise_equal(uninterrupted["ddp"], tmp_path)
 
@@ -210,7 +157,7 @@ def test_sigterm_of_the_launcher_leaves_a_loadable_checkpoint(tmp_path: Path, ca
     assert "checkpoint saved" in stderr and "continue with train.resume=auto" in stderr
     (saved,) = (tmp_path / "checkpoints").glob("step_*")
     step = int(saved.name.split("_")[1])
-    resumed = as_the_command([*RUN, f"train.steps={step + 1}", "train.resume=auto", f"hydra.run.dir={tmp_path}"],
+    resumed = train_as_the_command([*RUN, f"train.steps={step + 1}", "train.resume=auto", f"hydra.run.dir={tmp_path}"],
                              cache)
     assert f"at step {step}" in resumed, resumed[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == step + 1
@@ -223,7 +170,7 @@ def test_non_finite_loss_is_decided_alike_on_every_rank(tmp_path: Path, cache: P
     the command's."""
     args = [*RUN, f"train.nan_policy={policy}", f"hydra.run.dir={tmp_path}"]
     if policy == "skip":
-        said = as_the_command(args, cache, fault="nan@step:3:1")
+        said = train_as_the_command(args, cache, fault="nan@step:3:1")
         assert "update skipped on every rank" in said, said[-3000:]
         assert '"skipped_steps": 1' in (tmp_path / "metrics.jsonl").read_text()
     else:
@@ -253,7 +200,7 @@ def test_resume_on_another_world_size_keeps_the_global_batch(tmp_path: Path, cac
                                                              uninterrupted: Uninterrupted) -> None:
     run = tmp_path / "run"
     shutil.copytree(uninterrupted["ddp"], run)  # 5 steps on 2 ranks, checkpoints of steps 4 and 5
-    said = as_the_command([*RUN, "launch.nproc_per_node=1", "train.steps=6", "train.resume=auto",
+    said = train_as_the_command([*RUN, "launch.nproc_per_node=1", "train.steps=6", "train.resume=auto",
                            f"hydra.run.dir={run}"], cache)
     assert "resuming on 1 ranks from a checkpoint of 2: grad_accum 4 keeps the global batch of 8" in said, said
     assert "step_000005 at step 5" in said
