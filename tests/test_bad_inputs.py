@@ -22,6 +22,8 @@ from ddptrain.errors import ConfigError
 from ddptrain.runtime.process_group import DistEnv, pick_device
 from tests.helpers.bad_inputs import UNDER_TORCHRUN
 from tests.helpers.cli import run_cli
+from tests.helpers.run_cache import RunCache
+from tests.helpers.worker_run import train_as_the_command
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -153,42 +155,51 @@ def _fails_on_both_ranks_with(result: subprocess.CompletedProcess[str], message:
     assert message in errors[0], errors
 
 
+@pytest.fixture(scope="module")
+def small_run(cli_runs: RunCache, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-step run of 2 ranks with its checkpoints and ``config.yaml``: what the refusals of a checkpoint
+    below start from. Trained as the command's workers would, in forked ranks (``tests/helpers/worker_run.py``):
+    the refusals are the command's, the run before them is not (through torchrun it cost about 15 CPU s, here
+    about 3). Tests must not change it."""
+    run = tmp_path_factory.mktemp("small_run") / "run"
+    train_as_the_command([*SMALL, "launch.nproc_per_node=2", f"hydra.run.dir={run}"], cli_runs.data_cache)
+    return run
+
+
 @pytest.mark.slow
-def test_corrupt_checkpoint(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
-    run, cache = torchrun_run
-    (ckpt,) = (run / "checkpoints").glob("step_*")
+def test_corrupt_checkpoint(tmp_path: Path, small_run: Path, cli_runs: RunCache) -> None:
+    (ckpt,) = (small_run / "checkpoints").glob("step_*")
     broken = tmp_path / "broken" / ckpt.name
     shutil.copytree(ckpt, broken)  # a whole checkpoint whose trainer state was overwritten
     (broken / "trainer.pt").write_bytes(b"\x00not a torch file")
-    _fails_on_both_ranks([*SMALL, f"train.resume={broken}", f"hydra.run.dir={tmp_path}/new"], tmp_path, cache,
-                         "is damaged: trainer.pt")
+    _fails_on_both_ranks([*SMALL, f"train.resume={broken}", f"hydra.run.dir={tmp_path}/new"], tmp_path,
+                         cli_runs.data_cache, "is damaged: trainer.pt")
 
 
 @pytest.mark.slow
-def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
-    run, cache = tmp_path / "run", torchrun_run[1]
-    shutil.copytree(torchrun_run[0], run)  # the shared run stays as it was
+def test_checkpoint_from_a_different_model_is_refused_and_kept(tmp_path: Path, small_run: Path,
+                                                                cli_runs: RunCache) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)  # the shared run stays as it was
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
     config = (run / "config.yaml").read_text()
     _fails_on_both_ranks([*SMALL, "model.num_layers=2", f"train.resume={run}", f"hydra.run.dir={run}"], tmp_path,
-                         cache, "was saved for a different model")
+                         cli_runs.data_cache, "was saved for a different model")
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
     # under plain torchrun the workers refuse it (no ddptrain launcher checked first): the run's own config stays
     assert (run / "config.yaml").read_text() == config
 
 
 @pytest.mark.slow
-def test_resume_path_that_does_not_exist(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
-    _, cache = torchrun_run
-    _fails_on_both_ranks([*SMALL, f"train.resume={tmp_path}/nope", f"hydra.run.dir={tmp_path}/run"], tmp_path, cache,
-                         f"train.resume={tmp_path}/nope: no such checkpoint or run directory")
+def test_resume_path_that_does_not_exist(tmp_path: Path, cli_runs: RunCache) -> None:
+    _fails_on_both_ranks([*SMALL, f"train.resume={tmp_path}/nope", f"hydra.run.dir={tmp_path}/run"], tmp_path,
+                         cli_runs.data_cache, f"train.resume={tmp_path}/nope: no such checkpoint or run directory")
 
 
 @pytest.mark.slow
-def test_unwritable_run_directory(tmp_path: Path, torchrun_run: tuple[Path, Path]) -> None:
-    _, cache = torchrun_run
+def test_unwritable_run_directory(tmp_path: Path, cli_runs: RunCache) -> None:
     (tmp_path / "a-file").write_text("x")
-    _fails_on_both_ranks([*SMALL, f"hydra.run.dir={tmp_path}/a-file/run"], tmp_path, cache,
+    _fails_on_both_ranks([*SMALL, f"hydra.run.dir={tmp_path}/a-file/run"], tmp_path, cli_runs.data_cache,
                          f"hydra.run.dir={tmp_path}/a-file/run: cannot write there")
 
 

@@ -1,0 +1,72 @@
+"""Train ``ddptrain <overrides>`` as the command's workers would, in forked ranks (``tests/helpers/dist.py``)
+instead of through the command: for a run a test needs but does not guard (an uninterrupted reference, the
+checkpoint a refusal needs, the resume after a kill that a CLI run made).
+
+Each rank composes the same override strings as the command (``compose_config``), makes the checks the launcher
+makes of the run dir before any worker starts (``check_before_start``, ``check_resumable``: read only, so every
+rank makes them), and trains through the worker's ``Trainer`` (``app/launch.py``'s ``run_worker``), rank 0
+writing the run's ``config.yaml`` and ``train.log``. What it saves, exports and records is the command's, bit for
+bit, where the thread count is the same (a forked rank takes one; a CLI run gets one per worker with
+``OMP_NUM_THREADS=1``, else its share of the idle cores). A CLI run of 2 ranks costs a launcher and a torch
+import per rank (about 17 CPU s); forked from the preloaded server it costs the training (about 3).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.dist import run_distributed
+
+
+def _as_a_worker(rank: int, world_size: int, overrides: list[str], cache: str, fault: str | None) -> dict[str, Any]:
+    """One rank: rank 0's log lines (what it logs at info and above) and the run's summary."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    import ddptrain
+    from ddptrain.app.before_start import check_before_start
+    from ddptrain.app.preflight import validate_config
+    from ddptrain.checkpoint.before_start import check_resumable
+    from ddptrain.config.compose import compose_config, typed_config
+    from ddptrain.ft.layout import data_parallel_size
+    from ddptrain.runtime.process_group import DistEnv
+    from ddptrain.telemetry import setup_logging
+    from ddptrain.train.trainer import Trainer
+
+    os.environ["DDPTRAIN_CACHE_DIR"] = cache  # as the command's environment has it (tests/helpers/cli.py)
+    os.environ.pop("DDPTRAIN_FAULT", None)
+    if fault:
+        os.environ["DDPTRAIN_FAULT"] = fault
+    ddptrain.ENTERED_AT = time.time()  # goodput: this attempt starts now, as a fresh worker process's would
+    run = typed_config(compose_config(overrides))
+    shape = validate_config(run.typed, data_parallel_size(run.typed, world_size))
+    run_dir = Path(run.cfg.hydra.run.dir).absolute()
+    if (resume := check_before_start(run.typed, run_dir)) is not None:
+        check_resumable(resume)
+    dist.barrier()  # no rank writes before every rank has checked
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(rank, run_dir)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
+    trainer = Trainer(run.typed, env, torch.device("cpu"), run_dir, run.resolved, shape)
+    if env.is_main:  # as run_worker: once the run is known to start
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run.resolved))
+    summary = trainer.train()
+    return {"said": "\n".join(said), "summary": summary}
+
+
+def train_as_the_command(args: list[str], cache: Path, fault: str | None = None) -> str:
+    """Train ``ddptrain <args>`` (``launch.nproc_per_node`` ranks, default 1; ``DDPTRAIN_FAULT=fault``; data cache
+    ``cache``) in forked ranks as its workers would; rank 0's log lines. ``hydra.run.dir`` must be among ``args``."""
+    sizes = [a.split("=", 1)[1] for a in args if a.startswith("launch.nproc_per_node=")]
+    ranks = int(sizes[-1]) if sizes else 1
+    return run_distributed(_as_a_worker, ranks, list(args), str(cache), fault, timeout=300)[0]["said"]
