@@ -17,7 +17,9 @@ from typing import Any
 from tests.helpers.dist import run_distributed
 
 
-def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> dict[str, Any]:
+def _train(rank: int, world_size: int, overrides: list[str], run_dir: str, environ: dict[str, str]) -> dict[str, Any]:
+    import os
+
     import torch
 
     from ddptrain.app.preflight import validate_config
@@ -26,20 +28,21 @@ def _train(rank: int, world_size: int, overrides: list[str], run_dir: str) -> di
     from ddptrain.runtime.process_group import DistEnv
     from ddptrain.train.trainer import Trainer
 
+    os.environ.update(environ)
     run = typed_config(compose_config(overrides))
     shape = validate_config(run.typed, data_parallel_size(run.typed, world_size))
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size)
     return Trainer(run.typed, env, torch.device("cpu"), Path(run_dir), run.resolved, shape).train()
 
 
-def reference_losses(overrides: list[str], ranks: int, run_dir: Path, cache: Path) -> tuple[dict[int, float],
-                                                                                          dict[str, Any]]:
+def reference_losses(overrides: list[str], ranks: int, run_dir: Path, cache: Path,
+                     environ: dict[str, str] | None = None) -> tuple[dict[int, float], dict[str, Any]]:
     """Train ``ddptrain <overrides>`` as one machine's ``ranks`` ranks in ``run_dir`` (its data in ``cache``): the
     loss of each logged step (from metrics.jsonl) and rank 0's summary. A ``hydra.run.dir`` among the overrides
-    gives way to ``run_dir``."""
+    gives way to ``run_dir``. ``environ``: set in each rank (``WANDB_MODE=offline`` for ``logger=wandb``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     args = [*(o for o in overrides if not o.startswith("hydra.run.dir=")), f"launch.nproc_per_node={ranks}",
             f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}"]
-    summary = run_distributed(_train, ranks, args, str(run_dir))[0]
+    summary = run_distributed(_train, ranks, args, str(run_dir), environ or {})[0]
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return {r["step"]: r["loss"] for r in records if "loss" in r}, summary
