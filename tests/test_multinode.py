@@ -12,6 +12,7 @@ The single-machine runs they are compared with are references, not what a test g
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,7 +26,6 @@ import pytest
 from tests.helpers import procs
 from tests.helpers.cli import test_env
 from tests.helpers.reference_run import reference_losses
-from tests.helpers.run_cache import RunCache
 
 pytestmark = pytest.mark.slow
 
@@ -70,10 +70,24 @@ def _assert_same_losses(got: dict[int, float], expected: dict[int, float]) -> No
         assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}: {got[step]} != {loss}"
 
 
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The references' data cache: the tokenizer and tokens of RUN's data, prepared by the first reference (a BPE
+    fit and 2 worker processes), reused by the others."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def reference_on_node0(ranks: int, tmp_path: Path, data_cache: Path) -> dict[int, float]:
+    """The one-machine reference's losses; node 0's cache is then the reference's (node 1 prepares its own)."""
+    expected, _ = reference_losses(RUN, ranks, tmp_path / "reference", data_cache)
+    shutil.copytree(data_cache, tmp_path / "cache-node0")
+    return expected
+
+
 def test_two_nodes_of_one_rank_match_one_node_and_resume_after_both_agents_restart(tmp_path: Path,
-                                                                                   cli_runs: RunCache) -> None:
+                                                                                   data_cache: Path) -> None:
     caches = (tmp_path / "cache-node0", tmp_path / "cache-node1")
-    expected, _ = reference_losses(RUN, 2, tmp_path / "reference", cli_runs.data_cache)
+    expected = reference_on_node0(2, tmp_path, data_cache)
 
     run = tmp_path / "run"
     killed = two_agents([*RUN, f"hydra.run.dir={run}"], 1, tmp_path, caches, fault="kill@step:3")
@@ -91,9 +105,9 @@ def test_two_nodes_of_one_rank_match_one_node_and_resume_after_both_agents_resta
 
 
 def test_two_nodes_of_two_ranks_write_one_run_dir_and_match_one_node_of_four(tmp_path: Path,
-                                                                             cli_runs: RunCache) -> None:
+                                                                             data_cache: Path) -> None:
     caches = (tmp_path / "cache-node0", tmp_path / "cache-node1")
-    expected, _ = reference_losses(RUN, 4, tmp_path / "reference", cli_runs.data_cache)
+    expected = reference_on_node0(4, tmp_path, data_cache)
     results = two_agents(RUN, 2, tmp_path, caches)  # no hydra.run.dir: rank 0's clock names the one run dir
     assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
     (run,) = (tmp_path / "outputs").iterdir()
@@ -136,13 +150,13 @@ def elastic_agent(args: list[str], port: int, cwd: Path, cache: Path, fault: str
 
 
 def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_same_losses(tmp_path: Path,
-                                                                                         cli_runs: RunCache) -> None:
+                                                                                         data_cache: Path) -> None:
     cache = tmp_path / "cache"
     args = [*RUN, "train.steps=6", "checkpoint.every_n_steps=2", "checkpoint.export=false"]
     # the uninterrupted run on one node (forked ranks, the same data) trains while the elastic job below starts,
     # loses a node and re-forms, mostly waiting on heartbeats and delays; its losses are compared at the end
     pool = ThreadPoolExecutor(max_workers=1)
-    single = pool.submit(reference_losses, args, 2, tmp_path / "reference", cli_runs.data_cache)
+    single = pool.submit(reference_losses, args, 2, tmp_path / "reference", data_cache)
     pool.shutdown(wait=False)
 
     run, port = tmp_path / "run", _free_port()
