@@ -21,9 +21,11 @@ from ddptrain.app import k8s
 from ddptrain.app.k8s_manifest import KINDS, manifest
 from ddptrain.errors import ConfigError
 from tests.helpers import procs
-from tests.helpers.cli import run_cli, test_env
+from tests.helpers.cli import test_env
 from tests.helpers.crds import CRDS, PINNED, duplicates, schema_errors, strict
 from tests.helpers.pods import Pod, pods
+from tests.helpers.reference_run import reference_losses
+from tests.helpers.run_cache import RunCache
 from tests.helpers.webhooks import CONTAINER_TRAINER_PORT, TORCH_DISTRIBUTED, admission_errors, merged_names
 
 BIN = Path(sys.executable).parent
@@ -571,12 +573,11 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def one_machine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same run as one machine's 2 ranks (ddptrain's own launcher)."""
-    tmp = tmp_path_factory.mktemp("one-machine")
-    done = run_cli([*RUN, "launch.nproc_per_node=2", f"hydra.run.dir={tmp / 'run'}"], cwd=tmp, cache=tmp / "cache")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "run"
+def one_machine(tmp_path_factory: pytest.TempPathFactory, cli_runs: RunCache) -> dict[int, float]:
+    """The losses of the same run as one machine's 2 ranks: a reference, not what these tests guard (the pods are),
+    so trained in forked ranks (``tests/helpers/reference_run.py``: about 2 CPU s, 17 through the command)."""
+    losses, _ = reference_losses(RUN, 2, tmp_path_factory.mktemp("one-machine") / "run", cli_runs.data_cache)
+    return losses
 
 
 def run_pods(made: list[Pod], cwd: Path, fault: str | None = None) -> list[subprocess.CompletedProcess[str]]:
@@ -601,7 +602,8 @@ def _manifest(kind: str, tmp: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_two_pods_of_a_trainjob_train_as_one_machines_two_ranks(tmp_path: Path, one_machine: Path) -> None:
+def test_two_pods_of_a_trainjob_train_as_one_machines_two_ranks(tmp_path: Path,
+                                                                one_machine: dict[int, float]) -> None:
     volume = tmp_path / "volume"
     made = pods(_manifest("trainjob", tmp_path), str(volume), _free_port())
     assert [p.env["PET_NODE_RANK"] for p in made] == ["0", "1"]
@@ -609,12 +611,13 @@ def test_two_pods_of_a_trainjob_train_as_one_machines_two_ranks(tmp_path: Path, 
     assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
     run = volume / "runs" / "ddptrain"
     assert "2 node(s) x 1 rank(s) per node" in results[0].stderr
-    assert _losses(run) == pytest.approx(_losses(one_machine), rel=1e-6)
+    assert _losses(run) == pytest.approx(one_machine, rel=1e-6)
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.slow
-def test_jobset_pods_restarted_after_a_kill_resume_from_the_volume(tmp_path: Path, one_machine: Path) -> None:
+def test_jobset_pods_restarted_after_a_kill_resume_from_the_volume(tmp_path: Path,
+                                                                  one_machine: dict[int, float]) -> None:
     volume = tmp_path / "volume"
     doc = _manifest("jobset", tmp_path)
     killed = run_pods(pods(doc, str(volume), _free_port()), tmp_path, fault="kill@step:3")
@@ -624,6 +627,6 @@ def test_jobset_pods_restarted_after_a_kill_resume_from_the_volume(tmp_path: Pat
     restarted = run_pods(pods(doc, str(volume), _free_port()), tmp_path)  # JobSet recreates both pods
     assert all(r.returncode == 0 for r in restarted), [r.stderr[-3000:] for r in restarted]
     assert "step_000002 at step 2" in restarted[0].stderr
-    assert _losses(run) == pytest.approx(_losses(one_machine), rel=1e-6)
+    assert _losses(run) == pytest.approx(one_machine, rel=1e-6)
     goodput = json.loads((run / "summary.json").read_text())["goodput"]
     assert goodput["attempts"] == 2, goodput  # the killed pods' attempt and the restarted pods' one

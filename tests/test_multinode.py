@@ -4,22 +4,28 @@ They meet through a c10d rendezvous on a loopback endpoint; each "node" has its 
 without a shared filesystem would) and both write one run directory. Losses equal a single-agent run of the
 same world size; a run killed mid-way resumes from its checkpoint after both agents restart; an elastic job
 (``--nnodes=1:2``) that loses a node goes on alone with the same losses.
+
+The single-machine runs they are compared with are references, not what a test guards: they train in forked ranks
+(``tests/helpers/reference_run.py``), about 2 CPU s each instead of 17 (2 ranks) or 31 (4 ranks) through the command.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.helpers import procs
-from tests.helpers.cli import cli_command, run_cli, test_env
+from tests.helpers.cli import test_env
+from tests.helpers.reference_run import reference_losses
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +70,24 @@ def _assert_same_losses(got: dict[int, float], expected: dict[int, float]) -> No
         assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}: {got[step]} != {loss}"
 
 
-def test_two_nodes_of_one_rank_match_one_node_and_resume_after_both_agents_restart(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The references' data cache: the tokenizer and tokens of RUN's data, prepared by the first reference (a BPE
+    fit and 2 worker processes), reused by the others."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def reference_on_node0(ranks: int, tmp_path: Path, data_cache: Path) -> dict[int, float]:
+    """The one-machine reference's losses; node 0's cache is then the reference's (node 1 prepares its own)."""
+    expected, _ = reference_losses(RUN, ranks, tmp_path / "reference", data_cache)
+    shutil.copytree(data_cache, tmp_path / "cache-node0")
+    return expected
+
+
+def test_two_nodes_of_one_rank_match_one_node_and_resume_after_both_agents_restart(tmp_path: Path,
+                                                                                   data_cache: Path) -> None:
     caches = (tmp_path / "cache-node0", tmp_path / "cache-node1")
-    reference = tmp_path / "reference"
-    single = run_cli([*RUN, "launch.nproc_per_node=2", f"hydra.run.dir={reference}"], cwd=tmp_path, cache=caches[0])
-    assert single.returncode == 0, single.stderr[-3000:]
+    expected = reference_on_node0(2, tmp_path, data_cache)
 
     run = tmp_path / "run"
     killed = two_agents([*RUN, f"hydra.run.dir={run}"], 1, tmp_path, caches, fault="kill@step:3")
@@ -81,20 +100,19 @@ def test_two_nodes_of_one_rank_match_one_node_and_resume_after_both_agents_resta
     assert all(r.returncode == 0 for r in resumed), [r.stderr[-3000:] for r in resumed]
     stderr = "".join(r.stderr for r in resumed)
     assert "resumed from" in stderr and "2 node(s) x 1 rank(s) per node" in stderr
-    _assert_same_losses(_losses(run), _losses(reference))
+    _assert_same_losses(_losses(run), expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache-node0", "cache-node1", "reference", "run"]
 
 
-def test_two_nodes_of_two_ranks_write_one_run_dir_and_match_one_node_of_four(tmp_path: Path) -> None:
+def test_two_nodes_of_two_ranks_write_one_run_dir_and_match_one_node_of_four(tmp_path: Path,
+                                                                             data_cache: Path) -> None:
     caches = (tmp_path / "cache-node0", tmp_path / "cache-node1")
-    reference = tmp_path / "reference"
-    single = run_cli([*RUN, "launch.nproc_per_node=4", f"hydra.run.dir={reference}"], cwd=tmp_path, cache=caches[0])
-    assert single.returncode == 0, single.stderr[-3000:]
+    expected = reference_on_node0(4, tmp_path, data_cache)
     results = two_agents(RUN, 2, tmp_path, caches)  # no hydra.run.dir: rank 0's clock names the one run dir
     assert all(r.returncode == 0 for r in results), [r.stderr[-3000:] for r in results]
     (run,) = (tmp_path / "outputs").iterdir()
     assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoints"} <= {p.name for p in run.iterdir()}
-    _assert_same_losses(_losses(run), _losses(reference))
+    _assert_same_losses(_losses(run), expected)
     assert json.loads((run / "summary.json").read_text())["world_size"] == 4
 
 
@@ -131,17 +149,15 @@ def elastic_agent(args: list[str], port: int, cwd: Path, cache: Path, fault: str
                        stdin=subprocess.DEVNULL, text=True)
 
 
-def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_same_losses(tmp_path: Path) -> None:
+def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_same_losses(tmp_path: Path,
+                                                                                         data_cache: Path) -> None:
     cache = tmp_path / "cache"
     args = [*RUN, "train.steps=6", "checkpoint.every_n_steps=2", "checkpoint.export=false"]
-    reference = tmp_path / "reference"
-    # the uninterrupted run on one node (its own cache, the same data) trains while the elastic job below starts,
+    # the uninterrupted run on one node (forked ranks, the same data) trains while the elastic job below starts,
     # loses a node and re-forms, mostly waiting on heartbeats and delays; its losses are compared at the end
-    single_log = tmp_path / "reference.err"
-    with single_log.open("w") as log:
-        single = procs.start(cli_command([*args, "launch.nproc_per_node=2", f"hydra.run.dir={reference}"]),
-                             cwd=tmp_path, env=test_env(tmp_path / "reference_cache"), stdout=subprocess.DEVNULL,
-                             stderr=log, stdin=subprocess.DEVNULL)
+    pool = ThreadPoolExecutor(max_workers=1)
+    single = pool.submit(reference_losses, args, 2, tmp_path / "reference", data_cache)
+    pool.shutdown(wait=False)
 
     run, port = tmp_path / "run", _free_port()
     # the first attempt's rank 1 takes 1 s more per step (its data phase): time to lose a node after step 3
@@ -164,21 +180,18 @@ def test_a_node_lost_after_a_checkpoint_shrinks_the_job_to_one_rank_with_the_sam
         _, err = survivor.communicate(timeout=150)
         (tmp_path / "survivor.err").write_text(err)
         shrink_s = time.monotonic() - killed_at
-        single.wait(timeout=300)
     finally:  # nothing left behind when the test fails
         for agent in agents:
             if agent.poll() is None:
                 _kill_node(agent.pid)
-        if single.poll() is None:
-            single.kill()
-    assert single.returncode == 0, single_log.read_text()[-3000:]
+    expected, reference = single.result(timeout=300)  # its ranks end with it (run_distributed's timeout)
     assert survivor.returncode == 0, err[-4000:]
     assert "restarted by the elastic agent" in err and "step_000002 at step 2" in err, err[-4000:]
     assert "resuming on 1 ranks from a checkpoint of 2: grad_accum 4 keeps the global batch of 8" in err
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["world_size"], summary["grad_accum"]) == (1, 4)
-    assert json.loads((reference / "summary.json").read_text())["grad_accum"] == 2
-    got, expected = _losses(run), _losses(reference)  # a redone step's later line replaces its first
+    assert reference["grad_accum"] == 2
+    got = _losses(run)  # a redone step's later line replaces its first
     assert got.keys() == expected.keys()
     worst = max(abs(got[s] - expected[s]) / expected[s] for s in expected)
     assert worst < 1e-5, (got, expected)
