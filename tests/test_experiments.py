@@ -12,7 +12,6 @@ from ddptrain.config.compose import build_config
 from ddptrain.config.schema import Config
 from ddptrain.errors import ConfigError
 from tests.helpers.cli import run_cli
-from tests.helpers.run_cache import RunCache
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "experiment").glob("*.yaml"))
 NEEDS_A_BASE = {"lora_quickstart", "qlora_4b"}
@@ -53,16 +52,12 @@ SHRINK = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_shipped_experiment_trains_end_to_end_through_the_cli(
-    name: str, pretrained_base: Path, tmp_path: Path, cli_runs: RunCache
+    name: str, pretrained_base: Path, tmp_path: Path
 ) -> None:
-    """Each experiment is its own CLI run; the session's one data cache (``cli_runs.data_cache``, locked per entry
-    as a sweep's jobs share theirs) prepares the data each distinct data config reads once: quickstart, bucket_sweep
-    and gpt2_small read the same 40 documents through the same 512-token BPE, the two fine-tunings the same
-    instructions."""
     base = [f"model.pretrained={pretrained_base}"] if name in NEEDS_A_BASE else []
     sweep = ["-m"] if name == "bucket_sweep" else []
     result = run_cli([*sweep, f"+experiment={name}", *base, *FEW_STEPS, *SHRINK[name]], cwd=tmp_path,
-                     cache=cli_runs.data_cache, timeout=600)
+                     cache=tmp_path / "cache", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.parent for p in tmp_path.glob("**/summary.json"))
     assert len(runs) == 1, runs  # the sweep too: the command line's one bucket size wins over the experiment's
