@@ -13,7 +13,17 @@ from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 
-TINY = ["logger=wandb", "train.steps=4", "train.log_every=2", "data.max_documents=60", "logger.progress=false"]
+# Two logged windows of a small model on short sequences: what is checked is what reaches W&B, not the training (the
+# default llama_tiny on 128-token sequences and an 8192-token BPE made this file 47 CPU s)
+TINY = ["logger=wandb", "train.steps=4", "train.log_every=2", "data.max_documents=60", "logger.progress=false",
+        "model.num_layers=1", "data.seq_len=32", "data.vocab_size=512", "data.global_batch_size=4",
+        "data.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized-data cache for the module's runs (the same data): the tokenizer is trained once."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def wandb_records(run_dir: Path) -> list[dict]:
@@ -25,9 +35,8 @@ def wandb_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def test_offline_wandb_run_holds_the_jsonl_metrics_and_resolved_config(tmp_path: Path) -> None:
-    result = run_cli([*TINY, "launch.nproc_per_node=2", "data.global_batch_size=16", f"hydra.run.dir={tmp_path}/run"],
-                     cwd=tmp_path, cache=tmp_path / "cache")
+def test_offline_wandb_run_holds_the_jsonl_metrics_and_resolved_config(tmp_path: Path, cache: Path) -> None:
+    result = run_cli([*TINY, "launch.nproc_per_node=2", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, cache=cache)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
     records = wandb_records(run_dir)
@@ -38,7 +47,7 @@ def test_offline_wandb_run_holds_the_jsonl_metrics_and_resolved_config(tmp_path:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
             assert logged[key] == written[key], key
     config = next(r["run"]["config"]["update"] for r in records if r["type"] == "run")
-    assert config["data"]["cache_dir"] == str(tmp_path / "cache")  # resolved, not "${oc.env:...}"
+    assert config["data"]["cache_dir"] == str(cache)  # resolved, not "${oc.env:...}"
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0 only
     # the run's goodput and its breakdown, as summary.json has them, in the W&B run's summary
     updates = [r["summary"]["update"] for r in records if r["type"] == "summary" and "update" in r["summary"]]
@@ -48,10 +57,10 @@ def test_offline_wandb_run_holds_the_jsonl_metrics_and_resolved_config(tmp_path:
     assert reported["goodput"]["startup_pct"] == pytest.approx(written["goodput"]["startup_pct"])
 
 
-def test_unreachable_wandb_warns_and_the_run_completes(tmp_path: Path) -> None:
+def test_unreachable_wandb_warns_and_the_run_completes(tmp_path: Path, cache: Path) -> None:
     env = {"WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40}
     result = run_cli([*TINY, "logger.wandb.init_timeout_s=2", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path,
-                     cache=tmp_path / "cache", extra_env=env, timeout=180)
+                     cache=cache, extra_env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "W&B unavailable, continuing without it" in result.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
