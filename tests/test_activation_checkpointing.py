@@ -105,11 +105,12 @@ def test_selective_checkpointing_works_through_peft_kbit_preparation_of_a_4bit_b
 
 def backward_peak(mode: str) -> int:
     """The CPU allocator's highest bytes over one forward and backward (torch.profiler's memory events), above
-    what was live before."""
-    cfg = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, activation_checkpointing=mode)  # type: ignore
+    what was live before. Width 128, 4 blocks, 2 rows of 128 tokens: selective peaks at 0.74 of none, as at width
+    256 with 4 rows of 256 (0.73), for a fifth of the CPU seconds."""
+    cfg = ModelConfig(hidden_size=128, num_layers=4, num_heads=4, activation_checkpointing=mode)  # type: ignore
     torch.manual_seed(0)
     model = prepare_for_finetuning(build_model(cfg, VOCAB), cfg)
-    ids = torch.randint(0, VOCAB, (4, 256))
+    ids = torch.randint(0, VOCAB, (2, 128))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     current = highest = 0

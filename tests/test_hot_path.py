@@ -362,15 +362,35 @@ def test_bad_check_every_impl_or_compile_with_an_own_engine_is_refused() -> None
         build_config({"train": {"compile": True}, "parallel": {"engine": "bucketed"}})
 
 
+def _eager_then_compiled(rank: int, world_size: int, tmp: str, base: Overrides) -> dict[str, Any]:
+    """``base`` trained eager, then with ``train.compile=true`` from a fresh Dynamo, whose graph and frame counts
+    the compiled run alone fills."""
+    from torch._dynamo.utils import counters
+
+    (eager,) = train_each(rank, world_size, f"{tmp}/eager", base, [{}])
+    torch.compiler.reset()
+    counters.clear()
+    (compiled,) = train_each(rank, world_size, f"{tmp}/compiled", base, [{"train": {"compile": True}}])
+    return {"eager": eager, "compiled": compiled, "graphs": counters["stats"]["unique_graphs"],
+            "frames": dict(counters["frames"])}
+
+
 @pytest.mark.slow
-def test_compiled_blocks_under_ddp_match_eager_and_report_compile_time() -> None:
-    """Regional compilation on 2 ranks with CPU inductor: the same losses as eager over 5 steps."""
-    base: Overrides = {**TINY, "train": {**TINY["train"], "steps": 5, "log_every": 1}}
+def test_compiled_blocks_under_ddp_match_eager_share_one_graph_and_report_compile_time() -> None:
+    """Regional compilation on 2 ranks with CPU inductor, through the loop (``train.compile=true``): the same
+    losses as eager over 5 steps, and on every rank the 12 blocks (more than Dynamo's recompile limit of 8) are one
+    graph, one frame, no recompile. One run serves both: compiling is most of its cost (``tests/test_pretrained.py``
+    checks the one-graph rule with Dynamo's eager backend in the fast tier)."""
+    base: Overrides = {**TINY, "model": {**TINY["model"], "num_layers": 12},
+                       "train": {**TINY["train"], "steps": 5, "log_every": 1}}
     with tempfile.TemporaryDirectory() as tmp:
-        eager, compiled = run_distributed(train_each, 2, tmp, base, [{}, {"train": {"compile": True}}],
-                                          timeout=600)[0]
+        ranks = run_distributed(_eager_then_compiled, 2, tmp, base, timeout=600)
+    eager, compiled = ranks[0]["eager"], ranks[0]["compiled"]
     losses = [[m["loss"] for m in run["metrics"]] for run in (eager, compiled)]
     assert len(losses[0]) == 5
     for a, b in zip(*losses, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses
     assert compiled["summary"]["compile_s"] > 0 and "compile_s" not in eager["summary"]
+    for rank, ran in enumerate(ranks):
+        assert ran["graphs"] == 1 and ran["frames"]["total"] == ran["frames"]["ok"] == 1, (rank, ran["graphs"],
+                                                                                            ran["frames"])

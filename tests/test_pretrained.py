@@ -159,7 +159,7 @@ def test_packed_blocks_attend_causally_with_no_host_read_and_the_same_logits() -
     assert reads == []
 
 
-def _compiled_graphs(rank: int, world_size: int, backend: str, tmp: str) -> dict[str, Any]:
+def _compiled_graphs(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     """A 12-block model's compiled blocks through the training forward: Dynamo's counts of graphs and frames."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -168,41 +168,29 @@ def _compiled_graphs(rank: int, world_size: int, backend: str, tmp: str) -> dict
 
     torch.compiler.reset()
     counters.clear()
-    if backend == "loop":  # the real run: train.compile=true (Inductor) through the loop
-        from tests.helpers.runs import train_each
-
-        tiny = {"model": {"hidden_size": 32, "num_layers": 12, "num_heads": 2, "vocab_size": 256},
-                "data": {"source": "synthetic", "num_samples": 64, "vocab_size": 256, "seq_len": 16,
-                         "global_batch_size": 2, "micro_batch_size": 2},
-                "train": {"steps": 2, "eval_every": 0, "compile": True}}
-        train_each(rank, world_size, tmp, tiny, [{}])
-    else:
-        cfg = ModelConfig(hidden_size=32, num_layers=12, num_heads=2)
-        model = build_model(cfg, 256)
-        use_causal_attention(model)
-        original = torch.nn.Module.compile
-        torch.nn.Module.compile = lambda self, **kw: original(self, backend=backend)  # type: ignore[method-assign]
-        try:
-            assert compile_blocks(model) == 12
-        finally:
-            torch.nn.Module.compile = original  # type: ignore[method-assign]
-        ids = torch.randint(0, 256, (2, 16))
-        for _ in range(2):
-            accumulate_gradients(model, iter([ids]), 1, lambda _: nullcontext(), nullcontext())
+    cfg = ModelConfig(hidden_size=32, num_layers=12, num_heads=2)
+    model = build_model(cfg, 256)
+    use_causal_attention(model)
+    original = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: original(self, backend=backend)  # type: ignore[method-assign]
+    try:
+        assert compile_blocks(model) == 12
+    finally:
+        torch.nn.Module.compile = original  # type: ignore[method-assign]
+    ids = torch.randint(0, 256, (2, 16))
+    for _ in range(2):
+        accumulate_gradients(model, iter([ids]), 1, lambda _: nullcontext(), nullcontext())
     return {"graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"])}
 
 
 def test_twelve_compiled_blocks_share_one_graph_without_recompiling() -> None:
     """A KV cache in the training forward made Dynamo guard on each layer's cache state: one graph per block up to
-    the recompile limit (8), the rest eager. Dynamo's eager backend: the guards are the same as Inductor's."""
-    (ran,) = run_distributed(_compiled_graphs, 1, "eager", "")
+    the recompile limit (8), the rest eager. Dynamo's eager backend: the guards are the same as Inductor's. The same
+    rule through the loop under Inductor (``train.compile=true``), on 2 ranks under DDP, is checked by the slow
+    ``tests/test_hot_path.py::test_compiled_blocks_under_ddp_match_eager_share_one_graph_and_report_compile_time``,
+    whose compiled run serves both."""
+    (ran,) = run_distributed(_compiled_graphs, 1, "eager")
     assert ran == {"graphs": 1, "frames": {"total": 1, "ok": 1}}
-
-
-@pytest.mark.slow
-def test_train_compile_compiles_twelve_blocks_into_one_graph(tmp_path: Path) -> None:
-    (ran,) = run_distributed(_compiled_graphs, 1, "loop", str(tmp_path), timeout=600)
-    assert ran["graphs"] == 1 and ran["frames"]["total"] == ran["frames"]["ok"] == 1, ran
 
 
 def _modules_after(rank: int, world_size: int, tmp: str, base: str, quantize: bool) -> dict[str, Any]:
