@@ -14,7 +14,7 @@ from tests.helpers.cli import run_cli
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
 
 # Two logged windows of a small model on short sequences: what is checked is what reaches W&B, not the training (the
-# default llama_tiny on 128-token sequences and an 8192-token BPE made this file 47 CPU s)
+# default llama_tiny on 128-token sequences and an 8192-token BPE made this file 47 CPU s, this 37 under load)
 TINY = ["logger=wandb", "train.steps=4", "train.log_every=2", "data.max_documents=60", "logger.progress=false",
         "model.num_layers=1", "data.seq_len=32", "data.vocab_size=512", "data.global_batch_size=4",
         "data.micro_batch_size=2"]
