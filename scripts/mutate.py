@@ -1467,6 +1467,11 @@ MUTANTS = [
              "    return min(max(int(1 + (usable - one) * (guess - 1) / (there - one)), 1), limit)",
              "    return guess"),),
            ("tests/test_auto_batch.py", "-k", "aims_where")),
+    Mutant("pool-for-one-batch", "a corpus of one batch still starts data.num_proc spawned tokenizer workers",
+           (("ddptrain/data/prepare.py",
+             "return itertools.chain(ahead, batches), num_proc if len(ahead) > 1 else 1",
+             "return itertools.chain(ahead, batches), num_proc"),),
+           ("tests/test_data_prepare.py", "-k", "only_for_more_than_one_batch")),
 ]
 
 def _copy_tree(dest: Path) -> None:

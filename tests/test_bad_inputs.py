@@ -159,8 +159,8 @@ def _fails_on_both_ranks_with(result: subprocess.CompletedProcess[str], message:
 def small_run(cli_runs: RunCache, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-step run of 2 ranks with its checkpoints and ``config.yaml``: what the refusals of a checkpoint
     below start from. Trained as the command's workers would, in forked ranks (``tests/helpers/worker_run.py``):
-    the refusals are the command's, the run before them is not (through torchrun it cost about 15 CPU s, here
-    about 3). Tests must not change it."""
+    the refusals are the command's, the run before them is not (through torchrun it also paid torchrun's agent
+    and a torch import per rank, about 12 CPU s). Tests must not change it."""
     run = tmp_path_factory.mktemp("small_run") / "run"
     train_as_the_command([*SMALL, "launch.nproc_per_node=2", f"hydra.run.dir={run}"], cli_runs.data_cache)
     return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import pickle
@@ -20,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from ddptrain.config.schema import DataConfig
 from ddptrain.data import BatchShape, build_token_data
 from ddptrain.data import dataset as dataset_module
+from ddptrain.data import prepare as prepare_module
 from ddptrain.data.corpus import Corpus
 from ddptrain.data.encode import encode_documents
 from ddptrain.data.instruct import encode, generated_instructions
@@ -55,8 +57,10 @@ def _split_tokens(shards: list) -> np.ndarray:
     return np.concatenate([np.asarray(open_tokens(s)) for s in shards])
 
 
-def test_shards_hold_every_documents_ids_followed_by_eos_in_order(tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_shards_hold_every_documents_ids_followed_by_eos_in_order(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("ddptrain.data.prepare.BATCH_DOCS", 16)  # several batches: a pool is worth starting
     cfg = _cfg(tmp_path, num_proc=2)
     with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
         data = build_token_data(cfg)
@@ -79,10 +83,42 @@ def test_shards_hold_every_documents_ids_followed_by_eos_in_order(tmp_path: Path
     assert len(pickle.dumps(windows)) < 4096
 
 
-def test_a_corpus_prepared_with_one_or_several_workers_gives_the_same_shards(tmp_path: Path) -> None:
+def test_a_corpus_prepared_with_one_or_several_workers_gives_the_same_shards(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("ddptrain.data.prepare.BATCH_DOCS", 16)  # several batches: the pool runs
     one = build_token_data(_cfg(tmp_path, num_proc=1, cache_dir=str(tmp_path / "a")))
-    two = build_token_data(_cfg(tmp_path, num_proc=2, cache_dir=str(tmp_path / "b")))
+    with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
+        two = build_token_data(_cfg(tmp_path, num_proc=2, cache_dir=str(tmp_path / "b")))
+    assert "on 2 worker processes" in caplog.text
     assert _split_tokens(one.train.shards).tolist() == _split_tokens(two.train.shards).tolist()
+
+
+@pytest.mark.parametrize("batch_docs", [len(DOCS), len(DOCS) - 1], ids=["one-batch", "two-batches"])
+def test_a_pool_is_started_only_for_more_than_one_batch_of_text(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, batch_docs: int,
+) -> None:
+    """A corpus of one batch is tokenized in this process whatever ``data.num_proc`` says (a pool's spawned
+    workers would cost more than the batch, and only one would work); one more document than a batch holds
+    starts the pool. The shards are the same either way."""
+    monkeypatch.setattr("ddptrain.data.prepare.BATCH_DOCS", batch_docs)
+    pools: list[int] = []
+    real_pool = prepare_module.ProcessPoolExecutor
+
+    def counted(workers: int, **kwargs: object) -> concurrent.futures.ProcessPoolExecutor:
+        pools.append(workers)
+        return real_pool(workers, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prepare_module, "ProcessPoolExecutor", counted)
+    with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
+        data = build_token_data(_cfg(tmp_path, num_proc=2))
+    one_batch = batch_docs == len(DOCS)
+    assert pools == ([] if one_batch else [2])
+    assert ("in this process" in caplog.text, "on 2 worker processes" in caplog.text) == (one_batch, not one_batch)
+    tok = data.tokenizer
+    expected = [t for i, d in enumerate(DOCS) if not is_validation(i, 0.1)
+                for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    assert _split_tokens(data.train.shards).tolist() == expected
 
 
 def _interrupted(documents: list[str], after: int) -> Iterator[str]:

@@ -6,7 +6,8 @@ the exit code and single line of an aborted non-finite step. What the checkpoint
 training on from them as the command's workers do, in forked ranks (``tests/helpers/worker_run.py``: the same
 composed config, the launcher's checks of the run dir before any worker, the worker's ``Trainer``), and by
 comparing with the uninterrupted runs, trained the same way: a CLI run costs a launcher and a torch import per
-rank (about 17 CPU s for 2 ranks), a forked one the training (about 3).
+rank (17-25 CPU s for 2 ranks), a forked one the training (3-6). 19 CLI runs became 9 (389 -> 277 CPU s, the
+second figure on a busier machine).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ next holder of the lock.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing
@@ -118,11 +119,14 @@ def _prepare(target: Path, corpus: Corpus, recipe: ShardRecipe) -> None:
                  "(before %d) were finished", target, writers["train"].index, writers["train"].next_document,
                  writers["val"].index, writers["val"].next_document)
     progress = Progress(target, corpus.size_hint)
-    log.info("preparing %s on %d worker process%s: about %.0f MB of text", target, num_proc,
-             "es" if num_proc > 1 else "", corpus.size_hint / 1e6)
+    batches, num_proc = _pool_size(_batches(corpus, unfinished, progress), num_proc)
+    if num_proc > 1:
+        log.info("preparing %s on %d worker processes: about %.0f MB of text", target, num_proc,
+                 corpus.size_hint / 1e6)
+    else:
+        log.info("preparing %s in this process: about %.0f MB of text", target, corpus.size_hint / 1e6)
     try:
-        for indices, texts, (tokens, lengths) in _tokenized(_batches(corpus, unfinished, progress), tokenizer_json,
-                                                            eos, dtype, num_proc):
+        for indices, texts, (tokens, lengths) in _tokenized(batches, tokenizer_json, eos, dtype, num_proc):
             ends = np.cumsum(lengths)
             for k, index in enumerate(indices):
                 writer = writers["val" if is_validation(index, val_fraction) else "train"]
@@ -167,13 +171,26 @@ def _batches(corpus: Corpus, wanted: Callable[[int], bool], progress: Progress
         yield indices, batch
 
 
+def _pool_size(batches: Iterator[tuple[list[int], list[str]]], num_proc: int
+               ) -> tuple[Iterator[tuple[list[int], list[str]]], int]:
+    """The batches (unchanged) and how many worker processes tokenize them: ``num_proc``, or 1 (this process) where
+    a pool cannot start (a daemonic process) or cannot pay: text for one batch at most. A pool's worker is a
+    spawned interpreter that imports the tokenizer's libraries, and one batch keeps only one of them busy anyway:
+    a 233 KB corpus (2,000 documents, one batch) took 5.8 CPU s to prepare with a pool of 2 and 0.35 in this
+    process (docs/benchmarks.md). Two batches are read ahead to know; a larger corpus gets its pool."""
+    if num_proc <= 1:
+        return batches, 1
+    if multiprocessing.current_process().daemon:
+        log.info("data.num_proc=%d: this process is daemonic and cannot start workers; tokenizing in it", num_proc)
+        return batches, 1
+    ahead = list(itertools.islice(batches, 2))
+    return itertools.chain(ahead, batches), num_proc if len(ahead) > 1 else 1
+
+
 def _tokenized(batches: Iterator[tuple[list[int], list[str]]], tokenizer_json: str, eos: int, dtype: np.dtype,
                num_proc: int) -> Iterator[tuple[list[int], list[str], tuple[np.ndarray, np.ndarray]]]:
     """Each batch with its tokens, in order; ``num_proc`` > 1 tokenizes in that many worker processes with a
     bounded number of batches in flight (an executor's ``map`` would read the whole corpus ahead)."""
-    if num_proc > 1 and multiprocessing.current_process().daemon:
-        log.info("data.num_proc=%d: this process is daemonic and cannot start workers; tokenizing in it", num_proc)
-        num_proc = 1
     if num_proc <= 1:
         start_worker(tokenizer_json, eos, in_pool=False)
         for indices, texts in batches:
