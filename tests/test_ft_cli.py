@@ -20,8 +20,8 @@ from ddptrain.checkpoint.offline import read_tensors, tensor_entries
 from ddptrain.ft.accounting import read_events
 from tests.helpers import procs
 from tests.helpers.cli import cli_command, outside_checkout, run_cli, test_env
-from tests.helpers.reference_run import reference_losses
 from tests.helpers.run_cache import Ran, RunCache
+from tests.helpers.worker_run import reference_losses
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI: a lighthouse and several groups of workers
 
@@ -56,7 +56,7 @@ def background(request: pytest.FixtureRequest, cli_runs: RunCache,
     reference (its losses and summary) and the drift run (a ``Ran``). A replica-group run spends half its wall time
     waiting (the lighthouse's quorum each step, the groups' start-up in turn), so these train in its pauses. Each
     test reads its run (``.result()``). The reference is not what a test guards (the groups are): it trains in
-    forked ranks (``tests/helpers/reference_run.py``, a few CPU s instead of 23 through the command). The drift run
+    forked ranks (``tests/helpers/worker_run.py``, a few CPU s instead of 23 through the command). The drift run
     is a CLI run, which ``cli_runs`` keeps for the session. The kill test, whose verdict depends on when the killed
     group's restart lands, runs alone after them."""
     selected = {item.originalname for item in request.session.items if item.module is request.module}

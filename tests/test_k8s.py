@@ -24,9 +24,9 @@ from tests.helpers import procs
 from tests.helpers.cli import test_env
 from tests.helpers.crds import CRDS, PINNED, duplicates, schema_errors, strict
 from tests.helpers.pods import Pod, pods
-from tests.helpers.reference_run import reference_losses
 from tests.helpers.run_cache import RunCache
 from tests.helpers.webhooks import CONTAINER_TRAINER_PORT, TORCH_DISTRIBUTED, admission_errors, merged_names
+from tests.helpers.worker_run import reference_losses
 
 BIN = Path(sys.executable).parent
 IMAGE = "ghcr.io/example/ddptrain:1"
@@ -575,7 +575,7 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def one_machine(tmp_path_factory: pytest.TempPathFactory, cli_runs: RunCache) -> dict[int, float]:
     """The losses of the same run as one machine's 2 ranks: a reference, not what these tests guard (the pods are),
-    so trained in forked ranks (``tests/helpers/reference_run.py``: about 2 CPU s, 17 through the command)."""
+    so trained in forked ranks (``tests/helpers/worker_run.py``: about 2 CPU s, 17 through the command)."""
     losses, _ = reference_losses(RUN, 2, tmp_path_factory.mktemp("one-machine") / "run", cli_runs.data_cache)
     return losses
 

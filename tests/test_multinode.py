@@ -6,7 +6,7 @@ same world size; a run killed mid-way resumes from its checkpoint after both age
 (``--nnodes=1:2``) that loses a node goes on alone with the same losses.
 
 The single-machine runs they are compared with are references, not what a test guards: they train in forked ranks
-(``tests/helpers/reference_run.py``), about 2 CPU s each instead of 17 (2 ranks) or 31 (4 ranks) through the command.
+(``tests/helpers/worker_run.py``), about 2 CPU s each instead of 17 (2 ranks) or 31 (4 ranks) through the command.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 
 from tests.helpers import procs
 from tests.helpers.cli import test_env
-from tests.helpers.reference_run import reference_losses
+from tests.helpers.worker_run import reference_losses
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.cli import run_cli
-from tests.helpers.reference_run import reference_losses
+from tests.helpers.worker_run import reference_losses
 
 RUN = ["data=synthetic", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
        "data.seq_len=32", "data.global_batch_size=8", "data.micro_batch_size=2", "train.steps=4", "train.log_every=1",
@@ -77,7 +77,7 @@ def _wandb_history(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run dir of the same run as one machine's 2 ranks, W&B's offline run in it. A reference, not what these
-    tests guard (the Ray runs are): trained in forked ranks (``tests/helpers/reference_run.py``: a few CPU s
+    tests guard (the Ray runs are): trained in forked ranks (``tests/helpers/worker_run.py``: a few CPU s
     instead of about 20 through the command), the same config, trainer and summary as the command's workers."""
     pytest.importorskip("ray.train.torch", reason="the extra ddptrain[ray] (Ray Train) is not installed")
     tmp = tmp_path_factory.mktemp("torchrun")

@@ -14,6 +14,7 @@ training (3-6 CPU s for test_reliability's 5 steps).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -22,8 +23,10 @@ from typing import Any
 from tests.helpers.dist import run_distributed
 
 
-def _as_a_worker(rank: int, world_size: int, overrides: list[str], cache: str, fault: str | None) -> dict[str, Any]:
-    """One rank: rank 0's log lines (what it logs at info and above) and the run's summary."""
+def _as_a_worker(rank: int, world_size: int, overrides: list[str], cache: str, fault: str | None,
+                 environ: dict[str, str]) -> dict[str, Any]:
+    """One rank: rank 0's log lines (what it logs at info and above) and the run's summary. ``environ`` is set in
+    the rank first (``WANDB_MODE=offline`` for ``logger=wandb``)."""
     import logging
 
     import torch
@@ -40,6 +43,7 @@ def _as_a_worker(rank: int, world_size: int, overrides: list[str], cache: str, f
     from ddptrain.telemetry import setup_logging
     from ddptrain.train.trainer import Trainer
 
+    os.environ.update(environ)
     os.environ["DDPTRAIN_CACHE_DIR"] = cache  # as the command's environment has it (tests/helpers/cli.py)
     os.environ.pop("DDPTRAIN_FAULT", None)
     if fault:
@@ -70,4 +74,18 @@ def train_as_the_command(args: list[str], cache: Path, fault: str | None = None)
     ``cache``) in forked ranks as its workers would; rank 0's log lines. ``hydra.run.dir`` must be among ``args``."""
     sizes = [a.split("=", 1)[1] for a in args if a.startswith("launch.nproc_per_node=")]
     ranks = int(sizes[-1]) if sizes else 1
-    return run_distributed(_as_a_worker, ranks, list(args), str(cache), fault, timeout=300)[0]["said"]
+    return run_distributed(_as_a_worker, ranks, list(args), str(cache), fault, {}, timeout=300)[0]["said"]
+
+
+def reference_losses(overrides: list[str], ranks: int, run_dir: Path, cache: Path,
+                     environ: dict[str, str] | None = None) -> tuple[dict[int, float], dict[str, Any]]:
+    """The uninterrupted one-machine run a multi-process test compares its losses with (the pods, nodes, replica
+    groups and Ray workers stay real processes: they are what those tests guard): ``ddptrain <overrides>`` as
+    ``ranks`` ranks in ``run_dir`` (a ``hydra.run.dir`` among the overrides gives way to it), its data in
+    ``cache``. Returns the loss of each logged step (from metrics.jsonl) and rank 0's summary."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = [*(o for o in overrides if not o.startswith("hydra.run.dir=")), f"launch.nproc_per_node={ranks}",
+            f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}"]
+    summary = run_distributed(_as_a_worker, ranks, args, str(cache), None, environ or {}, timeout=300)[0]["summary"]
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if "loss" in r}, summary
