@@ -110,8 +110,10 @@ def _first_steps(rank: int, world_size: int, tmp: str) -> dict[float, dict[str, 
     """Per dropout rate: one real training step in which both ranks are fed the same batch; the initial weights
     (before DDP's broadcast) and this rank's loss."""
     from ddptrain.train import trainer
+    from tests.helpers.runs import without_the_planned_peak
     from tests.helpers.trainers import train_each_with
 
+    without_the_planned_peak()  # as train_each: the summary's traced memory plan is no part of these checks
     seen: dict[str, Any] = {}
     real_wrap = trainer.wrap_model
 
