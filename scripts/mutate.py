@@ -1505,6 +1505,15 @@ MUTANTS = [
              "from matplotlib.figure import Figure  # noqa: F401\nfrom matplotlib.patches import Rectangle  # noqa: "
              "F401\n\nfrom ddptrain.comm.accounting import union\n"),),
            ("tests/test_timeline.py", "-k", "imports_no_matplotlib")),
+    Mutant("tracer-keeps-no-state", "a Tracer traces every micro batch on a freshly built fake model (no states "
+           "passed: the reuse silently off)",
+           (("ddptrain/plan/memory/planner.py", "working_copy, states=self._states)", "working_copy)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    Mutant("update-keeps-zero-gradients", "the update leaves zero gradients (set_to_none=False): a kept fake model's "
+           "next step starts beside them",
+           (("ddptrain/step/compute.py", "optimizer.zero_grad(set_to_none=True)",
+             "optimizer.zero_grad(set_to_none=False)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
 ]
 
 def _copy_tree(dest: Path) -> None:

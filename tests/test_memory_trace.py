@@ -254,7 +254,8 @@ def test_a_tracer_keeps_one_fake_model_per_kind_and_each_step_traces_as_on_a_fre
 ) -> None:
     """One ``Tracer`` asked, in turn, for another micro batch, checkpointing mode, working copy and chunked loss
     than the step before: each peak, every phase and category, as a fresh model's; and the Tracer built one fake
-    model per kind, the micro batches of a kind sharing theirs (GPT-2 on an H100: the bf16 working copy)."""
+    model per kind, the micro batches of a kind sharing theirs (GPT-2 on an H100: the bf16 working copy). A kept
+    model is left with no gradient by its step (a later step on it would otherwise start beside them)."""
     import ddptrain.plan.memory.planner as memory_planner
 
     built: list[tuple] = []
@@ -272,6 +273,12 @@ def test_a_tracer_keeps_one_fake_model_per_kind_and_each_step_traces_as_on_a_fre
     for (m, mode, working, loss), phases in zip(steps, kept, strict=True):
         fresh = trace_peak(cfg, VOCAB, TracedStep(m, mode, 1, 2, loss), device, working).phase_peaks
         assert phases == {phase: peak.by_category for phase, peak in fresh.items()}, (m, mode, working, loss)
+    # what the reuse relies on: a traced step leaves its kept model no gradient (the update clears them)
+    states: dict[tuple, Any] = {}
+    trace_peak(cfg, VOCAB, TracedStep(1, none, 1, 2), device, states=states)
+    (_, model, _), = states.values()
+    assert [p.grad for p in model.parameters() if p.grad is not None] == []
+    assert any(p.requires_grad for p in model.parameters())
 
 
 def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size(shared_traces: dict[str, Any]) -> None:
