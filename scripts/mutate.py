@@ -1472,6 +1472,48 @@ MUTANTS = [
              "return itertools.chain(ahead, batches), num_proc if len(ahead) > 1 else 1",
              "return itertools.chain(ahead, batches), num_proc"),),
            ("tests/test_data_prepare.py", "-k", "only_for_more_than_one_batch")),
+    # audit59 (issue 52's speedups audited): the survivors of a mutation audit, each with the test that kills it
+    Mutant("trace-state-ignores-mode", "a Tracer's kept fake model reused for a step of another checkpointing mode "
+           "(the states keyed without it)",
+           (("ddptrain/plan/memory/planner.py",
+             "kind = (checkpointing, num_layers, traced.train.chunked_loss, working_copy)",
+             "kind = (num_layers, traced.train.chunked_loss, working_copy)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    Mutant("trace-state-ignores-chunked-loss", "a Tracer's kept fake model reused for a step with the chunked loss "
+           "switched (the states keyed without it)",
+           (("ddptrain/plan/memory/planner.py",
+             "kind = (checkpointing, num_layers, traced.train.chunked_loss, working_copy)",
+             "kind = (checkpointing, num_layers, working_copy)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    Mutant("trace-state-ignores-working-copy", "a Tracer's kept fake model (fp32 parameters) reused for a ZeRO-2/3 "
+           "step on the bf16 working copy (the states keyed without it)",
+           (("ddptrain/plan/memory/planner.py",
+             "kind = (checkpointing, num_layers, traced.train.chunked_loss, working_copy)",
+             "kind = (checkpointing, num_layers, traced.train.chunked_loss)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    Mutant("auto-aim-divides-by-equal-needs", "aimed_guess divides by zero where the exact needs at 1 and at the "
+           "fit's guess are equal",
+           (("ddptrain/plan/memory/auto_batch.py", "    if there <= one:\n", "    if there < one:\n"),),
+           ("tests/test_auto_batch.py", "-k", "no_higher_than_at_one")),
+    Mutant("pool-in-a-daemonic-process", "a daemonic process with more than one batch tries to start a pool "
+           "(no fallback to tokenizing in itself)",
+           (("ddptrain/data/prepare.py", "    if multiprocessing.current_process().daemon:\n", "    if False:\n"),),
+           ("tests/test_data_prepare.py", "-k", "daemonic")),
+    Mutant("timeline-imports-matplotlib", "reading a trace imports matplotlib (imported at the timeline module's top "
+           "again)",
+           (("ddptrain/telemetry/timeline.py", "from ddptrain.comm.accounting import union\n",
+             "from matplotlib.figure import Figure  # noqa: F401\nfrom matplotlib.patches import Rectangle  # noqa: "
+             "F401\n\nfrom ddptrain.comm.accounting import union\n"),),
+           ("tests/test_timeline.py", "-k", "imports_no_matplotlib")),
+    Mutant("tracer-keeps-no-state", "a Tracer traces every micro batch on a freshly built fake model (no states "
+           "passed: the reuse silently off)",
+           (("ddptrain/plan/memory/planner.py", "working_copy, states=self._states)", "working_copy)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    Mutant("update-keeps-zero-gradients", "the update leaves zero gradients (set_to_none=False): a kept fake model's "
+           "next step starts beside them",
+           (("ddptrain/step/compute.py", "optimizer.zero_grad(set_to_none=True)",
+             "optimizer.zero_grad(set_to_none=False)"),),
+           ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -177,6 +177,15 @@ def test_the_search_finds_the_boundary_from_any_guess() -> None:
             assert len(probes) <= 14  # doubling then bisection, never a walk over every size
 
 
+def test_the_aim_keeps_the_fits_guess_where_the_exact_need_at_it_is_no_higher_than_at_one() -> None:
+    """Equal exact needs at micro batch 1 and at the fit's guess (a need that does not grow over that span) give
+    no line to aim with: the guess stands, with no division by their zero difference; one that grows aims."""
+    from ddptrain.plan.memory.auto_batch import aimed_guess
+
+    assert aimed_guess(lambda m: 1000.0, 1300.0, 63, 17) == 17
+    assert aimed_guess(lambda m: 1000.0 + 10.0 * m, 1300.0, 63, 17) == 30  # 1 + 290 * 16 / 160
+
+
 def test_the_exact_search_aims_where_the_line_through_two_exact_needs_crosses_and_ends_where_any_guess_does() -> None:
     """A need near linear in the micro batch (as a traced step's), boundary 37 of 63, a fit that guessed 17: the
     line through the exact needs at 1 and 17 aims at 37, so the search verifies 37 and 38 and stops (two probes,

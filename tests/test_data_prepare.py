@@ -9,6 +9,7 @@ import pickle
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -119,6 +120,23 @@ def test_a_pool_is_started_only_for_more_than_one_batch_of_text(
     expected = [t for i, d in enumerate(DOCS) if not is_validation(i, 0.1)
                 for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
     assert _split_tokens(data.train.shards).tolist() == expected
+
+
+def test_a_daemonic_process_tokenizes_in_itself_even_where_a_pool_would_pay(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A daemonic process (a multiprocessing or DataLoader worker) cannot start a pool's children: with more than
+    one batch and ``data.num_proc=2`` it still tokenizes in itself, says why, and loses no batch; the same batches
+    in a process that is not daemonic get the pool (what the daemonic check turns off)."""
+    batches = [([0], ["a"]), ([1], ["b"]), ([2], ["c"])]
+    kept, workers = prepare_module._pool_size(iter(batches), 2)
+    assert workers == 2 and list(kept) == batches
+    daemonic = SimpleNamespace(daemon=True, name="daemonic")  # ``name``: logging records the process's
+    monkeypatch.setattr(prepare_module.multiprocessing, "current_process", lambda: daemonic)
+    with caplog.at_level(logging.INFO, logger="ddptrain.data.prepare"):
+        kept, workers = prepare_module._pool_size(iter(batches), 2)
+    assert workers == 1 and list(kept) == batches
+    assert "this process is daemonic and cannot start workers" in caplog.text
 
 
 def _interrupted(documents: list[str], after: int) -> Iterator[str]:

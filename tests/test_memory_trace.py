@@ -249,6 +249,38 @@ def test_traces_on_one_kept_fake_model_equal_traces_on_a_fresh_one_to_the_byte(m
     assert len(built) == 3 + 5  # a kept model per config and depth; a fresh one per fresh trace
 
 
+def test_a_tracer_keeps_one_fake_model_per_kind_and_each_step_traces_as_on_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One ``Tracer`` asked, in turn, for another micro batch, checkpointing mode, working copy and chunked loss
+    than the step before: each peak, every phase and category, as a fresh model's; and the Tracer built one fake
+    model per kind, the micro batches of a kind sharing theirs (GPT-2 on an H100: the bf16 working copy). A kept
+    model is left with no gradient by its step (a later step on it would otherwise start beside them)."""
+    import ddptrain.plan.memory.planner as memory_planner
+
+    built: list[tuple] = []
+    build = memory_planner.fake_model_state
+    monkeypatch.setattr(memory_planner, "fake_model_state", lambda *a, **k: built.append(a[3:]) or build(*a, **k))
+    monkeypatch.setattr(memory_planner, "trace_peak", trace_peak)  # the Tracer's own, not a shared_traces cache
+    cfg, device = small_config("gpt2"), target_device("h100", None, None)
+    none, full, chunked = ActivationCheckpointing.none, ActivationCheckpointing.full, cfg.train.chunked_loss
+    tracer = Tracer(cfg, VOCAB, device)
+    # (micro batch, mode, working copy, chunked loss): each differs from the one before in one of them
+    steps = ((2, none, False, chunked), (1, none, False, chunked), (1, full, False, chunked),
+             (1, none, True, chunked), (1, none, False, not chunked))
+    kept = [tracer.phases(m, mode, 1, working, loss) for m, mode, working, loss in steps]
+    assert len(built) == 4  # four kinds: the second micro batch traced on the first one's model
+    for (m, mode, working, loss), phases in zip(steps, kept, strict=True):
+        fresh = trace_peak(cfg, VOCAB, TracedStep(m, mode, 1, 2, loss), device, working).phase_peaks
+        assert phases == {phase: peak.by_category for phase, peak in fresh.items()}, (m, mode, working, loss)
+    # what the reuse relies on: a traced step leaves its kept model no gradient (the update clears them)
+    states: dict[tuple, Any] = {}
+    trace_peak(cfg, VOCAB, TracedStep(1, none, 1, 2), device, states=states)
+    (_, model, _), = states.values()
+    assert [p.grad for p in model.parameters() if p.grad is not None] == []
+    assert any(p.requires_grad for p in model.parameters())
+
+
 def test_the_fit_of_small_traces_predicts_a_full_trace_at_another_size(shared_traces: dict[str, Any]) -> None:
     """On the H100 the planner tests below plan for (bf16 autocast, the fused AdamW of a GPU): the small traces
     of the fit are theirs too."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,34 @@ def test_cuda_trace_counts_kernels_of_the_step_by_launch() -> None:
     assert figures["forward_s"] == pytest.approx(10e-6)
     assert figures["comm_s"] == pytest.approx(40e-6) and figures["overlap_s"] == pytest.approx(20e-6)
     assert list(timeline.comm) == ["stream 13"]
+
+
+READS_THEN_DRAWS = """
+import json, sys
+from pathlib import Path
+from ddptrain.telemetry.timeline import read_step, render_timeline
+trace, png = Path(sys.argv[1]), Path(sys.argv[2])
+read_step(json.loads(trace.read_text())).figures()
+read = "matplotlib" in sys.modules
+render_timeline(trace, png)
+print("MATPLOTLIB", json.dumps([read, "matplotlib" in sys.modules]))
+"""
+
+
+def test_reading_a_trace_imports_no_matplotlib_and_drawing_it_does(tmp_path: Path) -> None:
+    """matplotlib (about 0.6 CPU s to import) is imported by ``draw`` alone: a fresh interpreter that imports
+    the timeline module and reads a step's figures has not loaded it; once it draws the step, it has (the probe
+    sees the import when there is one)."""
+    trace, png = tmp_path / "trace.json", tmp_path / "t.png"
+    trace.write_text(json.dumps({"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"), op("aten::mm", 5, 10),
+        op("gloo:all_reduce", 40, 40, tid=2, cat="user_annotation")]}))
+    done = subprocess.run([sys.executable, "-c", READS_THEN_DRAWS, str(trace), str(png)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("MATPLOTLIB ")), None)
+    assert line is not None, done.stderr[-2000:]
+    assert json.loads(line.removeprefix("MATPLOTLIB ")) == [False, True]
+    assert png.stat().st_size > 0
 
 
 def test_a_trace_without_profiler_steps_is_refused(tmp_path: Path) -> None:
