@@ -34,6 +34,7 @@ from ddptrain.parallel import wrap_model
 from ddptrain.step.compute import accumulate_gradients
 from ddptrain.step.weighting import TOKEN_MEAN_LOSS
 from tests.helpers.chunks import CountedChunks, HeadTraffic, head_bytes_per_chunk, outcomes_counting_chunks
+from tests.helpers.compile_backend import module_compile_backend
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import Overrides
 
@@ -391,12 +392,8 @@ def _compiled_chunked(rank: int, world_size: int, backend: str) -> dict:
     counters.clear()
     full, chunked = _pair(replace(TINY, num_layers=12))
     compiled = copy.deepcopy(chunked)
-    original = torch.nn.Module.compile
-    torch.nn.Module.compile = lambda self, **kw: original(self, backend=backend)  # type: ignore[method-assign]
-    try:
+    with module_compile_backend(backend):
         assert compile_blocks(compiled) == 12
-    finally:
-        torch.nn.Module.compile = original  # type: ignore[method-assign]
     ids, labels = _batch()
     out: dict = {name: _loss_and_grads(model, ids, labels) for name, model in (("full", full), ("eager", chunked))}
     with CountedChunks() as counted:

@@ -20,6 +20,7 @@ from ddptrain.models import build_model
 from ddptrain.models.attention import use_causal_attention
 from ddptrain.models.lora import prepare_for_finetuning
 from ddptrain.step.compute import accumulate_gradients
+from tests.helpers.compile_backend import module_compile_backend
 from tests.helpers.dist import run_distributed
 from tests.helpers.pretrained import count_checkpoint_calls, save_tiny_llama, saved_activation_bytes, train_each_watched
 from tests.helpers.tiny import TINY_MODEL
@@ -171,12 +172,8 @@ def _compiled_graphs(rank: int, world_size: int, backend: str) -> dict[str, Any]
     cfg = ModelConfig(hidden_size=32, num_layers=12, num_heads=2)
     model = build_model(cfg, 256)
     use_causal_attention(model)
-    original = torch.nn.Module.compile
-    torch.nn.Module.compile = lambda self, **kw: original(self, backend=backend)  # type: ignore[method-assign]
-    try:
+    with module_compile_backend(backend):
         assert compile_blocks(model) == 12
-    finally:
-        torch.nn.Module.compile = original  # type: ignore[method-assign]
     ids = torch.randint(0, 256, (2, 16))
     for _ in range(2):
         accumulate_gradients(model, iter([ids]), 1, lambda _: nullcontext(), nullcontext())
