@@ -176,8 +176,9 @@ def _pool_size(batches: Iterator[tuple[list[int], list[str]]], num_proc: int
     """The batches (unchanged) and how many worker processes tokenize them: ``num_proc``, or 1 (this process) where
     a pool cannot start (a daemonic process) or cannot pay: text for one batch at most. A pool's worker is a
     spawned interpreter that imports the tokenizer's libraries, and one batch keeps only one of them busy anyway:
-    a 233 KB corpus (2,000 documents, one batch) took 5.8 CPU s to prepare with a pool of 2 and 0.35 in this
-    process (docs/benchmarks.md). Two batches are read ahead to know; a larger corpus gets its pool."""
+    2,000 documents (one batch, 271 KB of JSON Lines) took 4.6 CPU s to prepare with a pool of 2 and 0.34 in
+    this process (docs/benchmarks.md, scripts/bench_small_corpus.py). Two batches are read ahead to know; a
+    larger corpus gets its pool."""
     if num_proc <= 1:
         return batches, 1
     if multiprocessing.current_process().daemon:

@@ -144,7 +144,7 @@ def training_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     """The model as a run trains it, built from ``model.*`` on the current default device (``meta`` for a trace):
     a pretrained base in ``model.dtype``, checkpointing and LoRA adapters as configured.
 
-    A pretrained model is planned from the shape in ``model.*``. An NF4 base is built by ``fake_training_state``
+    A pretrained model is planned from the shape in ``model.*``. An NF4 base is built by ``fake_model_state``
     (its 4-bit weights exist on fake tensors only).
     """
     base = replace(cfg, quantize=Quantize.none)
