@@ -105,7 +105,7 @@ def test_the_configured_step_is_traced_at_two_micro_batches_and_on_the_working_c
 
 
 class ArithmeticTracer(memory_planner.Tracer):
-    """A tracer whose steps are arithmetic, not traced (a whole dry run in about 0.1 s): per block, 8 MiB of
+    """A tracer whose steps are arithmetic, not traced (the test below: 0.3 CPU s): per block, 8 MiB of
     parameters and of gradients, 16 of optimizer state, 1 MiB of activations per sequence; the later micro batch
     of an accumulating step also holds temporaries growing with the square of the micro batch, which the fit
     through micro batches 1-3 (a line through 2 and 3) cannot follow, while every other phase is linear and
