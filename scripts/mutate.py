@@ -1514,6 +1514,17 @@ MUTANTS = [
            (("ddptrain/step/compute.py", "optimizer.zero_grad(set_to_none=True)",
              "optimizer.zero_grad(set_to_none=False)"),),
            ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    # mut60 (issue 52, seventh round): mutmut's last plan/memory survivors without a test
+    Mutant("mutmut-plan-whole-batch-gap-accumulating", "an option at the whole per-rank batch reports its fit's gap "
+           "as if accumulating (mutmut's plan_memory_238)",
+           (("ddptrain/plan/memory/planner.py", "fit_gap=fit_gap(m, c, option_stage, m < per_rank)))",
+             "fit_gap=fit_gap(m, c, option_stage, m <= per_rank)))"),),
+           ("tests/test_planner_rules.py", "-k", "whole_per_rank_batch_reports_its_fits_gap")),
+    Mutant("mutmut-autocast-drops-argument-after-dtype", "CUDA's fp32-result kernel drops the argument after a "
+           "positional dtype it fills in (mutmut's _fp32_result_kernel_33)",
+           (("ddptrain/plan/memory/cuda_autocast.py", "torch.float32, *args[position + 1:])",
+             "torch.float32, *args[position + 2:])"),),
+           ("tests/test_cuda_autocast.py", "-k", "fp32_result_kernel")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -6,13 +6,14 @@ without it."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
 import pytest
 import torch
 
 from ddptrain.config.compose import compose_config, typed_config
 from ddptrain.plan.memory import trace as trace_module
-from ddptrain.plan.memory.cuda_autocast import cuda_autocast_policy
+from ddptrain.plan.memory.cuda_autocast import _fp32_result_kernel, cuda_autocast_policy
 from ddptrain.plan.memory.planner import TracedStep, checkpointing, target_device, trace_peak
 
 
@@ -58,6 +59,36 @@ def test_under_the_twin_autograd_records_the_cast_and_gradients_keep_their_input
     y.sum().backward()
     assert y.dtype == torch.float32 and x.grad is not None and x.grad.dtype == torch.bfloat16
     torch.testing.assert_close(x.grad, (3 * x.float() ** 2).to(torch.bfloat16))
+
+
+class RecordingOp:
+    """An op with a schema that records the arguments it is called with (the kernel reads only the schema)."""
+
+    def __init__(self, schema: str) -> None:
+        self._schema = torch._C.parse_schema(schema)
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((args, kwargs))
+
+
+def test_the_fp32_result_kernel_names_fp32_where_no_dtype_is_named_and_passes_every_other_argument() -> None:
+    """CUDA's fp32-result kernel fills in fp32 only where a lower-precision input names no dtype, positionally or
+    by keyword as the op's schema has it, and passes the other arguments as given, those after the dtype too (no
+    op of ``FP32_RESULT_OPS`` has one after a positional dtype today; ``_to_dense``'s schema does)."""
+    x, x32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    positional = RecordingOp("demo(Tensor self, int dim, ScalarType? dtype=None, bool flag=False) -> Tensor")
+    kernel = _fp32_result_kernel(positional)  # type: ignore[arg-type]  # the schema is all it reads of an op
+    for args, passed in [((x, 1, None, True), (x, 1, torch.float32, True)), ((x, 1), (x, 1, torch.float32)),
+                         ((x, 1, torch.bfloat16, True), (x, 1, torch.bfloat16, True)),
+                         ((x32, 1, None, True), (x32, 1, None, True))]:
+        kernel(*args)
+        assert positional.calls.pop() == (passed, {})
+    keyword = RecordingOp("demo(Tensor self, int dim, *, ScalarType? dtype=None) -> Tensor")
+    kernel = _fp32_result_kernel(keyword)  # type: ignore[arg-type]
+    kernel(x, 0)
+    kernel(x, 0, dtype=torch.float16)
+    assert keyword.calls == [((x, 0), {"dtype": torch.float32}), ((x, 0), {"dtype": torch.float16})]
 
 
 def _gpt2_peak(device: str, precision: str = "bf16") -> tuple[float, float]:

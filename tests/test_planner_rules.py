@@ -8,12 +8,15 @@ from typing import Any
 
 import pytest
 
+import ddptrain.plan.dry_run as dry_run_module
 import ddptrain.plan.memory.planner as memory_planner
-from ddptrain.config.compose import build_config
+from ddptrain.config.compose import build_config, compose_config, typed_config
 from ddptrain.plan.analytic.planner import build_plan
 from ddptrain.plan.costs import Comm
 from ddptrain.plan.memory.overheads import RunOverheads
 from ddptrain.plan.memory.present import device_for_plan
+from ddptrain.plan.memory.trace import ACCUMULATING
+from ddptrain.telemetry.storage_peak import CATEGORIES
 from tests.helpers import fake_cuda
 from tests.helpers.tiny import TINY_MODEL
 
@@ -99,3 +102,40 @@ def test_the_configured_step_is_traced_at_two_micro_batches_and_on_the_working_c
     single, stage_traced, _ = memory_planner.configured_peak(cfg, plan, 256, device_for_plan("h100", None, None))
     assert traced == [(2, copy) for copy in working_copies]
     assert (stage_traced is single) == (len(working_copies) == 1)
+
+
+class ArithmeticTracer(memory_planner.Tracer):
+    """A tracer whose steps are arithmetic, not traced (the test below: 0.3 CPU s): per block, 8 MiB of
+    parameters and of gradients, 16 of optimizer state, 1 MiB of activations per sequence; the later micro batch
+    of an accumulating step also holds temporaries growing with the square of the micro batch, which the fit
+    through micro batches 1-3 (a line through 2 and 3) cannot follow, while every other phase is linear and
+    the fit is exact there."""
+
+    def phases(self, micro_batch: int, checkpointing: Any, num_layers: int, working_copy: bool = False,
+               chunked_loss: bool | None = None) -> memory_planner.Phases:
+        m, n, mib = micro_batch, num_layers, 2**20
+        state = {c: 0 for c in CATEGORIES} | {"parameters": 8 * mib * n, "optimizer": 16 * mib * n}
+        held = state | {"gradients": 8 * mib * n, "activations": mib * m * n}
+        return {"forward": state | {"activations": mib * m * n}, "backward": held,
+                "backward" + ACCUMULATING: held | {"temporaries": round(0.05 * mib * m * m * n)}}
+
+
+def test_a_row_that_takes_the_whole_per_rank_batch_reports_its_fits_gap_without_accumulation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run with ``data.micro_batch_size=auto`` on 2 ranks (16 sequences each): at ZeRO-0 the whole batch
+    does not fit, so auto's search traced the fit and took micro batch 8, accumulating, where the fit misses the
+    later micro batch's temporaries (a gap below 0). At ZeRO-1 to 3 the whole per-rank batch fits in one micro
+    batch: that step does not accumulate, where the fit is exact, so its row's gap is 0 (weighed as if
+    accumulating, it was the accumulating miss)."""
+    monkeypatch.setattr(dry_run_module, "Tracer", ArithmeticTracer)
+    cfg = typed_config(compose_config([
+        "launch.dry_run=true", "plan.world_size=2", "data.global_batch_size=32", "data.micro_batch_size=auto",
+        "data.seq_len=64", "plan.device=cpu", "plan.device_memory_gib=0.2"])).typed
+    _, _, record = dry_run_module.plan_for_target(cfg, 2)
+    assert record["micro_batch_auto"]["micro_batch_size"] == 8
+    rows = {(o["zero_stage"], o["activation_checkpointing"]): o for o in record["options"]}
+    assert (rows[0, "none"]["micro_batch_size"], record["fit_gap"]) == (8, rows[0, "none"]["fit_gap"])
+    assert rows[0, "none"]["fit_gap"] < -0.01  # the fit misses an accumulating step
+    whole = [rows[s, "none"] for s in (1, 2, 3)]
+    assert [o["micro_batch_size"] for o in whole] == [16, 16, 16]
+    assert [o["fit_gap"] for o in whole] == [pytest.approx(0.0, abs=1e-9)] * 3
