@@ -25,7 +25,7 @@ from tests.helpers.worker_run import reference_losses, train_groups_as_the_comma
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI: a lighthouse and several groups of workers
 
-STEPS = 30
+STEPS = 20  # the kill test's: a save and a kill at 5, the survivors alone 6-9, a wait at 10, ten steps to rejoin
 RUN = ["model=llama_tiny", "data.max_documents=40", f"train.steps={STEPS}", "train.log_every=1",
        "train.eval_every=0", "data.global_batch_size=6", "data.micro_batch_size=2", "checkpoint.export=false",
        "logger.progress=false", "hydra.run.dir=run"]
@@ -106,17 +106,17 @@ def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(no_fault: Pa
 def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_others_keep_stepping(
         cli_runs: RunCache, no_fault: Path, background: dict[str, Future[Any]], tmp_path: Path) -> None:
     wait(background.values())  # alone on its worker's share of the machine
-    # group 1's rank 0 dies after step 10. The survivors step on without it, then wait at step 20 (a wait fault)
-    # until group 1's restarted workers have resumed (their "attempt" event, written just before their first
-    # quorum), so the restart lands before the run ends however slow the machine is; from step 11 every
-    # group's first attempt also sleeps 1.5 s a step, which leaves the rejoining group ten steps to reach the
-    # quorum after the release
+    # group 1's rank 0 dies after step 5 (its checkpoint saved). The survivors step on without it, then wait at
+    # step 10 (a wait fault) until group 1's restarted workers have resumed from that checkpoint (their "attempt"
+    # event, written just before their first quorum), so the restart lands before the run ends however slow the
+    # machine is; from step 6 every group's first attempt also sleeps 1.5 s a step, which leaves the rejoining
+    # group ten steps to reach the quorum after the release
     release, cwd = tmp_path / "release", tmp_path / "cwd"
     cwd.mkdir()
-    fault = {"DDPTRAIN_FAULT": "kill@step:10:1/0,delay@data:11:0:1500,wait@data:20:0",
+    fault = {"DDPTRAIN_FAULT": "kill@step:5:1/0,delay@data:6:0:1500,wait@data:10:0",
              "DDPTRAIN_FAULT_RELEASE": str(release)}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        running = pool.submit(run_cli, [*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=10"],
+        running = pool.submit(run_cli, [*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=5"],
                               cwd=cwd, cache=cli_runs.data_cache, timeout=600, extra_env=fault)
         events = cwd / "run" / "ft" / "group1.jsonl"
         while not running.done():
@@ -131,15 +131,16 @@ def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_other
     ft = json.loads((ran.run_dir / "ft.json").read_text())
     g0, g1, g2 = ft["replica_groups"]
     assert (g0["attempts"], g1["attempts"], g2["attempts"]) == (1, 2, 1)
-    heals = [h for h in g1["heals"] if h["step"] > 10]
+    heals = [h for h in g1["heals"] if h["step"] > 5]
     assert heals, f"group 1 did not heal after its restart: {g1}"
     rejoined = heals[-1]["step"]
     assert g1["steps"][-1] == [rejoined, STEPS] and g2["steps"][-1][1] == STEPS
     # the survivors stepped without group 1 between its death and its return, then all three again. Read per step:
     # under load a group can also miss the first quorums (ft.min_replicas=2 lets two start), which merges with the
-    # survivors' steps into one run of size 2 from step 1 ([[1, 14, 2], [15, 30, 3]] in a loaded run)
+    # survivors' steps into one run of size 2 from step 1 ([[1, 14, 2], [15, 30, 3]] in a loaded run of 30 steps
+    # whose kill came after step 10)
     size = {s: n for first, last, n in ft["quorum_per_step"] for s in range(first, last + 1)}
-    assert rejoined > 11 and all(size[s] == 2 for s in range(11, rejoined)), ft["quorum_per_step"]
+    assert rejoined > 6 and all(size[s] == 2 for s in range(6, rejoined)), ft["quorum_per_step"]
     assert ft["quorum_per_step"][-1] == [rejoined, STEPS, 3]
     # group 1's weights equal the others' bit for bit at the step it next saved (its state is a peer's copy)
     saved = f"checkpoints/step_{STEPS:06d}"
