@@ -64,9 +64,10 @@ def background(request: pytest.FixtureRequest, cli_runs: RunCache,
     reference (its losses and summary) and the drift run (its run dir). A replica-group run spends half its wall
     time waiting (the lighthouse's quorum each step, the groups' start-up in turn), so these train in its pauses.
     Each test reads its run (``.result()``). Neither is what the launcher's tests guard: both train in forked ranks
-    (``tests/helpers/worker_run.py``; the reference a few CPU s instead of 23 through the command, the drift run's
-    two groups of two ranks about 10 instead of 37). The kill test, whose verdict depends on when the killed group's
-    restart lands, runs alone after them."""
+    (``tests/helpers/worker_run.py``; the reference a few CPU s instead of 23 through the command; the drift run's
+    two groups of two ranks 18 CPU s alone at load 10, and the first test, which carries both runs beside the
+    no-fault one, went from 111 to 62 CPU s when the drift run left the command and the steps went from 30 to 20).
+    The kill test, whose verdict depends on when the killed group's restart lands, runs alone after them."""
     selected = {item.originalname for item in request.session.items if item.module is request.module}
     with ThreadPoolExecutor(max_workers=2) as pool:  # leaving the module waits for both (each has its timeout)
         runs: dict[str, Future[Any]] = {}

@@ -2,7 +2,7 @@
 instead of through the command: for a run a test needs but does not guard (an uninterrupted reference, the
 checkpoint a refusal needs, the resume after a kill that a CLI run made), and a run with replica groups whose
 workers are what a test guards (``train_groups_as_the_command``: each group a world of forked ranks under a torchft
-lighthouse in this process; test_ft_cli's drift run, 2 groups of 2 ranks, about 18 CPU s instead of 37).
+lighthouse in this process; test_ft_cli's drift run, 2 groups of 2 ranks: 18 CPU s at load 10).
 
 Each rank composes the same override strings as the command (``compose_config``), makes the checks the launcher
 makes of the run dir before any worker starts (``check_before_start``, ``check_resumable``: read only, so every
