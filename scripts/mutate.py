@@ -1129,12 +1129,11 @@ MUTANTS = [
     Mutant("ft-group-timeout-stops-the-run",
            "a group whose own rank hung before the quorum stops every group, though the others went on committing",
            (("ddptrain/ft/supervise.py",
-           'if event.get("event") == QUORUM_LOST and not _others_went_past(per_group, g, event["step"]):',
-           'if event.get("event") == QUORUM_LOST:'),),
+           "if not any(last >= step for other, last in enumerate(self.committed) if other != g):", "if True:"),),
            ("tests/test_ft.py::test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing",)),
     Mutant("ft-others-past-counts-uncommitted", "an uncommitted step of another group counts as getting past",
-           (("ddptrain/ft/supervise.py", 'e.get("event") == "step" and e.get("committed") and e["step"] >= step',
-             'e.get("event") == "step" and e["step"] >= step'),),
+           (("ddptrain/ft/supervise.py", 'elif event.get("event") == "step" and event.get("committed"):',
+             'elif event.get("event") == "step":'),),
            ("tests/test_ft.py::test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing",)),
     # issue 52 (suite time): the test trace cache's key leaves out parallel.* and the device's name and memory
     Mutant("trace-reads-the-zero-stage", "a traced step takes the low-precision working copy by the configured ZeRO "
@@ -1525,6 +1524,23 @@ MUTANTS = [
            (("ddptrain/plan/memory/cuda_autocast.py", "torch.float32, *args[position + 1:])",
              "torch.float32, *args[position + 2:])"),),
            ("tests/test_cuda_autocast.py", "-k", "fp32_result_kernel")),
+    Mutant("cpuft-lighthouse-imports-torchft", "the local lighthouse imports the torchft package (torch) before it "
+           "listens, as the wheel's script does",
+           (("ddptrain/ft/lighthouse_entry.py", 'package = importlib.util.find_spec("torchft")', "package = None"),),
+           ("tests/test_ft.py", "-k", "extension_alone")),
+    Mutant("cpuft-lighthouse-wheel-script", "a local run starts the wheel's torchft_lighthouse script (torch first)",
+           (("ddptrain/ft/lighthouse.py",
+             'return [sys.executable, str(Path(__file__).with_name("lighthouse_entry.py"))]',
+             'return [str(Path(sys.executable).parent / "torchft_lighthouse")]'),),
+           ("tests/test_ft.py", "-k", "extension_alone")),
+    Mutant("cpuft-drift-policy-ignored-in-groups", "train.drift_policy=rebroadcast compares nothing inside a replica "
+           "group (the drift run's groups train in forked ranks)",
+           (("ddptrain/train/drift.py", "return self.policy != DriftPolicy.off and self.groups.comparable",
+             "return self.policy == DriftPolicy.abort and self.groups.comparable"),),
+           ("tests/test_ft_cli.py", "-k", "drift_check_works_inside")),
+    Mutant("cpuft-events-read-whole", "the launcher parses every group's whole event file at each 0.2 s poll",
+           (("ddptrain/ft/supervise.py", "self.offsets[g] += len(whole)", "self.offsets[g] = 0"),),
+           ("tests/test_ft.py", "-k", "only_the_lines_written_since")),
 ]
 
 def _copy_tree(dest: Path) -> None:

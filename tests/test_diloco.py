@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -296,13 +295,14 @@ def test_no_checkpoint_while_a_fragments_all_reduce_is_in_flight() -> None:
 
 @pytest.mark.slow
 def test_two_group_processes_under_the_lighthouse_command_take_the_hand_written_outer_step(tmp_path: Path) -> None:
-    """The same check across processes: torchft's ``torchft_lighthouse`` command and one process per group."""
+    """The same check across processes: torchft's lighthouse server as a local run starts it (its own process,
+    ``ddptrain/ft/lighthouse.py``'s command) and one process per group."""
+    from ddptrain.ft.lighthouse import command
+
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    lighthouse = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
-    assert lighthouse is not None
-    procs.start([lighthouse, "--min_replicas", str(GROUPS), "--join_timeout_ms", "2000", "--bind", f"[::]:{port}"],
+    procs.start([*command(), "--min_replicas", str(GROUPS), "--join_timeout_ms", "2000", "--bind", f"[::]:{port}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}

@@ -1,4 +1,4 @@
-"""The torchft lighthouse of a local run: the wheel's own ``torchft_lighthouse``, on a free port of this machine.
+"""The torchft lighthouse of a local run: the wheel's own lighthouse server, on a free port of this machine.
 
 It keeps the quorum: which replica groups take part in each step. It is started before any group, its log goes to
 ``<run dir>/ft/lighthouse.log`` (torchft logs every quorum), and ``<run dir>/ft/lighthouse.json`` names its pid and
@@ -7,7 +7,6 @@ address (for the operator, and the tests that stop it)."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,10 +22,9 @@ HEARTBEAT_TIMEOUT_MS = 3000  # a group silent this long is out of the next quoru
 
 
 def command() -> list[str]:
-    """The wheel's console script, beside this interpreter (a venv) or on PATH; else its entry point."""
-    beside = Path(sys.executable).parent / "torchft_lighthouse"
-    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
-    return [found] if found is not None else [sys.executable, str(Path(__file__).with_name("lighthouse_entry.py"))]
+    """The lighthouse's function run by this interpreter without the ``torchft`` package's import (``lighthouse_entry``;
+    the wheel's ``torchft_lighthouse`` script imports torch first: 1.9 CPU s, and seconds before the groups start)."""
+    return [sys.executable, str(Path(__file__).with_name("lighthouse_entry.py"))]
 
 
 def free_port() -> int:

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 from ddptrain.errors import say
-from ddptrain.ft.accounting import read_events
 from ddptrain.ft.layout import QUORUM_LOST, events_path, group_dir
 from ddptrain.ft.lighthouse import Lighthouse
 
@@ -42,6 +41,7 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
     """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum. Returns why the
     run was stopped (None: every agent ended on its own)."""
     finished_at: float | None = None
+    events = GroupEvents(run_dir, groups)
     while any(agent.poll() is None for agent in agents):
         why = None
         if finished_at is None and any(agent.poll() == 0 for agent in agents):
@@ -56,7 +56,7 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
         if lighthouse is not None and (code := lighthouse.exit_code()) is not None:
             why = (f"the torchft lighthouse exited (code {code}) while replica groups were training; stopping "
                    "every group")
-        elif (lost := quorum_lost(run_dir, groups)) is not None:
+        elif (lost := events.lost()) is not None:
             why = lost
         if why is not None:
             stop_all(agents)
@@ -75,19 +75,49 @@ def quorum_lost(run_dir: Path, groups: int) -> str | None:
     got past that step either: the run can make no progress. A group that timed out while others went on
     committing steps failed alone (e.g. one of its own ranks hung before the quorum, which then waited for it):
     its agent restarts it and it heals, as after any failure of one group."""
-    per_group = [read_events(events_path(run_dir, g)) for g in range(groups)]
-    for g, events in enumerate(per_group):
-        for event in events:
-            if event.get("event") == QUORUM_LOST and not _others_went_past(per_group, g, event["step"]):
+    return GroupEvents(run_dir, groups).lost()
+
+
+class GroupEvents:
+    """The groups' event files as the launcher watches them: each poll parses only the lines written since the last
+    (every 0.2 s; parsing the whole files each time cost 10 ms of CPU per poll per 1,000 steps of 3 groups: at
+    10,000 steps half a core, past 40,000 more than the poll period). What the verdict needs is kept: the step of
+    each group's quorum losses and the last step each group committed."""
+
+    def __init__(self, run_dir: Path, groups: int) -> None:
+        self.paths = [events_path(run_dir, g) for g in range(groups)]
+        self.offsets = [0] * groups  # bytes of each file already parsed (whole lines)
+        self.losses: list[tuple[int, int]] = []  # (group, step) of each quorum_lost event
+        self.committed = [0] * groups  # the last step each group committed (0: none yet)
+
+    def lost(self) -> str | None:
+        """``quorum_lost``'s line, from the events written so far."""
+        self._read_on()
+        for g, step in self.losses:
+            if not any(last >= step for other, last in enumerate(self.committed) if other != g):
                 return (f"replica group {g} found no quorum of ft.min_replicas groups within ft.quorum_timeout_s "
-                        f"before step {event['step']}; stopping every group")
-    return None
+                        f"before step {step}; stopping every group")
+        return None
 
-
-def _others_went_past(per_group: list[list[dict]], group: int, step: int) -> bool:
-    """Whether a group other than ``group`` committed step ``step`` or a later one."""
-    return any(e.get("event") == "step" and e.get("committed") and e["step"] >= step
-               for g, events in enumerate(per_group) if g != group for e in events)
+    def _read_on(self) -> None:
+        for g, path in enumerate(self.paths):
+            try:
+                with path.open("rb") as events:
+                    events.seek(self.offsets[g])
+                    new = events.read()
+            except FileNotFoundError:
+                continue
+            whole = new[:new.rfind(b"\n") + 1]  # a line still being written is read at a later poll
+            self.offsets[g] += len(whole)
+            for line in whole.splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line cut short by a kill (the restarted worker's next line follows it)
+                    continue
+                if event.get("event") == QUORUM_LOST:
+                    self.losses.append((g, event["step"]))
+                elif event.get("event") == "step" and event.get("committed"):
+                    self.committed[g] = max(self.committed[g], event["step"])
 
 
 def stop_all(agents: list[subprocess.Popen[bytes]]) -> None:
