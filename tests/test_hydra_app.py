@@ -23,6 +23,7 @@ from ddptrain.config.schema import Config
 from tests.helpers import procs
 from tests.helpers.cli import test_env
 from tests.helpers.install import throwaway_install
+from tests.helpers.run_cache import RunCache
 from tests.helpers.tiny import TINY_RUN_ARGS as TINY
 from tests.helpers.tiny import without
 
@@ -66,16 +67,17 @@ def test_a_fresh_editable_install_exposes_the_launcher_to_hydras_plugin_scan(tmp
 
 
 @pytest.mark.slow
-def test_a_plain_install_trains_and_sweeps_on_a_grid_and_with_optuna(tmp_path: Path) -> None:
+def test_a_plain_install_trains_and_sweeps_on_a_grid_and_with_optuna(tmp_path: Path, cli_runs: RunCache) -> None:
     """``pip install .`` (not editable) into a new environment: the configs travel inside the package, the
     launcher plugin in ``hydra_plugins``; its ``ddptrain`` composes, trains, and runs both kinds of sweep from a
-    directory of the user's own."""
+    directory of the user's own. TINY's data comes from the session's data cache, prepared once for every CLI test
+    that trains on it (``tests/helpers/run_cache.py``)."""
     bin_dir = throwaway_install(tmp_path)
     site = next((tmp_path / "venv" / "lib").glob("python3*/site-packages"))
     assert (site / "ddptrain" / "configs" / "experiment" / "quickstart.yaml").is_file()
     assert (site / "hydra_plugins" / "ddptrain_launcher" / "ddptrain_launcher.py").is_file()  # ddptrain -m's
     assert not (site / "hydra_plugins" / "__init__.py").exists()  # the namespace other plugins share
-    cwd, env = tmp_path / "project", test_env(tmp_path / "cache")
+    cwd, env = tmp_path / "project", test_env(cli_runs.data_cache)
     cwd.mkdir()
 
     def ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
@@ -115,9 +117,10 @@ def user_configs(tmp_path: Path) -> Path:
 
 def test_a_user_config_dir_adds_an_experiment_and_a_model_that_train(
     user_configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    cli_runs: RunCache,
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(cli_runs.data_cache))  # TINY's data, prepared once per session
     assert run_cli(["-cd", str(user_configs), "--cfg", "job", "+experiment=mine"]) == 0
     shown = capsys.readouterr().out
     assert "name: my_tiny" in shown and "arch: gpt2" in shown and "seq_len: 32" in shown

@@ -11,18 +11,21 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import procs
+from tests.helpers.run_cache import RunCache
 
 REPO = Path(__file__).parents[1]
 
 pytestmark = pytest.mark.slow  # every test here runs the real CLI in several processes
+# no export: the sweep reads each run's summary.json, never its save_pretrained model
 TINY = ["data.max_documents=60", "train.steps=6", "train.log_every=2", "train.eval_every=0",
-        "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false"]
+        "data.micro_batch_size=2", "model.num_layers=1", "logger.progress=false", "checkpoint.export=false"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tokenized-data cache for the module's sweeps: the tokenizer is trained once."""
-    return tmp_path_factory.mktemp("cache")
+@pytest.fixture
+def cache(cli_runs: RunCache) -> Path:
+    """The session's data cache (``tests/helpers/run_cache.py``): the tokenizer and tokens of these 60 documents
+    are prepared once for both sweeps and the other CLI runs on them (``conftest.torchrun_run``)."""
+    return cli_runs.data_cache
 
 
 def sweep(args: list[str], tmp_path: Path, cache: Path) -> subprocess.CompletedProcess[str]:
