@@ -80,9 +80,9 @@ class NormNet(nn.Module):
 
 
 class Wide(nn.Module):
-    """16 KB weights: with bucket_cap_mb=0.01 (10 KB) every weight closes a bucket of its own (4 buckets; each one
-    costs Triton's interpreter two launches per backward, about 10 ms of CPU each: the 6 layers this had cost the
-    Triton test 1 CPU s more)."""
+    """16 KB weights: with bucket_cap_mb=0.01 (10 KB) every weight closes a bucket of its own: 4 buckets. Each bucket
+    is two launches per backward for Triton's interpreter, 15-20 ms of CPU each (it re-patches triton.language at
+    every call of a kernel's helper functions): the 6 layers this had cost the Triton test about 1 CPU s more."""
 
     def __init__(self) -> None:
         super().__init__()
