@@ -1514,6 +1514,11 @@ MUTANTS = [
            (("ddptrain/step/compute.py", "optimizer.zero_grad(set_to_none=True)",
              "optimizer.zero_grad(set_to_none=False)"),),
            ("tests/test_memory_trace.py", "-k", "tracer_keeps_one_fake_model")),
+    Mutant("build-config-merges-into-its-defaults", "build_config merges each build's layers into the schema's "
+           "defaults it keeps for the process: the next build starts from the last one's settings",
+           (("ddptrain/config/compose.py", "OmegaConf.merge(_schema_defaults(), *layers)",
+             "OmegaConf.merge(_schema_defaults().merge_with(*layers) or _schema_defaults())"),),
+           ("tests/test_config_groups.py", "-k", "no_build_changes_them")),
 ]
 
 def _copy_tree(dest: Path) -> None:
