@@ -1541,6 +1541,11 @@ MUTANTS = [
     Mutant("cpuft-events-read-whole", "the launcher parses every group's whole event file at each 0.2 s poll",
            (("ddptrain/ft/supervise.py", "self.offsets[g] += len(whole)", "self.offsets[g] = 0"),),
            ("tests/test_ft.py", "-k", "only_the_lines_written_since")),
+    Mutant("build-config-merges-into-its-defaults", "build_config merges each build's layers into the schema's "
+           "defaults it keeps for the process: the next build starts from the last one's settings",
+           (("ddptrain/config/compose.py", "OmegaConf.merge(_schema_defaults(), *layers)",
+             "OmegaConf.merge(_schema_defaults().merge_with(*layers) or _schema_defaults())"),),
+           ("tests/test_config_groups.py", "-k", "no_build_changes_them")),
 ]
 
 def _copy_tree(dest: Path) -> None:

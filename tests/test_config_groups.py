@@ -88,3 +88,16 @@ def test_the_schema_is_stored_once_per_process_and_no_composition_changes_it() -
     composed = compose_config(["train.steps=7", "optim.lr=0.5"])
     assert (composed.train.steps, composed.optim.lr) == (7, 0.5)
     assert OmegaConf.to_container(stored.node) == OmegaConf.to_container(OmegaConf.structured(Config))
+
+
+def test_build_config_composes_from_the_schemas_defaults_and_no_build_changes_them() -> None:
+    """``build_config`` merges onto the schema's defaults built once per process (every in-process run and every
+    forked rank composes its config with it); the merge works on a copy, so one build's layers never reach the next
+    build."""
+    from ddptrain.config.compose import build_config
+
+    built = build_config({"train": {"steps": 7}, "optim": {"lr": 0.5}})
+    assert (built.train.steps, built.optim.lr) == (7, 0.5)
+    fresh = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config)))  # the defaults, built anew here
+    assert OmegaConf.to_container(OmegaConf.structured(build_config())) == \
+        OmegaConf.to_container(OmegaConf.structured(fresh))

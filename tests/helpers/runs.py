@@ -14,6 +14,11 @@ from ddptrain.config.schema import Config
 
 Overrides = dict[str, dict[str, Any]]  # config section -> key -> value
 
+# Composed once here, where the fork server preloads this module: ``build_config`` builds the schema's defaults once
+# per process (30 ms of the 50 a first call takes), so every forked rank starts with them built instead of building
+# them again.
+build_config()
+
 
 def make_config(tmp: str, *layers: Overrides) -> Config:
     """The schema's defaults with each layer of overrides applied in turn (quiet, no export)."""
