@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from omegaconf import OmegaConf
 
 from ddptrain.config.compose import config_dir
@@ -101,3 +102,16 @@ def test_build_config_composes_from_the_schemas_defaults_and_no_build_changes_th
     fresh = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config)))  # the defaults, built anew here
     assert OmegaConf.to_container(OmegaConf.structured(build_config())) == \
         OmegaConf.to_container(OmegaConf.structured(fresh))
+
+
+def test_build_config_builds_the_schemas_defaults_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schema's defaults (30 ms of a build's 50) are built by the process's first ``build_config``, not again
+    by every later one (each in-process test run and forked rank composes its config)."""
+    from ddptrain.config.compose import build_config
+
+    build_config()
+    built: list[object] = []
+    structured = OmegaConf.structured
+    monkeypatch.setattr(OmegaConf, "structured", lambda *a, **k: built.append(a[0]) or structured(*a, **k))
+    assert build_config({"train": {"steps": 7}}).train.steps == 7 and build_config().train.steps == 100
+    assert built == [], f"build_config built the schema's defaults again: {len(built)} times in 2 builds"

@@ -192,6 +192,31 @@ def test_the_launchers_watch_parses_only_the_lines_written_since_its_last_poll(
     assert watch.lost() is None and supervise.quorum_lost(tmp_path, 2) is None
 
 
+def test_the_launchers_watch_reads_on_past_a_group_not_yet_started_and_a_line_cut_by_a_kill(tmp_path: Path) -> None:
+    """Each poll reads every group's file on: a group whose rank 0 has not written its file yet is skipped, not the
+    end of the poll (the groups after it are read), and a line cut short by a kill is one bad line: the restarted
+    worker's lines after it, read in the same poll, still count."""
+    from ddptrain.ft import supervise
+
+    line = lambda record: json.dumps(record) + "\n"  # noqa: E731
+    late = tmp_path / "late"  # group 0 not started yet; group 1 already found no quorum
+    events_path(late, 1).parent.mkdir(parents=True)
+    events_path(late, 1).write_text(line({"event": "attempt", "attempt": 0})
+                                    + line({"event": "quorum_lost", "step": 3}))
+    found = supervise.GroupEvents(late, 2).lost()
+    assert found is not None and "replica group 1" in found and "before step 3" in found, \
+        f"group 1's quorum loss not seen while group 0's file is missing: {found!r}"
+    killed = tmp_path / "killed"  # group 1 killed mid-line, restarted, and then found no quorum, all in one poll
+    committed = line({"event": "step", "step": 6, "quorum": 2, "committed": True})
+    events_path(killed, 0).parent.mkdir(parents=True)
+    events_path(killed, 0).write_text(committed)
+    events_path(killed, 1).write_text(committed + '{"event": "st' + line({"event": "attempt", "attempt": 1})
+                                      + line({"event": "quorum_lost", "step": 7}))
+    found = supervise.GroupEvents(killed, 2).lost()
+    assert found is not None and "replica group 1" in found and "before step 7" in found, \
+        f"the lines after a line cut by a kill were dropped: {found!r}"
+
+
 def test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing(
         tmp_path: Path) -> None:
     """One of a group's own ranks hung before the quorum, which waited for it: the others went on committing. That
