@@ -249,6 +249,41 @@ def test_traces_on_one_kept_fake_model_equal_traces_on_a_fresh_one_to_the_byte(m
     assert len(built) == 3 + 5  # a kept model per config and depth; a fresh one per fresh trace
 
 
+def test_the_tracker_answers_a_fake_tensors_device_query_itself_and_traces_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``PeakTracker`` answers ``prim.device`` on a fake tensor itself (two of every three ops it sees in a traced
+    step): none reaches the fake mode's dispatch, where without the shortcut over a thousand do, and every phase
+    and category of the step is the same to the byte. GPT-2 under full checkpointing on an H100 (fused AdamW,
+    CUDA's autocast lists, the bf16 working copy) and LoRA Llama on the CPU (foreach AdamW, clipping by device
+    group)."""
+    import ddptrain.telemetry.storage_peak as storage_peak
+
+    queries: list[int] = []
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: FakeTensorMode, func: Any, *args: Any, **kwargs: Any) -> Any:
+        queries.append(func is torch.ops.prim.device.default)
+        return dispatch(self, func, *args, **kwargs)
+
+    cases = ((small_config("gpt2", "full"), "h100", True), (small_config("llama", "none", lora=True), "cpu", False))
+    for cfg, device, working_copy in cases:
+        target, states = target_device(device, None, None), {}
+        step = TracedStep(2, cfg.model.activation_checkpointing, 1, 2)
+        trace_peak(cfg, VOCAB, step, target, working_copy, states=states)  # the model built outside the count
+        seen: dict[bool, tuple[int, dict]] = {}
+        for shortcut in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(FakeTensorMode, "dispatch", counted)
+                if not shortcut:  # the tracker passes the query on, as every other op
+                    patch.setattr(storage_peak, "DEVICE", object())
+                queries.clear()
+                phases = trace_peak(cfg, VOCAB, step, target, working_copy, states=states).phase_peaks
+            seen[shortcut] = (sum(queries), phases)
+        assert seen[True][1] == seen[False][1], cfg.model.arch
+        assert seen[True][0] == 0 and seen[False][0] > 1000, (cfg.model.arch, seen[True][0], seen[False][0])
+
+
 def test_a_tracer_keeps_one_fake_model_per_kind_and_each_step_traces_as_on_a_fresh_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
