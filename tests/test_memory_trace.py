@@ -202,12 +202,14 @@ def shared_traces() -> Iterator[dict[str, Any]]:
 
 def test_the_shared_traces_key_a_step_by_what_its_trace_reads() -> None:
     """``tests/helpers/trace_cache.py`` hands one trace to every step of the same key: the ZeRO stage (a trace is
-    one rank's bare step, sharded after) and the target's name and memory (an H100 and an RTX 4090 both trace in
-    bf16 on ``cuda``) leave the key and the trace alike to the byte; the target's kind and bf16 change both (the
-    planner's matrix in test_plan_consistency.py shares its traces across targets and stages by this)."""
+    one rank's bare step, sharded after), the target's name and memory (an H100 and an RTX 4090 both trace in
+    bf16 on ``cuda``) and ``metrics.peak_tflops`` (a MIG slice's throughput) leave the key and the trace alike to the
+    byte; the target's kind and bf16 change both (the planner's matrix in test_plan_consistency.py shares its traces
+    across targets, MIG slices and stages by this)."""
     cfg = small_config()
     staged = copy.deepcopy(cfg)
     staged.parallel.zero_stage, staged.parallel.bucket_cap_mb = 3, 1.0
+    staged.metrics.peak_tflops = 141.3
     step = TracedStep(2, ActivationCheckpointing.none, 1, 2)
     h100, rtx4090, cpu = (target_device(name, None, None) for name in ("h100", "rtx4090", "cpu"))
 
