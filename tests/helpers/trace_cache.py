@@ -1,7 +1,7 @@
 """Traced steps shared by the tests of one module: the planner's ``trace_peak`` answered once per distinct step.
 
 The memory planner traces a fake step (``ddptrain/plan/memory/planner.py``: ``trace_peak``) for every micro batch,
-checkpointing mode and depth it weighs, seconds of CPU each, and a ``Tracer`` keeps its traces only for itself. Tests
+checkpointing mode and depth it weighs, 0.2-1 CPU s each, and a ``Tracer`` keeps its traces only for itself. Tests
 that build their own configs (the same tiny model at the same micro batches, with another global batch or device
 memory) trace the same steps again; here the module's tests share them.
 
