@@ -1546,6 +1546,18 @@ MUTANTS = [
            (("ddptrain/config/compose.py", "OmegaConf.merge(_schema_defaults(), *layers)",
              "OmegaConf.merge(_schema_defaults().merge_with(*layers) or _schema_defaults())"),),
            ("tests/test_config_groups.py", "-k", "no_build_changes_them")),
+    Mutant("tracker-passes-device-queries-on", "PeakTracker passes a fake tensor's prim.device query through the fake "
+           "mode's dispatch and its own bookkeeping (the traced step's shortcut gone: same bytes, a sixth more CPU)",
+           (("ddptrain/telemetry/storage_peak.py",
+             "if func is DEVICE and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation:",
+             "if False:"),),
+           ("tests/test_memory_trace.py", "-k", "device_query")),
+    Mutant("trace-reads-peak-tflops", "a traced step takes the low-precision working copy where metrics.peak_tflops "
+           "is set (a trace would then depend on metrics.*, which the tests' shared key drops)",
+           (("ddptrain/plan/memory/planner.py",
+             "dtype if working_copy else None, representative_chunks=True)",
+             "dtype if working_copy or cfg.metrics.peak_tflops else None, representative_chunks=True)"),),
+           ("tests/test_memory_trace.py", "-k", "shared_traces_key")),
 ]
 
 def _copy_tree(dest: Path) -> None:

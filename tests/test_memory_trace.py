@@ -202,12 +202,14 @@ def shared_traces() -> Iterator[dict[str, Any]]:
 
 def test_the_shared_traces_key_a_step_by_what_its_trace_reads() -> None:
     """``tests/helpers/trace_cache.py`` hands one trace to every step of the same key: the ZeRO stage (a trace is
-    one rank's bare step, sharded after) and the target's name and memory (an H100 and an RTX 4090 both trace in
-    bf16 on ``cuda``) leave the key and the trace alike to the byte; the target's kind and bf16 change both (the
-    planner's matrix in test_plan_consistency.py shares its traces across targets and stages by this)."""
+    one rank's bare step, sharded after), the target's name and memory (an H100 and an RTX 4090 both trace in
+    bf16 on ``cuda``) and ``metrics.peak_tflops`` (a MIG slice's throughput) leave the key and the trace alike to the
+    byte; the target's kind and bf16 change both (the planner's matrix in test_plan_consistency.py shares its traces
+    across targets, MIG slices and stages by this)."""
     cfg = small_config()
     staged = copy.deepcopy(cfg)
     staged.parallel.zero_stage, staged.parallel.bucket_cap_mb = 3, 1.0
+    staged.metrics.peak_tflops = 141.3
     step = TracedStep(2, ActivationCheckpointing.none, 1, 2)
     h100, rtx4090, cpu = (target_device(name, None, None) for name in ("h100", "rtx4090", "cpu"))
 
@@ -247,6 +249,41 @@ def test_traces_on_one_kept_fake_model_equal_traces_on_a_fresh_one_to_the_byte(m
             fresh = trace_peak(cfg, VOCAB, step, target, working_copy).phase_peaks
             assert kept == fresh, (cfg.model.arch, step)
     assert len(built) == 3 + 5  # a kept model per config and depth; a fresh one per fresh trace
+
+
+def test_the_tracker_answers_a_fake_tensors_device_query_itself_and_traces_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``PeakTracker`` answers ``prim.device`` on a fake tensor itself (two of every three ops it sees in a traced
+    step): none reaches the fake mode's dispatch, where without the shortcut over a thousand do, and every phase
+    and category of the step is the same to the byte. GPT-2 under full checkpointing on an H100 (fused AdamW,
+    CUDA's autocast lists, the bf16 working copy) and LoRA Llama on the CPU (foreach AdamW, clipping by device
+    group)."""
+    import ddptrain.telemetry.storage_peak as storage_peak
+
+    queries: list[int] = []
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: FakeTensorMode, func: Any, *args: Any, **kwargs: Any) -> Any:
+        queries.append(func is torch.ops.prim.device.default)
+        return dispatch(self, func, *args, **kwargs)
+
+    cases = ((small_config("gpt2", "full"), "h100", True), (small_config("llama", "none", lora=True), "cpu", False))
+    for cfg, device, working_copy in cases:
+        target, states = target_device(device, None, None), {}
+        step = TracedStep(2, cfg.model.activation_checkpointing, 1, 2)
+        trace_peak(cfg, VOCAB, step, target, working_copy, states=states)  # the model built outside the count
+        seen: dict[bool, tuple[int, dict]] = {}
+        for shortcut in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(FakeTensorMode, "dispatch", counted)
+                if not shortcut:  # the tracker passes the query on, as every other op
+                    patch.setattr(storage_peak, "DEVICE", object())
+                queries.clear()
+                phases = trace_peak(cfg, VOCAB, step, target, working_copy, states=states).phase_peaks
+            seen[shortcut] = (sum(queries), phases)
+        assert seen[True][1] == seen[False][1], cfg.model.arch
+        assert seen[True][0] == 0 and seen[False][0] > 1000, (cfg.model.arch, seen[True][0], seen[False][0])
 
 
 def test_a_tracer_keeps_one_fake_model_per_kind_and_each_step_traces_as_on_a_fresh_one(

@@ -1,12 +1,13 @@
 """Traced steps shared by the tests of one module: the planner's ``trace_peak`` answered once per distinct step.
 
 The memory planner traces a fake step (``ddptrain/plan/memory/planner.py``: ``trace_peak``) for every micro batch,
-checkpointing mode and depth it weighs, seconds of CPU each, and a ``Tracer`` keeps its traces only for itself. Tests
+checkpointing mode and depth it weighs, 0.2-1 CPU s each, and a ``Tracer`` keeps its traces only for itself. Tests
 that build their own configs (the same tiny model at the same micro batches, with another global batch or device
 memory) trace the same steps again; here the module's tests share them.
 
 What a trace depends on is its key: the config as the trace sees it, less what no trace reads (the batch sizes,
-``plan.*``, ``train.compile``: the plan traces the eager step; ``parallel.*``: a trace is one rank's bare step,
+``plan.*``, ``metrics.*``: the device's throughput ranks the options, and a MIG slice's traces are its card's;
+``train.compile``: the plan traces the eager step; ``parallel.*``: a trace is one rank's bare step,
 sharded afterwards by ``planner.shard``, so the ZeRO stages share the traces of their working copy) and with what
 the traced step sets in place of the configured value (``model.num_layers``, ``model.activation_checkpointing`` and,
 where the step gives it, ``train.chunked_loss``: a 4-block config traced at one block is the 2-block config traced
@@ -36,7 +37,8 @@ from ddptrain.config.schema import Config
 def step_key(cfg: Config, vocab: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     seen = copy.deepcopy(cfg)
     seen.data.global_batch_size = seen.data.micro_batch_size = seen.data.grad_accum = None  # type: ignore[assignment]
-    seen.plan, seen.parallel, seen.train.compile = type(seen.plan)(), type(seen.parallel)(), False
+    seen.plan, seen.parallel, seen.metrics = type(seen.plan)(), type(seen.parallel)(), type(seen.metrics)()
+    seen.train.compile = False
     for traced in (*args, *kwargs.values()):
         if isinstance(traced, memory_planner.TracedStep):  # what trace_peak sets from the step
             seen.model.num_layers, seen.model.activation_checkpointing = traced.num_layers, traced.checkpointing
