@@ -1558,6 +1558,30 @@ MUTANTS = [
              "dtype if working_copy else None, representative_chunks=True)",
              "dtype if working_copy or cfg.metrics.peak_tflops else None, representative_chunks=True)"),),
            ("tests/test_memory_trace.py", "-k", "shared_traces_key")),
+    # audit60: the round's product changes (the launcher's incremental watch, the once-built schema defaults, the
+    # tracker's device-query shortcut)
+    Mutant("audit60-watch-stops-at-a-missing-file", "a poll stops at the first group whose event file is not written "
+           "yet: the later groups' quorum losses go unseen",
+           (("ddptrain/ft/supervise.py", "            except FileNotFoundError:\n                continue",
+             "            except FileNotFoundError:\n                return"),),
+           ("tests/test_ft.py", "-k", "reads_on_past_a_group_not_yet_started")),
+    Mutant("audit60-watch-drops-lines-after-a-cut-one", "a line cut short by a kill ends the poll's parse, though "
+           "the offset moved past the restarted worker's lines after it: they are never read",
+           (("ddptrain/ft/supervise.py", "next line follows it)\n                    continue",
+             "next line follows it)\n                    break"),),
+           ("tests/test_ft.py", "-k", "reads_on_past_a_group_not_yet_started")),
+    Mutant("audit60-schema-defaults-rebuilt", "build_config builds the schema's defaults anew at every build",
+           (("ddptrain/config/compose.py", "@functools.cache\ndef _schema_defaults", "def _schema_defaults"),),
+           ("tests/test_config_groups.py", "-k", "defaults_once_per_process")),
+    Mutant("audit60-tracker-device-without-index", "PeakTracker answers a fake tensor's device query without its "
+           "index (cuda, not cuda:0)",
+           (("ddptrain/telemetry/storage_peak.py", "return args[0].fake_device",
+             "return torch.device(args[0].fake_device.type)"),),
+           ("tests/test_tracker_device_query.py",)),
+    Mutant("audit60-tracker-device-on-the-host", "PeakTracker answers every fake tensor's device query with the CPU "
+           "(a card's tensors grouped with the host's)",
+           (("ddptrain/telemetry/storage_peak.py", "return args[0].fake_device", 'return torch.device("cpu")'),),
+           ("tests/test_tracker_device_query.py",)),
 ]
 
 def _copy_tree(dest: Path) -> None:
