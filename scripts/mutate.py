@@ -1577,11 +1577,11 @@ MUTANTS = [
            "index (cuda, not cuda:0)",
            (("ddptrain/telemetry/storage_peak.py", "return args[0].fake_device",
              "return torch.device(args[0].fake_device.type)"),),
-           ("tests/test_tracker_device_query.py",)),
+           ("tests/test_memory_trace.py", "-k", "answers_its_own_device")),
     Mutant("audit60-tracker-device-on-the-host", "PeakTracker answers every fake tensor's device query with the CPU "
            "(a card's tensors grouped with the host's)",
            (("ddptrain/telemetry/storage_peak.py", "return args[0].fake_device", 'return torch.device("cpu")'),),
-           ("tests/test_tracker_device_query.py",)),
+           ("tests/test_memory_trace.py", "-k", "answers_its_own_device")),
 ]
 
 def _copy_tree(dest: Path) -> None:

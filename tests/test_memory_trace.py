@@ -286,6 +286,24 @@ def test_the_tracker_answers_a_fake_tensors_device_query_itself_and_traces_the_s
         assert seen[True][0] == 0 and seen[False][0] > 1000, (cfg.model.arch, seen[True][0], seen[False][0])
 
 
+def _grouped_devices(tensors: list[torch.Tensor]) -> list[str]:
+    """The devices ``_group_tensors_by_device_and_dtype`` (foreach/fused optimizers, clipping) sorts ``tensors`` by."""
+    return sorted(str(device) for device, _ in torch._C._group_tensors_by_device_and_dtype([tensors], False))
+
+
+def test_a_fake_tensors_device_query_under_the_tracker_answers_its_own_device() -> None:
+    """What the shortcut answers is the fake tensor's own device, index included, as without the tracker."""
+    with FakeTensorMode():
+        on_card, on_host = torch.empty(4, device="cuda:0"), torch.empty(4, device="cpu")
+        bare = _grouped_devices([on_card, on_host])
+        with PeakTracker() as tracker:
+            card, host = torch.empty(4, device="cuda:0"), torch.empty(4, device="cpu")
+            tracked = _grouped_devices([card, host])
+    assert tracker.peak.peak == 32  # the tracker was on: it counted both new tensors
+    assert bare == ["cpu", "cuda:0"]
+    assert tracked == bare, f"under PeakTracker a fake tensor's device query answers {tracked}, not {bare}"
+
+
 def test_a_tracer_keeps_one_fake_model_per_kind_and_each_step_traces_as_on_a_fresh_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -86,11 +86,15 @@ def _group_store(rank: int) -> Any:
     return store
 
 
+def _last(args: list[str], key: str, default: str) -> str:
+    """The value the command takes for ``key`` from its override strings: the last one given, else ``default``."""
+    return next((a.split("=", 1)[1] for a in reversed(args) if a.startswith(f"{key}=")), default)
+
+
 def train_as_the_command(args: list[str], cache: Path, fault: str | None = None) -> str:
     """Train ``ddptrain <args>`` (``launch.nproc_per_node`` ranks, default 1; ``DDPTRAIN_FAULT=fault``; data cache
     ``cache``) in forked ranks as its workers would; rank 0's log lines. ``hydra.run.dir`` must be among ``args``."""
-    sizes = [a.split("=", 1)[1] for a in args if a.startswith("launch.nproc_per_node=")]
-    ranks = int(sizes[-1]) if sizes else 1
+    ranks = int(_last(args, "launch.nproc_per_node", "1"))
     return run_distributed(_as_a_worker, ranks, list(args), str(cache), fault, {}, timeout=300)[0]["said"]
 
 
@@ -106,11 +110,8 @@ def train_groups_as_the_command(args: list[str], cache: Path, fault: str | None 
 
     from ddptrain.ft.lighthouse import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS
 
-    def last(key: str, default: str) -> str:
-        return next((a.split("=", 1)[1] for a in reversed(args) if a.startswith(f"{key}=")), default)
-
-    groups, ranks = int(last("ft.replica_groups", "0")), int(last("launch.nproc_per_node", "1"))
-    server = LighthouseServer(bind="[::]:0", min_replicas=int(last("ft.min_replicas", "1")),
+    groups, ranks = int(_last(args, "ft.replica_groups", "0")), int(_last(args, "launch.nproc_per_node", "1"))
+    server = LighthouseServer(bind="[::]:0", min_replicas=int(_last(args, "ft.min_replicas", "1")),
                               join_timeout_ms=JOIN_TIMEOUT_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
     try:
         with ThreadPoolExecutor(groups, thread_name_prefix="group") as pool:
