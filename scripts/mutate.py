@@ -1582,6 +1582,20 @@ MUTANTS = [
            "(a card's tensors grouped with the host's)",
            (("ddptrain/telemetry/storage_peak.py", "return args[0].fake_device", 'return torch.device("cpu")'),),
            ("tests/test_memory_trace.py", "-k", "answers_its_own_device")),
+    Mutant("s61-continued-run-reads-earlier-launches", "the launch's watch reads the event files from their start: "
+           "a continued run is stopped by the quorum loss that stopped the launch before",
+           (("ddptrain/ft/supervise.py",
+             "        events.offsets = [path.stat().st_size if path.is_file() else 0 for path in events.paths]\n",
+             ""),),
+           ("tests/test_ft.py", "-k", "continued_run or local_launch")),
+    Mutant("s61-watch-made-after-the-agents", "the launch makes its watch once the groups have started: a group's "
+           "first lines (a quorum loss) are skipped as an earlier launch's",
+           (("ddptrain/app/ft_launch.py",
+             "    events = GroupEvents.of_this_launch(run_dir, groups)  # before any group of this launch writes a "
+             "line\n", ""),
+            ("ddptrain/app/ft_launch.py", "        ended = watch(agents, lighthouse, events)",
+             "        ended = watch(agents, lighthouse, GroupEvents.of_this_launch(run_dir, groups))")),
+           ("tests/test_ft.py", "-k", "local_launch")),
 ]
 
 def _copy_tree(dest: Path) -> None:

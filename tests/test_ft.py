@@ -217,6 +217,36 @@ def test_the_launchers_watch_reads_on_past_a_group_not_yet_started_and_a_line_cu
         f"the lines after a line cut by a kill were dropped: {found!r}"
 
 
+def test_a_continued_run_is_judged_by_its_own_launchs_events_not_by_the_launches_before(tmp_path: Path) -> None:
+    """``train.resume=auto`` after a run stopped on a quorum loss appends to the same event files. The loss that
+    stopped the launch before must not stop the continued one (read from the files' start it did, at the first
+    poll: no group had committed past it), and steps committed before the groups went back to their checkpoints
+    must not excuse a loss of this launch (no group of this launch got past it)."""
+    from ddptrain.ft import supervise
+
+    committed = lambda s, done=True: {"event": "step", "step": s, "quorum": 2, "committed": done}  # noqa: E731
+    # the launch before: both groups committed steps 1-8; group 1 found no quorum before step 9, and the run stopped
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0}, *(committed(s) for s in range(1, 9)))
+    _events(tmp_path, 1, {"event": "attempt", "attempt": 0}, *(committed(s) for s in range(1, 9)),
+            {"event": "quorum_lost", "step": 9})
+    assert supervise.quorum_lost(tmp_path, 2) is not None  # what stopped it (and ft.json keeps it)
+    events = supervise.GroupEvents.of_this_launch(tmp_path, 2)
+    assert events.lost() is None  # this launch has written nothing yet
+
+    def append(group: int, *records: dict) -> None:
+        with events_path(tmp_path, group).open("a") as out:  # after the line the kill cut (``_events``)
+            out.write("".join(json.dumps(r) + "\n" for r in records))
+
+    # this launch, both groups back at their step-4 checkpoints: group 0 commits 5 and is stuck at 6 with group 1,
+    # which finds no quorum before step 6. Steps 6-8 were committed, but by the launch before.
+    append(0, {"event": "attempt", "attempt": 0}, committed(5), committed(6, done=False))
+    append(1, {"event": "attempt", "attempt": 0}, committed(5), {"event": "quorum_lost", "step": 6})
+    line = events.lost()
+    assert line is not None and line.startswith("replica group 1 found no quorum") and "before step 6" in line
+    append(0, committed(6))  # group 0 commits step 6 of this launch without group 1: group 1 failed alone
+    assert events.lost() is None
+
+
 def test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing(
         tmp_path: Path) -> None:
     """One of a group's own ranks hung before the quorum, which waited for it: the others went on committing. That
@@ -275,11 +305,16 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     started: list[tuple[list[str], dict[str, str]]] = []
     codes: list[int] = []
     lighthouses: list[str] = []
+    writes: dict[int, dict] = {}  # group: the event its agent writes once started
+    watched: list[str | None] = []  # what the launch's watch found in the events it was given
 
     class Agent:
         def __init__(self, argv: list[str], env: dict[str, str], start_new_session: bool) -> None:
             started.append((argv, env))
             self.returncode = codes[len(started) - 1]
+            if (event := writes.get(len(started) - 1)) is not None:
+                with events_path(run_dir, len(started) - 1).open("a") as out:
+                    out.write(json.dumps(event) + "\n")
 
         def poll(self) -> int:
             return self.returncode
@@ -301,7 +336,7 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     monkeypatch.setattr(ft_launch, "ready_run_dir", lambda run, world, shape, doing: run_dir)
     monkeypatch.setattr(ft_launch, "Lighthouse", OwnLighthouse)
     monkeypatch.setattr(ft_launch.subprocess, "Popen", Agent)
-    monkeypatch.setattr(ft_launch, "watch", lambda agents, lighthouse, run_dir, groups: None)
+    monkeypatch.setattr(ft_launch, "watch", lambda agents, lighthouse, events: watched.append(events.lost()))
     monkeypatch.setattr(ft_launch, "write_ft_json", lambda run_dir, groups: {})
     monkeypatch.setattr(ft_launch, "publish_summary", lambda run_dir, groups, record: None)
     monkeypatch.delenv("RUST_LOG", raising=False)
@@ -327,3 +362,10 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     assert launched(None, 0, 4) == 4 and launched(None, 1, 4) == 1  # the first failed group's code, if it said it
     (group_dir(run_dir, 0) / "summary.json").write_text("{}")  # group 0 trained every step; group 1 was stopped
     assert launched(None, 0, 1) == 0
+    assert watched == [None] * 5
+    # continued in the same run dir: the files hold the launch before's loss (group 0, step 9); this launch's
+    # group 1 finds no quorum before step 2 once started. The watch is given this launch's lines, all of them.
+    _events(run_dir, 0, {"event": "quorum_lost", "step": 9})
+    writes[1] = {"event": "quorum_lost", "step": 2}
+    launched(None, 0, 1)
+    assert watched[-1] is not None and watched[-1].startswith("replica group 1 ") and "before step 2" in watched[-1]

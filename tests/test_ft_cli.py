@@ -185,6 +185,30 @@ def test_a_lighthouse_gone_stops_every_group_with_one_line_and_keeps_the_checkpo
         assert committed and committed[-1].parent.name >= "step_000010", committed
 
 
+def test_a_run_stopped_for_want_of_a_quorum_continues_with_resume_auto_as_its_line_says(
+        cli_runs: RunCache, tmp_path: Path) -> None:
+    """Group 1's only worker dies after step 3 and is not restarted (ft.group_restarts=0): group 0 finds no quorum
+    of two groups before step 4 and the run stops, its line saying to continue with train.resume=auto. Continued
+    in the same run dir, the launch trains to the end: the earlier launch's quorum loss, still in the event files
+    the continued groups append to, is not this launch's (it stopped the continued run at its first poll)."""
+    args = ["model=llama_tiny", "data.max_documents=40", "train.steps=6", "train.log_every=1", "train.eval_every=0",
+            "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.export=false", "logger.progress=false",
+            "checkpoint.every_n_steps=2", "ft.replica_groups=2", "ft.min_replicas=2", "ft.group_restarts=0",
+            "ft.quorum_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"]
+    stopped = run_cli(args, cwd=tmp_path, cache=cli_runs.data_cache, timeout=300,
+                      extra_env={"DDPTRAIN_FAULT": "kill@step:3:1/0"})
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("ddptrain: error: replica group")]
+    assert stopped.returncode == 1 and len(errors) == 1, stopped.stderr[-3000:]
+    assert "found no quorum" in errors[0] and "before step 4" in errors[0] and "train.resume=auto" in errors[0]
+    continued = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cli_runs.data_cache, timeout=300)
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert "found no quorum" not in continued.stderr
+    for group in (0, 1):
+        events = read_events(tmp_path / "run" / "ft" / f"group{group}.jsonl")
+        assert [e["attempt"] for e in events if e.get("event") == "attempt"] == [0, 0]  # one of each launch
+        assert max(e["step"] for e in events if e.get("event") == "step" and e.get("committed")) == 6
+
+
 def test_the_drift_check_works_inside_a_group_and_repairs_only_that_group(
         background: dict[str, Future[Any]]) -> None:
     """2 groups of 2 workers; rank 1 of group 1 drifts after step 3's update. Group 1's check at step 3 names its

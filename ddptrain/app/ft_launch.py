@@ -28,7 +28,7 @@ from ddptrain.errors import say
 from ddptrain.ft.accounting import write_ft_json
 from ddptrain.ft.layout import GROUP_AGENT_ENV, group_dir
 from ddptrain.ft.lighthouse import Lighthouse
-from ddptrain.ft.supervise import finished_first, group_argv, kill, publish_summary, watch
+from ddptrain.ft.supervise import GroupEvents, finished_first, group_argv, kill, publish_summary, watch
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
 
 
@@ -54,12 +54,13 @@ def launch_groups(run: Run, argv: list[str]) -> int:
                 agent.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    events = GroupEvents.of_this_launch(run_dir, groups)  # before any group of this launch writes a line
     try:
         for g in range(groups):
             group_dir(run_dir, g).mkdir(parents=True, exist_ok=True)
             agents.append(subprocess.Popen([sys.executable, "-m", "ddptrain", *group_argv(argv, run_dir, g, address)],
                                            env=env, start_new_session=True))  # its own session: a kill ends it all
-        ended = watch(agents, lighthouse, run_dir, groups)
+        ended = watch(agents, lighthouse, events)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

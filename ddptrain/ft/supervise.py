@@ -36,12 +36,11 @@ def group_argv(argv: list[str], run_dir: Path, group: int, lighthouse: str) -> l
     return [*kept, f"hydra.run.dir={run_dir}", f"ft.replica_id={group}", f"ft.lighthouse={lighthouse}"]
 
 
-def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, run_dir: Path, groups: int
-          ) -> str | None:
-    """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum. Returns why the
-    run was stopped (None: every agent ended on its own)."""
+def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, events: GroupEvents) -> str | None:
+    """Wait for every agent; stop them all if the lighthouse exits or a group lost its quorum (in ``events``: this
+    launch's, ``GroupEvents.of_this_launch``). Returns why the run was stopped (None: every agent ended on its
+    own)."""
     finished_at: float | None = None
-    events = GroupEvents(run_dir, groups)
     while any(agent.poll() is None for agent in agents):
         why = None
         if finished_at is None and any(agent.poll() == 0 for agent in agents):
@@ -89,6 +88,18 @@ class GroupEvents:
         self.offsets = [0] * groups  # bytes of each file already parsed (whole lines)
         self.losses: list[tuple[int, int]] = []  # (group, step) of each quorum_lost event
         self.committed = [0] * groups  # the last step each group committed (0: none yet)
+
+    @classmethod
+    def of_this_launch(cls, run_dir: Path, groups: int) -> GroupEvents:
+        """The events written from now on, made before the groups start. A launch that continues a run
+        (``train.resume=auto``) appends to the files of the launches before it: a quorum loss that stopped one of
+        those is not this launch's (read from the start, it stopped the continued run at its first poll, before
+        any group could commit a step), nor does a step committed before the groups went back to their last
+        checkpoints say that a group can get past it now. ``ft.json`` still reads the whole files: the run's
+        history."""
+        events = cls(run_dir, groups)
+        events.offsets = [path.stat().st_size if path.is_file() else 0 for path in events.paths]
+        return events
 
     def lost(self) -> str | None:
         """``quorum_lost``'s line, from the events written so far."""
