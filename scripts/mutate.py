@@ -1596,6 +1596,30 @@ MUTANTS = [
             ("ddptrain/app/ft_launch.py", "        ended = watch(agents, lighthouse, events)",
              "        ended = watch(agents, lighthouse, GroupEvents.of_this_launch(run_dir, groups))")),
            ("tests/test_ft.py", "-k", "local_launch")),
+    Mutant("s61-verdict-reads-old-records", "the verdict reads rank records of any time: an earlier launch's hang is "
+           "named as a continued run's failure",
+           (("ddptrain/diagnose/verdict.py", "if rec.get(\"time\", 0.0) >= since}", "}"),),
+           ("tests/test_verdict.py", "-k", "older_than")),
+    Mutant("s61-verdict-reads-old-whereabouts", "the verdict reads a rank's whereabouts of any time",
+           (("ddptrain/diagnose/verdict.py", "if _written_since(folder / f\"rank{r}.where\", since)\n             and ",
+             "if "),),
+           ("tests/test_verdict.py", "-k", "older_than")),
+    Mutant("s61-verdict-reads-old-dumps", "the verdict reads NCCL dumps of any time",
+           (("ddptrain/diagnose/verdict.py", "if _written_since(Path(f\"{prefix}{r}\"), since)\n             and ",
+             "if "),),
+           ("tests/test_verdict.py", "-k", "older_than")),
+    Mutant("s61-verdict-reads-old-stacks", "the verdict reads a dead rank's stacks of any time",
+           (("ddptrain/diagnose/verdict.py", "frame = _stack_frame(stacks) if _written_since(stacks, since) else None",
+             "frame = _stack_frame(stacks)"),),
+           ("tests/test_verdict.py", "-k", "older_than")),
+    Mutant("s61-launch-judges-without-its-start", "the launcher's verdict is given no launch start",
+           (("ddptrain/app/launch.py", "socket.gethostname(), since=started)", "socket.gethostname())"),),
+           ("tests/test_before_start.py", "-k", "continued_runs_failure")),
+    Mutant("s61-launch-start-taken-at-the-failure", "the launch's start is taken when the workers have failed: what "
+           "they wrote is left out",
+           (("ddptrain/app/launch.py", "socket.gethostname(), since=started)",
+             "socket.gethostname(), since=time.time())"),),
+           ("tests/test_before_start.py", "-k", "continued_runs_failure")),
 ]
 
 def _copy_tree(dest: Path) -> None:

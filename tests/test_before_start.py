@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import time
@@ -162,6 +163,52 @@ def test_a_worker_that_said_its_line_gives_the_command_its_exit_code(
     monkeypatch.setattr(torch_run, "run", failed({1: 1}))
     assert run_cli([*QUICK, "hydra.run.dir=run2"]) == 1
     assert "ddptrain: worker rank 1 failed with exit code 1" in capsys.readouterr().err
+
+
+def test_a_continued_runs_failure_is_judged_by_its_own_evidence_not_the_earlier_launchs_hang(
+    tmp_path: Path, launcher: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run dir holds the evidence of an earlier launch's hang (rank 1 hung at step 4 in data loading, rank 0
+    waited); continued there, this launch's workers fail before any of them wrote its own (exit 1: a process group
+    that never formed): the launcher says a worker failed, not the old hang. Evidence its workers do write (rank 1
+    killed at step 9 in backward) is read: the launch's start is taken before its workers start."""
+    from ddptrain.diagnose.evidence import HANG_DIR
+    from ddptrain.diagnose.whereabouts import Whereabouts
+
+    hang = tmp_path / "run" / HANG_DIR
+    hang.mkdir(parents=True)
+    earlier = time.time() - 600
+    for rank, reason, phase in ((0, "collective timed out", "loss mean"), (1, "SIGTERM from the launcher", "data")):
+        collectives = [{"seq": s, "op": "all_reduce", "sizes": [], "bytes": 8} for s in range(40, 42 - rank)]
+        (hang / f"rank{rank}.json").write_text(json.dumps({
+            "rank": rank, "host": "vm", "pid": 1, "time": earlier, "reason": reason, "error": None, "step": 4,
+            "phase": phase, "where": "ddptrain/data/loader.py:88" if rank else None, "collectives": collectives}))
+    where = Whereabouts()
+    where.open(hang / "rank1.where")
+    where.at("data", 4)
+    where.close()
+    os.utime(hang / "rank1.where", (earlier, earlier))
+
+    def failed(args: Any) -> None:
+        if fresh:  # this launch's rank 1 is killed in backward at step 9; rank 0 then fails too
+            rank1 = Whereabouts()
+            rank1.open(hang / "rank1.where")
+            rank1.at("backward", 9)
+            rank1.close()
+        raise ChildFailedError("ddptrain", {1: ProcessFailure(1, 101, -int(signal.SIGKILL), str(tmp_path / "none")),
+                                            0: ProcessFailure(0, 100, 1, str(tmp_path / "none"))} if fresh else
+                               {r: ProcessFailure(r, 100 + r, 1, str(tmp_path / "none")) for r in (0, 1)})
+
+    monkeypatch.setattr(torch_run, "run", failed)
+    fresh = False
+    assert run_cli([*QUICK, "hydra.run.dir=run", "train.resume=auto"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
+    assert errors == ["ddptrain: worker rank 0 failed with exit code 1"], errors
+    fresh = True
+    assert run_cli([*QUICK, "hydra.run.dir=run", "train.resume=auto"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
+    assert errors == ["ddptrain: error: rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 9 in "
+                      "backward"], errors
 
 
 @pytest.mark.parametrize(("rank", "printed", "slept"), [("0", True, False), ("1", True, True)])

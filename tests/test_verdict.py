@@ -79,6 +79,43 @@ def test_a_rank_that_aborted_inside_a_collective_is_a_mismatch(tmp_path: Path) -
                                                 "(ddptrain/step/compute.py:46): its collective does not match")
 
 
+def test_evidence_older_than_the_launch_is_an_earlier_launchs_and_names_nothing(tmp_path: Path) -> None:
+    """A run continued in its run dir keeps an earlier launch's hang files until each rank's start replaces its
+    own. Each kind written before ``since`` is left out: a record (its own time), a rank's whereabouts, its stacks
+    and an NCCL dump (their files' times). The same files written after ``since`` are read."""
+    import os
+    import time
+
+    folder = _folder(tmp_path)
+    now = time.time()
+    _record(folder, 0, "collective timed out", 4, "loss mean", [(41, "all_reduce", 8)])  # time 0.0: long before
+    assert verdict(tmp_path, [Failure(0, 1, None)], 2, 15, "vm") is not None  # read without ``since``
+    assert verdict(tmp_path, [Failure(0, 1, None)], 2, 15, "vm", since=now) is None
+    (folder / "rank0.json").unlink()
+    where = Whereabouts()
+    where.open(folder / "rank1.where")
+    where.at("forward", 7)
+    where.close()
+    (folder / "rank1.stacks").write_text(
+        "Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+        '  File "/x/torch/distributed/distributed_c10d.py", line 2900 in all_reduce\n'
+        '  File "/x/ddptrain/step/compute.py", line 46 in global_mean\n\nThread 0x2:\n')
+    _nccl_dump(folder, 0, [(30, "all_reduce", 8, "scheduled")])  # rank 0 waiting in #30
+    killed, aborted = [Failure(1, -9, "SIGKILL"), Failure(0, 1, None)], [Failure(1, -6, "SIGABRT")]
+    fresh = {"killed": verdict(tmp_path, killed, 2, 15, "vm", since=now),
+             "aborted": verdict(tmp_path, aborted, 2, 15, "vm", since=now)}
+    assert fresh["killed"] == ("rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 7 in forward "
+                               "(ddptrain/step/compute.py:46); rank 0 waited in all_reduce #30 (start-up of step 0, "
+                               "8 bytes) for 15 s (dist.timeout_s)")
+    assert fresh["aborted"] is not None and "aborted (SIGABRT) inside a collective" in fresh["aborted"]
+    for name in ("rank1.where", "rank1.stacks", "nccl_trace_rank_0"):
+        os.utime(folder / name, (now - 600, now - 600))
+    assert verdict(tmp_path, killed, 2, 15, "vm", since=now) == (
+        "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 0 in start-up")
+    assert verdict(tmp_path, aborted, 2, 15, "vm", since=now) == (
+        "rank 1 (host vm) died of SIGABRT at step 0 in start-up")
+
+
 def test_without_evidence_of_a_hang_or_a_death_there_is_no_verdict(tmp_path: Path) -> None:
     _folder(tmp_path)
     assert verdict(tmp_path, [Failure(0, 2, None)], 2, 15, "vm") is None  # a worker's own one-line error

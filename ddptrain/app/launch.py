@@ -152,6 +152,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args([*options, "-m", "ddptrain", *argv])
     saved_before = latest_commit(run_dir / typed.checkpoint.dir)
+    started = time.time()  # evidence in <run dir>/hang/ from before is an earlier launch's (diagnose.verdict)
     try:
         elastic_run(args)
     except ChildFailedError as exc:
@@ -160,7 +161,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
             return failure.exitcode
         failures = [Failure(r, f.exitcode, f.signal_name() if f.exitcode < 0 else None)
                     for r, f in sorted(exc.failures.items(), key=lambda item: item[1].timestamp)]
-        found = verdict(run_dir, failures, world_size, typed.dist.timeout_s, socket.gethostname())
+        found = verdict(run_dir, failures, world_size, typed.dist.timeout_s, socket.gethostname(), since=started)
         if found is not None:  # the job's last line: who hung or died, and where (evidence in <run dir>/hang/)
             print(f"ddptrain: error: {found}", file=sys.stderr)
         else:

@@ -48,13 +48,21 @@ class Failure:
     signal: str | None  # e.g. SIGKILL, when the exit code is negative
 
 
-def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: float, host: str) -> str | None:
-    """One sentence naming the rank(s) at fault, or None when the evidence says nothing about a hang or a death."""
+def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: float, host: str,
+            since: float = 0.0) -> str | None:
+    """One sentence naming the rank(s) at fault, or None when the evidence says nothing about a hang or a death.
+
+    ``since``: when this launch started its workers (``time.time()``). Evidence from before is an earlier
+    launch's: a run continued in its run dir (``train.resume=auto``) after a hang keeps that hang's files until
+    each rank's start replaces its own, and a rank that failed before that (a process group that never formed)
+    replaced nothing. Read as this launch's, they named the old hang as this failure's cause."""
     folder = run_dir / HANG_DIR
-    records = _records(folder)
-    where = {r: w for r in range(world_size) if (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
+    records = {r: rec for r, rec in _records(folder).items() if rec.get("time", 0.0) >= since}
+    where = {r: w for r in range(world_size) if _written_since(folder / f"rank{r}.where", since)
+             and (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
     prefix = nccl_dump_prefix(folder)
-    dumps = {r: d for r in range(world_size) if (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
+    dumps = {r: d for r in range(world_size) if _written_since(Path(f"{prefix}{r}"), since)
+             and (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
     for r, rec in records.items():  # a record whose own read of the recorder found nothing takes the dump's
         if not rec.get("collectives") and dumps.get(r):
             rec["collectives"], rec["groups"] = dumps[r]["collectives"], dumps[r]["groups"]
@@ -81,7 +89,8 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
         step, phase = where.get(first.rank, (0, "start-up"))
-        frame = _stack_frame(folder / f"rank{first.rank}.stacks")
+        stacks = folder / f"rank{first.rank}.stacks"
+        frame = _stack_frame(stacks) if _written_since(stacks, since) else None
         others = _waited(waiters, groups, timeout_s, exclude={first.rank})
         if first.signal == "SIGABRT" and frame is not None and frame[1]:
             return (f"rank {first.rank} (host {host_of}) aborted (SIGABRT) inside a collective at step {step} "
@@ -213,6 +222,14 @@ def _stuck_before(collectives: list[dict[str, Any]] | None, group: str, seq: int
         return first < mine
     there = current([c for c in collectives if group_of(c) == group])
     return there is not None and there.get("completed") is False and there["seq"] < seq
+
+def _written_since(path: Path, since: float) -> bool:
+    """Whether ``path`` exists and was last written at or after ``since`` (a rank opens its files as it starts)."""
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
+
 
 def _records(folder: Path) -> dict[int, dict[str, Any]]:
     out = {}
