@@ -1590,9 +1590,8 @@ MUTANTS = [
            ("tests/test_ft.py", "-k", "continued_run or local_launch")),
     Mutant("s61-watch-made-after-the-agents", "the launch makes its watch once the groups have started: a group's "
            "first lines (a quorum loss) are skipped as an earlier launch's",
-           (("ddptrain/app/ft_launch.py",
-             "    events = GroupEvents.of_this_launch(run_dir, groups)  # before any group of this launch writes a "
-             "line\n", ""),
+           (("ddptrain/app/ft_launch.py", "events, started = GroupEvents.of_this_launch(run_dir, groups), time.time()",
+             "started = time.time()"),
             ("ddptrain/app/ft_launch.py", "        ended = watch(agents, lighthouse, events)",
              "        ended = watch(agents, lighthouse, GroupEvents.of_this_launch(run_dir, groups))")),
            ("tests/test_ft.py", "-k", "local_launch")),
@@ -1620,6 +1619,19 @@ MUTANTS = [
            (("ddptrain/app/launch.py", "socket.gethostname(), since=started)",
              "socket.gethostname(), since=time.time())"),),
            ("tests/test_before_start.py", "-k", "continued_runs_failure")),
+    Mutant("s61-summary-of-any-launch", "the run's summary.json publishes a group summary an earlier launch wrote",
+           (("ddptrain/ft/supervise.py", "return path if path.stat().st_mtime >= since else None",
+             "return path"),),
+           ("tests/test_ft.py", "-k", "summary_is_a_group_summary or local_launch")),
+    Mutant("s61-finished-by-an-earlier-launch", "the launch's exit code counts a group that finished in an earlier "
+           "launch as finished",
+           (("ddptrain/app/ft_launch.py", "finished_first(run_dir, groups, since=started)",
+             "finished_first(run_dir, groups, since=0.0)"),),
+           ("tests/test_ft.py", "-k", "local_launch")),
+    Mutant("s61-summary-published-of-any-launch", "the launch publishes a summary of any launch",
+           (("ddptrain/app/ft_launch.py", "publish_summary(run_dir, groups, record, since=started)",
+             "publish_summary(run_dir, groups, record, since=0.0)"),),
+           ("tests/test_ft.py", "-k", "local_launch")),
 ]
 
 def _copy_tree(dest: Path) -> None:

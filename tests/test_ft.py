@@ -5,7 +5,9 @@ The runs themselves are in tests/test_ft_cli.py (slow)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -247,6 +249,31 @@ def test_a_continued_run_is_judged_by_its_own_launchs_events_not_by_the_launches
     assert events.lost() is None
 
 
+def test_the_run_summary_is_a_group_summary_written_by_this_launch(tmp_path: Path) -> None:
+    """``<run dir>/summary.json`` is the lowest group's summary written since the launch started, with this
+    launch's ft record. A summary an earlier launch left (the run continued with more steps) is not this run's
+    result: with no group finished in this launch nothing is written (the earlier launch's top-level summary
+    stays as it was, not its figures under this launch's record)."""
+    from ddptrain.ft.layout import group_dir
+    from ddptrain.ft.supervise import finished_first, publish_summary
+
+    started = time.time()
+    for g, loss in ((0, 3.0), (1, 2.5)):
+        group_dir(tmp_path, g).mkdir(parents=True)
+        (group_dir(tmp_path, g) / "summary.json").write_text(json.dumps({"final_loss": loss}))
+    os.utime(group_dir(tmp_path, 0) / "summary.json", (started - 600, started - 600))  # the launch before's
+    assert finished_first(tmp_path, 2, since=started)
+    publish_summary(tmp_path, 2, {"quorum_lost": []}, since=started)
+    published = json.loads((tmp_path / "summary.json").read_text())
+    assert published["final_loss"] == 2.5 and published["ft"] == {"summary_of_group": 1, "quorum_lost": []}
+    os.utime(group_dir(tmp_path, 1) / "summary.json", (started - 600, started - 600))
+    (tmp_path / "summary.json").unlink()
+    assert not finished_first(tmp_path, 2, since=started)
+    publish_summary(tmp_path, 2, {"quorum_lost": [{"replica_id": 0, "step": 9}]}, since=started)
+    assert not (tmp_path / "summary.json").exists()
+    assert finished_first(tmp_path, 2, since=0.0)  # both written, by some launch
+
+
 def test_a_group_that_times_out_while_another_goes_past_its_step_fails_alone_and_stops_nothing(
         tmp_path: Path) -> None:
     """One of a group's own ranks hung before the quorum, which waited for it: the others went on committing. That
@@ -306,15 +333,20 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     codes: list[int] = []
     lighthouses: list[str] = []
     writes: dict[int, dict] = {}  # group: the event its agent writes once started
+    finishing: set[int] = set()  # groups whose agent writes their summary.json (they trained every step)
+    agent_starts: list[float] = []
     watched: list[str | None] = []  # what the launch's watch found in the events it was given
 
     class Agent:
         def __init__(self, argv: list[str], env: dict[str, str], start_new_session: bool) -> None:
             started.append((argv, env))
+            agent_starts.append(time.time())
             self.returncode = codes[len(started) - 1]
             if (event := writes.get(len(started) - 1)) is not None:
                 with events_path(run_dir, len(started) - 1).open("a") as out:
                     out.write(json.dumps(event) + "\n")
+            if len(started) - 1 in finishing:
+                (group_dir(run_dir, len(started) - 1) / "summary.json").write_text("{}")
 
         def poll(self) -> int:
             return self.returncode
@@ -338,7 +370,8 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     monkeypatch.setattr(ft_launch.subprocess, "Popen", Agent)
     monkeypatch.setattr(ft_launch, "watch", lambda agents, lighthouse, events: watched.append(events.lost()))
     monkeypatch.setattr(ft_launch, "write_ft_json", lambda run_dir, groups: {})
-    monkeypatch.setattr(ft_launch, "publish_summary", lambda run_dir, groups, record: None)
+    published: list[float] = []  # the launch start each publish_summary was given
+    monkeypatch.setattr(ft_launch, "publish_summary", lambda run_dir, groups, record, since: published.append(since))
     monkeypatch.delenv("RUST_LOG", raising=False)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
@@ -349,7 +382,9 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
                                                    group_restarts=3), launch=SimpleNamespace(nproc_per_node=2))
         return ft_launch.launch_groups(SimpleNamespace(typed=typed), ["model=llama_tiny"])
 
+    before = time.time()
     assert launched("lighthouse.example:29510", 0, 0) == 0 and lighthouses == []
+    assert before <= published[-1] <= agent_starts[0]  # what the groups write from their start on is this launch's
     for g, (argv, env) in enumerate(started):
         assert argv == [sys.executable, "-m", "ddptrain",
                         *group_argv(["model=llama_tiny"], run_dir, g, "lighthouse.example:29510")]
@@ -360,9 +395,14 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     assert lighthouses == ["started for 1", "stopped"] and started[0][1]["RUST_LOG"] == "debug"
     assert started[1][0][-1] == "ft.lighthouse=http://localhost:29511"
     assert launched(None, 0, 4) == 4 and launched(None, 1, 4) == 1  # the first failed group's code, if it said it
-    (group_dir(run_dir, 0) / "summary.json").write_text("{}")  # group 0 trained every step; group 1 was stopped
-    assert launched(None, 0, 1) == 0
-    assert watched == [None] * 5
+    earlier = group_dir(run_dir, 0) / "summary.json"  # group 0 trained every step of the launch before
+    earlier.write_text("{}")
+    os.utime(earlier, (time.time() - 3600, time.time() - 3600))
+    assert launched(None, 0, 1) == 1  # that says nothing of this launch, whose group 1 failed
+    finishing.add(0)
+    assert launched(None, 0, 1) == 0  # group 0 trained every step in this launch; group 1 was stopped
+    finishing.clear()
+    assert watched == [None] * 6
     # continued in the same run dir: the files hold the launch before's loss (group 0, step 9); this launch's
     # group 1 finds no quorum before step 2 once started. The watch is given this launch's lines, all of them.
     _events(run_dir, 0, {"event": "quorum_lost", "step": 9})

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from types import FrameType
 
 from ddptrain.app.launch import SAID_BY_WORKER, ready_run_dir
@@ -54,7 +55,8 @@ def launch_groups(run: Run, argv: list[str]) -> int:
                 agent.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    events = GroupEvents.of_this_launch(run_dir, groups)  # before any group of this launch writes a line
+    # before any group of this launch writes a line: what its groups leave is told from what earlier launches left
+    events, started = GroupEvents.of_this_launch(run_dir, groups), time.time()
     try:
         for g in range(groups):
             group_dir(run_dir, g).mkdir(parents=True, exist_ok=True)
@@ -70,7 +72,7 @@ def launch_groups(run: Run, argv: list[str]) -> int:
         if lighthouse is not None:
             lighthouse.stop()
         record = write_ft_json(run_dir, groups)
-        publish_summary(run_dir, groups, record)
+        publish_summary(run_dir, groups, record, since=started)
     if ended is not None:
         say(f"ddptrain: error: {ended}; the last checkpoints are kept in {run_dir}/group*/ (continue with "
             "train.resume=auto)")
@@ -78,7 +80,7 @@ def launch_groups(run: Run, argv: list[str]) -> int:
     if stopped_by:
         return 128 + stopped_by[0]
     codes = [agent.returncode for agent in agents]
-    if all(code == 0 for code in codes) or (0 in codes and finished_first(run_dir, groups)):
+    if all(code == 0 for code in codes) or (0 in codes and finished_first(run_dir, groups, since=started)):
         return 0
     failed = next(g for g, code in enumerate(codes) if code != 0)
     if codes[failed] in SAID_BY_WORKER:

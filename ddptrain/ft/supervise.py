@@ -64,9 +64,20 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
     return None
 
 
-def finished_first(run_dir: Path, groups: int) -> bool:
-    """Whether a group's summary exists: it trained every step (the late groups were stopped after it)."""
-    return any((group_dir(run_dir, g) / "summary.json").is_file() for g in range(groups))
+def finished_first(run_dir: Path, groups: int, since: float) -> bool:
+    """Whether a group wrote its summary since ``since`` (this launch's start): it trained every step (the late
+    groups were stopped after it)."""
+    return any(_summary_since(run_dir, g, since) is not None for g in range(groups))
+
+
+def _summary_since(run_dir: Path, group: int, since: float) -> Path | None:
+    """Group ``group``'s summary.json if it was written at or after ``since``. A run continued in its run dir
+    keeps the summaries its groups wrote in an earlier launch: those say nothing about this one."""
+    path = group_dir(run_dir, group) / "summary.json"
+    try:
+        return path if path.stat().st_mtime >= since else None
+    except OSError:
+        return None
 
 
 def quorum_lost(run_dir: Path, groups: int) -> str | None:
@@ -151,12 +162,12 @@ def kill(agent: subprocess.Popen[bytes]) -> None:
     agent.wait()
 
 
-def publish_summary(run_dir: Path, groups: int, record: dict) -> None:
-    """``<run dir>/summary.json``: the lowest group's that finished, with ``ft.json``'s per-group record and each
-    step's quorum size."""
+def publish_summary(run_dir: Path, groups: int, record: dict, since: float) -> None:
+    """``<run dir>/summary.json``: the lowest group's that finished in this launch (started at ``since``), with
+    ``ft.json``'s per-group record and each step's quorum size; nothing when no group finished (a continued run
+    that failed leaves the earlier launch's summary as it was, not its figures under this launch's record)."""
     for g in range(groups):
-        path = group_dir(run_dir, g) / "summary.json"
-        if path.is_file():
+        if (path := _summary_since(run_dir, g, since)) is not None:
             summary = json.loads(path.read_text())
             summary["ft"] = {**summary.get("ft", {}), "summary_of_group": g, **record}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
