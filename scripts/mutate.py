@@ -1632,6 +1632,11 @@ MUTANTS = [
            (("ddptrain/app/ft_launch.py", "publish_summary(run_dir, groups, record, since=started)",
              "publish_summary(run_dir, groups, record, since=0.0)"),),
            ("tests/test_ft.py", "-k", "local_launch")),
+    Mutant("s61-watch-ends-without-a-last-read", "the watch returns when the last agent ends without reading the "
+           "events once more: a quorum loss written as the agents ended is missed",
+           (("ddptrain/ft/supervise.py", "    return events.lost()\n\n\ndef finished_first",
+             "    return None\n\n\ndef finished_first"),),
+           ("tests/test_ft.py", "-k", "read_after_them")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -249,6 +249,31 @@ def test_a_continued_run_is_judged_by_its_own_launchs_events_not_by_the_launches
     assert events.lost() is None
 
 
+def test_a_quorum_loss_written_as_the_last_agents_end_is_read_after_them(tmp_path: Path) -> None:
+    """A group that found no quorum stops on its own: its rank 0 records the loss, says its line and exits, and its
+    agent with it. When the other groups had already ended, every agent can be gone before the watch's next poll:
+    the watch reads the events once more after the last agent, and the run's line is the quorum loss (it was
+    "replica group 0 failed (exit code 1)", or exit 0 had another group's summary been there)."""
+    from ddptrain.ft import supervise
+
+    class Ended:  # an agent that had exited before the watch began
+        def __init__(self, code: int) -> None:
+            self.returncode = code
+
+        def poll(self) -> int:
+            return self.returncode
+
+    events = supervise.GroupEvents.of_this_launch(tmp_path, 2)
+    _events(tmp_path, 0, {"event": "attempt", "attempt": 0},
+            {"event": "step", "step": 3, "quorum": 2, "committed": True}, {"event": "quorum_lost", "step": 4})
+    _events(tmp_path, 1, {"event": "attempt", "attempt": 0},
+            {"event": "step", "step": 3, "quorum": 2, "committed": True})  # killed at step 3, not restarted
+    line = supervise.watch([Ended(1), Ended(1)], None, events)  # type: ignore[list-item]
+    assert line is not None and line.startswith("replica group 0 found no quorum") and "before step 4" in line
+    fine = supervise.GroupEvents.of_this_launch(tmp_path, 2)  # both groups ended well: nothing to say
+    assert supervise.watch([Ended(0), Ended(0)], None, fine) is None  # type: ignore[list-item]
+
+
 def test_the_run_summary_is_a_group_summary_written_by_this_launch(tmp_path: Path) -> None:
     """``<run dir>/summary.json`` is the lowest group's summary written since the launch started, with this
     launch's ft record. A summary an earlier launch left (the run continued with more steps) is not this run's

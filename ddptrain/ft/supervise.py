@@ -61,7 +61,9 @@ def watch(agents: list[subprocess.Popen[bytes]], lighthouse: Lighthouse | None, 
             stop_all(agents)
             return why
         time.sleep(POLL_S)
-    return None
+    # Every agent has ended. A group that found no quorum stops on its own (its rank 0 records the loss, says its
+    # line and exits): when it and the last other group ended within one poll, the loss is read here, not lost.
+    return events.lost()
 
 
 def finished_first(run_dir: Path, groups: int, since: float) -> bool:
