@@ -1637,6 +1637,14 @@ MUTANTS = [
            (("ddptrain/ft/supervise.py", "    return events.lost()\n\n\ndef finished_first",
              "    return None\n\n\ndef finished_first"),),
            ("tests/test_ft.py", "-k", "read_after_them")),
+    Mutant("s61-groups-folders-unchecked", "the groups' launcher checks only the run dir: each group's agent refuses "
+           "another run's checkpoints in its folder once everything has started, every group alike",
+           (("ddptrain/app/ft_launch.py", "(torchft)\", replica_groups=groups)", "(torchft)\")"),),
+           ("tests/test_before_start.py", "-k", "replica_group_run_over")),
+    Mutant("s61-only-the-first-groups-folder", "the launcher checks group 0's folder only",
+           (("ddptrain/app/launch.py", "for group in range(replica_groups):",
+             "for group in range(min(replica_groups, 1)):"),),
+           ("tests/test_before_start.py", "-k", "replica_group_run_over")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -165,6 +165,34 @@ def test_a_worker_that_said_its_line_gives_the_command_its_exit_code(
     assert "ddptrain: worker rank 1 failed with exit code 1" in capsys.readouterr().err
 
 
+def test_a_replica_group_run_over_a_groups_checkpoints_is_refused_once_before_anything_starts(
+    tmp_path: Path, launcher: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under ft.replica_groups each group keeps its checkpoints in ``<run dir>/group<G>/``. A new run over a
+    group's committed checkpoints is refused by the launcher in one line, exit 2, before the run's first line,
+    the lighthouse and the groups' agents; each agent found it only after all had started, and every group said
+    it (two lines for two groups). Continued with train.resume=auto, the same run dir is accepted."""
+    from ddptrain.app import ft_launch
+
+    write_checkpoint(tmp_path / "run" / "group1", [])
+    starts: list[str] = []
+
+    class Recorded:  # the lighthouse or a group's agent, had the launch started one
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            starts.append(type(self).__name__)
+            raise RuntimeError("started")
+
+    monkeypatch.setattr(ft_launch, "Lighthouse", Recorded)
+    groups = ["ft.replica_groups=2", "ft.min_replicas=2", "launch.nproc_per_node=1", "hydra.run.dir=run"]
+    refused(capsys, starts, groups,
+            f"hydra.run.dir={tmp_path / 'run' / 'group1'}: holds committed checkpoints of another run (latest "
+            "step_000002); continue it with train.resume=auto, or start in a new hydra.run.dir "
+            "(checkpoint.overwrite=true replaces them)")
+    with pytest.raises(RuntimeError, match="started"):  # accepted: the launch goes on to start the lighthouse
+        run_cli([*QUICK, *groups, "train.resume=auto"])
+    assert starts == ["Recorded"]
+
+
 def test_a_continued_runs_failure_is_judged_by_its_own_evidence_not_the_earlier_launchs_hang(
     tmp_path: Path, launcher: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -390,7 +390,9 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
 
     run_dir = tmp_path / "fresh" / "run"  # not made yet: the launch makes the group folders
     monkeypatch.setattr(ft_launch, "validate_config", lambda typed, world: None)
-    monkeypatch.setattr(ft_launch, "ready_run_dir", lambda run, world, shape, doing: run_dir)
+    checked: list[int] = []  # the replica groups whose folders the launcher checked before starting anything
+    monkeypatch.setattr(ft_launch, "ready_run_dir",
+                        lambda run, world, shape, doing, replica_groups: checked.append(replica_groups) or run_dir)
     monkeypatch.setattr(ft_launch, "Lighthouse", OwnLighthouse)
     monkeypatch.setattr(ft_launch.subprocess, "Popen", Agent)
     monkeypatch.setattr(ft_launch, "watch", lambda agents, lighthouse, events: watched.append(events.lost()))
@@ -408,7 +410,7 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
         return ft_launch.launch_groups(SimpleNamespace(typed=typed), ["model=llama_tiny"])
 
     before = time.time()
-    assert launched("lighthouse.example:29510", 0, 0) == 0 and lighthouses == []
+    assert launched("lighthouse.example:29510", 0, 0) == 0 and lighthouses == [] and checked == [2]
     assert before <= published[-1] <= agent_starts[0]  # what the groups write from their start on is this launch's
     for g, (argv, env) in enumerate(started):
         assert argv == [sys.executable, "-m", "ddptrain",

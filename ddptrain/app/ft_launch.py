@@ -40,7 +40,7 @@ def launch_groups(run: Run, argv: list[str]) -> int:
     world = groups * per_group
     shape = validate_config(typed, world)
     run_dir = ready_run_dir(run, world, shape, f"starting {groups} replica groups of {per_group} worker"
-                            f"{'s' if per_group > 1 else ''} (torchft)")
+                            f"{'s' if per_group > 1 else ''} (torchft)", replica_groups=groups)
     lighthouse = Lighthouse(run_dir, typed.ft.min_replicas) if typed.ft.lighthouse is None else None
     address = lighthouse.start().address if lighthouse is not None else str(typed.ft.lighthouse)
     env = {**os.environ, GROUP_AGENT_ENV: "1", LAUNCH_START_ENV: launcher_start(),

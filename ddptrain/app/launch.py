@@ -21,7 +21,7 @@ from ddptrain.data import BatchShape
 from ddptrain.diagnose.evidence import Evidence
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, one_line, say
-from ddptrain.ft.layout import GROUP_AGENT_ENV, data_parallel_size
+from ddptrain.ft.layout import GROUP_AGENT_ENV, data_parallel_size, group_dir
 from ddptrain.runtime.allocator import startup_line as allocator_line
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
@@ -185,14 +185,19 @@ def launch_workers(run: Run, argv: list[str]) -> int:
 SAID_BY_WORKER = frozenset({2, 3, 4})
 
 
-def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str, announce: bool = True) -> Path:
+def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str, announce: bool = True,
+                  replica_groups: int = 0) -> Path:
     """The run directory, once it is known the run can start there (``app/before_start.py``: nothing is written
     before), and the run's first console line (unless not ``announce``): where, how many ranks, the batch, and
-    what comes next."""
+    what comes next. ``replica_groups``: the groups' folders (``<run dir>/group<G>``, where each group keeps its
+    checkpoints) are checked as well, once, here: each group's agent checks its own again, but only once the
+    lighthouse and the other groups have started, and every group said the same refusal."""
     from ddptrain.app.before_start import check_before_start
 
     run_dir = Path(os.path.abspath(run.cfg.hydra.run.dir))  # resolved once: ${now:...} changes with the clock
     resume = check_before_start(run.typed, run_dir)
+    for group in range(replica_groups):
+        check_before_start(run.typed, group_dir(run_dir, group))
     batch = shape.equation() if shape is not None else "data.micro_batch_size=auto: chosen once the ranks meet"
     if announce:
         say(f"{time.strftime('%H:%M:%S')} run dir {run_dir} | {world_size} rank{'s' if world_size > 1 else ''} | "
