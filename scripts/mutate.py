@@ -1637,6 +1637,12 @@ MUTANTS = [
            (("ddptrain/ft/supervise.py", "    return events.lost()\n\n\ndef finished_first",
              "    return None\n\n\ndef finished_first"),),
            ("tests/test_ft.py", "-k", "read_after_them")),
+    Mutant("audit61-verdict-dump-time-from-hang-dir", "the verdict judges an NCCL dump's age by "
+           "hang/nccl_trace_rank_{r}, not the dump it reads: with the user's TORCH_FR_DUMP_TEMP_FILE every fresh "
+           "dump is left out",
+           (("ddptrain/diagnose/verdict.py", "if _written_since(Path(f\"{prefix}{r}\"), since)",
+             "if _written_since(folder / f\"nccl_trace_rank_{r}\", since)"),),
+           ("tests/test_verdict.py", "-k", "user_pointed_nccl")),
 ]
 
 def _copy_tree(dest: Path) -> None:
