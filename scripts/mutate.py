@@ -1643,6 +1643,11 @@ MUTANTS = [
            (("ddptrain/diagnose/verdict.py", "if _written_since(Path(f\"{prefix}{r}\"), since)",
              "if _written_since(folder / f\"nccl_trace_rank_{r}\", since)"),),
            ("tests/test_verdict.py", "-k", "user_pointed_nccl")),
+    Mutant("audit61-launch-watches-per-worker-count", "the launch watches launch.nproc_per_node event files, not one "
+           "per replica group: with fewer workers per group than groups a later group's quorum loss goes unseen",
+           (("ddptrain/app/ft_launch.py", "events, started = GroupEvents.of_this_launch(run_dir, groups), time.time()",
+             "events, started = GroupEvents.of_this_launch(run_dir, per_group), time.time()"),),
+           ("tests/test_ft.py", "-k", "whatever_its_workers_per_group")),
 ]
 
 def _copy_tree(dest: Path) -> None:
