@@ -1645,6 +1645,17 @@ MUTANTS = [
            (("ddptrain/app/launch.py", "for group in range(replica_groups):",
              "for group in range(min(replica_groups, 1)):"),),
            ("tests/test_before_start.py", "-k", "replica_group_run_over")),
+    Mutant("audit61-verdict-dump-time-from-hang-dir", "the verdict judges an NCCL dump's age by "
+           "hang/nccl_trace_rank_{r}, not the dump it reads: with the user's TORCH_FR_DUMP_TEMP_FILE every fresh "
+           "dump is left out",
+           (("ddptrain/diagnose/verdict.py", "if _written_since(Path(f\"{prefix}{r}\"), since)",
+             "if _written_since(folder / f\"nccl_trace_rank_{r}\", since)"),),
+           ("tests/test_verdict.py", "-k", "user_pointed_nccl")),
+    Mutant("audit61-launch-watches-per-worker-count", "the launch watches launch.nproc_per_node event files, not one "
+           "per replica group: with fewer workers per group than groups a later group's quorum loss goes unseen",
+           (("ddptrain/app/ft_launch.py", "events, started = GroupEvents.of_this_launch(run_dir, groups), time.time()",
+             "events, started = GroupEvents.of_this_launch(run_dir, per_group), time.time()"),),
+           ("tests/test_ft.py", "-k", "whatever_its_workers_per_group")),
 ]
 
 def _copy_tree(dest: Path) -> None:

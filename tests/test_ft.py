@@ -436,3 +436,39 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     writes[1] = {"event": "quorum_lost", "step": 2}
     launched(None, 0, 1)
     assert watched[-1] is not None and watched[-1].startswith("replica group 1 ") and "before step 2" in watched[-1]
+
+
+def test_the_local_launch_watches_the_events_of_every_group_whatever_its_workers_per_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's watch reads one event file per replica group (``ft.replica_groups``), not one per worker of a
+    group (``launch.nproc_per_node``): with 3 groups of 1 worker, a quorum loss of group 2 stops the run. Read
+    for 1 "group", the loss went unseen: no group's loss but group 0's could stop the run with its line."""
+    from types import SimpleNamespace
+
+    from ddptrain.app import ft_launch
+
+    run_dir = tmp_path / "run"
+    watched: list[tuple[int, str | None]] = []  # (event files watched, what the watch found)
+
+    class Agent:
+        def __init__(self, argv: list[str], env: dict[str, str], start_new_session: bool) -> None:
+            self.returncode = 1
+            if argv[-2] == "ft.replica_id=2":  # group 2 finds no quorum before its step 5 once started
+                _events(run_dir, 2, {"event": "attempt", "attempt": 0}, {"event": "quorum_lost", "step": 5})
+
+        def poll(self) -> int:
+            return self.returncode
+
+    monkeypatch.setattr(ft_launch, "validate_config", lambda typed, world: None)
+    monkeypatch.setattr(ft_launch, "ready_run_dir", lambda run, world, shape, doing: run_dir)
+    monkeypatch.setattr(ft_launch.subprocess, "Popen", Agent)
+    monkeypatch.setattr(ft_launch, "watch",
+                        lambda agents, lighthouse, events: watched.append((len(events.paths), events.lost())))
+    monkeypatch.setattr(ft_launch, "write_ft_json", lambda run_dir, groups: {})
+    monkeypatch.setattr(ft_launch, "publish_summary", lambda run_dir, groups, record, since: None)
+    typed = SimpleNamespace(ft=SimpleNamespace(replica_groups=3, min_replicas=2, lighthouse="lighthouse.example:1",
+                                               group_restarts=0), launch=SimpleNamespace(nproc_per_node=1))
+    ft_launch.launch_groups(SimpleNamespace(typed=typed), ["model=llama_tiny"])
+    assert len(watched) == 1 and watched[0][0] == 3, watched
+    line = watched[0][1]
+    assert line is not None and line.startswith("replica group 2 ") and "before step 5" in line

@@ -116,6 +116,31 @@ def test_evidence_older_than_the_launch_is_an_earlier_launchs_and_names_nothing(
         "rank 1 (host vm) died of SIGABRT at step 0 in start-up")
 
 
+def test_a_dump_where_the_user_pointed_nccl_is_judged_by_that_files_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's ``TORCH_FR_DUMP_TEMP_FILE`` puts NCCL's dumps outside ``hang/``: whether a dump is this launch's is
+    read from the dump the verdict reads (there), not from a ``hang/nccl_trace_rank_{r}`` that does not exist. A
+    fresh dump there names its rank as a waiter; the same dump from before ``since`` names nothing."""
+    import os
+    import time
+
+    from tests.helpers.nccl_twin import nccl_dump
+
+    _folder(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "elsewhere" / "trace_"))
+    now = time.time()
+    (tmp_path / "elsewhere" / "trace_0").write_bytes(nccl_dump([(30, "all_reduce", 8, "scheduled")]))
+    os.utime(tmp_path / "elsewhere" / "trace_0", (now + 1, now + 1))  # written after the launch started
+    failures = [Failure(1, -9, "SIGKILL"), Failure(0, -6, "SIGABRT")]  # rank 0: NCCL's watchdog, waiting for 1
+    assert verdict(tmp_path, failures, 2, 15, "vm", since=now) == (
+        "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 0 in start-up; rank 0 waited in "
+        "all_reduce #30 (start-up of step 0, 8 bytes) for 15 s (dist.timeout_s)")
+    os.utime(tmp_path / "elsewhere" / "trace_0", (now - 600, now - 600))  # an earlier launch's
+    assert verdict(tmp_path, failures, 2, 15, "vm", since=now) == (
+        "rank 1 (host vm) died of SIGKILL (the OOM killer, or kill -9) at step 0 in start-up")
+
+
 def test_without_evidence_of_a_hang_or_a_death_there_is_no_verdict(tmp_path: Path) -> None:
     _folder(tmp_path)
     assert verdict(tmp_path, [Failure(0, 2, None)], 2, 15, "vm") is None  # a worker's own one-line error
