@@ -223,6 +223,11 @@ def test_a_continued_runs_failure_is_judged_by_its_own_evidence_not_the_earlier_
             rank1.open(hang / "rank1.where")
             rank1.at("backward", 9)
             rank1.close()
+            # dated now, exactly: a kernel that stamps file times from a coarse clock (millisecond ticks, before
+            # Linux 6.13) could date a file written this soon after the launch's start before it
+            written = time.time()
+            os.utime(hang / "rank1.where", (written, written))
+            time.sleep(0.05)  # the failure comes later than the evidence
         raise ChildFailedError("ddptrain", {1: ProcessFailure(1, 101, -int(signal.SIGKILL), str(tmp_path / "none")),
                                             0: ProcessFailure(0, 100, 1, str(tmp_path / "none"))} if fresh else
                                {r: ProcessFailure(r, 100 + r, 1, str(tmp_path / "none")) for r in (0, 1)})

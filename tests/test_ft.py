@@ -286,6 +286,7 @@ def test_the_run_summary_is_a_group_summary_written_by_this_launch(tmp_path: Pat
     for g, loss in ((0, 3.0), (1, 2.5)):
         group_dir(tmp_path, g).mkdir(parents=True)
         (group_dir(tmp_path, g) / "summary.json").write_text(json.dumps({"final_loss": loss}))
+        os.utime(group_dir(tmp_path, g) / "summary.json", (started + 1, started + 1))  # at the run's end
     os.utime(group_dir(tmp_path, 0) / "summary.json", (started - 600, started - 600))  # the launch before's
     assert finished_first(tmp_path, 2, since=started)
     publish_summary(tmp_path, 2, {"quorum_lost": []}, since=started)
@@ -371,7 +372,9 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
                 with events_path(run_dir, len(started) - 1).open("a") as out:
                     out.write(json.dumps(event) + "\n")
             if len(started) - 1 in finishing:
-                (group_dir(run_dir, len(started) - 1) / "summary.json").write_text("{}")
+                summary = group_dir(run_dir, len(started) - 1) / "summary.json"
+                summary.write_text("{}")
+                os.utime(summary, (time.time() + 1, time.time() + 1))  # at the group's end, not as it starts
 
         def poll(self) -> int:
             return self.returncode
@@ -460,7 +463,7 @@ def test_the_local_launch_watches_the_events_of_every_group_whatever_its_workers
             return self.returncode
 
     monkeypatch.setattr(ft_launch, "validate_config", lambda typed, world: None)
-    monkeypatch.setattr(ft_launch, "ready_run_dir", lambda run, world, shape, doing: run_dir)
+    monkeypatch.setattr(ft_launch, "ready_run_dir", lambda run, world, shape, doing, replica_groups: run_dir)
     monkeypatch.setattr(ft_launch.subprocess, "Popen", Agent)
     monkeypatch.setattr(ft_launch, "watch",
                         lambda agents, lighthouse, events: watched.append((len(events.paths), events.lost())))

@@ -101,6 +101,8 @@ def test_evidence_older_than_the_launch_is_an_earlier_launchs_and_names_nothing(
         '  File "/x/torch/distributed/distributed_c10d.py", line 2900 in all_reduce\n'
         '  File "/x/ddptrain/step/compute.py", line 46 in global_mean\n\nThread 0x2:\n')
     _nccl_dump(folder, 0, [(30, "all_reduce", 8, "scheduled")])  # rank 0 waiting in #30
+    for name in ("rank1.where", "rank1.stacks", "nccl_trace_rank_0"):  # written a while after the launch started
+        os.utime(folder / name, (now + 1, now + 1))  # (a coarse file clock could date them just before ``now``)
     killed, aborted = [Failure(1, -9, "SIGKILL"), Failure(0, 1, None)], [Failure(1, -6, "SIGABRT")]
     fresh = {"killed": verdict(tmp_path, killed, 2, 15, "vm", since=now),
              "aborted": verdict(tmp_path, aborted, 2, 15, "vm", since=now)}
