@@ -1656,6 +1656,23 @@ MUTANTS = [
            (("ddptrain/app/ft_launch.py", "events, started = GroupEvents.of_this_launch(run_dir, groups), time.time()",
              "events, started = GroupEvents.of_this_launch(run_dir, per_group), time.time()"),),
            ("tests/test_ft.py", "-k", "whatever_its_workers_per_group")),
+    Mutant("s61-settled-read-by-a-first-attempt", "a first attempt's worker ends with a code another attempt settled",
+           (("ddptrain/app/settled.py", 'int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or ', ""),),
+           ("tests/test_before_start.py", "-k", "restarted_worker")),
+    Mutant("s61-settled-of-any-launch", "a restarted worker ends with a code another launch's workers settled",
+           (("ddptrain/app/settled.py", 'record.get("run_id") != os.environ["TORCHELASTIC_RUN_ID"] or ', ""),),
+           ("tests/test_before_start.py", "-k", "restarted_worker")),
+    Mutant("s61-settled-any-code", "a crash's exit code (1) is held too: a restart that might succeed ends at once",
+           (("ddptrain/app/settled.py", "if exit_code not in SAID_BY_WORKER or (path := _marker()) is None:",
+             "if (path := _marker()) is None:"),),
+           ("tests/test_before_start.py", "-k", "restarted_worker")),
+    Mutant("s61-restarted-worker-runs-again", "a restarted worker of a refused launch runs (and refuses) again",
+           (("ddptrain/app/cli.py", "    if (settled := settled_before()) is not None:",
+             "    if (settled := settled_before()) is not None and False:"),),
+           ("tests/test_before_start.py", "-k", "restarted_worker")),
+    Mutant("s61-settled-left-after-the-launch", "the launcher leaves its workers' settled code in the run dir",
+           (("ddptrain/app/launch.py", "            clear_settled(run_dir)", "            pass"),),
+           ("tests/test_before_start.py", "-k", "settled_code")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -206,15 +206,17 @@ def test_unwritable_run_directory(tmp_path: Path, cli_runs: RunCache) -> None:
 @pytest.mark.slow
 def test_a_malformed_prompt_completion_record_is_one_line(tmp_path: Path, pretrained_base: Path) -> None:
     """The data build raises inside ``datasets``' generator, which wraps it (a ``DatasetGenerationError``
-    traceback per rank before): the command prints the record's one line on both ranks instead."""
+    traceback per rank before): the command prints the record's one line on both ranks instead. With restarts
+    left (launch.max_restarts=2), torch's agent restarts the refused workers twice; the restarted ones end at
+    once with the same code and say nothing (each attempt built the data again and said the line again)."""
     records = tmp_path / "pc.jsonl"
     lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(20)]
     lines[6] = json.dumps({"prompt": "q6", "completion": ["a", "list"]})
     records.write_text("\n".join(lines) + "\n")
     args = [*SMALL, "data=instruct", "data.source=files", f"data.paths=[{records}]",
             f"data.tokenizer={pretrained_base}", f"model.pretrained={pretrained_base}", f"hydra.run.dir={tmp_path}/run",
-            "launch.nproc_per_node=2"]  # ddptrain's own launcher: torchrun's adds its own traceback of the failure
-    result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", timeout=180)
+            "launch.nproc_per_node=2", "launch.max_restarts=2"]  # ddptrain's own launcher: torchrun's adds its own
+    result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", timeout=180)  # traceback of the failure
     assert result.returncode == 2, result.stderr[-3000:]  # the workers' own exit code
     assert "Traceback" not in result.stderr and "DatasetGenerationError" not in result.stderr, result.stderr[-3000:]
     _fails_on_both_ranks_with(result, f"ddptrain: error: data.paths: {records}: line 7: 'completion' "
@@ -223,7 +225,11 @@ def test_a_malformed_prompt_completion_record_is_one_line(tmp_path: Path, pretra
     # failed (exitcode: 2) local_rank: 0 ...") stays in the run dir's log, off the console
     ended = result.stderr[result.stderr.index("ddptrain: error:"):].splitlines()
     assert all(line.startswith("ddptrain: ") for line in ended if line.strip()), ended
-    assert "failed (exitcode: 2)" in (tmp_path / "run" / "train.log").read_text()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "failed (exitcode: 2)" in log
+    # three attempts' rank 0 exited 2 (the first and its two restarts): the restarts happened and said nothing
+    assert log.count("failed (exitcode: 2) local_rank: 0") == 3, log[-3000:]
+    assert not (tmp_path / "run" / "ended.json").exists()  # this launch's alone (app/settled.py)
 
 
 def test_an_unknown_key_gets_the_schemas_closest_key_and_no_guess_when_none_is_close() -> None:

@@ -28,7 +28,7 @@ from ddptrain.app import cli
 from ddptrain.app.cli import run_cli
 from ddptrain.checkpoint.format import FORMAT, MANIFEST_KEY, MARKER, TrainState, manifest, model_fingerprint
 from ddptrain.config.compose import PRIMARY, Source, compose_config, typed_config
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, ResourceError
 from ddptrain.models.build import build_model
 from ddptrain.telemetry.logs import ELASTIC_LOGGERS
 
@@ -262,6 +262,54 @@ def test_a_workers_refusal_is_said_at_once_by_rank_0_and_by_another_rank_only_af
     assert run_cli(["data.global_batch_size=3"]) == 2
     assert ("ddptrain: error: data.global_batch_size=3" in capsys.readouterr().err) == printed
     assert bool(sleeps) == slept
+
+
+def test_a_restarted_worker_of_a_launch_that_refused_ends_at_once_with_its_code_and_says_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Torch's agent restarts refused workers while restarts remain. The worker that said the refusal records its
+    code for its launch (``<run dir>/ended.json``, its run id); a restarted worker of that launch ends with it
+    before composing anything, silently. A first attempt, another launch's workers, and codes a restart can
+    change (1: a crash) are not held."""
+    monkeypatch.chdir(tmp_path)
+    for name, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("TORCHELASTIC_RUN_ID", "launch-a"),
+                        ("TORCHELASTIC_RESTART_COUNT", "0"), ("DDPTRAIN_RUN_DIR", str(tmp_path / "run"))):
+        monkeypatch.setenv(name, value)
+    assert run_cli(["data.global_batch_size=3"]) == 2  # said, and recorded
+    assert "ddptrain: error: data.global_batch_size=3" in capsys.readouterr().err
+    marker = tmp_path / "run" / "ended.json"
+    assert json.loads(marker.read_text()) == {"run_id": "launch-a", "exit_code": 2}
+    composed: list[Any] = []
+    monkeypatch.setattr(cli, "compose_config", lambda source: composed.append(source) or compose_config(source))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert run_cli(["+experiment=quickstart", "--cfg", "job"]) == 2  # a restart: the refusal stands, said once
+    assert capsys.readouterr() == ("", "") and composed == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")  # another launch's restart: the marker is not its own
+    assert run_cli(["+experiment=quickstart", "--cfg", "job"]) == 0 and len(composed) == 1
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a first attempt never reads it
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    assert run_cli(["+experiment=quickstart", "--cfg", "job"]) == 0 and len(composed) == 2
+    capsys.readouterr()
+    marker.unlink()
+    monkeypatch.setattr(cli, "compose_config", lambda source: (_ for _ in ()).throw(ResourceError("disk full")))
+    assert run_cli(["+experiment=quickstart"]) == 1  # a crash-like end: a restart may fare better
+    assert not marker.exists()
+
+
+def test_the_launcher_removes_its_workers_settled_code_when_they_have_ended(
+    tmp_path: Path, launcher: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ended.json`` holds for the launch's own attempts: once the workers ended (refused, exit 2 with their one
+    line), the launcher removes it and exits 2 with no line of its own."""
+    def refused_workers(args: Any) -> None:
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / "ended.json").write_text(json.dumps({"run_id": "x", "exit_code": 2}))
+        raise ChildFailedError("ddptrain", {0: ProcessFailure(0, 100, 2, str(tmp_path / "none"))})
+
+    monkeypatch.setattr(torch_run, "run", refused_workers)
+    assert run_cli([*QUICK, "hydra.run.dir=run"]) == 2
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain: ")]
+    assert not (tmp_path / "run" / "ended.json").exists()
 
 
 @pytest.mark.parametrize(("extra", "cores", "load", "threads", "noted"), [

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ddptrain.app.settled import record_settled, settled_before
 from ddptrain.config.choices import Launcher
 from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
 from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, say
@@ -50,6 +51,14 @@ def print_config(cfg: DictConfig, which: str, resolve: bool) -> None:
 
 def run_cli(argv: list[str]) -> int:
     args = parse_args(argv)
+    if (settled := settled_before()) is not None:  # an earlier attempt of this launch refused or aborted: said once
+        return settled
+    code = _run_cli(args)
+    record_settled(code)
+    return code
+
+
+def _run_cli(args: argparse.Namespace) -> int:
     try:
         source = source_of(args)
         if args.help:

@@ -22,8 +22,9 @@ import sys
 import time
 from types import FrameType
 
-from ddptrain.app.launch import SAID_BY_WORKER, ready_run_dir
+from ddptrain.app.launch import ready_run_dir
 from ddptrain.app.preflight import validate_config
+from ddptrain.app.settled import SAID_BY_WORKER
 from ddptrain.config.compose import Run
 from ddptrain.errors import say
 from ddptrain.ft.accounting import write_ft_json

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from ddptrain.app.preflight import validate_config
+from ddptrain.app.settled import SAID_BY_WORKER, clear_settled
 from ddptrain.config.compose import Run
 from ddptrain.config.schema import AUTO, Config
 from ddptrain.data import BatchShape
@@ -154,7 +155,10 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     saved_before = latest_commit(run_dir / typed.checkpoint.dir)
     started = time.time()  # evidence in <run dir>/hang/ from before is an earlier launch's (diagnose.verdict)
     try:
-        elastic_run(args)
+        try:
+            elastic_run(args)
+        finally:
+            clear_settled(run_dir)  # a worker's settled exit code (``app/settled.py``) held for this launch only
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if failure.exitcode in SAID_BY_WORKER:  # the worker's own line was printed once: its code is the job's
@@ -180,9 +184,6 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     return 0
 
 
-# Exit codes after which a worker has printed its own one line (cli.say_once): a refused input (2), an aborted
-# non-finite step (3), replicas that drifted apart (4). The command exits with it, adding no line of its own.
-SAID_BY_WORKER = frozenset({2, 3, 4})
 
 
 def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str, announce: bool = True,
