@@ -44,9 +44,14 @@ def test_weak_sweep_writes_table_csv_plot_and_wandb_run(tmp_path: Path, cache: P
     assert [int(r["world_size"]) for r in rows] == [1, 2]
     assert [int(r["global_batch_size"]) for r in rows] == [4, 8]  # weak: the work per rank is held fixed
     for row in rows:
-        assert float(row["tokens_per_s"]) > 0 and 0 < float(row["efficiency"]) <= 1.2, row
+        assert float(row["tokens_per_s"]) > 0 and float(row["efficiency"]) > 0, row
         assert 0 < float(row["mfu_pct"]) <= 100, row  # a known peak gives the MFU column
     one, two = rows
+    # by construction, not by the machine's speed (two runs at different moments of a busy machine gave 1.37):
+    # speed-up against N=1, efficiency the speed-up per rank
+    speedup = float(two["tokens_per_s"]) / float(one["tokens_per_s"])
+    assert float(one["speedup"]) == pytest.approx(1.0) and float(one["efficiency"]) == pytest.approx(1.0)
+    assert float(two["speedup"]) == pytest.approx(speedup) and float(two["efficiency"]) == pytest.approx(speedup / 2)
     for key in ("time_exposed_comm_s", "comm_time_s"):  # N=1 trains the bare model: nothing to communicate
         assert one[key] == "" and float(two[key]) > 0, (key, one, two)
     md = (docs / "scaling.md").read_text()
