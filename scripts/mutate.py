@@ -1600,16 +1600,17 @@ MUTANTS = [
            (("ddptrain/diagnose/verdict.py", "if rec.get(\"time\", 0.0) >= since}", "}"),),
            ("tests/test_verdict.py", "-k", "older_than")),
     Mutant("s61-verdict-reads-old-whereabouts", "the verdict reads a rank's whereabouts of any time",
-           (("ddptrain/diagnose/verdict.py", "if _written_since(folder / f\"rank{r}.where\", since)\n             and ",
-             "if "),),
+           (("ddptrain/diagnose/verdict.py", "_read_since(folder / f\"rank{r}.where\", since,",
+             "_read_since(folder / f\"rank{r}.where\", 0.0,"),),
            ("tests/test_verdict.py", "-k", "older_than")),
     Mutant("s61-verdict-reads-old-dumps", "the verdict reads NCCL dumps of any time",
-           (("ddptrain/diagnose/verdict.py", "if _written_since(Path(f\"{prefix}{r}\"), since)\n             and ",
-             "if "),),
+           (("ddptrain/diagnose/verdict.py", "_read_since(Path(f\"{prefix}{r}\"), since,",
+             "_read_since(Path(f\"{prefix}{r}\"), 0.0,"),),
            ("tests/test_verdict.py", "-k", "older_than")),
     Mutant("s61-verdict-reads-old-stacks", "the verdict reads a dead rank's stacks of any time",
-           (("ddptrain/diagnose/verdict.py", "frame = _stack_frame(stacks) if _written_since(stacks, since) else None",
-             "frame = _stack_frame(stacks)"),),
+           (("ddptrain/diagnose/verdict.py",
+             "frame = _read_since(folder / f\"rank{first.rank}.stacks\", since, _stack_frame)",
+             "frame = _stack_frame(folder / f\"rank{first.rank}.stacks\")"),),
            ("tests/test_verdict.py", "-k", "older_than")),
     Mutant("s61-launch-judges-without-its-start", "the launcher's verdict is given no launch start",
            (("ddptrain/app/launch.py", "socket.gethostname(), since=started)", "socket.gethostname())"),),
@@ -1620,7 +1621,7 @@ MUTANTS = [
              "socket.gethostname(), since=time.time())"),),
            ("tests/test_before_start.py", "-k", "continued_runs_failure")),
     Mutant("s61-summary-of-any-launch", "the run's summary.json publishes a group summary an earlier launch wrote",
-           (("ddptrain/ft/supervise.py", "return path if path.stat().st_mtime >= since else None",
+           (("ddptrain/ft/supervise.py", "return path if written_since(path, since) else None",
              "return path"),),
            ("tests/test_ft.py", "-k", "summary_is_a_group_summary or local_launch")),
     Mutant("s61-finished-by-an-earlier-launch", "the launch's exit code counts a group that finished in an earlier "
@@ -1648,8 +1649,10 @@ MUTANTS = [
     Mutant("audit61-verdict-dump-time-from-hang-dir", "the verdict judges an NCCL dump's age by "
            "hang/nccl_trace_rank_{r}, not the dump it reads: with the user's TORCH_FR_DUMP_TEMP_FILE every fresh "
            "dump is left out",
-           (("ddptrain/diagnose/verdict.py", "if _written_since(Path(f\"{prefix}{r}\"), since)",
-             "if _written_since(folder / f\"nccl_trace_rank_{r}\", since)"),),
+           (("ddptrain/diagnose/verdict.py", "(d := _read_since(Path(f\"{prefix}{r}\"), since,\n"
+             "                                                                  read_nccl_dump))",
+             "(d := (read_nccl_dump(Path(f\"{prefix}{r}\")) if written_since(folder / f\"nccl_trace_rank_{r}\", "
+             "since) else None))"),),
            ("tests/test_verdict.py", "-k", "user_pointed_nccl")),
     Mutant("audit61-launch-watches-per-worker-count", "the launch watches launch.nproc_per_node event files, not one "
            "per replica group: with fewer workers per group than groups a later group's quorum loss goes unseen",

@@ -184,8 +184,6 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     return 0
 
 
-
-
 def ready_run_dir(run: Run, world_size: int, shape: BatchShape | None, doing: str, announce: bool = True,
                   replica_groups: int = 0) -> Path:
     """The run directory, once it is known the run can start there (``app/before_start.py``: nothing is written

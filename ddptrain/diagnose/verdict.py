@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ddptrain.diagnose.evidence import HANG_DIR, TIMED_OUT, nccl_dump_prefix, read_nccl_dump
 from ddptrain.diagnose.trace import DEFAULT_GROUP, current, entered, group_of, progress, unfinished
 from ddptrain.diagnose.whereabouts import read_whereabouts
+from ddptrain.diagnose.written import written_since
 
 NCCL_WATCHDOG = "aborted by NCCL's watchdog"  # the reason the verdict gives a waiter that NCCL aborted
 PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", "optimizer": "the optimizer step",
@@ -36,6 +38,7 @@ PHASES = {"data": "data loading", "forward": "forward", "backward": "backward", 
           "check": "the stop and non-finite check", "evaluation": "evaluation", "export": "the model export",
           "after the update": "the end of the step (after the update)", "step start": "the start of a step",
           "start-up": "start-up"}
+_T = TypeVar("_T")
 _DDPTRAIN_FRAME = re.compile(r'File "[^"]*/(ddptrain/[^"]+\.py)", line (\d+)')
 
 
@@ -58,11 +61,11 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
     replaced nothing. Read as this launch's, they named the old hang as this failure's cause."""
     folder = run_dir / HANG_DIR
     records = {r: rec for r, rec in _records(folder).items() if rec.get("time", 0.0) >= since}
-    where = {r: w for r in range(world_size) if _written_since(folder / f"rank{r}.where", since)
-             and (w := read_whereabouts(folder / f"rank{r}.where")) is not None}
+    where = {r: w for r in range(world_size) if (w := _read_since(folder / f"rank{r}.where", since,
+                                                                  read_whereabouts)) is not None}
     prefix = nccl_dump_prefix(folder)
-    dumps = {r: d for r in range(world_size) if _written_since(Path(f"{prefix}{r}"), since)
-             and (d := read_nccl_dump(Path(f"{prefix}{r}"))) is not None}
+    dumps = {r: d for r in range(world_size) if (d := _read_since(Path(f"{prefix}{r}"), since,
+                                                                  read_nccl_dump)) is not None}
     for r, rec in records.items():  # a record whose own read of the recorder found nothing takes the dump's
         if not rec.get("collectives") and dumps.get(r):
             rec["collectives"], rec["groups"] = dumps[r]["collectives"], dumps[r]["groups"]
@@ -89,8 +92,7 @@ def verdict(run_dir: Path, failures: list[Failure], world_size: int, timeout_s: 
         first = dead[0]
         host_of = records.get(first.rank, {}).get("host", host)
         step, phase = where.get(first.rank, (0, "start-up"))
-        stacks = folder / f"rank{first.rank}.stacks"
-        frame = _stack_frame(stacks) if _written_since(stacks, since) else None
+        frame = _read_since(folder / f"rank{first.rank}.stacks", since, _stack_frame)
         others = _waited(waiters, groups, timeout_s, exclude={first.rank})
         if first.signal == "SIGABRT" and frame is not None and frame[1]:
             return (f"rank {first.rank} (host {host_of}) aborted (SIGABRT) inside a collective at step {step} "
@@ -223,12 +225,10 @@ def _stuck_before(collectives: list[dict[str, Any]] | None, group: str, seq: int
     there = current([c for c in collectives if group_of(c) == group])
     return there is not None and there.get("completed") is False and there["seq"] < seq
 
-def _written_since(path: Path, since: float) -> bool:
-    """Whether ``path`` exists and was last written at or after ``since`` (a rank opens its files as it starts)."""
-    try:
-        return path.stat().st_mtime >= since
-    except OSError:
-        return False
+
+def _read_since(path: Path, since: float, read: Callable[[Path], _T | None]) -> _T | None:
+    """``read(path)`` if this launch wrote ``path`` (a rank opens its files as it starts), else None."""
+    return read(path) if written_since(path, since) else None
 
 
 def _records(folder: Path) -> dict[int, dict[str, Any]]:

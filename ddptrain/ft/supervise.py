@@ -20,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ddptrain.diagnose.written import written_since
 from ddptrain.errors import say
 from ddptrain.ft.layout import QUORUM_LOST, events_path, group_dir
 from ddptrain.ft.lighthouse import Lighthouse
@@ -76,10 +77,7 @@ def _summary_since(run_dir: Path, group: int, since: float) -> Path | None:
     """Group ``group``'s summary.json if it was written at or after ``since``. A run continued in its run dir
     keeps the summaries its groups wrote in an earlier launch: those say nothing about this one."""
     path = group_dir(run_dir, group) / "summary.json"
-    try:
-        return path if path.stat().st_mtime >= since else None
-    except OSError:
-        return None
+    return path if written_since(path, since) else None
 
 
 def quorum_lost(run_dir: Path, groups: int) -> str | None:
