@@ -285,10 +285,13 @@ def test_a_wait_fault_holds_its_step_in_the_data_phase_until_its_release_file_ex
     monkeypatch.setenv("DDPTRAIN_FAULT_RELEASE", "")
     with pytest.raises(ConfigError, match="a wait fault needs DDPTRAIN_FAULT_RELEASE"):
         step_hooks(0)
-    release = tmp_path / "go"
-    monkeypatch.setenv("DDPTRAIN_FAULT_RELEASE", str(release))
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    monkeypatch.setenv("DDPTRAIN_FAULT_RELEASE", str(gates))
     fault = step_hooks(0)
+    release = gates / "2"  # each step's gate is its own file in the folder
     assert fault == Fault("wait", "data", 2, 200.0, str(release))
+    assert parse_fault("wait@data:10:1/0") == (Fault("wait", "data", 10, 200.0, str(gates / "10")), (1, 0))
     # the release is a wait's alone: another fault parsed beside it carries none
     assert parse_fault("delay@data:2:0:50") == (Fault("delay", "data", 2, 50.0), 0)
     with pytest.raises(ConfigError, match="a wait fault strikes at data"):
@@ -311,7 +314,10 @@ def test_a_wait_fault_holds_its_step_in_the_data_phase_until_its_release_file_ex
     waiter = threading.Thread(target=fault.step_started, args=(2, Phase), daemon=True)
     waiter.start()
     assert entered.wait(60) and phases == ["data"]
-    # held while the file is missing: counted polls, not a wall-clock bound (it waits however long that takes)
+    # held while the file is missing: counted polls, not a wall-clock bound (it waits however long that takes);
+    # another step's gate opening does not open this one
+    (gates / "1").touch()
+    (gates / "20").touch()
     for _ in range(5):
         waiter.join(0.2)
         assert waiter.is_alive() and not left.is_set()

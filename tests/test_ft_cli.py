@@ -107,27 +107,43 @@ def test_three_groups_of_one_worker_train_as_one_three_rank_ddp_run(no_fault: Pa
 def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_others_keep_stepping(
         cli_runs: RunCache, no_fault: Path, background: dict[str, Future[Any]], tmp_path: Path) -> None:
     wait(background.values())  # alone on its worker's share of the machine
-    # group 1's rank 0 dies after step 5 (its checkpoint saved). The survivors step on without it, then wait at
-    # step 10 (a wait fault) until group 1's restarted workers have resumed from that checkpoint (their "attempt"
-    # event, written just before their first quorum), so the restart lands before the run ends however slow the
-    # machine is; from step 6 every group's first attempt also sleeps 1.5 s a step, which leaves the rejoining
-    # group ten steps to reach the quorum after the release
-    release, cwd = tmp_path / "release", tmp_path / "cwd"
+    # Staged by gates (wait faults, each opened by its own file in `gates`), so that no step of it depends on how
+    # fast the machine starts the groups: every group's rank 0 waits at step 1 until all three groups are in (their
+    # "attempt" events), so all three take step 5 (a group that started late joined at a later step by a heal, and
+    # skipped the kill at step 5: all three then waited at step 10 for a restart that never came, 600 s in CI).
+    # Group 1's rank 0 dies after step 5 (its checkpoint saved). The survivors step on without it, then wait at
+    # step 10 until group 1's restarted workers have resumed from that checkpoint (their "attempt" event, written
+    # just before their first quorum), so the restart lands before the run ends however slow the machine is; every
+    # group's first attempt also sleeps 1.5 s a step, which leaves the rejoining group ten steps to reach the
+    # quorum after the release
+    gates, cwd = tmp_path / "gates", tmp_path / "cwd"
+    gates.mkdir()
     cwd.mkdir()
-    fault = {"DDPTRAIN_FAULT": "kill@step:5:1/0,delay@data:6:0:1500,wait@data:10:0",
-             "DDPTRAIN_FAULT_RELEASE": str(release)}
+    fault = {"DDPTRAIN_FAULT": "wait@data:1:0,kill@step:5:1/0,delay@data:1:0:1500,wait@data:10:0",
+             "DDPTRAIN_FAULT_RELEASE": str(gates)}
+    skipped: list[dict] = []
     with ThreadPoolExecutor(max_workers=1) as pool:
         running = pool.submit(run_cli, [*RUN, *GROUPS, "ft.min_replicas=2", "checkpoint.every_n_steps=5"],
                               cwd=cwd, cache=cli_runs.data_cache, timeout=600, extra_env=fault)
-        events = cwd / "run" / "ft" / "group1.jsonl"
         while not running.done():
-            if sum(e.get("event") == "attempt" for e in read_events(events)) == 2:
-                release.touch()
+            events = {g: read_events(cwd / "run" / "ft" / f"group{g}.jsonl") for g in range(3)}
+            attempts = [[e for e in events[g] if e.get("event") == "attempt"] for g in range(3)]
+            if all(attempts) and not (gates / "1").exists():
+                (gates / "1").touch()
+            if len(attempts[1]) == 2:
+                (gates / "10").touch()
+                break
+            # the staging failed if group 1's first attempt got past step 5 alive: open the last gate so the run
+            # ends and the failure says so, instead of every group waiting at step 10 until the timeout
+            skipped = [e for e in events[1] if e.get("event") in ("step", "heal") and e["step"] > 5]
+            if skipped:
+                (gates / "10").touch()
                 break
             time.sleep(0.2)
         done = running.result()
+    assert not skipped, f"group 1's first attempt went past step 5 without its kill: {skipped[:2]}"
+    assert (gates / "10").exists(), f"group 1 never restarted: {done.stderr[-3000:]}"
     ran = Ran(cwd, done.returncode, done.stdout, done.stderr)
-    assert release.exists(), f"group 1 never restarted: {done.stderr[-3000:]}"
     assert ran.returncode == 0, ran.stderr[-3000:]
     ft = json.loads((ran.run_dir / "ft.json").read_text())
     g0, g1, g2 = ft["replica_groups"]
@@ -137,9 +153,8 @@ def test_a_killed_group_is_restarted_alone_and_heals_from_a_peer_while_the_other
     rejoined = heals[-1]["step"]
     assert g1["steps"][-1] == [rejoined, STEPS] and g2["steps"][-1][1] == STEPS
     # the survivors stepped without group 1 between its death and its return, then all three again. Read per step:
-    # under load a group can also miss the first quorums (ft.min_replicas=2 lets two start), which merges with the
-    # survivors' steps into one run of size 2 from step 1 ([[1, 14, 2], [15, 30, 3]] in a loaded run of 30 steps
-    # whose kill came after step 10)
+    # a group whose process is slow after the gate at step 1 can still miss a first quorum (ft.min_replicas=2 lets
+    # two start; the lighthouse waits 2 s for a third), which merges with the survivors' steps
     size = {s: n for first, last, n in ft["quorum_per_step"] for s in range(first, last + 1)}
     assert rejoined > 6 and all(size[s] == 2 for s in range(6, rejoined)), ft["quorum_per_step"]
     assert ft["quorum_per_step"][-1] == [rejoined, STEPS, 3]

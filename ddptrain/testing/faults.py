@@ -20,10 +20,12 @@ group 1's rank 0 after step 10 and slows rank 0 of every group from step 11 on).
 A straggler: ``delay@PHASE:STEP:RANK[:MS]`` sleeps MS milliseconds (default 200) in PHASE (``data`` or
 ``forward``) of every step from STEP on, on RANK only. Example: ``DDPTRAIN_FAULT=delay@data:1:1``.
 
-A gate: ``wait@data:STEP:RANK`` stops RANK in the data phase of step STEP until the file that
-``DDPTRAIN_FAULT_RELEASE`` names exists (the test creates it when what it waits for has happened, e.g. a killed
+A gate: ``wait@data:STEP:RANK`` stops RANK in the data phase of step STEP until a file named STEP appears in the
+folder ``DDPTRAIN_FAULT_RELEASE`` names (the test creates it when what it waits for has happened, e.g. a killed
 replica group's restarted workers have started), so a race a test stages does not depend on the machine's speed.
-Example: ``DDPTRAIN_FAULT=wait@data:20:0 DDPTRAIN_FAULT_RELEASE=/tmp/go``.
+Each step's gate opens on its own: a test can hold the start until every group is in, and a later step until a
+restart has landed. Example: ``DDPTRAIN_FAULT=wait@data:20:0 DDPTRAIN_FAULT_RELEASE=/tmp/gates``, then
+``touch /tmp/gates/20``.
 
 A replica that drifts: ``drift@step:STEP:RANK`` changes one element of one parameter on RANK after the update of
 STEP (before that step's check): the first element of the last parameter this rank holds a part of, by a relative
@@ -53,7 +55,7 @@ log = logging.getLogger("ddptrain")
 # kind -> the points it can strike at
 POINTS = {"kill": ("step", "save"), "hang": ("step", "save", "data", "forward"), "mismatch": ("step", "save"),
           "nan": ("step",), "overflow": ("step",), "drift": ("step",), "delay": ("data", "forward"), "wait": ("data",)}
-RELEASE = "DDPTRAIN_FAULT_RELEASE"  # the file whose appearance lets a wait fault go on
+RELEASE = "DDPTRAIN_FAULT_RELEASE"  # the folder where a file named after a wait fault's step lets it go on
 
 
 def step_hooks(rank: int, group: int | None = None) -> StepHooks:
@@ -102,8 +104,10 @@ def parse_fault(spec: str) -> tuple[Fault, int | tuple[int, int]]:
                           f"{expected}")
     release = os.environ.get(RELEASE, "")
     if kind == "wait" and not release:
-        raise ConfigError(f"DDPTRAIN_FAULT={spec}: a wait fault needs {RELEASE}, the file whose appearance releases it")
-    return Fault(kind, point, step, delay_ms, release if kind == "wait" else ""), ((group, rank) if slash else rank)
+        raise ConfigError(f"DDPTRAIN_FAULT={spec}: a wait fault needs {RELEASE}, the folder where a file named "
+                          f"{step} releases it")
+    gate = os.path.join(release, str(step)) if kind == "wait" else ""
+    return Fault(kind, point, step, delay_ms, gate), ((group, rank) if slash else rank)
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ class Fault(StepHooks):
     point: str
     step: int
     delay_ms: float = 200.0
-    release: str = ""  # a wait's: the file it waits for
+    release: str = ""  # a wait's: the file it waits for (``<DDPTRAIN_FAULT_RELEASE>/<step>``)
 
     def step_started(self, step: int, phase: Callable[[str], AbstractContextManager]) -> None:
         """A hang in ``data`` or ``forward`` of its step; a delay there in every step from its step on; a wait in
