@@ -1676,6 +1676,12 @@ MUTANTS = [
     Mutant("s61-settled-left-after-the-launch", "the launcher leaves its workers' settled code in the run dir",
            (("ddptrain/app/launch.py", "            clear_settled(run_dir)", "            pass"),),
            ("tests/test_before_start.py", "-k", "settled_code")),
+    # stop 62: CI's hang in the replica-group kill test, staged now by a gate per step
+    Mutant("s62-one-gate-for-every-step", "every wait fault opens on the one release file: a test's gate at step 1 "
+           "opens its later gates with it",
+           (("ddptrain/testing/faults.py", "gate = os.path.join(release, str(step)) if kind == \"wait\" else \"\"",
+             "gate = release if kind == \"wait\" else \"\""),),
+           ("tests/test_checkpoint_manager.py", "-k", "wait_fault")),
 ]
 
 def _copy_tree(dest: Path) -> None:
