@@ -1682,6 +1682,21 @@ MUTANTS = [
            (("ddptrain/testing/faults.py", "gate = os.path.join(release, str(step)) if kind == \"wait\" else \"\"",
              "gate = release if kind == \"wait\" else \"\""),),
            ("tests/test_checkpoint_manager.py", "-k", "wait_fault")),
+    Mutant("s62-every-group-says-its-line", "a worker's last line is said by every replica group that finds it",
+           (("ddptrain/app/cli.py", "    if first_to_say(line):\n        say(line)", "    say(line)"),),
+           ("tests/test_ft.py", "-k", "said_once")),
+    Mutant("s62-groups-get-no-claims-folder", "the groups' launcher gives its workers no folder to claim lines in",
+           (("ddptrain/app/ft_launch.py", "SAID_DIR_ENV: str(fresh_said_dir(run_dir / FT_DIR / \"said\"))",
+             "\"DDPTRAIN_UNUSED\": str(fresh_said_dir(run_dir / FT_DIR / \"said\"))"),),
+           ("tests/test_ft.py", "-k", "starts_one_agent_per_group")),
+    Mutant("s62-claims-kept-across-launches", "a continued launch finds the earlier launch's claims: its own line "
+           "(the same refusal again) is said by no group",
+           (("ddptrain/app/said.py", "    shutil.rmtree(folder, ignore_errors=True)\n", ""),),
+           ("tests/test_ft.py", "-k", "starts_one_agent_per_group or said_once")),
+    Mutant("s62-unwritable-claim-silences", "a claim that cannot be written silences the line",
+           (("ddptrain/app/said.py", "    except OSError:\n        return True\n",
+             "    except OSError:\n        return False\n"),),
+           ("tests/test_ft.py", "-k", "said_once")),
 ]
 
 def _copy_tree(dest: Path) -> None:

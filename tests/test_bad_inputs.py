@@ -233,6 +233,27 @@ def test_a_malformed_prompt_completion_record_is_one_line(tmp_path: Path, pretra
     assert not (tmp_path / "run" / "ended.json").exists()  # this launch's alone (app/settled.py)
 
 
+@pytest.mark.slow
+def test_a_refusal_every_replica_group_finds_is_said_once(tmp_path: Path, pretrained_base: Path) -> None:
+    """Under ft.replica_groups=2 each group is a job of its own, and each group's worker finds the malformed record
+    after the groups started: the line is said once for the run (both groups said it before), the run exits with
+    the workers' code, and the group's restart (ft.group_restarts=1) says nothing."""
+    records = tmp_path / "pc.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(20)]
+    lines[6] = json.dumps({"prompt": "q6", "completion": ["a", "list"]})
+    records.write_text("\n".join(lines) + "\n")
+    args = [*SMALL, "data=instruct", "data.source=files", f"data.paths=[{records}]",
+            f"data.tokenizer={pretrained_base}", f"model.pretrained={pretrained_base}", f"hydra.run.dir={tmp_path}/run",
+            "ft.replica_groups=2", "ft.min_replicas=2", "launch.nproc_per_node=1", "ft.group_restarts=1"]
+    result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", timeout=240)
+    assert result.returncode == 2, result.stderr[-3000:]
+    _fails_on_both_ranks_with(result, f"ddptrain: error: data.paths: {records}: line 7: 'completion' "
+                                      "(data.completion_field) is a list, expected a string")
+    for group in (0, 1):  # the feature was needed: both groups' workers refused (each agent logged its exit 2)
+        log = (tmp_path / "run" / f"group{group}" / "train.log").read_text()
+        assert "failed (exitcode: 2)" in log, log[-3000:]
+
+
 def test_an_unknown_key_gets_the_schemas_closest_key_and_no_guess_when_none_is_close() -> None:
     from ddptrain.config.compose import compose_config, typed_config
 

@@ -353,6 +353,7 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     from types import SimpleNamespace
 
     from ddptrain.app import ft_launch
+    from ddptrain.app.said import SAID_DIR_ENV
     from ddptrain.ft.layout import GROUP_AGENT_ENV, group_dir
 
     started: list[tuple[list[str], dict[str, str]]] = []
@@ -420,8 +421,14 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
                         *group_argv(["model=llama_tiny"], run_dir, g, "lighthouse.example:29510")]
         assert env[GROUP_AGENT_ENV] == "1" and env["RUST_LOG"] == "warn" and group_dir(run_dir, g).is_dir()
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+    said = run_dir / "ft" / "said"  # where the groups' workers claim the lines they say (app/said.py)
+    assert all(env[SAID_DIR_ENV] == str(said) for _, env in started)
+    claimed = said / "an earlier launch's line"
+    claimed.parent.mkdir(parents=True, exist_ok=True)
+    claimed.touch()
     monkeypatch.setenv("RUST_LOG", "debug")
     assert launched(None, 0, 1) == 1  # no group finished: group 1's failure (it said no line of its own)
+    assert not claimed.exists()  # each launch's groups say their lines afresh
     assert lighthouses == ["started for 1", "stopped"] and started[0][1]["RUST_LOG"] == "debug"
     assert started[1][0][-1] == "ft.lighthouse=http://localhost:29511"
     assert launched(None, 0, 4) == 4 and launched(None, 1, 4) == 1  # the first failed group's code, if it said it
@@ -439,6 +446,32 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     writes[1] = {"event": "quorum_lost", "step": 2}
     launched(None, 0, 1)
     assert watched[-1] is not None and watched[-1].startswith("replica group 1 ") and "before step 2" in watched[-1]
+
+
+def test_a_line_every_replica_group_says_alike_is_said_once_and_lines_that_differ_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each group's rank 0 says its last line through ``say_once``; with the groups' launcher's folder set, a line
+    another group already said is not said again, a line of its own is; outside a groups' launch every line is
+    said, and so is one whose claim cannot be written."""
+    from ddptrain.app import cli
+    from ddptrain.app.said import SAID_DIR_ENV, first_to_say, fresh_said_dir
+
+    for name in (SAID_DIR_ENV, "WORLD_SIZE", "RANK"):  # each group's rank 0
+        monkeypatch.delenv(name, raising=False)
+    refusal = "ddptrain: error: data.paths: /d/pc.jsonl: line 7: 'completion' is a list, expected a string"
+    assert first_to_say(refusal) and first_to_say(refusal)
+    said = tmp_path / "run" / "ft" / "said"
+    monkeypatch.setenv(SAID_DIR_ENV, str(said))
+    own = "ddptrain: replica group 1: no quorum of ft.min_replicas=2 groups within ft.quorum_timeout_s=60; stopping"
+    for line in (refusal, refusal, own, refusal):  # group 0's, group 1's, then lines of one group each
+        cli.say_once(line)
+    assert capsys.readouterr().err.splitlines() == [refusal, own]
+    assert fresh_said_dir(said) == said and not said.exists()  # the next launch
+    assert first_to_say(refusal) and not first_to_say(refusal)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(SAID_DIR_ENV, str(blocked / "said"))
+    assert first_to_say(refusal) and first_to_say(refusal)
 
 
 def test_the_local_launch_watches_the_events_of_every_group_whatever_its_workers_per_group(

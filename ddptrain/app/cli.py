@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ddptrain.app.said import first_to_say
 from ddptrain.app.settled import record_settled, settled_before
 from ddptrain.config.choices import Launcher
 from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
@@ -119,7 +120,8 @@ def say_once(line: str, grace_s: float | None = None) -> None:
     """A worker's last line, printed once for the job: at once on rank 0; on another rank only after ``grace_s``,
     by when the elastic agent has stopped it if rank 0 ended the same way (every rank decides these alike), so
     a line that only that rank has is still printed. ``grace_s`` 0: only rank 0 prints (a Ctrl-C reaches every
-    rank at once)."""
+    rank at once). A replica group's worker says it only if no other group of the launch said it already
+    (``app/said.py``)."""
     grace_s = ERROR_GRACE_S if grace_s is None else grace_s
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
         if grace_s <= 0:
@@ -127,7 +129,8 @@ def say_once(line: str, grace_s: float | None = None) -> None:
         # the agent's stop while waiting ends this rank quietly, leaving no hang evidence: nothing hung
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(grace_s)
-    say(line)
+    if first_to_say(line):
+        say(line)
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ stops as a whole is ``ft/supervise.py``'s.
 
 Ctrl-C and SIGTERM reach every agent. The exit code: 0 when every group finished (or one did and the late ones were
 stopped); a worker's own code when it printed its line (``SAID_BY_WORKER``); 1 otherwise; 128 + the signal when
-stopped by one.
+stopped by one. A last line that every group's workers say alike (a refusal they find after starting) is said
+once, by the first group (``app/said.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from types import FrameType
 
 from ddptrain.app.launch import ready_run_dir
 from ddptrain.app.preflight import validate_config
+from ddptrain.app.said import SAID_DIR_ENV, fresh_said_dir
 from ddptrain.app.settled import SAID_BY_WORKER
 from ddptrain.config.compose import Run
 from ddptrain.errors import say
 from ddptrain.ft.accounting import write_ft_json
-from ddptrain.ft.layout import GROUP_AGENT_ENV, group_dir
+from ddptrain.ft.layout import FT_DIR, GROUP_AGENT_ENV, group_dir
 from ddptrain.ft.lighthouse import Lighthouse
 from ddptrain.ft.supervise import GroupEvents, finished_first, group_argv, kill, publish_summary, watch
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
@@ -45,7 +47,9 @@ def launch_groups(run: Run, argv: list[str]) -> int:
     lighthouse = Lighthouse(run_dir, typed.ft.min_replicas) if typed.ft.lighthouse is None else None
     address = lighthouse.start().address if lighthouse is not None else str(typed.ft.lighthouse)
     env = {**os.environ, GROUP_AGENT_ENV: "1", LAUNCH_START_ENV: launcher_start(),
-           "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at info
+           "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at info
+           # a refusal every group finds alike is said by the first group only (app/said.py)
+           SAID_DIR_ENV: str(fresh_said_dir(run_dir / FT_DIR / "said"))}
     agents: list[subprocess.Popen[bytes]] = []
     stopped_by: list[int] = []
 
