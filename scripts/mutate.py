@@ -1697,6 +1697,10 @@ MUTANTS = [
            (("ddptrain/app/said.py", "    except OSError:\n        return True\n",
              "    except OSError:\n        return False\n"),),
            ("tests/test_ft.py", "-k", "said_once")),
+    Mutant("s62-group-agent-says-a-generic-failure", "a replica group's agent says 'worker rank 0 failed' before the "
+           "groups' launcher names the group: two lines for one failure",
+           (("ddptrain/app/launch.py", "        elif GROUP_AGENT_ENV not in os.environ:  #", "        elif True:  #"),),
+           ("tests/test_before_start.py", "-k", "leaves_a_failed_worker")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -312,6 +312,30 @@ def test_the_launcher_removes_its_workers_settled_code_when_they_have_ended(
     assert not (tmp_path / "run" / "ended.json").exists()
 
 
+def test_a_replica_groups_agent_leaves_a_failed_worker_to_the_groups_launcher(
+    tmp_path: Path, launcher: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group's agent whose worker failed with no evidence of why (exit 1, its restarts spent) exits 1 without a
+    line: the groups' launcher says which group failed and with what code (``app/ft_launch.py``), or why it stopped
+    the run (a quorum loss the worker said itself). Before, the agent's generic line came first: two lines for one
+    failure. A plain launch still says it."""
+    from ddptrain.ft.layout import GROUP_AGENT_ENV
+
+    def failed(args: Any) -> None:
+        raise ChildFailedError("ddptrain", {0: ProcessFailure(0, 100, 1, str(tmp_path / "none"))})
+
+    monkeypatch.setattr(torch_run, "run", failed)
+    monkeypatch.setattr("ddptrain.ft.extra.require_torchft", lambda groups: None)
+    group = ["ft.replica_groups=2", "ft.min_replicas=2", "launch.nproc_per_node=1", "ft.replica_id=1",
+             "ft.lighthouse=http://localhost:29510"]
+    assert run_cli([*QUICK, "hydra.run.dir=plain"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "ddptrain: worker rank 0 failed with exit code 1"
+    monkeypatch.setenv(GROUP_AGENT_ENV, "1")
+    assert run_cli([*QUICK, *group, "hydra.run.dir=run"]) == 1
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
+    assert (tmp_path / "run" / "group1").is_dir()  # the group's own agent, in its folder
+
+
 @pytest.mark.parametrize(("extra", "cores", "load", "threads", "noted"), [
     (["launch.nproc_per_node=4", "data.micro_batch_size=4"], 2, 0.0, "1", True),  # 4 workers on 2 cores
     ([], 4, 6.0, "1", False),  # 2 workers; the rest of the machine keeps the 4 cores busy

@@ -168,7 +168,7 @@ def launch_workers(run: Run, argv: list[str]) -> int:
         found = verdict(run_dir, failures, world_size, typed.dist.timeout_s, socket.gethostname(), since=started)
         if found is not None:  # the job's last line: who hung or died, and where (evidence in <run dir>/hang/)
             print(f"ddptrain: error: {found}", file=sys.stderr)
-        else:
+        elif GROUP_AGENT_ENV not in os.environ:  # a replica group's launcher names the failed group and its code
             print(f"ddptrain: worker rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as exc:
