@@ -426,7 +426,8 @@ def test_the_command_stops_a_drifted_replica_with_one_line_exit_4_and_keeps_the_
     args = ["launch.nproc_per_node=2", "data=synthetic", "model.num_layers=1", "model.hidden_size=32",
             "data.seq_len=16", "data.global_batch_size=4", "data.micro_batch_size=2", "train.steps=6",
             "train.log_every=3", "train.check_every=3", "train.eval_every=0", "checkpoint.every_n_steps=3",
-            "logger.progress=false", f"hydra.run.dir={tmp_path}"]
+            "logger.progress=false", f"hydra.run.dir={tmp_path}",
+            "launch.max_restarts=1"]  # a restart left: the restarted workers end at once with 4 and say nothing
     result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", extra_env={"DDPTRAIN_FAULT": "drift@step:4:1"})
     assert result.returncode == 4, result.stderr[-3000:]  # the workers' code, as docs/reliability.md promises
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("ddptrain: ")]
@@ -435,6 +436,8 @@ def test_the_command_stops_a_drifted_replica_with_one_line_exit_4_and_keeps_the_
         result.stderr[-3000:]  # once (rank 0's), and no launcher line after it
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003"]
     assert "every check compares a fingerprint of the parameters: whole replicas on 2 ranks" in result.stderr
+    # the stop and its restart both exited 4 (torch's agent logs each attempt's first failed worker)
+    assert (tmp_path / "train.log").read_text().count("failed (exitcode: 4)") == 2
 
 
 def test_each_hsdp_replica_group_is_read_from_its_own_slot_of_the_reduced_words() -> None:

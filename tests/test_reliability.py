@@ -168,18 +168,22 @@ def test_sigterm_of_the_launcher_leaves_a_loadable_checkpoint(tmp_path: Path, ca
 def test_non_finite_loss_is_decided_alike_on_every_rank(tmp_path: Path, cache: Path, policy: str) -> None:
     """Rank 1's step-3 loss poisoned: every rank skips the update, or every rank stops. ``skip`` trains on in
     forked ranks (the command adds nothing to a run that ends well); ``abort``'s exit code and its one line are
-    the command's."""
+    the command's, with a restart left (launch.max_restarts=1): torch's agent restarts the aborted workers, which
+    end at once with the same code and say nothing (``app/settled.py``)."""
     args = [*RUN, f"train.nan_policy={policy}", f"hydra.run.dir={tmp_path}"]
     if policy == "skip":
         said = train_as_the_command(args, cache, fault="nan@step:3:1")
         assert "update skipped on every rank" in said, said[-3000:]
         assert '"skipped_steps": 1' in (tmp_path / "metrics.jsonl").read_text()
     else:
-        result = run_cli(args, cwd=tmp_path, cache=cache, extra_env={"DDPTRAIN_FAULT": "nan@step:3:1"})
+        result = run_cli([*args, "launch.max_restarts=1"], cwd=tmp_path, cache=cache,
+                         extra_env={"DDPTRAIN_FAULT": "nan@step:3:1"})
         assert result.returncode == 3, result.stderr[-3000:]  # the workers' own code
         lines = [ln for ln in result.stderr.splitlines() if "non-finite loss or gradients at step 3" in ln]
         assert len([ln for ln in lines if ln.startswith("ddptrain:")]) == 1, result.stderr[-3000:]  # rank 0's
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
+        # torch's agent logs each attempt's first failed worker: the abort and its restart both exited 3
+        assert (tmp_path / "train.log").read_text().count("failed (exitcode: 3)") == 2
 
 
 def test_export_loads_with_transformers_alone(uninterrupted: Uninterrupted) -> None:
