@@ -1701,6 +1701,22 @@ MUTANTS = [
            "groups' launcher names the group: two lines for one failure",
            (("ddptrain/app/launch.py", "        elif GROUP_AGENT_ENV not in os.environ:  #", "        elif True:  #"),),
            ("tests/test_before_start.py", "-k", "leaves_a_failed_worker")),
+    Mutant("s62-sweep-reads-every-result", "the sweep's report reads every job result in the sweep dir: an earlier "
+           "sweep's jobs are listed as this one's",
+           (("ddptrain/app/sweep_job.py", " for p in sweep_dir.rglob(RESULT) if written_since(p, since)]",
+             " for p in sweep_dir.rglob(RESULT)]"),),
+           ("tests/test_sweep.py", "-k", "used_again")),
+    Mutant("s62-sweep-report-from-the-start-of-time", "the callback's report counts results of any time",
+           (("ddptrain/app/sweep_report.py", "        since = started[-1].at if started else 0.0",
+             "        since = 0.0"),),
+           ("tests/test_sweep.py", "-k", "used_again")),
+    Mutant("s62-sweep-line-counts-every-result", "the command's last line counts an earlier sweep's jobs",
+           (("ddptrain/app/sweep.py", "        else results_in(sweep_dir, since)",
+             "        else results_in(sweep_dir)"),),
+           ("tests/test_sweep.py", "-k", "used_again")),
+    Mutant("s62-search-result-of-any-sweep", "an earlier sweep's search result is reported as this one's",
+           (("ddptrain/app/sweep_report.py", "    if not written_since(path, since):", "    if not path.is_file():"),),
+           ("tests/test_sweep.py", "-k", "used_again")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -82,6 +82,29 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on_unless_fail_fast(
     assert len(stub_jobs) == 1 and [r["status"][:6] for r in _rows(tmp_path / "first")] == ["failed"]
 
 
+def test_a_sweep_dir_used_again_reports_only_this_sweeps_jobs(
+    stub_jobs: list[list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A search of 4 jobs, then a grid of 2 in the same sweep dir (``checkpoint.overwrite=true``, as a user
+    starting over): the report, sweep.csv and the command's line list the grid's 2 jobs, not the earlier sweep's
+    jobs 2 and 3, whose results are still there, nor the earlier search's best point. Before, both sweeps' jobs
+    were read: "sweep of 4 jobs ... 4 succeeded" for a sweep that ran 2."""
+    from ddptrain.app.sweep_report import SEARCH_RESULT
+
+    assert run_cli(["-m", "optim.lr=0.001,0.002,0.003,0.004", "hydra.sweep.dir=sweep"]) == 0
+    earlier = tmp_path / "sweep" / SEARCH_RESULT  # as a searching sweeper leaves it
+    earlier.write_text("best_params: {optim.lr: 0.003}\nbest_value: 2.5\n")
+    capsys.readouterr()
+    stub_jobs.clear()
+    assert run_cli(["-m", "optim.lr=0.01,0.02", "checkpoint.overwrite=true", "hydra.sweep.dir=sweep"]) == 0
+    assert len(stub_jobs) == 2 and (tmp_path / "sweep" / "3" / sweep_job.RESULT).is_file()  # the earlier job's
+    rows = _rows(tmp_path / "sweep")
+    assert [(r["job"], r["optim.lr"]) for r in rows] == [("0", "0.01"), ("1", "0.02")], rows
+    assert "sweep of 2 jobs in sweep: 2 succeeded" in capsys.readouterr().err
+    md = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "Best of the" not in md and "0.004" not in md
+
+
 def test_the_report_is_a_markdown_table_a_csv_with_each_run_dir_and_a_figure_labelled_by_the_swept_values(
         tmp_path: Path) -> None:
     """``write_report`` on three saved job results (in-process, no sweep run): sweep.md's table has a header, a

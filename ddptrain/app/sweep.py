@@ -123,11 +123,11 @@ def run_sweep(source: Source, fail_fast: bool = False) -> int:
             raise ConfigError(one_line(exc)) from exc
     if not sweep_report.started:
         raise ConfigError("the sweep did not start")
-    config = sweep_report.started[-1]
+    config, since = sweep_report.started[-1]
     sweep_dir = Path(str(config.hydra.sweep.dir))
     # the callback writes the report when the sweeper finishes; when it stopped on a failure, it is written here
-    results = sweep_report.write_report(sweep_dir, sweep_report.command_of(config)) if stopped \
-        else results_in(sweep_dir)
+    results = sweep_report.write_report(sweep_dir, sweep_report.command_of(config), since) if stopped \
+        else results_in(sweep_dir, since)
     failed = [r.num for r in results if not r.ok]
     say(f"ddptrain: sweep of {len(results)} jobs in {sweep_dir}: {len(results) - len(failed)} succeeded"
         + (f", failed: {', '.join(map(str, failed))}" if failed else "") + "; see sweep.md, sweep.csv, sweep.png")

@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ddptrain.config.compose import PRIMARY, config_dir
+from ddptrain.diagnose.written import written_since
 from ddptrain.errors import flat
 
 RESULT = "sweep_job.json"  # in each job's run dir
@@ -132,8 +133,11 @@ def sweep_job(cfg: DictConfig) -> float | None:
     return result.value
 
 
-def results_in(sweep_dir: Path) -> list[JobResult]:
-    """Every job result written under ``sweep_dir``, by job number."""
-    found = [JobResult.load(p) for p in sweep_dir.rglob(RESULT)]
+def results_in(sweep_dir: Path, since: float = 0.0) -> list[JobResult]:
+    """Every job result written under ``sweep_dir`` at or after ``since`` (the sweep's start, ``time.time()``), by
+    job number. A sweep dir used again (``checkpoint.overwrite=true``) keeps the results of the earlier sweep's
+    jobs, and one with more jobs left some this sweep never ran: read with them, the report and the command's
+    line listed those as this sweep's."""
+    found = [JobResult.load(p) for p in sweep_dir.rglob(RESULT) if written_since(p, since)]
     return sorted(found, key=lambda r: r.num)
 

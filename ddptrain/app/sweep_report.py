@@ -12,13 +12,15 @@ from __future__ import annotations
 import collections
 import csv
 import shlex
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.app.sweep_job import JobResult, results_in, source_argv
+from ddptrain.diagnose.written import written_since
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,17 +37,26 @@ SEARCH_RESULT = "optimization_results.yaml"  # what Optuna's (and Nevergrad's) s
 INTERNAL = ("hydra.searchpath=", "hydra.job.name=", "hydra.mode=")  # ddptrain's own, not the user's
 
 
-started: list[DictConfig] = []  # the multirun config of each sweep this process started (read by ddptrain -m)
+class Started(NamedTuple):
+    """A sweep this process started: its multirun config, and when (``time.time()``: its jobs' results are those
+    written since)."""
+
+    config: DictConfig
+    at: float
+
+
+started: list[Started] = []  # each sweep this process started (read by ddptrain -m)
 
 
 class SweepReport(Callback):
     """Hydra callback (``hydra.callbacks.sweep_report``): the report once the sweeper has finished."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        started.append(config)
+        started.append(Started(config, time.time()))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        write_report(Path(str(config.hydra.sweep.dir)), command_of(config))
+        since = started[-1].at if started else 0.0
+        write_report(Path(str(config.hydra.sweep.dir)), command_of(config), since)
 
 
 def command_of(config: DictConfig) -> str:
@@ -55,9 +66,10 @@ def command_of(config: DictConfig) -> str:
     return shlex.join(["ddptrain", "--multirun", *source_argv(config.hydra), *hydra_overrides, *task])
 
 
-def write_report(sweep_dir: Path, command: str) -> list[JobResult]:
-    """``sweep.csv``, ``sweep.md`` and ``sweep.png`` for every job that left a result in ``sweep_dir``."""
-    results = results_in(sweep_dir)
+def write_report(sweep_dir: Path, command: str, since: float = 0.0) -> list[JobResult]:
+    """``sweep.csv``, ``sweep.md`` and ``sweep.png`` for every job that left a result in ``sweep_dir`` since
+    ``since`` (the sweep's start)."""
+    results = results_in(sweep_dir, since)
     columns, rows = rows_of(results)
     with (sweep_dir / "sweep.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -68,7 +80,7 @@ def write_report(sweep_dir: Path, command: str) -> list[JobResult]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row[c], exact=c.startswith("objective")) for c in shown) + " |")
-    parts = [f"# Sweep: {sweep_dir}", "", "\n".join(lines), "", *search_result(sweep_dir),
+    parts = [f"# Sweep: {sweep_dir}", "", "\n".join(lines), "", *search_result(sweep_dir, since),
              "![tokens/s and step breakdown per job](sweep.png)", "", "Produced by:", "", "```bash", command, "```",
              "", "Figures are steady-state medians from each job's summary.json (first logged window skipped); "
              "each job's run dir holds its metrics.jsonl and config.yaml."]
@@ -77,10 +89,11 @@ def write_report(sweep_dir: Path, command: str) -> list[JobResult]:
     return results
 
 
-def search_result(sweep_dir: Path) -> list[str]:
-    """A searching sweeper's best point, as markdown lines (none for a grid)."""
+def search_result(sweep_dir: Path, since: float = 0.0) -> list[str]:
+    """A searching sweeper's best point, as markdown lines (none for a grid, nor for an earlier sweep's search in
+    the same sweep dir: one written before ``since``)."""
     path = sweep_dir / SEARCH_RESULT
-    if not path.is_file():
+    if not written_since(path, since):
         return []
     found = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     assert isinstance(found, dict)
