@@ -255,6 +255,28 @@ def test_a_test_is_marked_with_the_packages_its_file_and_helpers_import(request:
     assert "data" not in marks  # this file imports no ddptrain package, only the suite's helpers
 
 
+def test_the_package_marks_are_made_when_m_or_k_names_a_package_and_select_by_it(pytester: pytest.Pytester) -> None:
+    """``-m data`` and ``-k data`` select the tests whose file imports ``ddptrain.data``; ``-m "not slow"`` selects by
+    no package and marks nothing (the marks' read of every file's imports is skipped)."""
+    pytester.makepyfile(test_uses_data="import ddptrain.data\n\ndef test_a():\n    pass\n",
+                        test_uses_none="def test_b():\n    pass\n")
+    plugin = ["-p", "tests.helpers.package_marks", "-p", "no:randomly", "-p", "no:cacheprovider"]
+    for selection in (["-m", "data"], ["-m", "data and not slow"], ["-k", "data"]):
+        pytester.runpytest_inprocess(*plugin, *selection).assert_outcomes(passed=1, deselected=1)
+    marked: list[set[str]] = []
+
+    class Record:
+        @pytest.hookimpl(trylast=True)
+        def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+            marked.extend({m.name for m in item.iter_markers()} for item in items)
+
+    pytester.runpytest_inprocess(*plugin, "-m", "not slow", plugins=[Record()]).assert_outcomes(passed=2)
+    assert marked == [set(), set()]
+    marked.clear()
+    pytester.runpytest_inprocess(*plugin, "-m", "data or not slow", plugins=[Record()]).assert_outcomes(passed=2)
+    assert "data" in marked[0] and "data" not in marked[1]
+
+
 def test_every_package_has_tests_and_the_development_guide_names_every_mark() -> None:
     tests = sorted((REPO / "tests").glob("test_*.py"))
     covered = set().union(*(package_marks.file_packages(t) for t in tests))
