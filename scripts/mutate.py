@@ -1717,6 +1717,13 @@ MUTANTS = [
     Mutant("s62-search-result-of-any-sweep", "an earlier sweep's search result is reported as this one's",
            (("ddptrain/app/sweep_report.py", "    if not written_since(path, since):", "    if not path.is_file():"),),
            ("tests/test_sweep.py", "-k", "used_again")),
+    Mutant("s62-group-failed-alone-unsaid", "a group that failed on its own while the others trained every step "
+           "goes unnamed (its agent no longer says its generic line)",
+           (("ddptrain/app/ft_launch.py", "            if 0 < code < 128:", "            if False:"),),
+           ("tests/test_ft.py", "-k", "starts_one_agent_per_group")),
+    Mutant("s62-group-stopped-late-named-failed", "a group stopped late (SIGTERM: 143) is named as failed too",
+           (("ddptrain/app/ft_launch.py", "            if 0 < code < 128:", "            if code != 0:"),),
+           ("tests/test_ft.py", "-k", "starts_one_agent_per_group")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -344,7 +344,7 @@ def test_the_lighthouse_runs_its_extension_alone_without_importing_torch(monkeyp
 
 
 def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_ended(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``launch_groups`` in-process, its processes stubbed: each group's agent is ``ddptrain`` with the group's
     overrides and the lighthouse's address (ours, or ``ft.lighthouse``'s), in a group folder made in a run dir
     that need not exist yet; torchft's Rust log at warn unless RUST_LOG says otherwise; Ctrl-C's handlers put
@@ -437,9 +437,15 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     os.utime(earlier, (time.time() - 3600, time.time() - 3600))
     assert launched(None, 0, 1) == 1  # that says nothing of this launch, whose group 1 failed
     finishing.add(0)
-    assert launched(None, 0, 1) == 0  # group 0 trained every step in this launch; group 1 was stopped
+    capsys.readouterr()
+    assert launched(None, 0, 143) == 0  # group 0 trained every step in this launch; group 1 was stopped late
+    assert capsys.readouterr().err == ""  # (watch() named it as it stopped it)
+    assert launched(None, 0, 1) == 0  # group 1 failed on its own, restarts spent (its agent said nothing)
+    assert capsys.readouterr().err.splitlines() == [
+        "ddptrain: note: replica group 1 failed (exit code 1) after ft.group_restarts=3 restarts; the other groups "
+        "trained every step"]
     finishing.clear()
-    assert watched == [None] * 6
+    assert watched == [None] * 7
     # continued in the same run dir: the files hold the launch before's loss (group 0, step 9); this launch's
     # group 1 finds no quorum before step 2 once started. The watch is given this launch's lines, all of them.
     _events(run_dir, 0, {"event": "quorum_lost", "step": 9})

@@ -86,6 +86,13 @@ def launch_groups(run: Run, argv: list[str]) -> int:
         return 128 + stopped_by[0]
     codes = [agent.returncode for agent in agents]
     if all(code == 0 for code in codes) or (0 in codes and finished_first(run_dir, groups, since=started)):
+        # a group that failed on its own (its restarts spent; its agent says nothing) while others trained every
+        # step: the run succeeded, and the group is named. A group stopped late (SIGTERM, a kill) exited >= 128 or
+        # < 0, and watch() named it.
+        for g, code in enumerate(codes):
+            if 0 < code < 128:
+                say(f"ddptrain: note: replica group {g} failed (exit code {code}) after ft.group_restarts="
+                    f"{typed.ft.group_restarts} restarts; the other groups trained every step")
         return 0
     failed = next(g for g, code in enumerate(codes) if code != 0)
     if codes[failed] in SAID_BY_WORKER:
