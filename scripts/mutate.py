@@ -1724,6 +1724,36 @@ MUTANTS = [
     Mutant("s62-group-stopped-late-named-failed", "a group stopped late (SIGTERM: 143) is named as failed too",
            (("ddptrain/app/ft_launch.py", "            if 0 < code < 128:", "            if code != 0:"),),
            ("tests/test_ft.py", "-k", "starts_one_agent_per_group")),
+    # stop 62's audit (helper audit62): its survivors, each now killed
+    Mutant("audit62-claimed-before-the-grace", "a rank other than 0 claims its line before its grace: stopped in "
+           "the grace by the agent, it never says it, and rank 0 finds it claimed",
+           (("ddptrain/app/cli.py", "    grace_s = ERROR_GRACE_S if grace_s is None else grace_s\n",
+             "    grace_s = ERROR_GRACE_S if grace_s is None else grace_s\n    claimed = first_to_say(line)\n"),
+            ("ddptrain/app/cli.py", "    if first_to_say(line):\n        say(line)",
+             "    if claimed:\n        say(line)")),
+           ("tests/test_ft.py", "-k", "said_once")),
+    Mutant("audit62-pod-of-a-group-silent", "a group's agent with no groups' launcher above it (a Kubernetes pod) "
+           "says nothing of a failed worker",
+           (("ddptrain/app/launch.py", "        elif GROUP_AGENT_ENV not in os.environ:",
+             "        elif not in_group:"),),
+           ("tests/test_before_start.py", "-k", "leaves_a_failed_worker")),
+    Mutant("audit62-group-agent-drops-the-verdict", "a group's agent drops the verdict of who hung or died",
+           (("ddptrain/app/launch.py", "        if found is not None:  # the job's last line",
+             "        if found is not None and GROUP_AGENT_ENV not in os.environ:  # the job's last line"),),
+           ("tests/test_before_start.py", "-k", "leaves_a_failed_worker")),
+    Mutant("audit62-claims-emptied-at-the-end", "the claims are emptied as a launch ends, not as it starts: a "
+           "launcher killed before its end leaves them and the next launch's line goes unsaid",
+           (("ddptrain/app/ft_launch.py", 'SAID_DIR_ENV: str(fresh_said_dir(run_dir / FT_DIR / "said"))}',
+             'SAID_DIR_ENV: str(run_dir / FT_DIR / "said")}'),
+            ("ddptrain/app/ft_launch.py", "        publish_summary(run_dir, groups, record, since=started)\n",
+             "        publish_summary(run_dir, groups, record, since=started)\n"
+             "        fresh_said_dir(run_dir / FT_DIR / \"said\")\n")),
+           ("tests/test_ft.py", "-k", "starts_one_agent_per_group")),
+    Mutant("audit62-stopped-sweep-reads-every-result", "a sweep stopped at a failed job reports an earlier sweep's "
+           "jobs in the same dir",
+           (("ddptrain/app/sweep.py", "sweep_report.command_of(config), since) if stopped",
+             "sweep_report.command_of(config)) if stopped"),),
+           ("tests/test_sweep.py", "-k", "used_again")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -318,7 +318,10 @@ def test_a_replica_groups_agent_leaves_a_failed_worker_to_the_groups_launcher(
     """A group's agent whose worker failed with no evidence of why (exit 1, its restarts spent) exits 1 without a
     line: the groups' launcher says which group failed and with what code (``app/ft_launch.py``), or why it stopped
     the run (a quorum loss the worker said itself). Before, the agent's generic line came first: two lines for one
-    failure. A plain launch still says it."""
+    failure. A plain launch still says it, and so does a group's agent with no groups' launcher above it (a
+    Kubernetes pod of one group: ``ft.replica_id`` set, no launcher's mark). Evidence of who hung or died is the
+    agent's line under the groups' launcher too."""
+    import ddptrain.diagnose.verdict as diagnose_verdict
     from ddptrain.ft.layout import GROUP_AGENT_ENV
 
     def failed(args: Any) -> None:
@@ -330,10 +333,15 @@ def test_a_replica_groups_agent_leaves_a_failed_worker_to_the_groups_launcher(
              "ft.lighthouse=http://localhost:29510"]
     assert run_cli([*QUICK, "hydra.run.dir=plain"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == "ddptrain: worker rank 0 failed with exit code 1"
+    assert run_cli([*QUICK, *group, "hydra.run.dir=pod"]) == 1  # one group's pod: nobody else would say it
+    assert capsys.readouterr().err.splitlines()[-1] == "ddptrain: worker rank 0 failed with exit code 1"
     monkeypatch.setenv(GROUP_AGENT_ENV, "1")
     assert run_cli([*QUICK, *group, "hydra.run.dir=run"]) == 1
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
     assert (tmp_path / "run" / "group1").is_dir()  # the group's own agent, in its folder
+    monkeypatch.setattr(diagnose_verdict, "verdict", lambda *args, **kwargs: "rank 0 hung at step 3 in backward")
+    assert run_cli([*QUICK, *group, "hydra.run.dir=hung"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "ddptrain: error: rank 0 hung at step 3 in backward"
 
 
 @pytest.mark.parametrize(("extra", "cores", "load", "threads", "noted"), [

@@ -368,6 +368,9 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
         def __init__(self, argv: list[str], env: dict[str, str], start_new_session: bool) -> None:
             started.append((argv, env))
             agent_starts.append(time.time())
+            # the groups start with no claim of an earlier launch's line (emptied at the start, not at the end: a
+            # launcher killed before its end would leave them, and the next launch's line would go unsaid)
+            assert not any(Path(env[SAID_DIR_ENV]).glob("*"))
             self.returncode = codes[len(started) - 1]
             if (event := writes.get(len(started) - 1)) is not None:
                 with events_path(run_dir, len(started) - 1).open("a") as out:
@@ -428,7 +431,7 @@ def test_the_local_launch_starts_one_agent_per_group_and_exits_as_the_groups_end
     claimed.touch()
     monkeypatch.setenv("RUST_LOG", "debug")
     assert launched(None, 0, 1) == 1  # no group finished: group 1's failure (it said no line of its own)
-    assert not claimed.exists()  # each launch's groups say their lines afresh
+    assert not claimed.exists()  # each launch's groups say their lines afresh (the agents saw no claim)
     assert lighthouses == ["started for 1", "stopped"] and started[0][1]["RUST_LOG"] == "debug"
     assert started[1][0][-1] == "ft.lighthouse=http://localhost:29511"
     assert launched(None, 0, 4) == 4 and launched(None, 1, 4) == 1  # the first failed group's code, if it said it
@@ -478,6 +481,22 @@ def test_a_line_every_replica_group_says_alike_is_said_once_and_lines_that_diffe
     blocked.write_text("")
     monkeypatch.setenv(SAID_DIR_ENV, str(blocked / "said"))
     assert first_to_say(refusal) and first_to_say(refusal)
+    # inside a group of 2 ranks: rank 1 claims only after its grace, by when the agent stopped it if rank 0 ended
+    # alike. Claimed before its grace, the line was claimed by a rank that never said it, and rank 0 was silent.
+    monkeypatch.setenv(SAID_DIR_ENV, str(fresh_said_dir(said)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
+
+    def stopped_by_the_agent(seconds: float) -> None:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(cli.time, "sleep", stopped_by_the_agent)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        cli.say_once(refusal)
+    monkeypatch.setenv("RANK", "0")
+    cli.say_once(refusal)
+    assert capsys.readouterr().err.splitlines() == [refusal]
 
 
 def test_the_local_launch_watches_the_events_of_every_group_whatever_its_workers_per_group(

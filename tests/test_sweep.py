@@ -103,6 +103,11 @@ def test_a_sweep_dir_used_again_reports_only_this_sweeps_jobs(
     assert "sweep of 2 jobs in sweep: 2 succeeded" in capsys.readouterr().err
     md = (tmp_path / "sweep" / "sweep.md").read_text()
     assert "Best of the" not in md and "0.004" not in md
+    # a sweep that stops at a failed job writes its report itself (the sweeper's end never comes): the same rule
+    assert run_cli(["-m", "--fail-fast", "data.micro_batch_size=3,2", "checkpoint.overwrite=true",
+                    "hydra.sweep.dir=sweep"]) == 1
+    assert [r["status"][:6] for r in _rows(tmp_path / "sweep")] == ["failed"]
+    assert "sweep of 1 jobs in sweep: 0 succeeded, failed: 0" in capsys.readouterr().err
 
 
 def test_the_report_is_a_markdown_table_a_csv_with_each_run_dir_and_a_figure_labelled_by_the_swept_values(
