@@ -203,19 +203,27 @@ def test_unwritable_run_directory(tmp_path: Path, cli_runs: RunCache) -> None:
                          f"hydra.run.dir={tmp_path}/a-file/run: cannot write there")
 
 
+def _malformed_record_run(tmp_path: Path, pretrained_base: Path) -> tuple[Path, list[str]]:
+    """A prompt/completion file whose 7th record's completion is a list, and a fine-tuning run on it (run dir
+    ``tmp_path/run``): the file and the run's overrides."""
+    records = tmp_path / "pc.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(20)]
+    lines[6] = json.dumps({"prompt": "q6", "completion": ["a", "list"]})
+    records.write_text("\n".join(lines) + "\n")
+    return records, [*SMALL, "data=instruct", "data.source=files", f"data.paths=[{records}]",
+                     f"data.tokenizer={pretrained_base}", f"model.pretrained={pretrained_base}",
+                     f"hydra.run.dir={tmp_path}/run"]
+
+
 @pytest.mark.slow
 def test_a_malformed_prompt_completion_record_is_one_line(tmp_path: Path, pretrained_base: Path) -> None:
     """The data build raises inside ``datasets``' generator, which wraps it (a ``DatasetGenerationError``
     traceback per rank before): the command prints the record's one line on both ranks instead. With restarts
     left (launch.max_restarts=2), torch's agent restarts the refused workers twice; the restarted ones end at
     once with the same code and say nothing (each attempt built the data again and said the line again)."""
-    records = tmp_path / "pc.jsonl"
-    lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(20)]
-    lines[6] = json.dumps({"prompt": "q6", "completion": ["a", "list"]})
-    records.write_text("\n".join(lines) + "\n")
-    args = [*SMALL, "data=instruct", "data.source=files", f"data.paths=[{records}]",
-            f"data.tokenizer={pretrained_base}", f"model.pretrained={pretrained_base}", f"hydra.run.dir={tmp_path}/run",
-            "launch.nproc_per_node=2", "launch.max_restarts=2"]  # ddptrain's own launcher: torchrun's adds its own
+    records, run = _malformed_record_run(tmp_path, pretrained_base)
+    # ddptrain's own launcher: torchrun's adds its own
+    args = [*run, "launch.nproc_per_node=2", "launch.max_restarts=2"]
     result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", timeout=180)  # traceback of the failure
     assert result.returncode == 2, result.stderr[-3000:]  # the workers' own exit code
     assert "Traceback" not in result.stderr and "DatasetGenerationError" not in result.stderr, result.stderr[-3000:]
@@ -238,13 +246,8 @@ def test_a_refusal_every_replica_group_finds_is_said_once(tmp_path: Path, pretra
     """Under ft.replica_groups=2 each group is a job of its own, and each group's worker finds the malformed record
     after the groups started: the line is said once for the run (both groups said it before), the run exits with
     the workers' code, and the group's restart (ft.group_restarts=1) says nothing."""
-    records = tmp_path / "pc.jsonl"
-    lines = [json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) for i in range(20)]
-    lines[6] = json.dumps({"prompt": "q6", "completion": ["a", "list"]})
-    records.write_text("\n".join(lines) + "\n")
-    args = [*SMALL, "data=instruct", "data.source=files", f"data.paths=[{records}]",
-            f"data.tokenizer={pretrained_base}", f"model.pretrained={pretrained_base}", f"hydra.run.dir={tmp_path}/run",
-            "ft.replica_groups=2", "ft.min_replicas=2", "launch.nproc_per_node=1", "ft.group_restarts=1"]
+    records, run = _malformed_record_run(tmp_path, pretrained_base)
+    args = [*run, "ft.replica_groups=2", "ft.min_replicas=2", "launch.nproc_per_node=1", "ft.group_restarts=1"]
     result = run_cli(args, cwd=tmp_path, cache=tmp_path / "cache", timeout=240)
     assert result.returncode == 2, result.stderr[-3000:]
     _fails_on_both_ranks_with(result, f"ddptrain: error: data.paths: {records}: line 7: 'completion' "
