@@ -3,6 +3,7 @@ skip, and the fixtures many tests share."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -49,9 +50,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# Python's cyclic garbage collector walks every object a full collection finds, and a test process holds millions
+# from its imports (torch, transformers, the collected tests) that live to its end. Frozen after collection, they
+# are never walked again, and collections come ten times less often: in the fast tests of four modules (318 tests,
+# 68 CPU s) the collector took 4.3 CPU s as Python set it and 2.3 so (docs/development.md).
+GC_THRESHOLDS = (10_000, 10, 10)  # Python 3.11 sets (700, 10, 10)
+
+
+def settle_the_collected_objects() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """What was frozen is walked again at the end, so that the interpreter's last collection frees it (a binding
+    library counts what is left at exit as leaked, and says so)."""
+    gc.unfreeze()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Where a selected test's module runs ranks through ``tests/helpers/dist.py``, its fork server starts and
     imports before the first test, not inside it (``warm_forkserver`` says why)."""
+    if not session.config.option.collectonly:
+        settle_the_collected_objects()
     dist = sys.modules.get("tests.helpers.dist")
     if dist is None or session.config.option.collectonly:
         return

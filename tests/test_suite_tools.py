@@ -132,6 +132,28 @@ def test_cpu_of_the_process_tree_counts_a_child_that_computes() -> None:
     assert timing.tree_cpu_s() - before >= 0.45
 
 
+def test_cpu_of_the_process_tree_counts_a_live_grandchild_that_computes() -> None:
+    """A descendant still running when the figure is read (a rank forked by a server the test started) counts
+    with what it computed so far: it is found through its parent, not by its parent's counters."""
+    burn = ("import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass\n"
+            "print('burnt', flush=True)\ntime.sleep(30)")
+    before = timing.tree_cpu_s()
+    middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                                                   f"{burn!r}])"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert middle.stdout is not None and middle.stdout.readline().strip() == "burnt"
+        (grandchild,) = psutil.Process(middle.pid).children()
+        found = timing.live_descendants()  # (under pytest-xdist, the worker's fork server is one too)
+        assert {middle.pid, grandchild.pid} <= set(found) and found.index(middle.pid) < found.index(grandchild.pid)
+        assert sorted(found) == sorted(p.pid for p in psutil.Process().children(recursive=True))
+        assert timing.tree_cpu_s() - before >= 0.45
+    finally:
+        for proc in psutil.Process(middle.pid).children(recursive=True):
+            proc.kill()
+        middle.kill()
+        middle.wait()
+
+
 @pytest.mark.parametrize(("argv", "cli"), [
     (["/venv/bin/python", "-m", "ddptrain", "train.steps=2"], True),
     (["/venv/bin/python", "-m", "torch.distributed.run", "--standalone", "-m", "ddptrain"], True),

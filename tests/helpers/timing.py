@@ -59,14 +59,49 @@ def is_cli_run(argv: list[str]) -> bool:
     return "ddptrain" in modules or "tests.helpers.flash_attn_cli" in modules or Path(argv[0]).name == "ddptrain"
 
 
+def children_of(pid: int) -> list[int] | None:
+    """The live children of ``pid``, from the kernel's per-thread list (``/proc/PID/task/TID/children``); None where
+    the kernel keeps no such list. Read three times per test: psutil's ``children()`` finds them by reading the
+    parent of every process on the machine, 1-2 ms a call (about 5 of every 1,000 tests' CPU seconds), this 0.07."""
+    found: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # exited: nothing of it left to count
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as listing:
+                found.extend(int(child) for child in listing.read().split())
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):  # the thread ended between the listing and the read
+                continue
+            return None  # a kernel built without CONFIG_PROC_CHILDREN
+        except OSError:
+            continue
+    return found
+
+
+def live_descendants() -> list[int]:
+    """This process's live descendants, children first."""
+    todo = children_of(os.getpid())
+    if todo is None:
+        return [child.pid for child in psutil.Process().children(recursive=True)]
+    seen: list[int] = []
+    while todo:
+        pid = todo.pop(0)
+        seen.append(pid)
+        todo.extend(children_of(pid) or [])
+    return seen
+
+
 def tree_cpu_s() -> float:
     """CPU seconds (user + system) this process, its reaped children and its live descendants (with theirs) used."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
-    for child in psutil.Process().children(recursive=True):
+    for pid in live_descendants():
         try:
-            t = child.cpu_times()
+            t = psutil.Process(pid).cpu_times()
         except psutil.Error:  # exited between the listing and the read: its parent's counters hold it now
             continue
         total += t.user + t.system + t.children_user + t.children_system
