@@ -57,10 +57,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 GC_THRESHOLDS = (10_000, 10, 10)  # Python 3.11 sets (700, 10, 10)
 
 
+gc.disable()  # while the test modules import (torch, transformers): 9.1 -> 8.0 CPU s of collection a worker
+
+
 def settle_the_collected_objects() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    gc.enable()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """pytest-xdist's controller collects nothing: the collector is on again in it at once."""
+    if session.config.pluginmanager.has_plugin("dsession"):
+        gc.enable()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -72,8 +82,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Where a selected test's module runs ranks through ``tests/helpers/dist.py``, its fork server starts and
     imports before the first test, not inside it (``warm_forkserver`` says why)."""
-    if not session.config.option.collectonly:
-        settle_the_collected_objects()
+    settle_the_collected_objects()
     dist = sys.modules.get("tests.helpers.dist")
     if dist is None or session.config.option.collectonly:
         return

@@ -8,12 +8,15 @@ reaches the spawn. The checkpoints are written as the checkpointer writes them (
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from ddptrain.checkpoint.format import FORMAT, MANIFEST_KEY, MARKER, TrainState,
 from ddptrain.config.compose import PRIMARY, Source, compose_config, typed_config
 from ddptrain.errors import ConfigError, ResourceError
 from ddptrain.models.build import build_model
+from ddptrain.runtime.imports import imports_without_the_collector
 from ddptrain.telemetry.logs import ELASTIC_LOGGERS
 
 QUICK = ["+experiment=quickstart", "data=synthetic", "data.vocab_size=8192"]  # llama_tiny, 2 ranks, no corpus
@@ -491,6 +495,48 @@ def worker_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides
     finally:
         signal.signal(signal.SIGTERM, previous)
     raise AssertionError("the worker ran to its end")
+
+
+def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_to_build_and_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's imports (torch, the trainer, transformers' model classes) run with Python's cyclic collector
+    off (``runtime/imports.py``); the trainer is built, and trains, with it on."""
+    from ddptrain.app import launch
+    from ddptrain.train import trainer
+
+    during: list[bool] = []
+    real = launch.imports_without_the_collector
+
+    @contextlib.contextmanager
+    def recorded() -> Iterator[None]:
+        with real():
+            during.append(gc.isenabled())
+            yield
+
+    building: list[bool] = []
+
+    def build(self: Any, *args: Any, **kwargs: Any) -> None:
+        building.append(gc.isenabled())
+        raise ConfigError("built no further")
+
+    monkeypatch.setattr(launch, "imports_without_the_collector", recorded)
+    monkeypatch.setattr(trainer.Trainer, "__init__", build)
+    assert str(worker_in_process(tmp_path, monkeypatch, [])) == "built no further"
+    assert (during, building) == ([False], [True])
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
+def test_imports_without_the_collector_leave_it_as_they_found_it_even_on_an_error(enabled: bool) -> None:
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with pytest.raises(ImportError), imports_without_the_collector():
+            assert not gc.isenabled()
+            raise ImportError("no such module")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_a_worker_refusing_the_resume_leaves_the_earlier_config_yaml_and_no_hang_dir(

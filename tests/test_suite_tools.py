@@ -4,6 +4,7 @@ each CLI run once per session, and the package marks that find a module's tests.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import conftest
 from tests.helpers import package_marks, run_cache, timing, xdist_groups, xdist_threads
 
 REPO = Path(__file__).parents[1]
@@ -465,3 +467,10 @@ def test_the_seconds_table_renews_the_files_a_run_measured_and_keeps_the_others(
     assert merged == {"tests": {"tests/a.py::t1": 2.5, "tests/b.py::t": 7.0, "tests/c.py::t": 30.0},
                       "files": {"tests/a.py::fast": 0.2, "tests/a.py::slow": 1.5, "tests/b.py::slow": 3.0,
                                 "tests/c.py::slow": 30.0}}
+
+
+def test_a_test_runs_with_the_collector_on_and_the_collected_objects_frozen() -> None:
+    """conftest.py turns Python's cyclic collector off while the test modules import; every test runs with it on
+    again, less often, and with what collection made frozen (never walked again)."""
+    assert gc.isenabled() and gc.get_threshold() == conftest.GC_THRESHOLDS
+    assert gc.get_freeze_count() > 100_000

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from ddptrain.diagnose.trace import DEFAULT_GROUP, current, group_of
 from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, one_line, say
 from ddptrain.ft.layout import GROUP_AGENT_ENV, data_parallel_size, group_dir
 from ddptrain.runtime.allocator import startup_line as allocator_line
+from ddptrain.runtime.imports import imports_without_the_collector
 from ddptrain.telemetry import setup_logging
 from ddptrain.telemetry.goodput import LAUNCH_START_ENV, launcher_start
 from ddptrain.telemetry.logs import elastic_records_to_run_log
@@ -133,13 +135,14 @@ def launch_workers(run: Run, argv: list[str]) -> int:
     shape = validate_config(typed, data_parallel_size(typed, world_size))  # fail here once, not in every worker
     run_dir = ready_run_dir(run, world_size, shape, f"starting {local} worker{'s' if local > 1 else ''}",
                             announce=GROUP_AGENT_ENV not in os.environ)  # the groups' launcher announced the run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as elastic_run
+    with imports_without_the_collector():
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import get_args_parser
+        from torch.distributed.run import run as elastic_run
 
-    from ddptrain.diagnose.verdict import Failure, verdict
-    from ddptrain.runtime.topology import oversubscription_note, threads_per_worker
+        from ddptrain.diagnose.verdict import Failure, verdict
+        from ddptrain.runtime.topology import oversubscription_note, threads_per_worker
 
     os.environ["DDPTRAIN_RUN_DIR"] = str(run_dir)
     elastic_records_to_run_log(run_dir)
@@ -225,10 +228,12 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
     shape = validate_config(typed, data_parallel_size(typed, int(os.environ.get("WORLD_SIZE", "1"))))
     if not is_worker() and device is None:  # the whole job in this process: no launcher checked the run dir
         ready_run_dir(run, 1, shape, "starting")
-    setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
-    from ddptrain.runtime.process_group import distributed, shared_run_dir
-    from ddptrain.runtime.topology import check_shared_run_dir
-    from ddptrain.train.trainer import Trainer
+    with imports_without_the_collector():
+        setup_logging(int(os.environ.get("RANK", "0")))  # (it quiets transformers, so imports it)
+        from ddptrain.runtime.process_group import distributed, shared_run_dir
+        from ddptrain.runtime.topology import check_shared_run_dir
+        from ddptrain.train.trainer import Trainer
+        import_module("ddptrain.models.build")  # what the trainer builds the model with (transformers' modeling)
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built
