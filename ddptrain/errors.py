@@ -32,6 +32,12 @@ class RunEnded(Exception):
         self.exit_code = exit_code
 
 
+class QuorumLost(RunEnded):
+    """A replica group found no quorum of ``ft.min_replicas`` groups in time. Under the groups' launcher the line
+    is the launcher's: it reads the loss from the group's events and knows whether the other groups went on (the
+    run stops) or not (this group failed alone and restarts)."""
+
+
 class PeerLost(RunEnded):
     """A collective timed out or lost a peer: this rank says what it waited in, the launcher names who is at fault."""
 

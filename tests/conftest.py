@@ -12,11 +12,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.helpers import collector
+
 # Cached bytecode for the suite's own process (and each xdist worker): with PYTHONDONTWRITEBYTECODE=1 in the shell
 # (set on the shared development machine), every run compiled ddptrain's modules again and pytest rewrote the
 # asserts of every test module again, 6.7 of the 20 CPU s a collection costs, paid by each worker. Bytecode lands in
 # the ignored __pycache__ folders; the commands the tests start keep the environment they were given.
 sys.dont_write_bytecode = False
+
+# Python's cyclic collector is off while the test modules import, on again once they are collected (or at once in
+# pytest-xdist's controller, which collects nothing): tests/helpers/collector.py says why
+gc.disable()
 
 if TYPE_CHECKING:
     from ddptrain.config.schema import Config
@@ -50,23 +56,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# Python's cyclic garbage collector walks every object a full collection finds, and a test process holds millions
-# from its imports (torch, transformers, the collected tests) that live to its end. Frozen after collection, they
-# are never walked again, and collections come ten times less often: in the fast tests of four modules (318 tests,
-# 68 CPU s) the collector took 4.3 CPU s as Python set it and 2.3 so (docs/development.md).
-GC_THRESHOLDS = (10_000, 10, 10)  # Python 3.11 sets (700, 10, 10)
-
-
-gc.disable()  # while the test modules import (torch, transformers): 9.1 -> 8.0 CPU s of collection a worker
-
-
-def settle_the_collected_objects() -> None:
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-    gc.enable()
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     """pytest-xdist's controller collects nothing: the collector is on again in it at once."""
     if session.config.pluginmanager.has_plugin("dsession"):
@@ -82,7 +71,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Where a selected test's module runs ranks through ``tests/helpers/dist.py``, its fork server starts and
     imports before the first test, not inside it (``warm_forkserver`` says why)."""
-    settle_the_collected_objects()
+    collector.settle()
     dist = sys.modules.get("tests.helpers.dist")
     if dist is None or session.config.option.collectonly:
         return

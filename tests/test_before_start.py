@@ -321,8 +321,8 @@ def test_a_replica_groups_agent_leaves_a_failed_worker_to_the_groups_launcher(
 ) -> None:
     """A group's agent whose worker failed with no evidence of why (exit 1, its restarts spent) exits 1 without a
     line: the groups' launcher says which group failed and with what code (``app/ft_launch.py``), or why it stopped
-    the run (a quorum loss the worker said itself). Before, the agent's generic line came first: two lines for one
-    failure. A plain launch still says it, and so does a group's agent with no groups' launcher above it (a
+    the run (a quorum loss, which the worker leaves to it). Before, the agent's generic line came first: two lines
+    for one failure. A plain launch still says it, and so does a group's agent with no groups' launcher above it (a
     Kubernetes pod of one group: ``ft.replica_id`` set, no launcher's mark). Evidence of who hung or died is the
     agent's line under the groups' launcher too."""
     import ddptrain.diagnose.verdict as diagnose_verdict
@@ -495,6 +495,32 @@ def worker_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides
     finally:
         signal.signal(signal.SIGTERM, previous)
     raise AssertionError("the worker ran to its end")
+
+
+def test_a_quorum_loss_is_left_to_the_groups_launcher_and_said_by_a_group_alone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group's worker that found no quorum in time exits 1 without a line under the groups' launcher, which reads
+    the loss from the group's events and says whether the run stops (before: the worker's line, then the
+    launcher's, for one stop); a group with no launcher above it (a Kubernetes pod of its own) says it."""
+    from ddptrain.app import launch
+    from ddptrain.errors import QuorumLost
+    from ddptrain.ft.layout import GROUP_AGENT_ENV
+
+    def no_quorum(run: Any, device: Any = None) -> None:
+        raise QuorumLost("replica group 1: no quorum of ft.min_replicas=2 groups within ft.quorum_timeout_s=5", 1)
+
+    monkeypatch.setattr(launch, "run_worker", no_quorum)
+    monkeypatch.setattr("ddptrain.ft.extra.require_torchft", lambda groups: None)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "quorum")  # a worker an agent started
+    group = ["ft.replica_groups=2", "ft.min_replicas=2", "launch.nproc_per_node=1", "ft.replica_id=1",
+             "ft.lighthouse=http://localhost:29510", "hydra.run.dir=run"]
+    assert run_cli([*QUICK, *group]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == ("ddptrain: replica group 1: no quorum of ft.min_replicas=2 "
+                                                         "groups within ft.quorum_timeout_s=5")
+    monkeypatch.setenv(GROUP_AGENT_ENV, "1")
+    assert run_cli([*QUICK, *group]) == 1
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
 
 
 def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_to_build_and_train(

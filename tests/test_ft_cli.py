@@ -215,6 +215,9 @@ def test_a_run_stopped_for_want_of_a_quorum_continues_with_resume_auto_as_its_li
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("ddptrain: error: replica group")]
     assert stopped.returncode == 1 and len(errors) == 1, stopped.stderr[-3000:]
     assert "found no quorum" in errors[0] and "before step 4" in errors[0] and "train.resume=auto" in errors[0]
+    # one line for the stop: the groups' launcher's (group 0's worker, which timed out, says none of its own)
+    said = [line for line in stopped.stderr.splitlines() if line.startswith("ddptrain:") and "quorum" in line]
+    assert said == errors, stopped.stderr[-3000:]
     continued = run_cli([*args, "train.resume=auto"], cwd=tmp_path, cache=cli_runs.data_cache, timeout=300)
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert "found no quorum" not in continued.stderr

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests import conftest
-from tests.helpers import package_marks, run_cache, timing, xdist_groups, xdist_threads
+from tests.helpers import collector, package_marks, run_cache, timing, xdist_groups, xdist_threads
+from tests.helpers.dist import run_distributed
 
 REPO = Path(__file__).parents[1]
 
@@ -472,5 +472,14 @@ def test_the_seconds_table_renews_the_files_a_run_measured_and_keeps_the_others(
 def test_a_test_runs_with_the_collector_on_and_the_collected_objects_frozen() -> None:
     """conftest.py turns Python's cyclic collector off while the test modules import; every test runs with it on
     again, less often, and with what collection made frozen (never walked again)."""
-    assert gc.isenabled() and gc.get_threshold() == conftest.GC_THRESHOLDS
+    assert gc.isenabled() and gc.get_threshold() == collector.THRESHOLDS
     assert gc.get_freeze_count() > 100_000
+
+
+def _collector_state(rank: int, world_size: int) -> tuple[bool, tuple[int, int, int], int]:
+    return gc.isenabled(), gc.get_threshold(), gc.get_freeze_count()
+
+
+def test_a_forked_rank_starts_with_the_servers_modules_frozen_and_the_collector_on() -> None:
+    (enabled, thresholds, frozen), = run_distributed(_collector_state, 1)
+    assert enabled and thresholds == collector.THRESHOLDS and frozen > 100_000

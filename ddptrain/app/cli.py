@@ -18,7 +18,8 @@ from ddptrain.app.said import first_to_say
 from ddptrain.app.settled import record_settled, settled_before
 from ddptrain.config.choices import Launcher
 from ddptrain.config.compose import PRIMARY, Source, compose_config, job_config, typed_config
-from ddptrain.errors import ConfigError, PeerLost, ResourceError, RunEnded, say
+from ddptrain.errors import ConfigError, PeerLost, QuorumLost, ResourceError, RunEnded, say
+from ddptrain.ft.layout import GROUP_AGENT_ENV
 from ddptrain.runtime.allocator import use_expandable_segments
 
 ERROR_GRACE_S = 3.0
@@ -102,6 +103,10 @@ def _run_cli(args: argparse.Namespace) -> int:
     except PeerLost as exc:  # each rank says what it waited in; the launcher names who is at fault
         say(f"ddptrain: {exc}")
         return exc.exit_code
+    except QuorumLost as exc:
+        if GROUP_AGENT_ENV not in os.environ:  # a group with no groups' launcher above it (a pod of its own)
+            say_once(f"ddptrain: {exc}")
+        return exc.exit_code  # else the groups' launcher says whether the run stops, or restarts this group
     except RunEnded as exc:
         say_once(f"ddptrain: {exc}")
         return exc.exit_code

@@ -29,7 +29,7 @@ import torch
 
 from ddptrain.config.choices import FtSync
 from ddptrain.config.schema import Config
-from ddptrain.errors import RunEnded
+from ddptrain.errors import QuorumLost
 from ddptrain.ft.accounting import size_runs, write_ft_json
 from ddptrain.ft.diloco import OuterSync, outer_sync_summary
 from ddptrain.ft.layout import QUORUM_LOST, events_path, run_dir_of_group
@@ -172,7 +172,7 @@ class ReplicaGroup:
             self.manager.start_quorum()
         except Exception as exc:  # the lighthouse's answer never came: no quorum of ft.min_replicas in time
             self._event({"event": QUORUM_LOST, "step": step, "time": time.time()})
-            raise RunEnded(f"replica group {self.group}: no quorum of ft.min_replicas={self.cfg.ft.min_replicas} "
+            raise QuorumLost(f"replica group {self.group}: no quorum of ft.min_replicas={self.cfg.ft.min_replicas} "
                            f"groups within ft.quorum_timeout_s={self.cfg.ft.quorum_timeout_s:g} (lighthouse "
                            f"{self.cfg.ft.lighthouse}: {type(exc).__name__}); stopping", 1) from exc
         now = self.manager.current_step()

@@ -23,14 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# What the ranks of almost every test import; a module missing here is imported by each rank that needs it (the
-# trainer by its module: `ddptrain.train` itself is a light package and preloads nothing of it). pytest: a rank
-# imports the test module that defines its function, which imports pytest (0.12 CPU s a rank); the Llama model:
-# transformers loads it lazily, at a rank's first build_model (0.1 CPU s a rank); torch.distributed.optim: ZeRO-1's
-# optimizer, which a worker imports only for ZeRO-1 (its functional optimizers are TorchScript, compiled at import:
-# 0.3-0.4 CPU s in every rank that trains or loads a ZeRO-1 run).
-PRELOAD = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train.trainer", "tests.helpers.runs",
-           "pytest", "transformers.models.llama.modeling_llama", "torch.distributed.optim"]
+# What the server imports before it forks a rank: the ranks' libraries, with the garbage collector off, then frozen
+# (tests/helpers/rank_server.py says which and why)
+PRELOAD = ["tests.helpers.rank_server"]
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(PRELOAD)
 
