@@ -1754,6 +1754,33 @@ MUTANTS = [
            (("ddptrain/app/sweep.py", "sweep_report.command_of(config), since) if stopped",
              "sweep_report.command_of(config)) if stopped"),),
            ("tests/test_sweep.py", "-k", "used_again")),
+    # stop 63: start-up imports without the cyclic collector; a quorum loss said once
+    Mutant("s63-worker-imports-with-the-collector", "a worker's start-up imports run with the cyclic collector on",
+           (("ddptrain/app/launch.py", "    with imports_without_the_collector():\n        setup_logging(int(",
+             "    if True:\n        setup_logging(int("),),
+           ("tests/test_before_start.py", "-k", "collector")),
+    Mutant("s63-collector-left-off", "the collector stays off after the start-up imports: garbage in cycles is "
+           "never collected while the worker trains",
+           (("ddptrain/runtime/imports.py", "        if was_enabled:\n            gc.enable()",
+             "        pass"),),
+           ("tests/test_before_start.py", "-k", "collector")),
+    Mutant("s63-quorum-loss-said-under-the-launcher", "a group's worker says its quorum loss under the groups' "
+           "launcher too: two lines for one stop",
+           (("ddptrain/app/cli.py", "        if GROUP_AGENT_ENV not in os.environ:  # a group with no",
+             "        if True:  # a group with no"),),
+           ("tests/test_before_start.py", "-k", "quorum_loss")),
+    Mutant("s63-quorum-loss-unsaid-by-a-group-alone", "a group with no launcher above it (a pod of its own) says "
+           "nothing of its quorum loss",
+           (("ddptrain/app/cli.py", "        if GROUP_AGENT_ENV not in os.environ:  # a group with no",
+             "        if False:  # a group with no"),),
+           ("tests/test_before_start.py", "-k", "quorum_loss")),
+    Mutant("s63-quorum-loss-a-plain-end", "a group's worker ends its quorum loss as any other end: says it under "
+           "the groups' launcher too",
+           (("ddptrain/ft/replica.py", "            raise QuorumLost(f\"replica group",
+             "            raise RunEnded(f\"replica group"),
+            ("ddptrain/ft/replica.py", "from ddptrain.errors import QuorumLost\n",
+             "from ddptrain.errors import QuorumLost, RunEnded\n")),
+           ("tests/test_ft_cli.py", "-k", "want_of_a_quorum")),
 ]
 
 def _copy_tree(dest: Path) -> None:
