@@ -1781,6 +1781,62 @@ MUTANTS = [
             ("ddptrain/ft/replica.py", "from ddptrain.errors import QuorumLost\n",
              "from ddptrain.errors import QuorumLost, RunEnded\n")),
            ("tests/test_ft_cli.py", "-k", "want_of_a_quorum")),
+    # stop 63's independent audit (audit63: 30 mutants of this stop's diff, 16 killed; 13 real survivors now killed)
+    Mutant("audit63-launcher-imports-with-the-collector", "the launcher imports torch's elastic agent with the "
+           "collector on",
+           (("ddptrain/app/launch.py",
+             "    with imports_without_the_collector():\n        from torch.distributed.elastic",
+             "    if True:\n        from torch.distributed.elastic"),),
+           ("tests/test_before_start.py", "-k", "collector")),
+    Mutant("audit63-logging-set-up-before-the-block", "a worker's first import of transformers (its logging set-up) "
+           "runs with the collector on",
+           (("ddptrain/app/launch.py", "    with imports_without_the_collector():\n        setup_logging(int(os.environ"
+             ".get(\"RANK\", \"0\")))  # (it quiets transformers, so imports it)\n",
+             "    setup_logging(int(os.environ.get(\"RANK\", \"0\")))\n    with imports_without_the_collector():\n"),),
+           ("tests/test_before_start.py", "-k", "collector")),
+    Mutant("audit63-quorum-loss-exits-1", "a quorum loss exits 1 whatever code it ended with",
+           (("ddptrain/app/cli.py", "        return exc.exit_code  # else the groups' launcher",
+             "        return 1  # else the groups' launcher"),),
+           ("tests/test_before_start.py", "-k", "quorum_loss")),
+    Mutant("audit63-group-mark-by-value", "the groups' launcher's mark read by its value, not its presence (as the "
+           "agent reads it)",
+           (("ddptrain/app/cli.py", "        if GROUP_AGENT_ENV not in os.environ:  # a group with no",
+             "        if os.environ.get(GROUP_AGENT_ENV) != \"1\":  # a group with no"),),
+           ("tests/test_before_start.py", "-k", "quorum_loss")),
+    Mutant("audit63-quorum-loss-a-plain-end", "no quorum in time ends the group as any other end (fast test)",
+           (("ddptrain/ft/replica.py", "            raise QuorumLost(f\"replica group",
+             "            raise RunEnded(f\"replica group"),
+            ("ddptrain/ft/replica.py", "from ddptrain.errors import QuorumLost\n",
+             "from ddptrain.errors import QuorumLost, RunEnded\n")),
+           ("tests/test_ft_replica.py", "-k", "quorum")),
+    Mutant("audit63-quorum-loss-exit-2", "no quorum in time ends the group with exit code 2 (a refusal's)",
+           (("ddptrain/ft/replica.py", 'stopping", 1) from exc', 'stopping", 2) from exc'),),
+           ("tests/test_ft_replica.py", "-k", "quorum")),
+    Mutant("audit63-main-thread-children-only", "the per-test CPU reads the main thread's children only: a child "
+           "started by another thread is missed",
+           (("tests/helpers/timing.py", "    for tid in tids:", "    for tid in [str(pid)]:"),),
+           ("tests/test_suite_tools.py", "-k", "another_thread")),
+    Mutant("audit63-no-psutil-fallback", "without the kernel's children lists no descendant is found",
+           (("tests/helpers/timing.py", "            return None  # a kernel built",
+             "            continue  # a kernel built"),),
+           ("tests/test_suite_tools.py", "-k", "psutil")),
+    Mutant("audit63-depth-first", "descendants listed depth first, not children first",
+           (("tests/helpers/timing.py", "        pid = todo.pop(0)", "        pid = todo.pop()"),),
+           ("tests/test_suite_tools.py", "-k", "grandchild")),
+    Mutant("audit63-freeze-before-collect", "settling freezes before it collects: cycles made with the collector "
+           "off are kept for good",
+           (("tests/helpers/collector.py", "    gc.collect()\n    gc.freeze()", "    gc.freeze()\n    gc.collect()"),),
+           ("tests/test_suite_tools.py", "-k", "settling")),
+    Mutant("audit63-rank-server-imports-with-the-collector", "the rank fork server preloads with the collector on",
+           (("tests/helpers/rank_server.py", "\ngc.disable()\n", "\n"),),
+           ("tests/test_suite_tools.py", "-k", "forked_rank")),
+    Mutant("audit63-collector-on-in-every-session", "the collector is turned on at every session's start, "
+           "collection included",
+           (("tests/conftest.py", 'has_plugin("dsession")', 'has_plugin("xdist")'),),
+           ("tests/test_suite_tools.py", "-k", "collector_on")),
+    Mutant("audit63-frozen-kept-at-the-end", "what was frozen is never unfrozen: the last collection frees none of it",
+           (("tests/conftest.py", "    gc.unfreeze()", "    pass"),),
+           ("tests/test_suite_tools.py", "-k", "walked_again")),
 ]
 
 def _copy_tree(dest: Path) -> None:

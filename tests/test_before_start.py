@@ -507,8 +507,11 @@ def test_a_quorum_loss_is_left_to_the_groups_launcher_and_said_by_a_group_alone(
     from ddptrain.errors import QuorumLost
     from ddptrain.ft.layout import GROUP_AGENT_ENV
 
+    code = [1]
+
     def no_quorum(run: Any, device: Any = None) -> None:
-        raise QuorumLost("replica group 1: no quorum of ft.min_replicas=2 groups within ft.quorum_timeout_s=5", 1)
+        raise QuorumLost("replica group 1: no quorum of ft.min_replicas=2 groups within ft.quorum_timeout_s=5",
+                         code[0])
 
     monkeypatch.setattr(launch, "run_worker", no_quorum)
     monkeypatch.setattr("ddptrain.ft.extra.require_torchft", lambda groups: None)
@@ -518,9 +521,13 @@ def test_a_quorum_loss_is_left_to_the_groups_launcher_and_said_by_a_group_alone(
     assert run_cli([*QUICK, *group]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == ("ddptrain: replica group 1: no quorum of ft.min_replicas=2 "
                                                          "groups within ft.quorum_timeout_s=5")
-    monkeypatch.setenv(GROUP_AGENT_ENV, "1")
-    assert run_cli([*QUICK, *group]) == 1
-    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
+    code[0] = 3  # the end's own exit code, whoever says the line
+    assert run_cli([*QUICK, *group]) == 3
+    capsys.readouterr()
+    for mark in ("1", ""):  # the launcher's mark is its presence, as the agent reads it (app/launch.py)
+        monkeypatch.setenv(GROUP_AGENT_ENV, mark)
+        assert run_cli([*QUICK, *group]) == 3
+        assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
 
 
 def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_to_build_and_train(
@@ -546,10 +553,36 @@ def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_
         building.append(gc.isenabled())
         raise ConfigError("built no further")
 
+    logging_set_up: list[bool] = []
+    setup_logging = launch.setup_logging
+
+    def logging_recorded(*args: Any, **kwargs: Any) -> None:  # its first call imports transformers
+        logging_set_up.append(gc.isenabled())
+        setup_logging(*args, **kwargs)
+
     monkeypatch.setattr(launch, "imports_without_the_collector", recorded)
+    monkeypatch.setattr(launch, "setup_logging", logging_recorded)
     monkeypatch.setattr(trainer.Trainer, "__init__", build)
     assert str(worker_in_process(tmp_path, monkeypatch, [])) == "built no further"
-    assert (during, building) == ([False], [True])
+    assert (during, building, logging_set_up[0]) == ([False], [True], False)
+
+
+def test_the_launchers_imports_of_torchs_agent_run_without_the_collector(launcher: list[Any],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddptrain.app import launch
+
+    during: list[bool] = []
+    real = launch.imports_without_the_collector
+
+    @contextlib.contextmanager
+    def recorded() -> Iterator[None]:
+        with real():
+            during.append(gc.isenabled())
+            yield
+
+    monkeypatch.setattr(launch, "imports_without_the_collector", recorded)
+    assert run_cli([*QUICK, "hydra.run.dir=plain"]) == 0
+    assert during == [False] and len(launcher) == 1 and gc.isenabled()
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])

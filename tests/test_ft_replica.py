@@ -312,3 +312,22 @@ def test_the_loop_takes_a_step_not_committed_again_unapplied_and_books_a_heal_as
     assert run["recovery_s"] == pytest.approx(0.5, abs=1e-6)
     # goodput.json: the heal brought this attempt to the peers' step 4, and it continued after it to step 6
     assert run["attempt_steps"] == (4, 6)
+
+
+def test_no_quorum_in_time_ends_the_group_as_a_quorum_loss_recorded_in_its_events(
+        group: Callable[..., ReplicaGroup], tmp_path: Path) -> None:
+    """The lighthouse's answer never came: the group records the loss (the launcher reads it from the events) and
+    ends with a QuorumLost, which the groups' launcher says, not the worker (app/cli.py)."""
+    from ddptrain.errors import QuorumLost
+
+    g = group("ft.min_replicas=2", "ft.quorum_timeout_s=5")
+
+    def no_answer() -> None:
+        raise TimeoutError("no quorum")
+
+    g.manager.start_quorum = no_answer  # type: ignore[method-assign]
+    with pytest.raises(QuorumLost, match=r"^replica group 1: no quorum of ft.min_replicas=2 groups within "
+                                         r"ft.quorum_timeout_s=5 ") as ended:
+        g.begin(4)
+    assert ended.value.exit_code == 1
+    assert [e["step"] for e in _events(tmp_path) if e["event"] == "quorum_lost"] == [4]

@@ -10,9 +10,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -134,26 +138,82 @@ def test_cpu_of_the_process_tree_counts_a_child_that_computes() -> None:
     assert timing.tree_cpu_s() - before >= 0.45
 
 
+def _middle(burn_s: float) -> subprocess.Popen[str]:
+    """A child whose own child computes ``burn_s`` CPU seconds, says so, and sleeps."""
+    grandchild = (f"import time\nend = time.process_time() + {burn_s}\nwhile time.process_time() < end:\n    pass\n"
+                  "print('burnt', flush=True)\ntime.sleep(30)")
+    return subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                                                   f"{grandchild!r}])"], stdout=subprocess.PIPE, text=True)
+
+
+def _end(*procs: subprocess.Popen[str]) -> None:
+    for proc in procs:
+        for descendant in psutil.Process(proc.pid).children(recursive=True):
+            descendant.kill()
+        proc.kill()
+        proc.wait()
+
+
 def test_cpu_of_the_process_tree_counts_a_live_grandchild_that_computes() -> None:
     """A descendant still running when the figure is read (a rank forked by a server the test started) counts
-    with what it computed so far: it is found through its parent, not by its parent's counters."""
-    burn = ("import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass\n"
-            "print('burnt', flush=True)\ntime.sleep(30)")
+    with what it computed so far: it is found through its parent, not by its parent's counters. Children come
+    before grandchildren."""
     before = timing.tree_cpu_s()
-    middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
-                                                   f"{burn!r}])"], stdout=subprocess.PIPE, text=True)
+    middles = [_middle(0.5), _middle(0.0)]
     try:
-        assert middle.stdout is not None and middle.stdout.readline().strip() == "burnt"
-        (grandchild,) = psutil.Process(middle.pid).children()
+        for middle in middles:
+            assert middle.stdout is not None and middle.stdout.readline().strip() == "burnt"
+        grandchildren = [psutil.Process(m.pid).children()[0].pid for m in middles]
         found = timing.live_descendants()  # (under pytest-xdist, the worker's fork server is one too)
-        assert {middle.pid, grandchild.pid} <= set(found) and found.index(middle.pid) < found.index(grandchild.pid)
+        assert {m.pid for m in middles} | set(grandchildren) <= set(found)
+        assert max(found.index(m.pid) for m in middles) < min(map(found.index, grandchildren))
         assert sorted(found) == sorted(p.pid for p in psutil.Process().children(recursive=True))
         assert timing.tree_cpu_s() - before >= 0.45
     finally:
-        for proc in psutil.Process(middle.pid).children(recursive=True):
-            proc.kill()
-        middle.kill()
-        middle.wait()
+        _end(*middles)
+
+
+def test_a_child_started_by_another_thread_is_found_while_that_thread_runs() -> None:
+    """The kernel lists a child under the thread that started it (a Popen in a helper thread, a rank started by
+    a pool's thread): every thread's list is read, not the main thread's alone."""
+    started: list[subprocess.Popen[str]] = []
+    done = threading.Event()
+
+    def start() -> None:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], text=True))
+        done.wait(60)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    try:
+        while not started:
+            time.sleep(0.01)
+        assert started[0].pid in timing.live_descendants()
+    finally:
+        done.set()
+        thread.join()
+        _end(*started)
+
+
+def test_without_the_kernels_children_lists_the_descendants_are_read_through_psutil(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel built without ``CONFIG_PROC_CHILDREN`` has no children files: every descendant is still found."""
+    real_open = open
+
+    def no_children_file(path: str, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("/children"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    middle = _middle(0.0)
+    try:
+        assert middle.stdout is not None and middle.stdout.readline().strip() == "burnt"
+        monkeypatch.setattr(timing, "open", no_children_file, raising=False)
+        assert timing.children_of(os.getpid()) is None
+        found = timing.live_descendants()
+        assert middle.pid in found and psutil.Process(middle.pid).children()[0].pid in found
+    finally:
+        _end(middle)
 
 
 @pytest.mark.parametrize(("argv", "cli"), [
@@ -469,17 +529,51 @@ def test_the_seconds_table_renews_the_files_a_run_measured_and_keeps_the_others(
                                 "tests/c.py::slow": 30.0}}
 
 
+IMPORTED_WITH_THE_COLLECTOR_ON = gc.isenabled()  # this module's import, in the collection
+
+
 def test_a_test_runs_with_the_collector_on_and_the_collected_objects_frozen() -> None:
     """conftest.py turns Python's cyclic collector off while the test modules import; every test runs with it on
     again, less often, and with what collection made frozen (never walked again)."""
+    assert not IMPORTED_WITH_THE_COLLECTOR_ON
     assert gc.isenabled() and gc.get_threshold() == collector.THRESHOLDS
     assert gc.get_freeze_count() > 100_000
 
 
-def _collector_state(rank: int, world_size: int) -> tuple[bool, tuple[int, int, int], int]:
-    return gc.isenabled(), gc.get_threshold(), gc.get_freeze_count()
+def test_settling_frees_the_cycles_made_while_the_collector_was_off_before_it_freezes() -> None:
+    class Node:
+        pass
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        cycle = Node()
+        cycle.self = cycle  # type: ignore[attr-defined]
+        ref = weakref.ref(cycle)
+        del cycle
+        collector.settle()
+        assert ref() is None and gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_the_frozen_objects_are_walked_again_at_the_end() -> None:
+    """``pytest_unconfigure`` unfreezes them, so that the interpreter's last collection frees what they hold."""
+    import tests.conftest as conftest
+
+    frozen = gc.get_freeze_count()
+    try:
+        conftest.pytest_unconfigure(pytest.Config.__new__(pytest.Config))
+        assert frozen > 0 and gc.get_freeze_count() == 0
+    finally:
+        gc.freeze()
+
+
+def _collector_state(rank: int, world_size: int) -> tuple[bool, tuple[int, int, int], int, int]:
+    return gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), gc.get_stats()[2]["collections"]
 
 
 def test_a_forked_rank_starts_with_the_servers_modules_frozen_and_the_collector_on() -> None:
-    (enabled, thresholds, frozen), = run_distributed(_collector_state, 1)
-    assert enabled and thresholds == collector.THRESHOLDS and frozen > 100_000
+    """The server preloaded with the collector off (one full collection since: the one before the freeze)."""
+    (enabled, thresholds, frozen, full_collections), = run_distributed(_collector_state, 1)
+    assert enabled and thresholds == collector.THRESHOLDS and frozen > 100_000 and full_collections <= 2

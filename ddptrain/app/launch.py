@@ -9,7 +9,6 @@ import signal
 import socket
 import sys
 import time
-from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +232,6 @@ def run_worker(run: Run, device: torch.device | None = None) -> dict[str, Any]:
         from ddptrain.runtime.process_group import distributed, shared_run_dir
         from ddptrain.runtime.topology import check_shared_run_dir
         from ddptrain.train.trainer import Trainer
-        import_module("ddptrain.models.build")  # what the trainer builds the model with (transformers' modeling)
 
     with distributed(typed.dist, cpu_collectives=typed.parallel.cpu_offload, device=device) as (env, device):
         if typed.data.micro_batch_size == AUTO:  # resolved once, to an int, before anything is built
