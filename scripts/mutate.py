@@ -1837,6 +1837,15 @@ MUTANTS = [
     Mutant("audit63-frozen-kept-at-the-end", "what was frozen is never unfrozen: the last collection frees none of it",
            (("tests/conftest.py", "    gc.unfreeze()", "    pass"),),
            ("tests/test_suite_tools.py", "-k", "walked_again")),
+    Mutant("s63-workers-tear-down", "an xdist worker tears down as Python does after its last test (6.5 s at the end "
+           "of the fast tier)",
+           (("tests/conftest.py", "    if not _WORKER_DONE:\n        return\n", "    return\n"),),
+           ("tests/test_suite_tools.py", "-k", "ends_after_every_exit_handler")),
+    Mutant("s63-every-process-ends-at-once", "every test process ends without teardown, with exit status 0: a run "
+           "without xdist passes whatever failed",
+           (("tests/conftest.py", "    if hasattr(config, \"workerinput\"):\n        _WORKER_DONE.append(True)\n"
+             "    else:\n        gc.unfreeze()", "    _WORKER_DONE.append(True)\n    gc.unfreeze()"),),
+           ("tests/test_suite_tools.py", "-k", "ends_after_every_exit_handler")),
 ]
 
 def _copy_tree(dest: Path) -> None:

@@ -577,3 +577,53 @@ def test_a_forked_rank_starts_with_the_servers_modules_frozen_and_the_collector_
     """The server preloaded with the collector off (one full collection since: the one before the freeze)."""
     (enabled, thresholds, frozen, full_collections), = run_distributed(_collector_state, 1)
     assert enabled and thresholds == collector.THRESHOLDS and frozen > 100_000 and full_collections <= 2
+
+
+ENDS = """
+import atexit, os
+
+
+class TornDown:
+    def __init__(self):
+        self.line = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} torn down\\n"
+        self.path = os.environ["MARKS"]
+
+    def __del__(self, open=open):  # the builtins may be gone by then
+        with open(self.path, "a") as marks:
+            marks.write(self.line)
+
+
+KEPT = TornDown()  # freed by the interpreter's teardown of this module, if it has one
+
+
+def test_registers_a_librarys_exit_handler():
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    atexit.register(lambda: open(os.environ["MARKS"], "a").write(f"{worker} exit handler ran\\n"))
+
+
+def test_fails():
+    assert False, "a failure stays a failure"
+"""
+
+
+@pytest.mark.slow  # three pytest processes, each loading the suite's plugins
+@pytest.mark.parametrize("workers", ["2", "0"])
+def test_an_xdist_worker_ends_after_every_exit_handler_without_the_teardown_and_a_failure_still_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: str
+) -> None:
+    """conftest.py's ``_end_a_worker``: under xdist each worker runs the exit handlers its tests' libraries
+    registered and ends without the interpreter's teardown (nothing of it is freed); the run's verdict is the
+    reports' (a failure fails it). Without xdist the process tears down as Python does."""
+    marks = pytester.path / "marks.txt"
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("MARKS", str(marks))
+    pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
+    pytester.makepyfile(test_ends=ENDS)
+    quiet = [arg for name in ("hydra_pytest", "anyio", "platformdirs") for arg in ("-p", f"no:{name}")]
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *quiet, "-n", workers)
+    result.assert_outcomes(passed=1, failed=1)
+    assert result.ret == 1
+    lines = marks.read_text().splitlines()
+    assert any(line.endswith(" exit handler ran") for line in lines), lines
+    torn_down = [line for line in lines if line.endswith(" torn down")]
+    assert torn_down == ([] if workers == "2" else ["main torn down"]), lines
