@@ -1868,7 +1868,9 @@ def _pytest(tree: Path, tests: tuple[str, ...], timeout: int) -> tuple[int, str]
     except subprocess.TimeoutExpired:
         return -1, "timed out"
     failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return done.returncode, (failed[0] if failed else done.stdout.strip().splitlines()[-1] if done.stdout else "")
+    # a failure reported with exit status 0 (a mutant that forces the status, as s63-every-process-ends-at-once)
+    code = done.returncode or (1 if failed else 0)
+    return code, (failed[0] if failed else done.stdout.strip().splitlines()[-1] if done.stdout else "")
 
 
 def _apply(tree: Path, mutant: Mutant) -> dict[Path, str] | None:
