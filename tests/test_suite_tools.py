@@ -615,6 +615,8 @@ def test_an_xdist_worker_ends_after_every_exit_handler_without_the_teardown_and_
     registered and ends without the interpreter's teardown (nothing of it is freed); the run's verdict is the
     reports' (a failure fails it). Without xdist the process tears down as Python does."""
     marks = pytester.path / "marks.txt"
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):  # this test's own
+        monkeypatch.delenv(name, raising=False)  # worker's, when the suite runs under xdist
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.setenv("MARKS", str(marks))
     pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
