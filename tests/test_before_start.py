@@ -530,13 +530,9 @@ def test_a_quorum_loss_is_left_to_the_groups_launcher_and_said_by_a_group_alone(
         assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddptrain:")]
 
 
-def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_to_build_and_train(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The worker's imports (torch, the trainer, transformers' model classes) run with Python's cyclic collector
-    off (``runtime/imports.py``); the trainer is built, and trains, with it on."""
+def collector_in_the_import_block(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether the collector was on, each time ``app/launch.py`` entered its start-up import block."""
     from ddptrain.app import launch
-    from ddptrain.train import trainer
 
     during: list[bool] = []
     real = launch.imports_without_the_collector
@@ -547,6 +543,19 @@ def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_
             during.append(gc.isenabled())
             yield
 
+    monkeypatch.setattr(launch, "imports_without_the_collector", recorded)
+    return during
+
+
+def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_to_build_and_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's imports (torch, the trainer, transformers' model classes) run with Python's cyclic collector
+    off (``runtime/imports.py``); the trainer is built, and trains, with it on."""
+    from ddptrain.app import launch
+    from ddptrain.train import trainer
+
+    during = collector_in_the_import_block(monkeypatch)
     building: list[bool] = []
 
     def build(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -560,7 +569,6 @@ def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_
         logging_set_up.append(gc.isenabled())
         setup_logging(*args, **kwargs)
 
-    monkeypatch.setattr(launch, "imports_without_the_collector", recorded)
     monkeypatch.setattr(launch, "setup_logging", logging_recorded)
     monkeypatch.setattr(trainer.Trainer, "__init__", build)
     assert str(worker_in_process(tmp_path, monkeypatch, [])) == "built no further"
@@ -569,18 +577,7 @@ def test_a_workers_start_up_imports_run_without_the_collector_which_is_on_again_
 
 def test_the_launchers_imports_of_torchs_agent_run_without_the_collector(launcher: list[Any],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddptrain.app import launch
-
-    during: list[bool] = []
-    real = launch.imports_without_the_collector
-
-    @contextlib.contextmanager
-    def recorded() -> Iterator[None]:
-        with real():
-            during.append(gc.isenabled())
-            yield
-
-    monkeypatch.setattr(launch, "imports_without_the_collector", recorded)
+    during = collector_in_the_import_block(monkeypatch)
     assert run_cli([*QUICK, "hydra.run.dir=plain"]) == 0
     assert during == [False] and len(launcher) == 1 and gc.isenabled()
 
