@@ -1828,7 +1828,7 @@ MUTANTS = [
            (("tests/helpers/collector.py", "    gc.collect()\n    gc.freeze()", "    gc.freeze()\n    gc.collect()"),),
            ("tests/test_suite_tools.py", "-k", "settling")),
     Mutant("audit63-rank-server-imports-with-the-collector", "the rank fork server preloads with the collector on",
-           (("tests/helpers/rank_server.py", "\ngc.disable()\n", "\n"),),
+           (("tests/helpers/rank_server.py", "with imports_without_the_collector():", "if True:"),),
            ("tests/test_suite_tools.py", "-k", "forked_rank")),
     Mutant("audit63-collector-on-in-every-session", "the collector is turned on at every session's start, "
            "collection included",
@@ -1839,12 +1839,12 @@ MUTANTS = [
            ("tests/test_suite_tools.py", "-k", "walked_again")),
     Mutant("s63-workers-tear-down", "an xdist worker tears down as Python does after its last test (6.5 s at the end "
            "of the fast tier)",
-           (("tests/conftest.py", "    if not _WORKER_DONE:\n        return\n", "    return\n"),),
+           (("tests/conftest.py", "    if _WORKER_EXIT:\n", "    if False:\n"),),
            ("tests/test_suite_tools.py", "-k", "ends_after_every_exit_handler")),
     Mutant("s63-every-process-ends-at-once", "every test process ends without teardown, with exit status 0: a run "
            "without xdist passes whatever failed",
-           (("tests/conftest.py", "    if hasattr(config, \"workerinput\"):\n        _WORKER_DONE.append(True)\n"
-             "    else:\n        gc.unfreeze()", "    _WORKER_DONE.append(True)\n    gc.unfreeze()"),),
+           (("tests/conftest.py", "    if hasattr(config, \"workerinput\"):\n        _WORKER_EXIT.append(0)\n"
+             "    else:\n        gc.unfreeze()", "    _WORKER_EXIT.append(0)\n    gc.unfreeze()"),),
            ("tests/test_suite_tools.py", "-k", "ends_after_every_exit_handler")),
 ]
 

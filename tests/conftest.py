@@ -4,9 +4,7 @@ skip, and the fixtures many tests share."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
-import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -70,31 +68,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     without xdist, xdist's controller) tears down as Python does, with what was frozen walked again, so that its
     last collection frees it (a binding library counts what is left at exit as leaked, and says so)."""
     if hasattr(config, "workerinput"):
-        _WORKER_DONE.append(True)
+        _WORKER_EXIT.append(0)
     else:
         gc.unfreeze()
 
 
-_WORKER_DONE: list[bool] = []
+_WORKER_EXIT: list[int] = []  # a pytest-xdist worker's exit status, once it has sent its end to the controller
 
 
 def _end_a_worker() -> None:
-    """A pytest-xdist worker's last exit handler: the process ends without the interpreter's teardown.
+    """A pytest-xdist worker's last exit handler: the process ends without the interpreter's teardown, through the
+    product's own ``app/cli.py`` ``end_without_teardown`` (imported here, at exit: the tests loaded it long before).
 
     By the time the worker exits it has sent every report, and its end (``workerfinished``), to the controller,
     which judges the run from those reports, never from a worker's exit status (0 either way). What is left is the
     teardown, which freed everything the worker's tests kept (models, traces, in-process process groups) and walked
     it in a last collection: 6.5 s after the fast tier's last test (1.8 without that collection; under 1 s for a
     short selection). Registered at this module's import, it runs after the exit handlers of every library a test
-    imported (multiprocessing's servers, torch's compile workers, W&B), as the product's own workers end
-    (``app/cli.py``'s ``end_without_teardown``)."""
-    if not _WORKER_DONE:
-        return
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(0)
+    imported (multiprocessing's servers, torch's compile workers, W&B)."""
+    if _WORKER_EXIT:
+        from ddptrain.app.cli import end_without_teardown
+
+        end_without_teardown(_WORKER_EXIT)
 
 
 atexit.register(_end_a_worker)

@@ -11,15 +11,15 @@ import: 0.3-0.4 CPU s in every rank that trains or loads a ZeRO-1 run).
 
 from __future__ import annotations
 
-import gc
 from importlib import import_module
 
+from ddptrain.runtime.imports import imports_without_the_collector
 from tests.helpers import collector
 
 MODULES = ["torch", "torch.distributed", "transformers", "datasets", "ddptrain.train.trainer", "tests.helpers.runs",
            "pytest", "transformers.models.llama.modeling_llama", "torch.distributed.optim"]
 
-gc.disable()
-for _name in MODULES:
-    import_module(_name)
+with imports_without_the_collector():
+    for _name in MODULES:
+        import_module(_name)
 collector.settle()
